@@ -1,0 +1,34 @@
+"""The FastAPI application: its lifespan owns the Kafka producer and the Redis pool."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from ingress.errors import install_error_handlers
+from ingress.routes import router
+from ingress.state import IngressState
+from laneway.settings import IngressSettings
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: IngressSettings) -> FastAPI:
+    """An ingress app for ``settings``; clients start and stop with the app's lifespan."""
+    state = IngressState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
+    app.state.laneway = state
+    install_error_handlers(app)
+    app.include_router(router)
+    return app

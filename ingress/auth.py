@@ -1,0 +1,68 @@
+"""Who is calling: bearer key → team, team → record, both cached briefly in-process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import redis.asyncio as aioredis
+
+from laneway.apikeys import lookup_team
+from laneway.constants import API_KEY_CACHE_S, RedisKeys
+from laneway.errors import Unauthorized
+from quota.teams import Team, get_team
+
+__all__ = ["Caller", "CallerResolver"]
+
+V = TypeVar("V")
+
+
+class _TtlCache(Generic[V]):
+    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._data: dict[str, tuple[float, V]] = {}
+
+    def get(self, key: str) -> V | None:
+        hit = self._data.get(key)
+        if hit is None or hit[0] < time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, key: str, value: V) -> None:
+        if len(self._data) >= self.max_entries:
+            self._data.clear()
+        self._data[key] = (time.monotonic() + self.ttl_s, value)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    team: Team
+    key_hint: str  # last characters of the key, for logs
+
+
+class CallerResolver:
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._teams_by_key: _TtlCache[str] = _TtlCache(API_KEY_CACHE_S)
+        self._teams: _TtlCache[Team] = _TtlCache(API_KEY_CACHE_S)
+
+    async def resolve(self, authorization: str | None) -> Caller:
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise Unauthorized("missing 'Authorization: Bearer <key>' header")
+        key = authorization[7:].strip()
+        team_name = self._teams_by_key.get(key)
+        if team_name is None:
+            team_name = await lookup_team(self.redis, self.keys, key)
+            if team_name is None:
+                raise Unauthorized(
+                    "unknown API key (create one with `laneway keys create --team T`)"
+                )
+            self._teams_by_key.put(key, team_name)
+        team = self._teams.get(team_name)
+        if team is None:
+            team = await get_team(self.redis, self.keys, team_name)
+            self._teams.put(team_name, team)
+        return Caller(team=team, key_hint=key[-4:])

@@ -1,0 +1,136 @@
+"""Replies from workers: one Redis stream per ingress instance, demultiplexed in-process.
+
+A single reader task blocks on the stream (``XREAD BLOCK``) and hands each message to the
+waiting request's channel, so a request costs no Redis call of its own while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from laneway.constants import REPLY_STREAM_TTL_S
+from laneway.errors import MalformedMessage
+from laneway.schema import Reply, decode
+
+__all__ = ["ReplyChannel", "ReplyRouter"]
+
+log = logging.getLogger(__name__)
+
+
+class ReplyChannel:
+    """The replies of one request, in order, repeats dropped.
+
+    A worker that crashed mid-request is replaced and runs it again from the start;
+    chunk numbers ``n`` let the channel drop what the client has already received.
+    """
+
+    def __init__(self, request_id: str, team: str) -> None:
+        self.request_id = request_id
+        self.team = team
+        self._queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._next = 0
+
+    def feed(self, reply: Reply) -> None:
+        if reply.n < self._next and not reply.done:
+            return
+        if reply.done and reply.n < self._next:
+            # A re-run's final message: keep only the text the client has not seen.
+            reply = reply.model_copy(update={"text": "", "n": self._next})
+        self._next = reply.n + 1
+        self._queue.put_nowait(reply)
+
+    async def get(self, wait_s: float) -> Reply:
+        return await asyncio.wait_for(self._queue.get(), wait_s)
+
+
+class ReplyRouter:
+    """Reads this instance's reply stream and routes messages to open channels."""
+
+    def __init__(self, redis: aioredis.Redis, stream: str, *, block_ms: int = 1000) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.block_ms = block_ms
+        self._channels: dict[str, ReplyChannel] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.healthy = False
+
+    def open(self, request_id: str, team: str) -> ReplyChannel:
+        channel = ReplyChannel(request_id, team)
+        self._channels[request_id] = channel
+        return channel
+
+    def close(self, request_id: str) -> None:
+        self._channels.pop(request_id, None)
+
+    def owner(self, request_id: str) -> str | None:
+        """The team of a request waiting here, or None when this instance does not hold it."""
+        channel = self._channels.get(request_id)
+        return channel.team if channel is not None else None
+
+    @property
+    def open_channels(self) -> int:
+        return len(self._channels)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._read_loop(), name="reply-router")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _read_loop(self) -> None:
+        last_id = b"$"
+        backoff = 0.1
+        refreshed = 0.0
+        while True:
+            try:
+                if last_id == b"$":
+                    # Start after what is there now; remember the position from then on.
+                    info = (
+                        await self.redis.xinfo_stream(self.stream)
+                        if await self.redis.exists(self.stream)
+                        else None
+                    )
+                    last_id = info["last-generated-id"] if info else b"0-0"
+                now = time.monotonic()
+                if now - refreshed > REPLY_STREAM_TTL_S / 10:
+                    await self.redis.expire(self.stream, REPLY_STREAM_TTL_S)
+                    refreshed = now
+                response: Any = await self.redis.xread(
+                    {self.stream: last_id}, block=self.block_ms, count=1000
+                )
+                self.healthy = True
+                backoff = 0.1
+            except RedisError as exc:
+                self.healthy = False
+                log.warning(
+                    "reply stream %s unreadable (%s); retrying in %.1fs", self.stream, exc, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _stream, messages in response:
+                for message_id, fields in messages:
+                    last_id = message_id
+                    self._dispatch(fields.get(b"d"))
+
+    def _dispatch(self, raw: bytes | None) -> None:
+        try:
+            reply = decode(Reply, raw)
+        except MalformedMessage as exc:
+            log.warning("skipped reply on %s: %s", self.stream, exc)
+            return
+        channel = self._channels.get(reply.id)
+        if channel is not None:
+            channel.feed(reply)

@@ -1,0 +1,258 @@
+"""The HTTP endpoints: OpenAI's completions, chat, models, plus cancel and health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from aiokafka.errors import KafkaError
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response, StreamingResponse
+
+from ingress import metrics
+from ingress.openai_api import ChatRequest, CompletionRequest, parse_body
+from ingress.replies import ReplyChannel
+from ingress.responses import (
+    DONE,
+    JSONResponse,
+    error_body,
+    final_body,
+    sse,
+    stream_chunk,
+    usage_body,
+)
+from ingress.state import IngressState
+from laneway.errors import (
+    Cancelled,
+    Dropped,
+    EngineError,
+    Expired,
+    LanewayError,
+    NotFound,
+    ServiceUnavailable,
+    Superseded,
+)
+from laneway.schema import Reply, RequestEnvelope
+
+__all__ = ["router"]
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+B = TypeVar("B", CompletionRequest, ChatRequest)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the reply was complete."""
+
+
+def _state(request: Request) -> IngressState:
+    state: IngressState = request.app.state.laneway
+    return state
+
+
+def _reply_error(reply: Reply) -> LanewayError:
+    message = reply.error or reply.status or "request failed"
+    if reply.status == "expired":
+        return Expired(message)
+    if reply.status == "cancelled":
+        return Cancelled(message)
+    if reply.status == "superseded":
+        return Superseded(message)
+    if reply.status in ("aborted", "rejected"):
+        return Dropped(message)
+    return EngineError(message)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _next_reply(
+    state: IngressState, channel: ReplyChannel, disconnect: asyncio.Future[None]
+) -> Reply:
+    get = asyncio.ensure_future(channel.get(state.settings.reply_timeout_s))
+    waiting: set[asyncio.Future[Any]] = {get, disconnect}
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    if get not in done:
+        get.cancel()
+        raise _ClientGone
+    try:
+        return get.result()
+    except TimeoutError:
+        raise Expired(
+            f"no reply within {state.settings.reply_timeout_s}s (LANEWAY_REPLY_TIMEOUT_S)"
+        ) from None
+
+
+async def _serve(request: Request, model: type[B]) -> Response:
+    state = _state(request)
+    caller = await state.callers.resolve(request.headers.get("authorization"))
+    body = parse_body(model, await request.body())
+    env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
+    channel = state.replies.open(env.id, env.team)
+    disconnect = asyncio.ensure_future(_wait_disconnect(request))
+    handed_over = False
+    try:
+        try:
+            await state.admission.produce(env)
+        except KafkaError as exc:
+            raise ServiceUnavailable(
+                f"Kafka did not accept the request ({exc}); retry shortly"
+            ) from exc
+        first = await _next_reply(state, channel, disconnect)
+        if not body.stream:
+            return (
+                _finish_json(env, first)
+                if first.done
+                else await _collect(state, env, channel, disconnect, first)
+            )
+        if first.done and first.status != "ok":
+            raise _reply_error(first)
+        handed_over = True
+        return StreamingResponse(
+            _stream(state, env, channel, disconnect, first, include_usage=body.include_usage),
+            media_type="text/event-stream",
+            headers={"x-laneway-request-id": env.id, "cache-control": "no-cache"},
+        )
+    except _ClientGone:
+        state.client_gone(env)
+        return Response(status_code=499)
+    except Expired:
+        state.publish_cancel(env, reason="disconnect")
+        raise
+    finally:
+        if not handed_over:
+            disconnect.cancel()
+            state.replies.close(env.id)
+
+
+def _finish_json(env: RequestEnvelope, reply: Reply, text: str | None = None) -> Response:
+    if reply.status != "ok":
+        raise _reply_error(reply)
+    body = final_body(env, reply.text if text is None else text, reply)
+    return JSONResponse(
+        body, headers={"x-laneway-request-id": env.id, "x-laneway-route": reply.route or env.route}
+    )
+
+
+async def _collect(
+    state: IngressState,
+    env: RequestEnvelope,
+    channel: ReplyChannel,
+    disconnect: asyncio.Future[None],
+    first: Reply,
+) -> Response:
+    parts = [first.text]
+    reply = first
+    while not reply.done:
+        reply = await _next_reply(state, channel, disconnect)
+        parts.append(reply.text)
+    return _finish_json(env, reply, "".join(parts))
+
+
+async def _stream(
+    state: IngressState,
+    env: RequestEnvelope,
+    channel: ReplyChannel,
+    disconnect: asyncio.Future[None],
+    first: Reply,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    finished = False
+    reply = first
+    try:
+        role = env.kind == "chat"
+        while True:
+            if reply.text or role:
+                yield stream_chunk(env, text=reply.text, role=role)
+                role = False
+            if reply.done:
+                if reply.status == "ok":
+                    yield stream_chunk(env, finish_reason=reply.finish_reason)
+                    if include_usage:
+                        yield stream_chunk(env, usage=usage_body(reply))
+                else:
+                    err = _reply_error(reply)
+                    yield sse(error_body(str(err), type_="server_error", code=reply.status))
+                yield DONE
+                finished = True
+                return
+            reply = await _next_reply(state, channel, disconnect)
+    except _ClientGone:
+        return
+    except Expired as exc:
+        yield sse(error_body(str(exc), type_="timeout", code="deadline_exceeded"))
+        yield DONE
+    finally:
+        disconnect.cancel()
+        state.replies.close(env.id)
+        if not finished:
+            state.client_gone(env)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(request, CompletionRequest)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, ChatRequest)
+
+
+@router.delete("/v1/requests/{request_id}")
+async def cancel_request(request_id: str, request: Request) -> Response:
+    """Cancel a request of the caller's team; another team's request is 'not found'."""
+    state = _state(request)
+    caller = await state.callers.resolve(request.headers.get("authorization"))
+    owner = state.replies.owner(request_id)
+    if owner is not None and owner != caller.team.name:
+        raise NotFound(
+            f"no request {request_id!r} of team {caller.team.name!r}", param="request_id"
+        )
+    await state.send_cancel(request_id, caller.team.name, reason="api")
+    # Held here: known to be live. Held by another replica: the worker checks the team.
+    body = {
+        "id": request_id,
+        "object": "request.cancel",
+        "status": "cancelled" if owner else "requested",
+    }
+    return JSONResponse(body, status_code=200 if owner else 202)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    await state.callers.resolve(request.headers.get("authorization"))
+    created = int(state.started_at)
+    data = [
+        {"id": m, "object": "model", "created": created, "owned_by": "laneway"}
+        for m in state.settings.models
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    checks = await _state(request).readiness()
+    ready = all(c["ok"] for c in checks.values())
+    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    metrics.OPEN_REQUESTS.set(_state(request).replies.open_channels)
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,104 @@
+"""What one ingress instance holds for its lifetime: clients, caches and the reply router."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from ingress import metrics
+from ingress.admission import Admission
+from ingress.auth import CallerResolver
+from ingress.replies import ReplyRouter
+from laneway.clients import make_producer, make_redis
+from laneway.constants import HEARTBEAT_TTL_S, POOLS
+from laneway.schema import CancelRecord, RequestEnvelope
+from laneway.settings import IngressSettings
+
+__all__ = ["IngressState"]
+
+log = logging.getLogger(__name__)
+
+
+class IngressState:
+    def __init__(self, settings: IngressSettings) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self.keys = settings.keys
+        self.reply_stream = self.keys.reply_stream(settings.instance_id)
+        self.redis: aioredis.Redis = make_redis(settings)
+        self.producer: AIOKafkaProducer = make_producer(settings)
+        self.replies = ReplyRouter(self.redis, self.reply_stream)
+        self.callers = CallerResolver(self.redis, self.keys)
+        self.admission = Admission(settings, self.producer)
+        self.started_at = time.time()
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await self.replies.start()
+
+    async def stop(self) -> None:
+        await self.replies.stop()
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
+        await self.producer.stop()
+        await self.redis.aclose()
+
+    async def send_cancel(self, request_id: str, team: str, *, reason: str) -> None:
+        record = CancelRecord(
+            id=request_id, team=team, reason="api" if reason == "api" else "disconnect"
+        )
+        await self.producer.send_and_wait(
+            self.topics.cancel, record.to_json(), key=request_id.encode()
+        )
+
+    def publish_cancel(self, env: RequestEnvelope, *, reason: str) -> None:
+        """Fire-and-forget cancel from a handler that is itself being torn down."""
+        task = asyncio.create_task(self._cancel_quietly(env, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_quietly(self, env: RequestEnvelope, reason: str) -> None:
+        try:
+            await self.send_cancel(env.id, env.team, reason=reason)
+        except KafkaError as exc:
+            log.warning("cancel of %s not published: %s", env.id, exc, extra={"request_id": env.id})
+
+    def client_gone(self, env: RequestEnvelope) -> None:
+        """The client went away: count it as 499 and tell the worker to drop or abort."""
+        metrics.CLIENT_GONE.labels(env.cls).inc()
+        metrics.RESPONSES.labels(env.cls, "499").inc()
+        log.info(
+            "client gone before the end of %s (499)",
+            env.id,
+            extra={"request_id": env.id, "team": env.team, "cls": env.cls},
+        )
+        self.publish_cancel(env, reason="disconnect")
+
+    async def readiness(self) -> dict[str, dict[str, Any]]:
+        checks: dict[str, dict[str, Any]] = {}
+        try:
+            await asyncio.wait_for(self.producer.partitions_for(self.topics.cancel), 2.0)
+            checks["kafka"] = {"ok": True}
+        except (KafkaError, TimeoutError) as exc:
+            checks["kafka"] = {"ok": False, "error": repr(exc)}
+        try:
+            await self.redis.ping()
+            checks["redis"] = {"ok": True}
+            now = time.time()
+            for pool in POOLS:
+                live = await self.redis.zcount(
+                    self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
+                )
+                checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
+        except RedisError as exc:
+            checks["redis"] = {"ok": False, "error": repr(exc)}
+        checks["replies"] = {"ok": self.replies.healthy}
+        return checks

@@ -1,0 +1,49 @@
+"""Factories for the Kafka and Redis clients every service uses, with laneway's defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from laneway.settings import CommonSettings
+
+__all__ = ["make_consumer", "make_producer", "make_redis"]
+
+
+def make_producer(settings: CommonSettings, **overrides: Any) -> AIOKafkaProducer:
+    """An idempotent producer that acknowledges only what the broker has stored."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "acks": "all",
+        "enable_idempotence": True,
+        # Interactive traffic: send at once; batches still form under load.
+        "linger_ms": 0,
+        "request_timeout_ms": 10_000,
+    }
+    options.update(overrides)
+    return AIOKafkaProducer(**options)
+
+
+def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
+    """A consumer that commits only when told (at-least-once is the caller's job)."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        # Return as soon as one record is there: latency matters more than fetch size.
+        "fetch_max_wait_ms": 100,
+    }
+    options.update(overrides)
+    return AIOKafkaConsumer(*topics, **options)
+
+
+def make_redis(settings: CommonSettings) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=False,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        health_check_interval=15,
+    )

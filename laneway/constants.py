@@ -1,0 +1,118 @@
+"""Topic names, Redis key layout and TTLs: every name laneway puts on the wire, in one place."""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+__all__ = [
+    "API_KEY_CACHE_S",
+    "BANDS",
+    "CLASSES",
+    "HEARTBEAT_TTL_S",
+    "INTERACTIVE_CLASSES",
+    "POOLS",
+    "REPLY_STREAM_MAXLEN",
+    "REPLY_STREAM_TTL_S",
+    "Band",
+    "RedisKeys",
+    "RequestClass",
+    "Topics",
+]
+
+RequestClass = Literal["completion", "chat", "batch"]
+Band = Literal["hi", "lo"]
+
+CLASSES: Final[tuple[RequestClass, ...]] = ("completion", "chat", "batch")
+INTERACTIVE_CLASSES: Final[tuple[RequestClass, ...]] = ("completion", "chat")
+POOLS: Final = CLASSES
+BANDS: Final[tuple[Band, ...]] = ("hi", "lo")
+
+# A worker is live while its heartbeat is younger than this: three missed beats at the
+# default two-second interval, so one slow beat never flips /readyz.
+HEARTBEAT_TTL_S: Final = 6.0
+# A reply stream outlives its ingress instance by this much, then Redis reclaims it; the
+# ingress refreshes it on every read loop, so a live instance never loses its stream.
+REPLY_STREAM_TTL_S: Final = 300
+# Replies are read within milliseconds; the cap only bounds memory if an ingress dies.
+REPLY_STREAM_MAXLEN: Final = 20_000
+# Key records change rarely (create/revoke); 30 s bounds how long a revoked key still works
+# while sparing a Redis round trip per request.
+API_KEY_CACHE_S: Final = 30.0
+
+
+class Topics:
+    """Kafka topic names under one prefix (``LANEWAY_TOPIC_PREFIX``)."""
+
+    def __init__(self, prefix: str = "laneway") -> None:
+        self.prefix = prefix
+        self.cancel = f"{prefix}.cancel"
+        self.usage = f"{prefix}.usage"
+        self.results_batch = f"{prefix}.results.batch"
+        self.control = f"{prefix}.control"
+        self.usage_hourly = f"{prefix}.usage.hourly"
+
+    def request(self, cls: RequestClass, band: Band = "hi") -> str:
+        """The request topic of a class; batch has a single band."""
+        if cls == "batch":
+            return f"{self.prefix}.req.batch"
+        return f"{self.prefix}.req.{cls}.{band}"
+
+    def pool_topics(self, pool: RequestClass) -> list[str]:
+        """Request topics a pool consumes, highest band first."""
+        if pool == "batch":
+            return [self.request("batch")]
+        return [self.request(pool, band) for band in BANDS]
+
+    def consumer_group(self, pool: RequestClass) -> str:
+        return f"{self.prefix}.workers.{pool}"
+
+    def specs(self, partitions: int) -> list[tuple[str, int, dict[str, str]]]:
+        """(name, partitions, config) of every topic laneway uses."""
+        day_ms = str(24 * 3600 * 1000)
+        out: list[tuple[str, int, dict[str, str]]] = []
+        for pool in POOLS:
+            out.extend((topic, partitions, {}) for topic in self.pool_topics(pool))
+        out += [
+            # Compacted with short retention: a tombstone only matters while its request
+            # could still run; the cleaner keeps one record per request id.
+            (
+                self.cancel,
+                partitions,
+                {
+                    "cleanup.policy": "compact,delete",
+                    "retention.ms": str(15 * 60 * 1000),
+                    "segment.ms": str(60 * 1000),
+                },
+            ),
+            (self.usage, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+            (self.results_batch, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+            (self.control, 1, {"retention.ms": day_ms}),
+            (self.usage_hourly, partitions, {"retention.ms": str(90 * 24 * 3600 * 1000)}),
+        ]
+        return out
+
+
+class RedisKeys:
+    """Redis key layout under one prefix (``LANEWAY_REDIS_PREFIX``)."""
+
+    def __init__(self, prefix: str = "laneway") -> None:
+        self.prefix = prefix
+
+    def api_key(self, key_hash: str) -> str:
+        return f"{self.prefix}:apikey:{key_hash}"
+
+    def team(self, team: str) -> str:
+        return f"{self.prefix}:team:{team}"
+
+    def teams(self) -> str:
+        return f"{self.prefix}:teams"
+
+    def reply_stream(self, instance: str) -> str:
+        return f"{self.prefix}:reply:{instance}"
+
+    def workers(self, pool: str) -> str:
+        """Sorted set of worker ids scored by the time of their last heartbeat."""
+        return f"{self.prefix}:workers:{pool}"
+
+    def worker_info(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"

@@ -1,0 +1,524 @@
+"""Local Kafka (KRaft, single node) and Redis processes for `make up` and the test session.
+
+Both servers run as child processes in their own session, so a Ctrl-C in the terminal reaches
+only our CLI, which then stops workers first and the servers last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self, TypeVar
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from laneway.errors import ServiceError
+
+__all__ = [
+    "KafkaBroker",
+    "RedisServer",
+    "ServiceError",
+    "cache_dir",
+    "create_topics",
+    "kafka_classpath",
+    "port_in_use",
+]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_POM = Path(__file__).resolve().parent.parent / "scripts" / "kafka" / "pom.xml"
+_LOG_TAIL_LINES = 40
+_POLL_S = 0.25
+
+# Kafka's INFO chatter from these packages drowns what matters when a start fails.
+_QUIET_LOGGERS = (
+    "kafka.coordinator",
+    "kafka.log",
+    "kafka.request.logger",
+    "org.apache.kafka.controller",
+    "org.apache.kafka.coordinator",
+    "org.apache.kafka.image",
+    "org.apache.kafka.metadata",
+    "org.apache.kafka.raft",
+    "org.apache.kafka.storage",
+    "state.change.logger",
+)
+# Console to stdout, which the broker's Popen sends to kafka.log. No log4j shutdown hook:
+# it would stop logging before Kafka's own hook has logged its shutdown.
+_LOG4J2 = "".join(
+    [
+        "status = warn\nshutdownHook = disable\n",
+        "appender.out.type = Console\nappender.out.name = out\nappender.out.target = SYSTEM_OUT\n",
+        "appender.out.layout.type = PatternLayout\n",
+        "appender.out.layout.pattern = [%d] %p %m (%c{1})%n\n",
+        "rootLogger.level = INFO\nrootLogger.appenderRef.out.ref = out\n",
+        *(
+            f"logger.q{i}.name = {name}\nlogger.q{i}.level = WARN\n"
+            for i, name in enumerate(_QUIET_LOGGERS)
+        ),
+    ]
+)
+
+
+def cache_dir() -> Path:
+    """Downloads and resolved classpaths live here: ``$LANEWAY_CACHE_DIR`` or ~/.cache/laneway."""
+    configured = os.environ.get("LANEWAY_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "laneway"
+
+
+def port_in_use(port: int) -> bool:
+    """True if something already listens on (or holds) 127.0.0.1:``port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Same flag as redis and the JVM use, so a port in TIME_WAIT still counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _require(program: str, install_hint: str) -> str:
+    found = shutil.which(program)
+    if found is None:
+        raise ServiceError(f"`{program}` is not on PATH; install it ({install_hint})")
+    return found
+
+
+def kafka_classpath(cache: Path | None = None) -> str:
+    """Resolve the Kafka broker jars with Maven (cached) and return the Java classpath."""
+    _require("java", "apt-get install openjdk-17-jre-headless")
+    mvn = _require("mvn", "apt-get install maven")
+    if not _POM.is_file():
+        raise ServiceError(f"{_POM} is missing; the Kafka jars are resolved from it")
+    pom_digest = hashlib.sha256(_POM.read_bytes()).hexdigest()[:12]
+    target_dir = (cache or cache_dir()) / "kafka"
+    target = target_dir / f"classpath-{pom_digest}.txt"
+    if target.is_file():
+        classpath = target.read_text().strip()
+        missing = [jar for jar in classpath.split(os.pathsep) if not Path(jar).is_file()]
+        if classpath and not missing:
+            return classpath
+        log.info(
+            "cached Kafka classpath lacks %d jar(s) (e.g. %s); re-resolving",
+            len(missing),
+            missing[:1],
+        )
+    target_dir.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    log.info("resolving Kafka jars with Maven (first run downloads ~100 MB into ~/.m2)")
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(_POM),
+            "dependency:build-classpath",
+            f"-Dmdep.outputFile={partial}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0 or not partial.is_file():
+        output = (result.stdout + result.stderr).strip().splitlines()
+        raise ServiceError(
+            f"mvn could not resolve the Kafka jars from {_POM} (exit {result.returncode}):\n"
+            + "\n".join(output[-_LOG_TAIL_LINES:])
+        )
+    partial.replace(target)
+    log.info("Kafka classpath resolved in %.1fs", time.monotonic() - started)
+    return target.read_text().strip()
+
+
+def _run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` to completion, on a helper thread if this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class _ServerProcess:
+    """A child server process: log file, port guard, stop with SIGTERM then SIGKILL."""
+
+    name = "server"
+    port_setting = "LANEWAY_PORT"
+
+    def __init__(self, *, port: int, data_dir: Path) -> None:
+        self.port = port
+        self.data_dir = data_dir
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._log_start = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / f"{self.name}.log"
+
+    @property
+    def _pid_path(self) -> Path:
+        return self.data_dir / f"{self.name}.pid"
+
+    def _check_port_free(self, port: int, what: str) -> None:
+        if not port_in_use(port):
+            return
+        hint = ""
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self._pid_path.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if str(self.data_dir).encode() in cmdline:
+                hint = f"; a {self.name} from an earlier run (pid {pid}) still holds it: kill {pid}"
+        raise ServiceError(
+            f"{what} port {port} is already in use{hint}; "
+            f"set {self.port_setting} to a free port or stop whatever listens there"
+        )
+
+    def _spawn(self, argv: list[str]) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self._log_start = self._log.tell()
+        try:
+            self._process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                cwd=self.data_dir,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            self.stop()
+            raise ServiceError(f"could not run {argv[0]}: {exc}") from exc
+        self._pid_path.write_text(str(self._process.pid))
+        log.info(
+            "started %s (pid %d) on port %d, log %s",
+            self.name,
+            self._process.pid,
+            self.port,
+            self.log_path,
+        )
+
+    def _log_tail(self) -> str:
+        try:
+            with self.log_path.open("rb") as fh:
+                fh.seek(self._log_start)
+                lines = fh.read().decode(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            self._poll_until_ready(timeout)
+        except BaseException:
+            # Also on Ctrl-C: a half-started server must not outlive us in its own session.
+            self.stop()
+            raise
+
+    def _poll_until_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last_error = "not probed yet"
+        while True:
+            if self._process is None:
+                raise ServiceError(f"{self.name} was stopped while starting")
+            code = self._process.poll()
+            if code is not None:
+                raise ServiceError(
+                    f"{self.name} exited with code {code} while starting; "
+                    f"{self.log_path}:\n{self._log_tail()}"
+                )
+            ready, last_error = self._probe()
+            if ready:
+                return
+            if time.monotonic() >= deadline:
+                raise ServiceError(
+                    f"{self.name} on port {self.port} was not ready after {timeout:.0f}s "
+                    f"(last probe: {last_error}); {self.log_path}:\n{self._log_tail()}"
+                )
+            time.sleep(_POLL_S)
+
+    def _probe(self) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop with SIGTERM, then SIGKILL after ``timeout`` seconds; safe to call twice."""
+        process, self._process = self._process, None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "%s (pid %d) ignored SIGTERM for %.0fs; killing it",
+                        self.name,
+                        process.pid,
+                        timeout,
+                    )
+                    process.kill()
+                    process.wait()
+            log.info("stopped %s (pid %d, exit %s)", self.name, process.pid, process.returncode)
+            with contextlib.suppress(OSError):
+                self._pid_path.unlink()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+
+class KafkaBroker(_ServerProcess):
+    """A single-node KRaft Kafka (broker and controller in one JVM) for development and tests.
+
+    The controller listens on ``port + 1``.
+    """
+
+    name = "kafka"
+    port_setting = "LANEWAY_KAFKA_PORT"
+
+    def __init__(
+        self, *, port: int, data_dir: Path, heap_mb: int = 768, partitions: int = 3
+    ) -> None:
+        super().__init__(port=port, data_dir=data_dir)
+        self.heap_mb = heap_mb
+        self.partitions = partitions
+        self.bootstrap = f"127.0.0.1:{port}"
+
+    @property
+    def _log_dir(self) -> Path:
+        return self.data_dir / "kafka-logs"
+
+    def _server_properties(self) -> str:
+        controller = f"127.0.0.1:{self.port + 1}"
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            # Static voters, not a dynamic quorum: the port may change between runs without
+            # reformatting (a --standalone format records the controller endpoint in the log).
+            "controller.quorum.voters": f"1@{controller}",
+            "listeners": f"PLAINTEXT://{self.bootstrap},CONTROLLER://{controller}",
+            "advertised.listeners": f"PLAINTEXT://{self.bootstrap}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(self._log_dir),
+            "num.partitions": str(self.partitions),
+            "default.replication.factor": "1",
+            "min.insync.replicas": "1",
+            "auto.create.topics.enable": "false",
+            # A restarted node finds its own previous registration still alive and retries
+            # until that session expires (9 s by default); keep that wait short.
+            "broker.session.timeout.ms": "3000",
+            "broker.heartbeat.interval.ms": "500",
+            "group.initial.rebalance.delay.ms": "0",
+            # One node: every internal topic has one replica; fewer partitions than the
+            # default 50 keep the first group join and transaction init fast.
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "5",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "5",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            # Small segments so the cleaner gets to compact topics during a dev session.
+            "log.segment.bytes": str(16 * 1024 * 1024),
+            "log.retention.hours": "24",
+            "log.retention.check.interval.ms": "60000",
+            "log.cleaner.enable": "true",
+            "log.cleaner.threads": "1",
+            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
+            "num.network.threads": "2",
+            "num.io.threads": "4",
+            "num.recovery.threads.per.data.dir": "1",
+        }
+        return "".join(f"{key}={value}\n" for key, value in settings.items())
+
+    def _java(self, classpath: str, heap_mb: int, *args: str) -> list[str]:
+        return [
+            "java",
+            f"-Xmx{heap_mb}m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
+            "-cp",
+            classpath,
+            *args,
+        ]
+
+    def _format_storage(self, classpath: str, properties: Path) -> None:
+        if (self._log_dir / "meta.properties").is_file():
+            return
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        log.info("formatting Kafka storage in %s (cluster id %s)", self._log_dir, cluster_id)
+        argv = self._java(
+            classpath,
+            256,
+            "kafka.tools.StorageTool",
+            "format",
+            "--cluster-id",
+            cluster_id,
+            "--config",
+            str(properties),
+            "--ignore-formatted",
+        )
+        result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
+        if result.returncode != 0:
+            raise ServiceError(
+                f"kafka storage format failed (exit {result.returncode}) for {self._log_dir}:\n"
+                + (result.stdout + result.stderr).strip()[-4000:]
+            )
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Format storage on first use, start the broker and wait until it serves metadata."""
+        if self.running:
+            return
+        self._check_port_free(self.port, "Kafka")
+        self._check_port_free(self.port + 1, "Kafka controller (LANEWAY_KAFKA_PORT + 1)")
+        classpath = kafka_classpath()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        properties = self.data_dir / "server.properties"
+        properties.write_text(self._server_properties())
+        (self.data_dir / "log4j2.properties").write_text(_LOG4J2)
+        self._format_storage(classpath, properties)
+        self._spawn(self._java(classpath, self.heap_mb, "kafka.Kafka", str(properties)))
+        self._wait_ready(timeout)
+
+    def _probe(self) -> tuple[bool, str]:
+        # A plain connect first: aiokafka logs an ERROR for every refused connection.
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+        except OSError as exc:
+            return False, str(exc)
+        try:
+            brokers = _run_sync(_metadata_brokers(self.bootstrap))
+        except Exception as exc:  # noqa: BLE001 - any failure here means "not ready yet"
+            return False, f"{type(exc).__name__}: {exc}"
+        if not brokers:
+            return False, "metadata lists no live broker yet"
+        return True, ""
+
+
+async def _metadata_brokers(bootstrap: str) -> list[Any]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        await admin.start()
+        cluster = await admin.describe_cluster()
+    finally:
+        await admin.close()
+    brokers: list[Any] = cluster["brokers"]
+    return brokers
+
+
+class RedisServer(_ServerProcess):
+    """A throwaway Redis (no persistence) bound to 127.0.0.1."""
+
+    name = "redis"
+    port_setting = "LANEWAY_REDIS_PORT"
+
+    def __init__(self, *, port: int, data_dir: Path) -> None:
+        super().__init__(port=port, data_dir=data_dir)
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start redis-server and wait until it answers PING."""
+        if self.running:
+            return
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(binary).is_file():
+            raise ServiceError("redis-server is not installed: apt-get install redis-server")
+        self._check_port_free(self.port, "Redis")
+        options = {
+            "port": str(self.port),
+            "bind": "127.0.0.1",
+            "dir": str(self.data_dir),
+            "save": "",
+            "appendonly": "no",
+            "daemonize": "no",
+            "logfile": "",  # stdout, i.e. redis.log, next to any start-up error
+        }
+        self._spawn(
+            [binary, *(arg for key, value in options.items() for arg in (f"--{key}", value))]
+        )
+        self._wait_ready(timeout)
+
+    def _probe(self) -> tuple[bool, str]:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
+        except OSError as exc:
+            return False, str(exc)
+        return reply.startswith(b"+PONG"), reply.decode(errors="replace").strip()
+
+
+def create_topics(bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]]) -> None:
+    """Create the topics in ``specs`` (name, partitions, config) that do not exist yet.
+
+    Synchronous (runs its own event loop): call it from set-up code, not from a coroutine.
+    """
+    _run_sync(_create_topics(bootstrap, specs))
+
+
+async def _create_topics(bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        existing = set(await admin.list_topics())
+        wanted = [
+            NewTopic(name, partitions, 1, topic_configs=dict(config))
+            for name, partitions, config in specs
+            if name not in existing
+        ]
+        if not wanted:
+            return
+        response = await admin.create_topics(wanted)
+    finally:
+        await admin.close()
+    failures = [
+        f"{item['topic']}: error {item['error_code']} {item.get('error_message') or ''}".strip()
+        for item in response.to_object()["topic_errors"]
+        if item["error_code"] not in (0, TopicAlreadyExistsError.errno)
+    ]
+    if failures:
+        raise ServiceError(f"could not create topics on {bootstrap}: " + "; ".join(failures))
+    log.info("created topics %s", ", ".join(topic.name for topic in wanted))

@@ -1,0 +1,153 @@
+"""The wire schema: what travels on Kafka topics and reply streams.
+
+Every record carries ``v`` (schema version). Decoding validates and raises
+``MalformedMessage`` naming the field, so a bad record is skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from laneway.constants import Band, RequestClass
+from laneway.errors import MalformedMessage
+
+__all__ = [
+    "CancelRecord",
+    "ChatMessage",
+    "Outcome",
+    "Reply",
+    "RequestEnvelope",
+    "UsageEvent",
+    "decode",
+]
+
+Outcome = Literal["ok", "error", "cancelled", "superseded", "expired", "aborted", "rejected"]
+ApiKind = Literal["completion", "chat"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=True)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+M = TypeVar("M", bound=_Wire)
+
+
+class ChatMessage(_Wire):
+    role: str
+    content: str
+
+
+class RequestEnvelope(_Wire):
+    """One request on ``laneway.req.<class>.<band>``, keyed by ``affinity``."""
+
+    v: Literal[1] = 1
+    id: str = Field(min_length=1)
+    team: str = Field(min_length=1)
+    cls: RequestClass = Field(alias="class")
+    band: Band = "hi"
+    kind: ApiKind
+    model: str = Field(min_length=1, description="the model the client asked for")
+    route: str = Field(min_length=1, description="the model that serves it")
+    prompt: str = ""
+    suffix: str | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int = Field(gt=0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    session: str | None = None
+    seq: int | None = None
+    affinity: str = Field(min_length=1)
+    reply_to: str | None = Field(None, description="Redis reply stream; None: results topic")
+    accepted_ts: float = Field(description="epoch seconds the ingress accepted it")
+    deadline_ts: float | None = Field(None, description="epoch seconds; drop if not started")
+    prompt_tokens: int = Field(0, ge=0, description="the ingress estimate")
+    job_id: str | None = None
+    line_id: str | None = None
+    supersede_grace_tokens: int = Field(
+        0,
+        ge=0,
+        description="a superseded request that already streamed this many tokens "
+        "may finish (0: drop at once)",
+    )
+
+    def text_prompt(self) -> str:
+        """The prompt as plain text (chat messages rendered one per line)."""
+        if self.messages is None:
+            return self.prompt
+        return "".join(f"{m.role}: {m.content}\n" for m in self.messages) + "assistant: "
+
+
+class CancelRecord(_Wire):
+    """A cancel tombstone on the compacted ``laneway.cancel`` topic, keyed by request id.
+
+    ``team`` is the team that asked; a worker honours it only for that team's requests.
+    """
+
+    v: Literal[1] = 1
+    id: str = Field(min_length=1)
+    team: str = Field(min_length=1)
+    reason: Literal["disconnect", "api"] = "api"
+    ts: float = Field(default_factory=time.time)
+
+
+class Reply(_Wire):
+    """One message on an ingress reply stream: a chunk of text and/or the terminal outcome.
+
+    ``n`` numbers the chunks of one request so the ingress can drop repeats when a worker
+    restarted and ran the request again.
+    """
+
+    id: str
+    n: int = Field(ge=0)
+    text: str = ""
+    done: bool = False
+    status: Outcome | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    route: str | None = None
+    error: str | None = None
+
+
+class UsageEvent(_Wire):
+    """One event per terminal outcome on ``laneway.usage``, keyed by team."""
+
+    v: Literal[1] = 1
+    id: str
+    team: str
+    cls: RequestClass = Field(alias="class")
+    model: str
+    route: str
+    status: Outcome
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    engine_ms: float = 0.0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+    total_ms: float = 0.0
+    ts: float = Field(default_factory=time.time)
+    worker: str | None = None
+    error: str | None = None
+    job_id: str | None = None
+
+
+def decode(model: type[M], raw: bytes | str | None) -> M:
+    """Validate one record; ``MalformedMessage`` names the first bad field."""
+    if raw is None:
+        raise MalformedMessage(f"empty {model.__name__} record")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "<record>"
+        raise MalformedMessage(f"bad {model.__name__} record: {where}: {err['msg']}") from None

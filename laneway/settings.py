@@ -1,0 +1,163 @@
+"""Typed settings, one class per service, all read from ``LANEWAY_*`` environment variables.
+
+A ``LANEWAY_*`` variable that no settings class knows fails start-up: a misspelt setting must
+never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from laneway.constants import RedisKeys, RequestClass, Topics
+from laneway.errors import ConfigError
+
+__all__ = [
+    "CommonSettings",
+    "IngressSettings",
+    "StackSettings",
+    "WorkerSettings",
+    "load_settings",
+]
+
+# Read outside the settings classes (before a venv or Python exists, or by the test setup).
+_OTHER_KNOWN_VARIABLES = {"LANEWAY_CACHE_DIR", "LANEWAY_TEST_KAFKA_PORT", "LANEWAY_TEST_REDIS_PORT"}
+
+
+class CommonSettings(BaseSettings):
+    """Where Kafka and Redis are and how laneway names things in them."""
+
+    model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid")
+
+    kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
+    redis_url: str = Field("redis://127.0.0.1:16379/0", description="Redis URL")
+    topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
+    redis_prefix: str = Field("laneway", description="prefix of every Redis key")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_prefix)
+
+    @property
+    def keys(self) -> RedisKeys:
+        return RedisKeys(self.redis_prefix)
+
+
+class IngressSettings(CommonSettings):
+    """The OpenAI-compatible HTTP ingress."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    instance_id: str = Field(
+        default_factory=lambda: f"ingress-{secrets.token_hex(4)}",
+        description="names this replica's reply stream; unique per replica",
+    )
+    models: list[str] = Field(
+        default_factory=lambda: ["laneway-code", "laneway-chat"],
+        description="model names served (JSON list)",
+    )
+    max_prompt_tokens: int = Field(32_768, gt=0, description="largest accepted prompt")
+    completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
+    chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
+    completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
+    chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
+    reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    affinity_prefix_chars: int = Field(
+        256, gt=0, description="prompt prefix hashed into the affinity key without a session"
+    )
+
+
+EngineName = Literal["auto", "sim", "openai", "vllm"]
+
+
+class WorkerSettings(CommonSettings):
+    """A worker of one pool and its engine."""
+
+    pool: RequestClass = "completion"
+    worker_id: str = Field(
+        default="",
+        description="stable id (static group membership: a restart takes its partitions back "
+        "at once); default <pool>-<host>-<pid>",
+    )
+    engine: EngineName = "auto"
+    max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
+    commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
+    drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
+
+    upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
+    upstream_api_key: SecretStr = SecretStr("")
+    upstream_model: str = Field("", description="model name upstream; default: the route")
+
+    sim_prefill_ms_per_token: float = Field(0.05, ge=0, description="sim: prefill cost")
+    sim_decode_ms_per_step: float = Field(15.0, ge=0, description="sim: one decode step")
+    sim_batch_slots: int = Field(32, gt=0, description="sim: sequences decoded at once")
+    sim_prefix_cache_blocks: int = Field(4096, ge=0, description="sim: prefix-cache LRU size")
+    sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
+    sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
+    sim_seed: int = 0
+
+    @field_validator("worker_id")
+    @classmethod
+    def _default_worker_id(cls, value: str) -> str:
+        return value or f"{os.uname().nodename}-{os.getpid()}"
+
+
+class StackSettings(CommonSettings):
+    """``laneway up``: the local single-node stack."""
+
+    kafka_port: int = Field(19092, gt=0, le=65535)
+    redis_port: int = Field(16379, gt=0, le=65535)
+    partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
+    data_dir: str = Field(".run", description="where broker and Redis keep their data")
+    kafka_heap_mb: int = Field(768, ge=256)
+    port: int = Field(8000, ge=0, le=65535, description="ingress port")
+
+
+_SETTINGS_CLASSES: tuple[type[CommonSettings], ...] = (
+    IngressSettings,
+    WorkerSettings,
+    StackSettings,
+)
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+def known_variables() -> set[str]:
+    names = set(_OTHER_KNOWN_VARIABLES)
+    for cls in _SETTINGS_CLASSES:
+        names.update(f"LANEWAY_{field.upper()}" for field in cls.model_fields)
+    return names
+
+
+def check_environment(environ: dict[str, str] | None = None) -> None:
+    """Refuse ``LANEWAY_*`` variables that no service reads (typos)."""
+    env = os.environ if environ is None else environ
+    unknown = sorted(
+        k for k in env if k.upper().startswith("LANEWAY_") and k.upper() not in known_variables()
+    )
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)}: no laneway service reads them "
+            "(see the settings table in README.md for the names)"
+        )
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Build ``cls`` from the environment plus ``overrides``; errors name the variable."""
+    check_environment()
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            value = err.get("input")
+            problems.append(f"LANEWAY_{field.upper()}={value!r}: {err['msg']}")
+        raise ConfigError("bad setting: " + "; ".join(problems)) from None

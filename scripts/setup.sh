@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Idempotent bootstrap for `make up` / `make test` on a fresh Debian machine:
+# system packages, .venv with laneway installed, and the Kafka jars (Maven, ~/.m2).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+# --- system packages ---------------------------------------------------------------------
+if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
+    say "installing redis-server (apt-get)"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+fi
+
+missing=()
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || missing+=(maven)
+if [ "${#missing[@]}" -gt 0 ]; then
+    die "the local Kafka broker needs Java 17+ and Maven; install them: apt-get install -y ${missing[*]}"
+fi
+java_version=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java\.specification\.version = //p')
+if [ "${java_version%%.*}" -lt 17 ] 2>/dev/null; then
+    die "Kafka 4 needs Java 17+, found ${java_version}: apt-get install -y openjdk-17-jre-headless"
+fi
+
+# --- Python virtualenv -------------------------------------------------------------------
+if ! .venv/bin/python -c 'import sys' >/dev/null 2>&1; then
+    python=""
+    for candidate in python3.11 python3; do
+        if command -v "$candidate" >/dev/null 2>&1 \
+            && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+            python=$candidate
+            break
+        fi
+    done
+    [ -n "$python" ] || die "need Python 3.11+: apt-get install -y python3.11 python3.11-venv"
+    say "creating .venv with $("$python" --version 2>&1)"
+    rm -rf .venv
+    "$python" -m venv .venv \
+        || die "could not create .venv; on Debian: apt-get install -y python3.11-venv"
+fi
+
+stamp=.venv/.laneway-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    say "installing laneway and its dev tools into .venv (pip cache: ~/.cache/pip)"
+    .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]'
+    touch "$stamp"
+fi
+
+# --- Kafka jars ---------------------------------------------------------------------------
+say "checking the Kafka broker jars"
+.venv/bin/python -c '
+import logging
+logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
+from laneway.devstack import ServiceError, kafka_classpath
+try:
+    kafka_classpath()
+except ServiceError as exc:
+    raise SystemExit(f"setup: error: {exc}") from None
+'
+say "ready"

@@ -1,0 +1,46 @@
+"""Session setup: one real Kafka broker and one real Redis on test ports of their own."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from laneway.devstack import KafkaBroker, RedisServer
+from tests.stack import PARTITIONS, LiveStack, Services
+
+KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT", "29092"))
+REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT", "26379"))
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    root = tmp_path_factory.mktemp("services")
+    redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis")
+    kafka = KafkaBroker(port=KAFKA_PORT, data_dir=root / "kafka", heap_mb=512, partitions=PARTITIONS)
+    redis.start()
+    try:
+        kafka.start()
+        try:
+            yield Services(kafka.bootstrap, redis.url)
+        finally:
+            kafka.stop()
+    finally:
+        redis.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def stack(services: Services, prefix: str) -> AsyncIterator[LiveStack]:
+    live = LiveStack(services, prefix)
+    await live.create_topics()
+    try:
+        yield live
+    finally:
+        await live.stop()

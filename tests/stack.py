@@ -1,0 +1,179 @@
+"""A live laneway stack for tests: real Kafka and Redis, in-process ingress and workers.
+
+Each test gets its own topic and key prefix, so tests never see each other's records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import redis.asyncio as aioredis
+import uvicorn
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from ingress import create_app
+from laneway.apikeys import create_key
+from laneway.devstack import create_topics
+from laneway.settings import IngressSettings, WorkerSettings
+from quota.teams import Team, set_team
+from workers.pool import PoolWorker
+from workers.select import choose_engine
+from workers.types import Engine
+
+PARTITIONS = 2
+
+
+@dataclass(frozen=True)
+class Services:
+    bootstrap: str
+    redis_url: str
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Ingress:
+    def __init__(self, settings: IngressSettings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.laneway
+
+    async def start(self) -> None:
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._task = asyncio.create_task(self.server.serve())
+        await wait_for(lambda: self.server.started or self._task.done(), 30, "ingress start")  # type: ignore[union-attr]
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self.server.should_exit = True
+            await self._task
+            self._task = None
+
+
+class LiveStack:
+    def __init__(self, services: Services, prefix: str) -> None:
+        self.services = services
+        self.prefix = prefix
+        self.common: dict[str, Any] = {
+            "kafka_bootstrap": services.bootstrap,
+            "redis_url": services.redis_url,
+            "topic_prefix": prefix,
+            "redis_prefix": prefix,
+        }
+        self.redis = aioredis.Redis.from_url(services.redis_url)
+        self.ingresses: list[Ingress] = []
+        self.workers: list[PoolWorker] = []
+        self._clients: list[Any] = []
+
+    @property
+    def topics(self) -> Any:
+        return IngressSettings(**self.common).topics
+
+    async def create_topics(self) -> None:
+        await asyncio.to_thread(create_topics, self.services.bootstrap, self.topics.specs(PARTITIONS))
+
+    async def start_ingress(self, **overrides: Any) -> Ingress:
+        settings = IngressSettings(**{**self.common, **overrides})
+        ingress = Ingress(settings)
+        await ingress.start()
+        self.ingresses.append(ingress)
+        return ingress
+
+    def worker_settings(self, pool: str = "completion", **overrides: Any) -> WorkerSettings:
+        options: dict[str, Any] = {
+            "pool": pool,
+            "engine": "sim",
+            "worker_id": f"{self.prefix}-{pool}-{len(self.workers)}",
+            "sim_prefill_ms_per_token": 0.0,
+            "sim_decode_ms_per_step": 0.0,
+            "heartbeat_interval_s": 0.5,
+            "commit_interval_ms": 50,
+            "drain_grace_s": 2.0,
+        }
+        options.update(overrides)
+        return WorkerSettings(**{**self.common, **options})
+
+    async def start_worker(
+        self, pool: str = "completion", *, engine: Engine | None = None, wait_assigned: bool = True, **overrides: Any
+    ) -> PoolWorker:
+        settings = self.worker_settings(pool, **overrides)
+        worker = PoolWorker(settings, engine or choose_engine(settings)[0])
+        await worker.start()
+        self.workers.append(worker)
+        if wait_assigned:
+            await wait_for(lambda: bool(worker.consumer.assignment()), 30, f"{pool} worker assignment")
+        return worker
+
+    async def api_key(self, team: str = "team-a", **team_fields: Any) -> str:
+        if team_fields:
+            await set_team(self.redis, IngressSettings(**self.common).keys, Team(team, **team_fields))
+        return await create_key(self.redis, IngressSettings(**self.common).keys, team)
+
+    def http(self, ingress: Ingress, key: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        client = httpx.AsyncClient(base_url=ingress.base_url, headers=headers, timeout=30, **kwargs)
+        self._clients.append(client)
+        return client
+
+    async def producer(self) -> AIOKafkaProducer:
+        producer = AIOKafkaProducer(bootstrap_servers=self.services.bootstrap)
+        await producer.start()
+        self._clients.append(producer)
+        return producer
+
+    async def read_topic(
+        self, topic: str, *, count: int, timeout: float = 20.0, where: Callable[[dict[str, Any]], bool] | None = None
+    ) -> list[dict[str, Any]]:
+        """The first ``count`` JSON records of ``topic`` (matching ``where``), from the start."""
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=self.services.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+        )
+        await consumer.start()
+        found: list[dict[str, Any]] = []
+        try:
+            deadline = time.monotonic() + timeout
+            while len(found) < count and time.monotonic() < deadline:
+                batches = await consumer.getmany(timeout_ms=200)
+                for records in batches.values():
+                    for record in records:
+                        value = orjson.loads(record.value)
+                        if where is None or where(value):
+                            found.append(value)
+        finally:
+            await consumer.stop()
+        return found
+
+    async def stop(self) -> None:
+        for client in reversed(self._clients):
+            for closer in ("aclose", "close", "stop"):
+                if hasattr(client, closer):
+                    await getattr(client, closer)()
+                    break
+        for ingress in self.ingresses:
+            await ingress.stop()
+        for worker in self.workers:
+            await worker.stop(grace_s=1.0)
+        await self.redis.aclose()

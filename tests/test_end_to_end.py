@@ -1,0 +1,102 @@
+"""The whole path on the real parts: HTTP → Kafka → worker → Redis reply stream → HTTP."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.stack import LiveStack
+
+USAGE_FIELDS = {
+    "id", "team", "class", "model", "route", "status", "prompt_tokens", "cached_tokens",
+    "completion_tokens", "engine_ms", "queue_ms", "ttft_ms", "total_ms", "ts",
+}
+
+
+@pytest.fixture
+async def served(stack: LiveStack) -> tuple[LiveStack, openai.AsyncOpenAI]:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    await stack.start_worker("chat")
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)  # closed with the stack
+    return stack, client
+
+
+async def test_completion_not_streamed(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
+    stack, client = served
+    result = await client.completions.create(
+        model="laneway-code", prompt="def add(a, b):", suffix="\n", max_tokens=16
+    )
+    assert result.object == "text_completion"
+    assert result.id.startswith("cmpl-")
+    assert result.choices[0].text.strip()
+    assert result.choices[0].finish_reason in ("stop", "length")
+    assert result.usage is not None
+    assert result.usage.completion_tokens == len(result.choices[0].text.split())
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+    events = await stack.read_topic(stack.topics.usage, count=1, where=lambda e: e["id"] == result.id)
+    assert len(events) == 1
+    event = events[0]
+    assert USAGE_FIELDS <= set(event)
+    assert event["team"] == "team-a"
+    assert event["class"] == "completion"
+    assert event["status"] == "ok"
+    assert event["model"] == event["route"] == "laneway-code"
+    assert event["completion_tokens"] == result.usage.completion_tokens
+    assert event["total_ms"] >= event["queue_ms"] >= 0
+
+
+async def test_completion_streamed_matches_unstreamed(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
+    _, client = served
+    whole = await client.completions.create(model="laneway-code", prompt="class Tree:", max_tokens=32)
+    stream = await client.completions.create(
+        model="laneway-code", prompt="class Tree:", max_tokens=32, stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces: list[str] = []
+    finish = None
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+async def test_chat_streamed_and_not(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
+    stack, client = served
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "explain this diff"}]
+    whole = await client.chat.completions.create(model="laneway-chat", messages=messages, max_tokens=24)  # type: ignore[arg-type]
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    text = whole.choices[0].message.content or ""
+    assert text
+
+    stream = await client.chat.completions.create(model="laneway-chat", messages=messages, max_tokens=24, stream=True)  # type: ignore[arg-type]
+    roles, deltas = [], []
+    async for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            if choice.delta.content:
+                deltas.append(choice.delta.content)
+    assert roles == ["assistant"]
+    assert "".join(deltas) == text
+
+    events = await stack.read_topic(stack.topics.usage, count=2, where=lambda e: e["class"] == "chat")
+    assert [e["status"] for e in events] == ["ok", "ok"]
+
+
+async def test_models_lists_served_models(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
+    _, client = served
+    models = await client.models.list()
+    assert {m.id for m in models.data} == {"laneway-code", "laneway-chat"}

@@ -1,0 +1,25 @@
+"""GPU workers: Kafka consumers per pool, their engines and the cancel shield."""
+
+from workers.execution import RequestExecutor
+from workers.offsets import OffsetTracker
+from workers.pool import PoolWorker
+from workers.select import choose_engine
+from workers.shield import CancelShield
+from workers.sim import SimEngine, SimProfile
+from workers.types import Engine, EngineDelta, EngineRequest, EngineStats
+from workers.upstream import OpenAICompatibleEngine
+
+__all__ = [
+    "CancelShield",
+    "Engine",
+    "EngineDelta",
+    "EngineRequest",
+    "EngineStats",
+    "OffsetTracker",
+    "OpenAICompatibleEngine",
+    "PoolWorker",
+    "RequestExecutor",
+    "SimEngine",
+    "SimProfile",
+    "choose_engine",
+]

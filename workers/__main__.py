@@ -1,0 +1,54 @@
+"""``python -m workers [--pool completion|chat|batch]``: run one worker until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from laneway.errors import ConfigError
+from laneway.logs import setup_logging
+from laneway.settings import WorkerSettings, load_settings
+from workers.pool import PoolWorker
+from workers.select import choose_engine
+
+log = logging.getLogger("workers")
+
+
+async def _serve(settings: WorkerSettings) -> None:
+    engine, reason = choose_engine(settings)
+    log.info("pool %s: engine %s chosen because %s", settings.pool, engine.name, reason)
+    worker = PoolWorker(settings, engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await worker.start()
+    await stop.wait()
+    log.info("stopping: no new fetches, draining for up to %.1fs", settings.drain_grace_s)
+    await worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+    parser.add_argument("--pool", choices=["completion", "chat", "batch"], help="LANEWAY_POOL")
+    args = parser.parse_args(argv)
+    try:
+        overrides = {"pool": args.pool} if args.pool else {}
+        settings = load_settings(WorkerSettings, **overrides)
+    except ConfigError as exc:
+        print(f"laneway worker: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    setup_logging(settings.log_level)
+    try:
+        asyncio.run(_serve(settings))
+    except ConfigError as exc:
+        log.error("%s", exc)  # noqa: TRY400 - a config error needs no traceback
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Running one request: shield check, engine, reply chunks, one usage event."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from laneway.errors import Dropped, EngineError
+from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
+from workers import metrics
+from workers.types import EngineRequest
+
+if TYPE_CHECKING:
+    from workers.replies import Outbox
+    from workers.shield import CancelShield
+    from workers.types import Engine
+
+__all__ = ["RequestExecutor"]
+
+log = logging.getLogger(__name__)
+
+_STALE: frozenset[str] = frozenset({"cancelled", "superseded", "expired"})
+
+
+class RequestExecutor:
+    """Executes envelopes on one engine and reports every outcome exactly once."""
+
+    def __init__(
+        self, engine: Engine, shield: CancelShield, outbox: Outbox, *, worker_id: str
+    ) -> None:
+        self.engine = engine
+        self.shield = shield
+        self.outbox = outbox
+        self.worker_id = worker_id
+
+    async def run(self, env: RequestEnvelope) -> UsageEvent:
+        start = time.time()
+        queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
+        verdict = self.shield.verdict(env, start)
+        if verdict is not None:
+            log.info(
+                "dropped %s before execution: %s",
+                env.id,
+                verdict,
+                extra={"request_id": env.id, "team": env.team},
+            )
+            return await self._finish(env, verdict.status, queue_ms=queue_ms, error=str(verdict))  # type: ignore[arg-type]
+
+        self.shield.started(env)
+        n = 0
+        text_parts: list[str] = []
+        ttft_ms: float | None = None
+        prompt_tokens = cached = completion = 0
+        engine_ms = 0.0
+        finish: str | None = None
+        status: Outcome = "ok"
+        error: str | None = None
+        try:
+            async for delta in self.engine.generate(self._engine_request(env)):
+                prompt_tokens, cached = delta.prompt_tokens, delta.cached_tokens
+                completion, engine_ms = delta.completion_tokens, delta.engine_ms
+                finish = delta.finish_reason or finish
+                if delta.text and ttft_ms is None:
+                    ttft_ms = (time.time() - env.accepted_ts) * 1000
+                self.shield.progress(env.id, completion)
+                if env.stream and delta.text and env.reply_to:
+                    await self.outbox.reply(env.reply_to, Reply(id=env.id, n=n, text=delta.text))
+                    n += 1
+                else:
+                    text_parts.append(delta.text)
+        except Dropped as dropped:
+            stale = self.shield.stale_reason(env.id)
+            status = stale.status if stale is not None else dropped.status  # type: ignore[assignment]
+            engine_ms = max(engine_ms, dropped.engine_ms)
+            error = str(stale or dropped)
+        except EngineError as exc:
+            log.warning(
+                "engine error on %s: %s",
+                env.id,
+                exc,
+                extra={"request_id": env.id, "team": env.team},
+            )
+            status, error = "error", str(exc)
+        finally:
+            self.shield.finished(env.id)
+        return await self._finish(
+            env,
+            status,
+            n=n,
+            text="".join(text_parts),
+            queue_ms=queue_ms,
+            ttft_ms=ttft_ms,
+            engine_ms=engine_ms,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            completion_tokens=completion,
+            finish_reason=finish,
+            error=error,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def _engine_request(self, env: RequestEnvelope) -> EngineRequest:
+        return EngineRequest(
+            id=env.id,
+            route=env.route,
+            prompt=env.text_prompt(),
+            max_tokens=env.max_tokens,
+            messages=env.messages,
+            suffix=env.suffix,
+            temperature=env.temperature,
+            top_p=env.top_p,
+            stop=env.stop,
+            priority=0 if env.band == "hi" else 1,
+        )
+
+    async def _finish(
+        self,
+        env: RequestEnvelope,
+        status: Outcome,
+        *,
+        n: int = 0,
+        text: str = "",
+        queue_ms: float = 0.0,
+        ttft_ms: float | None = None,
+        engine_ms: float = 0.0,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+        completion_tokens: int = 0,
+        finish_reason: str | None = None,
+        error: str | None = None,
+    ) -> UsageEvent:
+        now = time.time()
+        usage = UsageEvent(
+            id=env.id,
+            team=env.team,
+            cls=env.cls,
+            model=env.model,
+            route=env.route,
+            status=status,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
+            engine_ms=round(engine_ms, 3),
+            queue_ms=round(queue_ms, 3),
+            ttft_ms=round(ttft_ms, 3) if ttft_ms is not None else None,
+            total_ms=round((now - env.accepted_ts) * 1000, 3),
+            ts=now,
+            worker=self.worker_id,
+            error=error,
+            job_id=env.job_id,
+        )
+        final = Reply(
+            id=env.id,
+            n=n,
+            text=text,
+            done=True,
+            status=status,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
+            route=env.route,
+            error=error,
+        )
+        await self.outbox.finish(env, final, usage)
+        metrics.OUTCOMES.labels(env.team, env.cls, status).inc()
+        metrics.ENGINE_MS.labels(env.team, env.cls).inc(engine_ms)
+        if status in _STALE:
+            metrics.STALE_ENGINE_MS.labels(env.team, env.cls, status).inc(engine_ms)
+        return usage

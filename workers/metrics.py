@@ -1,0 +1,35 @@
+"""Worker counters (exported on the worker's /metrics when LANEWAY_METRICS_PORT is set)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+__all__ = [
+    "ENGINE_MS",
+    "INFLIGHT",
+    "MALFORMED",
+    "OUTCOMES",
+    "STALE_ENGINE_MS",
+]
+
+MALFORMED = Counter(
+    "laneway_worker_malformed_records_total",
+    "Kafka records skipped because they did not decode",
+    ["pool", "topic"],
+)
+OUTCOMES = Counter(
+    "laneway_requests_total",
+    "Terminal outcomes of requests by status (ok, error, cancelled, superseded, expired...)",
+    ["team", "cls", "status"],
+)
+ENGINE_MS = Counter(
+    "laneway_engine_ms_total",
+    "Engine milliseconds spent (modelled for the sim engine)",
+    ["team", "cls"],
+)
+STALE_ENGINE_MS = Counter(
+    "laneway_stale_engine_ms_total",
+    "Engine milliseconds spent on requests that ended stale (cancelled/superseded/expired)",
+    ["team", "cls", "status"],
+)
+INFLIGHT = Gauge("laneway_worker_inflight", "Requests running on this worker", ["pool"])

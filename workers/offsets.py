@@ -1,0 +1,56 @@
+"""At-least-once offset bookkeeping: commit only below the lowest unfinished record."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+
+__all__ = ["OffsetTracker"]
+
+
+class OffsetTracker:
+    """Tracks in-flight offsets per partition.
+
+    Requests finish out of order; the committable offset of a partition is its lowest
+    unfinished offset, or one past the highest finished when none is in flight.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+
+    def begin(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.setdefault(tp, set()).add(offset)
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def finish(self, tp: TopicPartition, offset: int) -> None:
+        pending = self._pending.get(tp)
+        if pending is not None:
+            pending.discard(offset)
+
+    def in_flight(self, tp: TopicPartition | None = None) -> int:
+        if tp is not None:
+            return len(self._pending.get(tp, ()))
+        return sum(len(p) for p in self._pending.values())
+
+    def committable(self, only: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+        """Offsets to commit now (those that moved since the last ``mark_committed``)."""
+        out: dict[TopicPartition, int] = {}
+        for tp, nxt in self._next.items():
+            if only is not None and tp not in only:
+                continue
+            pending = self._pending.get(tp)
+            offset = min(pending) if pending else nxt
+            if self._committed.get(tp) != offset:
+                out[tp] = offset
+        return out
+
+    def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
+        self._committed.update(offsets)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """Drop partitions this worker no longer owns (after a rebalance)."""
+        for tp in partitions:
+            self._pending.pop(tp, None)
+            self._next.pop(tp, None)
+            self._committed.pop(tp, None)

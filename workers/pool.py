@@ -1,0 +1,300 @@
+"""A worker of one pool: the Kafka fetch loop, in-flight bookkeeping, commits and shutdown.
+
+The fetch loop never waits on generation: each record becomes a task, up to
+``max_inflight`` at once. Offsets are committed only below the lowest unfinished record of
+each partition, so a crash re-runs (never loses) what was accepted into the pool's topics.
+The ``hi`` band is drained before ``lo``: while ``hi`` partitions have a backlog, the ``lo``
+partitions are paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import CommitFailedError, KafkaError
+
+from laneway.clients import make_consumer, make_producer, make_redis
+from laneway.constants import HEARTBEAT_TTL_S
+from laneway.errors import MalformedMessage
+from laneway.schema import CancelRecord, RequestEnvelope, decode
+from laneway.settings import WorkerSettings
+from workers import metrics
+from workers.execution import RequestExecutor
+from workers.offsets import OffsetTracker
+from workers.replies import Outbox
+from workers.shield import CancelShield
+from workers.types import Engine
+
+__all__ = ["PoolWorker"]
+
+log = logging.getLogger(__name__)
+
+
+class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, worker: PoolWorker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.worker.commit(only=set(revoked))
+        self.worker.offsets.forget(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+
+class PoolWorker:
+    """Consumes one pool's request topics and runs them on ``engine``."""
+
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.topics = settings.topics
+        self.keys = settings.keys
+        self.shield = CancelShield()
+        self.offsets = OffsetTracker()
+        self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
+        self._slot_free = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+        self._started = False
+        self._stopped = False
+        self.redis = make_redis(settings)
+        self.producer = make_producer(settings)
+        self.consumer: AIOKafkaConsumer = make_consumer(
+            settings,
+            group_id=self.topics.consumer_group(settings.pool),
+            group_instance_id=settings.worker_id,
+            client_id=settings.worker_id,
+            max_poll_records=settings.max_inflight,
+            session_timeout_ms=settings.session_timeout_ms,
+            heartbeat_interval_ms=max(1000, settings.session_timeout_ms // 4),
+            # Range keeps partition N of every band on one worker, so a session's keystrokes
+            # reach the same shield whichever band they come in.
+            partition_assignment_strategy=(RangePartitionAssignor,),
+        )
+        self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
+        self.executor = RequestExecutor(
+            engine,
+            self.shield,
+            Outbox(self.redis, self.producer, self.topics),
+            worker_id=settings.worker_id,
+        )
+
+    @property
+    def pool(self) -> str:
+        return self.settings.pool
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self.engine.start()
+        await self.producer.start()
+        await self.cancels.start()
+        self.consumer.subscribe(
+            self.topics.pool_topics(self.settings.pool), listener=_CommitOnRevoke(self)
+        )
+        await self.consumer.start()
+        self._loops = [
+            asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self._commit_loop(), name="commit"),
+            asyncio.create_task(self._cancel_loop(), name="cancels"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+        ]
+        log.info(
+            "worker %s serving pool %s with engine %s%s",
+            self.settings.worker_id,
+            self.pool,
+            self.engine.name,
+            " (SIMULATION)" if self.engine.is_simulation else "",
+        )
+
+    async def __aenter__(self) -> PoolWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop fetching, let in-flight work finish within the grace period, commit, close.
+
+        Work still running after the grace period is cancelled without committing its
+        offset, so the partition's next owner runs it again.
+        """
+        if self._stopped or not self._started:
+            return
+        self._stopped = True
+        self._stopping.set()
+        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        if self._inflight:
+            log.info("draining %d in-flight requests (grace %.1fs)", len(self._inflight), grace)
+            _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for loop in self._loops:
+            loop.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        with contextlib.suppress(KafkaError):
+            await self.commit()
+        await self.consumer.stop()
+        await self.cancels.stop()
+        await self.producer.stop()
+        with contextlib.suppress(Exception):
+            await self.redis.zrem(self.keys.workers(self.pool), self.settings.worker_id)
+        await self.redis.aclose()
+        await self.engine.stop()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    # --- fetch ---------------------------------------------------------------------------
+
+    async def _fetch_loop(self) -> None:
+        while not self._stopping.is_set():
+            room = self.settings.max_inflight - len(self._inflight)
+            if room <= 0:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            await self._prioritise_bands()
+            batches = await self.consumer.getmany(timeout_ms=200, max_records=room)
+            if self._stopping.is_set():
+                # Not started: leave them uncommitted for the next owner.
+                return
+            ordered = sorted(batches.items(), key=lambda item: item[0].topic.endswith(".lo"))
+            accepted: list[tuple[TopicPartition, int, RequestEnvelope]] = []
+            for tp, records in ordered:
+                for record in records:
+                    self.offsets.begin(tp, record.offset)
+                    try:
+                        env = decode(RequestEnvelope, record.value)
+                    except MalformedMessage as exc:
+                        metrics.MALFORMED.labels(self.pool, tp.topic).inc()
+                        log.warning(
+                            "skipped %s:%d@%d: %s", tp.topic, tp.partition, record.offset, exc
+                        )
+                        self.offsets.finish(tp, record.offset)
+                        continue
+                    for rid in self.shield.observe(env):
+                        await self.executor.abort(rid)
+                    accepted.append((tp, record.offset, env))
+            # Observe the whole batch first: a keystroke is superseded by one fetched with it.
+            for tp, offset, env in accepted:
+                task = asyncio.create_task(self._run(tp, offset, env), name=f"req-{env.id}")
+                self._inflight[task] = env
+            metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
+
+    async def _prioritise_bands(self) -> None:
+        assigned = self.consumer.assignment()
+        hi = [tp for tp in assigned if tp.topic.endswith(".hi")]
+        lo = [tp for tp in assigned if tp.topic.endswith(".lo")]
+        if not lo:
+            return
+        backlog = 0
+        for tp in hi:
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            with contextlib.suppress(KafkaError, AssertionError):
+                backlog += max(0, high - await self.consumer.position(tp))
+        paused = self.consumer.paused()
+        if backlog > 0:
+            self.consumer.pause(*[tp for tp in lo if tp not in paused])
+        elif paused:
+            self.consumer.resume(*[tp for tp in lo if tp in paused])
+
+    async def _run(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
+        try:
+            await self.executor.run(env)
+        except asyncio.CancelledError:
+            # Shutdown past the grace period: leave the offset pending so it is re-run.
+            raise
+        except Exception:
+            # A reply or usage write failed after retries; the offset must still move on or
+            # the partition would stall. The ingress times the client out with a 504.
+            log.exception(
+                "request %s failed outside the engine",
+                env.id,
+                extra={"request_id": env.id, "team": env.team},
+            )
+        finally:
+            self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._slot_free.set()
+            metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
+        self.offsets.finish(tp, offset)
+
+    # --- commits, cancels, heartbeats -----------------------------------------------------
+
+    async def commit(self, only: set[TopicPartition] | None = None) -> None:
+        offsets = self.offsets.committable(only)
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except CommitFailedError as exc:
+            log.info("commit skipped during a rebalance: %s", exc)
+            return
+        self.offsets.mark_committed(offsets)
+
+    async def _commit_loop(self) -> None:
+        interval = self.settings.commit_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.commit(self.consumer.assignment())
+            except KafkaError as exc:
+                log.warning("offset commit failed (will retry): %s", exc)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            batches = await self.cancels.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    try:
+                        cancel = decode(CancelRecord, record.value)
+                    except MalformedMessage as exc:
+                        metrics.MALFORMED.labels(self.pool, record.topic).inc()
+                        log.warning("skipped cancel record @%d: %s", record.offset, exc)
+                        continue
+                    rid = self.shield.cancel(cancel)
+                    if rid is not None:
+                        await self.executor.abort(rid)
+            self.shield.expire(time.time())
+
+    async def _heartbeat_loop(self) -> None:
+        key = self.keys.workers(self.pool)
+        info_key = self.keys.worker_info(self.settings.worker_id)
+        while True:
+            now = time.time()
+            stats = self.engine.stats()
+            info: dict[str, Any] = {
+                "pool": self.pool,
+                "engine": self.engine.name,
+                "simulation": self.engine.is_simulation,
+                "inflight": len(self._inflight),
+                "cancels_held": len(self.shield),
+                "running": stats.running,
+                "waiting": stats.waiting,
+                "kv_cache_usage": stats.kv_cache_usage,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
+                "ts": now,
+            }
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zadd(key, {self.settings.worker_id: now})
+                    pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
+                    pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
+                    await pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
+                log.warning("heartbeat to Redis failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)

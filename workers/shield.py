@@ -1,0 +1,144 @@
+"""The cancel shield: stale completions never reach the engine.
+
+A request is stale when it was cancelled (a tombstone on ``laneway.cancel``), superseded
+(a newer ``seq`` for its session was fetched: one session lives on one partition, so this
+worker sees every keystroke of it in order) or expired (its deadline passed before it
+started). Stale requests are dropped before execution; ones that turn stale while running
+are aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TypeVar
+
+from laneway.errors import Cancelled, Dropped, Expired, Superseded
+from laneway.schema import CancelRecord, RequestEnvelope
+
+__all__ = ["CancelShield", "RunningRequest"]
+
+_V = TypeVar("_V")
+
+
+@dataclass(slots=True)
+class RunningRequest:
+    team: str
+    session: str | None
+    seq: int | None
+    grace_tokens: int
+    tokens: int = 0
+    stale: Dropped | None = None
+
+
+class CancelShield:
+    """Cancel set, latest keystroke per session and the requests running on this worker.
+
+    Memory is bounded: at most ``max_entries`` cancels and sessions are kept (oldest first
+    out), and a cancel is forgotten after ``ttl_s`` or once its request has finished.
+    """
+
+    def __init__(self, *, max_entries: int = 100_000, ttl_s: float = 900.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._latest_seq: OrderedDict[str, int] = OrderedDict()
+        self._running: dict[str, RunningRequest] = {}
+        self._finished: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._cancelled)
+
+    # --- inputs -------------------------------------------------------------------------
+
+    def observe(self, env: RequestEnvelope) -> list[str]:
+        """Note a fetched request; returns running requests of its session it supersedes."""
+        if env.session is None or env.seq is None:
+            return []
+        previous = self._latest_seq.get(env.session)
+        if previous is not None and previous >= env.seq:
+            return []
+        self._latest_seq[env.session] = env.seq
+        self._latest_seq.move_to_end(env.session)
+        self._trim(self._latest_seq)
+        to_abort = []
+        for rid, run in self._running.items():
+            if run.session != env.session or run.seq is None or run.seq >= env.seq:
+                continue
+            if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
+                run.stale = Superseded(f"superseded by seq {env.seq} of session {env.session}")
+                to_abort.append(rid)
+        return to_abort
+
+    def cancel(self, record: CancelRecord) -> str | None:
+        """Note a tombstone; returns the request id if it is running here and must abort."""
+        if record.id in self._finished:
+            return None
+        run = self._running.get(record.id)
+        if run is not None:
+            if run.team != record.team or run.stale is not None:
+                return None
+            run.stale = Cancelled(f"cancelled ({record.reason}) while running")
+            return record.id
+        self._cancelled[record.id] = (record.team, record.ts + self.ttl_s)
+        self._cancelled.move_to_end(record.id)
+        self._trim(self._cancelled)
+        return None
+
+    # --- decisions ----------------------------------------------------------------------
+
+    def verdict(self, env: RequestEnvelope, now: float | None = None) -> Dropped | None:
+        """Why ``env`` must not run, or None when it may."""
+        now = time.time() if now is None else now
+        cancel = self._cancelled.get(env.id)
+        if cancel is not None and cancel[0] == env.team:
+            return Cancelled("cancelled before it started")
+        if env.session is not None and env.seq is not None:
+            latest = self._latest_seq.get(env.session)
+            if latest is not None and latest > env.seq:
+                return Superseded(f"superseded by seq {latest} of session {env.session}")
+        if env.deadline_ts is not None and now > env.deadline_ts:
+            late_ms = (now - env.deadline_ts) * 1000
+            return Expired(f"deadline passed {late_ms:.0f} ms before it could start")
+        return None
+
+    def started(self, env: RequestEnvelope) -> None:
+        self._running[env.id] = RunningRequest(
+            env.team, env.session, env.seq, env.supersede_grace_tokens
+        )
+
+    def progress(self, request_id: str, tokens: int) -> None:
+        run = self._running.get(request_id)
+        if run is not None:
+            run.tokens = tokens
+
+    def stale_reason(self, request_id: str) -> Dropped | None:
+        run = self._running.get(request_id)
+        return run.stale if run is not None else None
+
+    def finished(self, request_id: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._running.pop(request_id, None)
+        self._cancelled.pop(request_id, None)
+        # Remember finished ids briefly so a late tombstone is not kept for the full TTL.
+        self._finished[request_id] = now
+        self._trim(self._finished)
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        while self._cancelled:
+            rid, (_, expires) = next(iter(self._cancelled.items()))
+            if expires > now:
+                break
+            del self._cancelled[rid]
+        horizon = now - 60.0
+        while self._finished:
+            rid, at = next(iter(self._finished.items()))
+            if at > horizon:
+                break
+            del self._finished[rid]
+
+    def _trim(self, entries: OrderedDict[str, _V]) -> None:
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)

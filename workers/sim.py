@@ -1,0 +1,177 @@
+"""The sim engine: a calibrated GPU performance model that stands in where there is no GPU.
+
+It is a simulation and says so (``is_simulation``). Costs are modelled, not measured:
+prefill costs ``prefill_ms_per_token`` for each token not found in the prefix cache, each
+decode step costs ``decode_ms_per_step``, at most ``batch_slots`` sequences decode at once
+(the rest wait, as in a full continuous batch), and the prefix cache is an LRU of
+``block_tokens``-token blocks keyed by the hash of everything before them. Text is
+deterministic: the same prompt yields the same completion, so a re-run after a crash
+repeats what the client already saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from laneway.errors import Aborted, EngineError
+from laneway.tokens import CHARS_PER_TOKEN
+from workers.types import EngineDelta, EngineRequest, EngineStats
+
+__all__ = ["SimEngine", "SimProfile"]
+
+_WORDS = (
+    "return",
+    "self",
+    "value",
+    "result",
+    "data",
+    "items",
+    "index",
+    "name",
+    "config",
+    "node",
+    "token",
+    "buffer",
+    "cache",
+    "key",
+    "request",
+    "stream",
+    "offset",
+    "count",
+    "total",
+    "error",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    prefill_ms_per_token: float = 0.05
+    decode_ms_per_step: float = 15.0
+    batch_slots: int = 32
+    prefix_cache_blocks: int = 4096
+    block_tokens: int = 16
+    failure_rate: float = 0.0
+    seed: int = 0
+
+
+def _tokens(text: str) -> list[str]:
+    return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+class SimEngine:
+    """Simulated GPU engine (see module docstring)."""
+
+    name = "sim"
+    is_simulation = True
+
+    def __init__(self, profile: SimProfile | None = None) -> None:
+        self.profile = profile or SimProfile()
+        self._slots = asyncio.Semaphore(self.profile.batch_slots)
+        self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self._aborted: set[str] = set()
+        self._running = 0
+        self._waiting = 0
+        self._queries = 0
+        self._hits = 0
+        self._rng = random.Random(self.profile.seed)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        self._aborted.clear()
+
+    async def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+
+    def stats(self) -> EngineStats:
+        blocks = self.profile.prefix_cache_blocks
+        return EngineStats(
+            running=self._running,
+            waiting=self._waiting,
+            kv_cache_usage=len(self._cache) / blocks if blocks else 0.0,
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def _cached_tokens(self, tokens: list[str]) -> int:
+        """Longest cached prefix in whole blocks; every full block is then cached (LRU)."""
+        size = self.profile.block_tokens
+        capacity = self.profile.prefix_cache_blocks
+        digest = hashlib.blake2b(digest_size=16)
+        hit_blocks = 0
+        still_hitting = True
+        for start in range(0, len(tokens) - size + 1, size):
+            digest.update("".join(tokens[start : start + size]).encode())
+            block = digest.digest()
+            self._queries += 1
+            if still_hitting and block in self._cache:
+                self._hits += 1
+                hit_blocks += 1
+                self._cache.move_to_end(block)
+                continue
+            still_hitting = False
+            if capacity:
+                self._cache[block] = None
+                if len(self._cache) > capacity:
+                    self._cache.popitem(last=False)
+        return hit_blocks * size
+
+    def _completion_words(self, request: EngineRequest) -> list[str]:
+        seed = hashlib.sha256(f"{request.route}\0{request.prompt}".encode()).digest()
+        rng = random.Random(seed)
+        length = min(request.max_tokens, 4 + seed[0] % max(1, request.max_tokens))
+        return [rng.choice(_WORDS) + " " for _ in range(length)]
+
+    async def _sleep_ms(self, ms: float) -> None:
+        await asyncio.sleep(ms / 1000 if ms > 0 else 0)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        self._running += 1
+        try:
+            async for delta in self._run(request):
+                yield delta
+        finally:
+            self._running -= 1
+            self._slots.release()
+            self._aborted.discard(request.id)
+
+    async def _run(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        profile = self.profile
+        if request.id in self._aborted:
+            raise Aborted(f"request {request.id} aborted while waiting for a batch slot")
+        tokens = _tokens(request.prompt + (request.suffix or ""))
+        cached = self._cached_tokens(tokens)
+        prefill_ms = (len(tokens) - cached) * profile.prefill_ms_per_token
+        await self._sleep_ms(prefill_ms)
+        engine_ms = prefill_ms
+        if profile.failure_rate and self._rng.random() < profile.failure_rate:
+            raise EngineError(
+                f"sim: injected failure (LANEWAY_SIM_FAILURE_RATE={profile.failure_rate})"
+            )
+        words = self._completion_words(request)
+        for i, word in enumerate(words):
+            if request.id in self._aborted:
+                raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
+            await self._sleep_ms(profile.decode_ms_per_step)
+            engine_ms += profile.decode_ms_per_step
+            last = i == len(words) - 1
+            finish = ("length" if len(words) == request.max_tokens else "stop") if last else None
+            yield EngineDelta(
+                text=word,
+                prompt_tokens=len(tokens),
+                cached_tokens=cached,
+                completion_tokens=i + 1,
+                engine_ms=engine_ms,
+                finish_reason=finish,
+            )

@@ -1,0 +1,68 @@
+"""What an engine is to a worker: the protocol, its request and its output deltas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from laneway.schema import ChatMessage
+
+__all__ = ["Engine", "EngineDelta", "EngineRequest", "EngineStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    id: str
+    route: str
+    prompt: str
+    max_tokens: int
+    messages: list[ChatMessage] | None = None
+    suffix: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDelta:
+    """New text since the previous delta plus running totals for the request."""
+
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    engine_ms: float
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    memory_free_bytes: int | None = None
+
+
+class Engine(Protocol):
+    """An inference engine: many ``generate`` calls run at once on one engine."""
+
+    name: str
+    is_simulation: bool
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        """Stream deltas; the last one has ``finish_reason``. Raises ``EngineError``."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request within one decode step (``Aborted`` in its generator)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
