@@ -164,6 +164,8 @@ class _ServerProcess:
 
     name = "server"
     port_setting = "LANEWAY_PORT"
+    # Found in /proc/<pid>/cmdline of our server (redis-server rewrites its argv).
+    cmdline_marker = b"server"
 
     def __init__(self, *, port: int, data_dir: Path) -> None:
         self.port = port
@@ -187,7 +189,7 @@ class _ServerProcess:
         with contextlib.suppress(OSError, ValueError):
             pid = int(self._pid_path.read_text())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if str(self.data_dir).encode() in cmdline:
+            if self.cmdline_marker in cmdline:
                 hint = f"; a {self.name} from an earlier run (pid {pid}) still holds it: kill {pid}"
         raise ServiceError(
             f"{what} port {port} is already in use{hint}; "
@@ -313,6 +315,7 @@ class KafkaBroker(_ServerProcess):
 
     name = "kafka"
     port_setting = "LANEWAY_KAFKA_PORT"
+    cmdline_marker = b"kafka.Kafka"
 
     def __init__(
         self, *, port: int, data_dir: Path, heap_mb: int = 768, partitions: int = 3
@@ -454,6 +457,7 @@ class RedisServer(_ServerProcess):
 
     name = "redis"
     port_setting = "LANEWAY_REDIS_PORT"
+    cmdline_marker = b"redis-server"
 
     def __init__(self, *, port: int, data_dir: Path) -> None:
         super().__init__(port=port, data_dir=data_dir)
@@ -512,13 +516,35 @@ async def _create_topics(bootstrap: str, specs: Sequence[tuple[str, int, dict[st
         if not wanted:
             return
         response = await admin.create_topics(wanted)
+        failures = [
+            f"{item['topic']}: error {item['error_code']} {item.get('error_message') or ''}".strip()
+            for item in response.to_object()["topic_errors"]
+            if item["error_code"] not in (0, TopicAlreadyExistsError.errno)
+        ]
+        if failures:
+            raise ServiceError(f"could not create topics on {bootstrap}: " + "; ".join(failures))
+        # Clients that start right away would otherwise log NotLeaderForPartition and retry.
+        await _wait_for_leaders(admin, [topic.name for topic in wanted])
     finally:
         await admin.close()
-    failures = [
-        f"{item['topic']}: error {item['error_code']} {item.get('error_message') or ''}".strip()
-        for item in response.to_object()["topic_errors"]
-        if item["error_code"] not in (0, TopicAlreadyExistsError.errno)
-    ]
-    if failures:
-        raise ServiceError(f"could not create topics on {bootstrap}: " + "; ".join(failures))
     log.info("created topics %s", ", ".join(topic.name for topic in wanted))
+
+
+async def _wait_for_leaders(
+    admin: AIOKafkaAdminClient, names: list[str], within_s: float = 15.0
+) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        described = await admin.describe_topics(names)
+        leaderless = [
+            topic["topic"]
+            for topic in described
+            if topic.get("error_code")
+            or not topic["partitions"]
+            or any(p["leader"] < 0 for p in topic["partitions"])
+        ]
+        if not leaderless:
+            return
+        if time.monotonic() > deadline:
+            raise ServiceError(f"topics without a partition leader after {within_s}s: {leaderless}")
+        await asyncio.sleep(0.05)

@@ -19,7 +19,9 @@ REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT", "26379"))
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")
     redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis")
-    kafka = KafkaBroker(port=KAFKA_PORT, data_dir=root / "kafka", heap_mb=512, partitions=PARTITIONS)
+    kafka = KafkaBroker(
+        port=KAFKA_PORT, data_dir=root / "kafka", heap_mb=512, partitions=PARTITIONS
+    )
     redis.start()
     try:
         kafka.start()

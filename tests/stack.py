@@ -24,7 +24,8 @@ from laneway.settings import IngressSettings, WorkerSettings
 from quota.teams import Team, set_team
 from workers.pool import PoolWorker
 from workers.select import choose_engine
-from workers.types import Engine
+from workers.sim import SimEngine
+from workers.types import Engine, EngineRequest
 
 PARTITIONS = 2
 
@@ -35,11 +36,11 @@ class Services:
     redis_url: str
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_for(predicate: Callable[[], bool], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
         await asyncio.sleep(0.02)
 
 
@@ -47,7 +48,9 @@ class Ingress:
     def __init__(self, settings: IngressSettings) -> None:
         self.settings = settings
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+        )
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
         self.port = 0
@@ -93,7 +96,9 @@ class LiveStack:
         return IngressSettings(**self.common).topics
 
     async def create_topics(self) -> None:
-        await asyncio.to_thread(create_topics, self.services.bootstrap, self.topics.specs(PARTITIONS))
+        await asyncio.to_thread(
+            create_topics, self.services.bootstrap, self.topics.specs(PARTITIONS)
+        )
 
     async def start_ingress(self, **overrides: Any) -> Ingress:
         settings = IngressSettings(**{**self.common, **overrides})
@@ -117,19 +122,28 @@ class LiveStack:
         return WorkerSettings(**{**self.common, **options})
 
     async def start_worker(
-        self, pool: str = "completion", *, engine: Engine | None = None, wait_assigned: bool = True, **overrides: Any
+        self,
+        pool: str = "completion",
+        *,
+        engine: Engine | None = None,
+        wait_assigned: bool = True,
+        **overrides: Any,
     ) -> PoolWorker:
         settings = self.worker_settings(pool, **overrides)
         worker = PoolWorker(settings, engine or choose_engine(settings)[0])
         await worker.start()
         self.workers.append(worker)
         if wait_assigned:
-            await wait_for(lambda: bool(worker.consumer.assignment()), 30, f"{pool} worker assignment")
+            await wait_for(
+                lambda: bool(worker.consumer.assignment()), 30, f"{pool} worker assignment"
+            )
         return worker
 
     async def api_key(self, team: str = "team-a", **team_fields: Any) -> str:
         if team_fields:
-            await set_team(self.redis, IngressSettings(**self.common).keys, Team(team, **team_fields))
+            await set_team(
+                self.redis, IngressSettings(**self.common).keys, Team(team, **team_fields)
+            )
         return await create_key(self.redis, IngressSettings(**self.common).keys, team)
 
     def http(self, ingress: Ingress, key: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
@@ -145,16 +159,24 @@ class LiveStack:
         return producer
 
     async def read_topic(
-        self, topic: str, *, count: int, timeout: float = 20.0, where: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        topic: str,
+        *,
+        count: int,
+        within_s: float = 20.0,
+        where: Callable[[dict[str, Any]], bool] | None = None,
     ) -> list[dict[str, Any]]:
         """The first ``count`` JSON records of ``topic`` (matching ``where``), from the start."""
         consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=self.services.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+            topic,
+            bootstrap_servers=self.services.bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
         )
         await consumer.start()
         found: list[dict[str, Any]] = []
         try:
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + within_s
             while len(found) < count and time.monotonic() < deadline:
                 batches = await consumer.getmany(timeout_ms=200)
                 for records in batches.values():
@@ -177,3 +199,17 @@ class LiveStack:
         for worker in self.workers:
             await worker.stop(grace_s=1.0)
         await self.redis.aclose()
+
+
+def long_prompt(
+    min_tokens: int, *, route: str = "laneway-code", max_tokens: int = 128, chat: bool = False
+) -> str:
+    """A prompt whose deterministic sim answer has at least ``min_tokens`` tokens."""
+    sim = SimEngine()
+    for i in range(1000):
+        prompt = f"def handler_{i}(request):"
+        text = f"user: {prompt}\nassistant: " if chat else prompt
+        request = EngineRequest(id="probe", route=route, prompt=text, max_tokens=max_tokens)
+        if len(sim._completion_words(request)) >= min_tokens:
+            return prompt
+    raise ValueError(f"no prompt with a {min_tokens}-token answer")

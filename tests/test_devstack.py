@@ -79,6 +79,16 @@ def test_redis_refuses_taken_port(occupied_port: int, tmp_path: Path) -> None:
     server.stop()
 
 
+def test_redis_names_leftover_from_earlier_run(tmp_path: Path) -> None:
+    leftover = RedisServer(port=_free_port(), data_dir=tmp_path)
+    with leftover:
+        assert leftover.running
+        fresh = RedisServer(port=leftover.port, data_dir=tmp_path)
+        with pytest.raises(ServiceError, match=r"earlier run \(pid \d+\)"):
+            fresh.start()
+        assert leftover.running
+
+
 def test_kafka_refuses_taken_port(occupied_port: int, tmp_path: Path) -> None:
     broker = KafkaBroker(port=occupied_port, data_dir=tmp_path)
     with pytest.raises(ServiceError, match=rf"port {occupied_port} .*LANEWAY_KAFKA_PORT"):

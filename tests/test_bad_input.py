@@ -1,0 +1,151 @@
+"""Every door answers bad input with an error that names the problem, and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from laneway.errors import ConfigError
+from laneway.settings import IngressSettings, WorkerSettings, load_settings
+from tests.stack import LiveStack
+from workers import metrics
+
+
+@pytest.fixture
+async def ingress_and_key(stack: LiveStack) -> tuple[LiveStack, str]:
+    await stack.start_ingress(max_prompt_tokens=1000)
+    await stack.start_worker("completion")
+    return stack, await stack.api_key("team-a")
+
+
+def _error(response: object) -> dict[str, object]:
+    body = orjson.loads(response.content)  # type: ignore[attr-defined]
+    assert set(body) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "JSON object"),
+        (b'{"model": "laneway-code"}', 400, "prompt", "Field required"),
+        (
+            b'{"model": "laneway-code", "prompt": "x", "max_tokens": "many"}',
+            400,
+            "max_tokens",
+            "integer",
+        ),
+        (
+            b'{"model": "laneway-code", "prompt": "x", "temperature": 9}',
+            400,
+            "temperature",
+            "less than",
+        ),
+        (
+            b'{"model": "laneway-code", "prompt": "x", "max_tokens": 4096}',
+            400,
+            "max_tokens",
+            "LANEWAY_COMPLETION_MAX_TOKENS",
+        ),
+        (b'{"model": "gpt-nope", "prompt": "x"}', 404, "model", "not served"),
+        (
+            b'{"model": "laneway-code", "prompt": "' + b"x" * 8000 + b'"}',
+            413,
+            "prompt",
+            "LANEWAY_MAX_PROMPT_TOKENS",
+        ),
+    ],
+)
+async def test_bad_completion_bodies(
+    ingress_and_key: tuple[LiveStack, str], body: bytes, status: int, param: str | None, words: str
+) -> None:
+    stack, key = ingress_and_key
+    http = stack.http(stack.ingresses[0], key)
+    response = await http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = _error(response)
+    assert error["param"] == param
+    assert words in str(error["message"])
+
+
+async def test_bad_chat_message_names_the_field(ingress_and_key: tuple[LiveStack, str]) -> None:
+    stack, key = ingress_and_key
+    http = stack.http(stack.ingresses[0], key)
+    response = await http.post(
+        "/v1/chat/completions",
+        json={"model": "laneway-chat", "messages": [{"role": "user", "content": 5}]},
+    )
+    assert response.status_code == 400
+    assert str(_error(response)["param"]).startswith("messages.0.content")
+
+
+@pytest.mark.parametrize("header", [None, "Bearer lw-not-a-key", "Basic abc"])
+async def test_unknown_key_is_401(
+    ingress_and_key: tuple[LiveStack, str], header: str | None
+) -> None:
+    stack, _ = ingress_and_key
+    http = stack.http(stack.ingresses[0])
+    headers = {"Authorization": header} if header else {}
+    response = await http.post(
+        "/v1/completions", json={"model": "laneway-code", "prompt": "x"}, headers=headers
+    )
+    assert response.status_code == 401
+    assert _error(response)["type"] == "authentication_error"
+
+
+async def test_bad_header_is_named(ingress_and_key: tuple[LiveStack, str]) -> None:
+    stack, key = ingress_and_key
+    http = stack.http(stack.ingresses[0], key)
+    response = await http.post(
+        "/v1/completions",
+        json={"model": "laneway-code", "prompt": "x"},
+        headers={"X-Laneway-Seq": "seven"},
+    )
+    assert response.status_code == 400
+    assert _error(response)["param"] == "x-laneway-seq"
+
+
+async def test_malformed_kafka_records_are_skipped(ingress_and_key: tuple[LiveStack, str]) -> None:
+    stack, key = ingress_and_key
+    worker = stack.workers[0]
+    producer = await stack.producer()
+    topic = stack.topics.request("completion", "hi")
+
+    def skipped() -> float:
+        return metrics.MALFORMED.labels("completion", topic)._value.get()
+
+    before = skipped()
+    for junk in (b"\x00\xff not json", b'{"v": 1, "id": "x"}', b"[]"):
+        for partition in (0, 1):
+            await producer.send_and_wait(topic, junk, partition=partition)
+    http = stack.http(stack.ingresses[0], key)
+    # The worker is still serving after the junk: requests on both partitions complete.
+    for prompt in ("first", "second", "third", "fourth"):
+        response = await http.post(
+            "/v1/completions", json={"model": "laneway-code", "prompt": prompt}
+        )
+        assert response.status_code == 200, response.text
+    for _ in range(100):
+        if skipped() - before >= 6:
+            break
+        await asyncio.sleep(0.05)
+    assert skipped() - before == 6
+    assert not worker._stopping.is_set()
+
+
+def test_misspelt_setting_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_KAFKA_BOOTSTRAPP", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="LANEWAY_KAFKA_BOOTSTRAPP"):
+        load_settings(IngressSettings)
+
+
+def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_MAX_INFLIGHT", "-3")
+    with pytest.raises(ConfigError, match="LANEWAY_MAX_INFLIGHT"):
+        load_settings(WorkerSettings)

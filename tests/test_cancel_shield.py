@@ -1,0 +1,199 @@
+"""The cancel shield on the real broker: stale completions never reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from laneway.schema import CancelRecord, RequestEnvelope
+from tests.stack import LiveStack, long_prompt, wait_for
+from workers.shield import CancelShield
+
+STEP_MS = 20.0
+# Long enough that a tombstone crosses Kafka (a few ms on loopback) within one step.
+RACE_STEP_MS = 100.0
+
+
+def _envelope(stack: LiveStack, **fields: Any) -> RequestEnvelope:
+    now = time.time()
+    values: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "team": "team-a",
+        "cls": "completion",
+        "band": "hi",
+        "kind": "completion",
+        "model": "laneway-code",
+        "route": "laneway-code",
+        "prompt": "def main():",
+        "max_tokens": 64,
+        "affinity": "s:doc",
+        "reply_to": f"{stack.prefix}:reply:test",
+        "accepted_ts": now,
+        "deadline_ts": now + 30,
+    }
+    values.update(fields)
+    return RequestEnvelope(**values)
+
+
+async def _send(stack: LiveStack, *records: RequestEnvelope | CancelRecord) -> None:
+    producer = await stack.producer()
+    for record in records:
+        if isinstance(record, CancelRecord):
+            await producer.send_and_wait(
+                stack.topics.cancel, record.to_json(), key=record.id.encode()
+            )
+        else:
+            topic = stack.topics.request(record.cls, record.band)
+            await producer.send_and_wait(topic, record.to_json(), key=record.affinity.encode())
+
+
+async def _usage(stack: LiveStack, *ids: str) -> dict[str, dict[str, Any]]:
+    wanted = set(ids)
+    events = await stack.read_topic(
+        stack.topics.usage, count=len(wanted), where=lambda e: e["id"] in wanted
+    )
+    assert {e["id"] for e in events} == wanted
+    return {e["id"]: e for e in events}
+
+
+async def test_stale_requests_never_reach_the_engine(stack: LiveStack) -> None:
+    cancelled = _envelope(stack)
+    superseded = _envelope(stack, session="doc-1", seq=1, affinity="s:doc-1")
+    newer = _envelope(stack, session="doc-1", seq=2, affinity="s:doc-1", max_tokens=4)
+    past = time.time() - 1
+    expired = _envelope(stack, accepted_ts=past - 2, deadline_ts=past)
+    fresh = _envelope(stack, max_tokens=4)
+    # The tombstone first, then the requests; the worker starts after all of them are queued.
+    await _send(
+        stack,
+        CancelRecord(id=cancelled.id, team="team-a"),
+        cancelled,
+        superseded,
+        newer,
+        expired,
+        fresh,
+    )
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+
+    usage = await _usage(stack, cancelled.id, superseded.id, newer.id, expired.id, fresh.id)
+    assert usage[cancelled.id]["status"] == "cancelled"
+    assert usage[superseded.id]["status"] == "superseded"
+    assert usage[expired.id]["status"] == "expired"
+    for rid in (cancelled.id, superseded.id, expired.id):
+        assert usage[rid]["engine_ms"] == 0
+        assert usage[rid]["completion_tokens"] == 0
+    assert usage[newer.id]["status"] == "ok"
+    assert usage[fresh.id]["status"] == "ok"
+    assert usage[fresh.id]["engine_ms"] > 0
+
+
+@pytest.mark.parametrize("cancel_first", [True, False])
+async def test_cancel_racing_its_request_never_runs_past_one_step(
+    stack: LiveStack, cancel_first: bool
+) -> None:
+    await stack.start_worker("completion", sim_decode_ms_per_step=RACE_STEP_MS)
+    envs = [_envelope(stack, max_tokens=128, prompt=f"race {i}") for i in range(6)]
+    for env in envs:
+        cancel = CancelRecord(id=env.id, team=env.team)
+        await _send(stack, *((cancel, env) if cancel_first else (env, cancel)))
+    usage = await _usage(stack, *(e.id for e in envs))
+    for event in usage.values():
+        assert event["status"] == "cancelled"
+        # Either dropped before execution, or aborted within one decode step of the tombstone
+        # reaching the worker (the tombstone is consumed while the first steps run).
+        assert event["completion_tokens"] <= 1
+        assert event["engine_ms"] <= RACE_STEP_MS + 1
+
+
+async def test_running_request_is_aborted_by_supersession(stack: LiveStack) -> None:
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    old = _envelope(
+        stack, session="doc-9", seq=1, affinity="s:doc-9", max_tokens=128, prompt="a" * 5
+    )
+    await _send(stack, old)
+    await asyncio.sleep(0.3)  # let it run for a while
+    new = _envelope(stack, session="doc-9", seq=2, affinity="s:doc-9", max_tokens=4)
+    await _send(stack, new)
+    usage = await _usage(stack, old.id, new.id)
+    assert usage[old.id]["status"] == "superseded"
+    assert 0 < usage[old.id]["engine_ms"] < 128 * STEP_MS
+    assert usage[new.id]["status"] == "ok"
+
+
+async def test_team_cannot_cancel_another_teams_request(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    owner = stack.http(ingress, await stack.api_key("team-a"))
+    other = stack.http(ingress, await stack.api_key("team-b"))
+    body = {"model": "laneway-code", "prompt": long_prompt(10), "max_tokens": 100, "stream": True}
+    async with owner.stream("POST", "/v1/completions", json=body) as response:
+        request_id = response.headers["x-laneway-request-id"]
+        refused = await other.delete(f"/v1/requests/{request_id}")
+        assert refused.status_code == 404
+        # A forged tombstone from team-b straight onto Kafka is ignored by the worker too.
+        await _send(stack, CancelRecord(id=request_id, team="team-b"))
+        text = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert text[-1] == "data: [DONE]"
+    assert (await _usage(stack, request_id))[request_id]["status"] == "ok"
+
+
+async def test_owner_cancels_with_delete(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    owner = stack.http(ingress, await stack.api_key("team-a"))
+    body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
+    async with owner.stream("POST", "/v1/completions", json=body) as response:
+        request_id = response.headers["x-laneway-request-id"]
+        accepted = await owner.delete(f"/v1/requests/{request_id}")
+        assert accepted.status_code == 200
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = orjson.loads(lines[-2][6:])["error"]
+    assert error["code"] == "cancelled"
+    event = (await _usage(stack, request_id))[request_id]
+    assert event["status"] == "cancelled"
+    assert event["completion_tokens"] < 128
+
+
+async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    key = await stack.api_key("team-a")
+    body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
+    async with (
+        httpx.AsyncClient(
+            base_url=ingress.base_url, headers={"Authorization": f"Bearer {key}"}
+        ) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        request_id = response.headers["x-laneway-request-id"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break
+    # Not streamed: the client gives up before any reply.
+    async with httpx.AsyncClient(
+        base_url=ingress.base_url, headers={"Authorization": f"Bearer {key}"}
+    ) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    await wait_for(lambda: ingress.state.replies.open_channels == 0, 10, "handlers to let go")
+    events = await stack.read_topic(stack.topics.usage, count=2)
+    by_id = {e["id"]: e for e in events}
+    assert by_id[request_id]["status"] == "cancelled"
+    assert by_id[request_id]["completion_tokens"] < 128
+    assert all(e["status"] == "cancelled" for e in events)
+
+
+def test_shield_memory_is_bounded() -> None:
+    shield = CancelShield(max_entries=100, ttl_s=60)
+    for i in range(1000):
+        shield.cancel(CancelRecord(id=f"r{i}", team="t", ts=1000.0))
+    assert len(shield) == 100
+    shield.expire(now=1000.0 + 61)
+    assert len(shield) == 0

@@ -1,0 +1,153 @@
+"""Affinity and at-least-once delivery, with real worker processes killed by SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from aiokafka.partitioner import murmur2
+
+from tests.stack import PARTITIONS, LiveStack, wait_for
+from workers.sim import SimEngine
+from workers.types import EngineRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _partition(session: str) -> int:
+    return (murmur2(f"s:{session}".encode()) & 0x7FFFFFFF) % PARTITIONS
+
+
+async def test_same_session_same_partition_same_worker(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    first = await stack.start_worker("completion")
+    second = await stack.start_worker("completion", wait_assigned=False)
+    await wait_for(
+        lambda: bool(first.consumer.assignment()) and bool(second.consumer.assignment()),
+        30,
+        "both workers assigned",
+    )
+    sessions = ["doc-0"]
+    sessions.append(
+        next(f"doc-{i}" for i in range(1, 100) if _partition(f"doc-{i}") != _partition("doc-0"))
+    )
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    ids: dict[str, list[str]] = {s: [] for s in sessions}
+    for seq in range(5):
+        for session in sessions:
+            response = await http.post(
+                "/v1/completions",
+                json={
+                    "model": "laneway-code",
+                    "prompt": f"keystroke {seq} in {session}",
+                    "max_tokens": 8,
+                },
+                headers={"X-Laneway-Session": session},
+            )
+            assert response.status_code == 200, response.text
+            ids[session].append(response.json()["id"])
+    events = await stack.read_topic(stack.topics.usage, count=10)
+    worker_of = {e["id"]: e["worker"] for e in events}
+    served_by = {s: {worker_of[i] for i in ids[s]} for s in sessions}
+    assert all(len(workers) == 1 for workers in served_by.values()), served_by
+    assert served_by[sessions[0]] != served_by[sessions[1]]
+
+
+def _spawn_worker(stack: LiveStack, worker_id: str, **env: str) -> subprocess.Popen[bytes]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    environ.update(
+        PYTHONPATH=str(ROOT),
+        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
+        LANEWAY_REDIS_URL=stack.services.redis_url,
+        LANEWAY_TOPIC_PREFIX=stack.prefix,
+        LANEWAY_REDIS_PREFIX=stack.prefix,
+        LANEWAY_WORKER_ID=worker_id,
+        LANEWAY_ENGINE="sim",
+        LANEWAY_COMMIT_INTERVAL_MS="50",
+        LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
+        **env,
+    )
+    return subprocess.Popen([sys.executable, "-m", "workers"], env=environ, cwd=ROOT)
+
+
+@pytest.mark.slow
+async def test_sigkill_mid_stream_loses_nothing(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    key = await stack.api_key("team-a")
+    # A chat prompt whose (deterministic) sim answer is long enough to kill mid-stream.
+    sim = SimEngine()
+    for i in range(200):
+        prompt = f"user: summarise file {i}\n"
+        words = sim._completion_words(
+            EngineRequest(
+                id="x", route="laneway-chat", prompt=prompt + "assistant: ", max_tokens=64
+            )
+        )
+        if len(words) >= 40:
+            break
+    expected = "".join(words)
+    slow = {
+        "LANEWAY_POOL": "chat",
+        "LANEWAY_SIM_DECODE_MS_PER_STEP": "40",
+        "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
+    }
+
+    victim = _spawn_worker(stack, "chat-kill", **slow)
+    replacement: subprocess.Popen[bytes] | None = None
+    try:
+        async with httpx.AsyncClient(
+            base_url=ingress.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+            body = {
+                "model": "laneway-chat",
+                "messages": [{"role": "user", "content": f"summarise file {i}"}],
+                "max_tokens": 64,
+                "stream": True,
+            }
+            pieces: list[str] = []
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                request_id = response.headers["x-laneway-request-id"]
+                lines = response.aiter_lines()
+                async for line in lines:
+                    if not line.startswith("data: {"):
+                        continue
+                    delta = orjson.loads(line[6:])["choices"][0]["delta"]
+                    pieces.append(delta.get("content", ""))
+                    if len([p for p in pieces if p]) == 5:
+                        break
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(timeout=10)
+                # Accepted while the pool has no worker at all: must not be lost either.
+                queued = asyncio.create_task(
+                    http.post("/v1/chat/completions", json={**body, "stream": False})
+                )
+                await asyncio.sleep(0.5)
+                replacement = _spawn_worker(stack, "chat-kill", **slow)
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        chunk = orjson.loads(line[6:])
+                        if chunk["choices"]:
+                            pieces.append(chunk["choices"][0]["delta"].get("content", ""))
+                    if line == "data: [DONE]":
+                        break
+            assert "".join(pieces) == expected
+            queued_response = await asyncio.wait_for(queued, 60)
+            assert queued_response.status_code == 200, queued_response.text
+            assert queued_response.json()["choices"][0]["message"]["content"] == expected
+    finally:
+        for proc in (victim, replacement):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=20)
+    events = await stack.read_topic(stack.topics.usage, count=2)
+    ok = [e for e in events if e["status"] == "ok"]
+    assert len(ok) == 2
+    assert request_id in {e["id"] for e in ok}

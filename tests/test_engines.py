@@ -1,0 +1,107 @@
+"""Engines: the sim model's arithmetic, and the openai engine against a real OpenAI-style server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from laneway.errors import Aborted, EngineError
+from tests.stack import LiveStack
+from workers.sim import SimEngine, SimProfile
+from workers.types import EngineDelta, EngineRequest
+from workers.upstream import OpenAICompatibleEngine
+
+
+async def _run(
+    engine: SimEngine | OpenAICompatibleEngine, request: EngineRequest
+) -> list[EngineDelta]:
+    return [delta async for delta in engine.generate(request)]
+
+
+async def test_sim_is_deterministic_and_costed() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.5, decode_ms_per_step=0.0, block_tokens=4))
+    request = EngineRequest(id="a", route="m", prompt="x" * 64, max_tokens=20)
+    first = await _run(engine, request)
+    again = await _run(engine, EngineRequest(id="b", route="m", prompt="x" * 64, max_tokens=20))
+    assert "".join(d.text for d in first) == "".join(d.text for d in again)
+    assert first[-1].finish_reason in ("stop", "length")
+    assert first[-1].completion_tokens == len(first)
+    assert first[-1].prompt_tokens == 16  # four characters a token
+    # First run: 16 uncached tokens at 0.5 ms. Second: the whole prefix is cached.
+    assert first[-1].engine_ms == pytest.approx(8.0)
+    assert again[-1].cached_tokens == 16
+    assert again[-1].engine_ms == pytest.approx(0.0)
+
+
+async def test_sim_prefix_cache_counts_only_whole_shared_blocks() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0, block_tokens=4))
+    await _run(engine, EngineRequest(id="a", route="m", prompt="a" * 40 + "tail-one", max_tokens=4))
+    deltas = await _run(
+        engine, EngineRequest(id="b", route="m", prompt="a" * 40 + "tail-two", max_tokens=4)
+    )
+    assert deltas[-1].cached_tokens == 8  # 10 shared tokens → two whole 4-token blocks
+    assert engine.stats().prefix_cache_hits == 2
+
+
+async def test_sim_batch_slots_queue_the_rest() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0, batch_slots=2))
+    requests = [EngineRequest(id=str(i), route="m", prompt=f"p{i}", max_tokens=2) for i in range(3)]
+    tasks = [asyncio.create_task(_run(engine, r)) for r in requests]
+    await asyncio.sleep(0.01)
+    assert (engine.stats().running, engine.stats().waiting) == (2, 1)
+    await asyncio.gather(*tasks)
+    assert (engine.stats().running, engine.stats().waiting) == (0, 0)
+
+
+async def test_sim_abort_stops_within_one_step() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=10.0))
+    request = EngineRequest(id="long", route="m", prompt="q", max_tokens=128)
+    seen: list[EngineDelta] = []
+
+    async def consume() -> None:
+        async for delta in engine.generate(request):
+            seen.append(delta)
+            if len(seen) == 3:
+                await engine.abort("long")
+
+    with pytest.raises(Aborted) as info:
+        await consume()
+    assert len(seen) == 3
+    assert info.value.engine_ms == pytest.approx(30.0)
+
+
+async def test_sim_injected_failures_follow_the_rate() -> None:
+    engine = SimEngine(
+        SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0, failure_rate=0.25, seed=7)
+    )
+    failures = 0
+    for i in range(400):
+        try:
+            await _run(engine, EngineRequest(id=str(i), route="m", prompt=str(i), max_tokens=2))
+        except EngineError:
+            failures += 1
+    assert 60 <= failures <= 140
+
+
+async def test_openai_engine_streams_from_a_real_server(stack: LiveStack) -> None:
+    """The openai engine against laneway's own ingress, which is an OpenAI-compatible server."""
+    upstream = await stack.start_ingress()
+    await stack.start_worker("completion")
+    await stack.start_worker("chat")
+    key = await stack.api_key("upstream-team")
+    engine = OpenAICompatibleEngine(upstream.base_url + "/v1", api_key=key)
+    try:
+        sim = SimEngine()
+        request = EngineRequest(id="u1", route="laneway-code", prompt="def f():", max_tokens=12)
+        expected = "".join(d.text for d in await _run(sim, request))
+        deltas = await _run(engine, request)
+        assert "".join(d.text for d in deltas) == expected
+        assert deltas[-1].finish_reason in ("stop", "length")
+        assert deltas[-1].completion_tokens == len(expected.split())
+
+        bad = EngineRequest(id="u2", route="no-such-model", prompt="x", max_tokens=4)
+        with pytest.raises(EngineError, match="404"):
+            await _run(engine, bad)
+    finally:
+        await engine.stop()
