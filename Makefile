@@ -25,7 +25,7 @@ fmt: setup
 	$(BIN)/ruff check --fix .
 
 bench: setup
-	$(BIN)/python bench/overhead.py
+	$(BIN)/python -m bench.overhead
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

@@ -17,18 +17,19 @@ __all__ = ["create_app"]
 
 def create_app(settings: IngressSettings) -> FastAPI:
     """An ingress app for ``settings``; clients start and stop with the app's lifespan."""
-    state = IngressState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Kafka clients bind to the running loop: build them inside the lifespan.
+        state = IngressState(settings)
         await state.start()
+        app.state.laneway = state
         try:
             yield
         finally:
             await state.stop()
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
-    app.state.laneway = state
     install_error_handlers(app)
     app.include_router(router)
     return app

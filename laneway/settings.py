@@ -37,7 +37,7 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:16379/0", description="Redis URL")
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
     @property
     def topics(self) -> Topics:
@@ -51,8 +51,8 @@ class CommonSettings(BaseSettings):
 class IngressSettings(CommonSettings):
     """The OpenAI-compatible HTTP ingress."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="ingress listen address")
+    port: int = Field(8000, ge=0, le=65535, description="ingress listen port")
     instance_id: str = Field(
         default_factory=lambda: f"ingress-{secrets.token_hex(4)}",
         description="names this replica's reply stream; unique per replica",
@@ -78,21 +78,21 @@ EngineName = Literal["auto", "sim", "openai", "vllm"]
 class WorkerSettings(CommonSettings):
     """A worker of one pool and its engine."""
 
-    pool: RequestClass = "completion"
+    pool: RequestClass = Field("completion", description="completion, chat or batch")
     worker_id: str = Field(
         default="",
         description="stable id (static group membership: a restart takes its partitions back "
         "at once); default <pool>-<host>-<pid>",
     )
-    engine: EngineName = "auto"
+    engine: EngineName = Field("auto", description="auto, sim, openai or vllm (auto: by machine)")
     max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
-    heartbeat_interval_s: float = Field(2.0, gt=0)
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")
     session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
 
     upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
-    upstream_api_key: SecretStr = SecretStr("")
+    upstream_api_key: SecretStr = Field(SecretStr(""), description="bearer key of the upstream")
     upstream_model: str = Field("", description="model name upstream; default: the route")
 
     sim_prefill_ms_per_token: float = Field(0.05, ge=0, description="sim: prefill cost")
@@ -101,7 +101,7 @@ class WorkerSettings(CommonSettings):
     sim_prefix_cache_blocks: int = Field(4096, ge=0, description="sim: prefix-cache LRU size")
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
-    sim_seed: int = 0
+    sim_seed: int = Field(0, description="sim: seed of injected failures")
 
     @field_validator("worker_id")
     @classmethod
@@ -112,11 +112,13 @@ class WorkerSettings(CommonSettings):
 class StackSettings(CommonSettings):
     """``laneway up``: the local single-node stack."""
 
-    kafka_port: int = Field(19092, gt=0, le=65535)
-    redis_port: int = Field(16379, gt=0, le=65535)
+    kafka_port: int = Field(
+        19092, gt=0, le=65535, description="`laneway up`: Kafka port (controller: +1)"
+    )
+    redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
     partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
     data_dir: str = Field(".run", description="where broker and Redis keep their data")
-    kafka_heap_mb: int = Field(768, ge=256)
+    kafka_heap_mb: int = Field(768, ge=256, description="`laneway up`: broker JVM heap")
     port: int = Field(8000, ge=0, le=65535, description="ingress port")
 
 
@@ -161,3 +163,30 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
             value = err.get("input")
             problems.append(f"LANEWAY_{field.upper()}={value!r}: {err['msg']}")
         raise ConfigError("bad setting: " + "; ".join(problems)) from None
+
+
+def settings_table() -> str:
+    """Markdown table of every setting (README's settings section is generated from it)."""
+    rows = ["| variable | used by | default | meaning |", "|---|---|---|---|"]
+    seen: dict[str, list[str]] = {}
+    info: dict[str, tuple[str, str]] = {}
+    for cls in (CommonSettings, *_SETTINGS_CLASSES):
+        owner = "all" if cls is CommonSettings else cls.__name__.removesuffix("Settings").lower()
+        for name, field in cls.model_fields.items():
+            var = f"LANEWAY_{name.upper()}"
+            if var in seen and "all" in seen[var]:
+                continue
+            seen.setdefault(var, []).append(owner)
+            if field.default_factory is not None:
+                default = (
+                    "(generated)" if name in ("instance_id",) else repr(field.default_factory())
+                )  # type: ignore[call-arg]
+            elif isinstance(field.default, SecretStr):
+                default = "(secret)"
+            else:
+                default = repr(field.default)
+            info.setdefault(var, (default, field.description or ""))
+    for var, owners in seen.items():
+        default, meaning = info[var]
+        rows.append(f"| `{var}` | {', '.join(owners)} | `{default}` | {meaning} |")
+    return "\n".join(rows)

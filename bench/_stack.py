@@ -1,0 +1,151 @@
+"""A throwaway laneway stack for benchmarks: real Kafka, Redis, ingress and worker processes.
+
+Ports default to a range of their own (3xxxx) so a bench runs beside `make up` and the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+
+from laneway.apikeys import create_key
+from laneway.constants import RedisKeys, Topics
+from laneway.devstack import KafkaBroker, RedisServer, create_topics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class BenchStack:
+    kafka_port: int = 39092
+    redis_port: int = 36379
+    ingress_port: int = 38000
+    partitions: int = 6
+    prefix: str = "bench"
+    ingress_env: dict[str, str] = field(default_factory=dict)
+    workers: list[dict[str, str]] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ingress_port}"
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.kafka_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.prefix)
+
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+        env.update(
+            PYTHONPATH=str(ROOT),
+            LANEWAY_KAFKA_BOOTSTRAP=self.bootstrap,
+            LANEWAY_REDIS_URL=self.redis_url,
+            LANEWAY_TOPIC_PREFIX=self.prefix,
+            LANEWAY_REDIS_PREFIX=self.prefix,
+            LANEWAY_LOG_LEVEL="WARNING",
+        )
+        env.update(extra)
+        return env
+
+    def spawn(self, module: str, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", module], env=self._env(extra), cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def api_key(self, team: str) -> str:
+        async def make() -> str:
+            redis = aioredis.Redis.from_url(self.redis_url)
+            try:
+                return await create_key(redis, RedisKeys(self.prefix), team)
+            finally:
+                await redis.aclose()
+
+        return asyncio.run(make())
+
+    def wait_ready(self, pools: set[str], within_s: float = 60.0) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                checks = httpx.get(self.base_url + "/readyz", timeout=2).json()["checks"]
+                if (
+                    all(checks.get(f"workers.{p}", {}).get("ok") for p in pools)
+                    and checks["kafka"]["ok"]
+                ):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"stack not ready within {within_s}s")
+
+
+@contextmanager
+def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
+    data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
+    redis = RedisServer(port=stack.redis_port, data_dir=data / "redis")
+    kafka = KafkaBroker(
+        port=stack.kafka_port, data_dir=data / "kafka", heap_mb=768, partitions=stack.partitions
+    )
+    redis.start()
+    try:
+        kafka.start()
+        create_topics(kafka.bootstrap, stack.topics.specs(stack.partitions))
+        stack.spawn("ingress", {"LANEWAY_PORT": str(stack.ingress_port), **stack.ingress_env})
+        for i, worker in enumerate(stack.workers):
+            stack.spawn(
+                "workers", {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker}
+            )
+        stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
+        yield stack
+    finally:
+        for proc in stack.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in stack.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        kafka.stop()
+        redis.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {cpu}, Python {sys.version.split()[0]}"

@@ -1,0 +1,16 @@
+"""The README documents every setting that exists (it is generated from the settings classes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from laneway.settings import settings_table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_settings_table_is_current() -> None:
+    assert settings_table() in README.read_text(), (
+        "README's settings table is stale: paste the output of `.venv/bin/python -c "
+        "'from laneway.settings import settings_table; print(settings_table())'`"
+    )
