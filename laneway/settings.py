@@ -170,7 +170,8 @@ def settings_table() -> str:
     rows = ["| variable | used by | default | meaning |", "|---|---|---|---|"]
     seen: dict[str, list[str]] = {}
     info: dict[str, tuple[str, str]] = {}
-    for cls in (CommonSettings, *_SETTINGS_CLASSES):
+    classes: tuple[type[CommonSettings], ...] = (CommonSettings, *_SETTINGS_CLASSES)
+    for cls in classes:
         owner = "all" if cls is CommonSettings else cls.__name__.removesuffix("Settings").lower()
         for name, field in cls.model_fields.items():
             var = f"LANEWAY_{name.upper()}"
@@ -178,9 +179,8 @@ def settings_table() -> str:
                 continue
             seen.setdefault(var, []).append(owner)
             if field.default_factory is not None:
-                default = (
-                    "(generated)" if name in ("instance_id",) else repr(field.default_factory())
-                )  # type: ignore[call-arg]
+                generated = name == "instance_id"
+                default = "(generated)" if generated else repr(field.default_factory())  # type: ignore[call-arg]
             elif isinstance(field.default, SecretStr):
                 default = "(secret)"
             else:
