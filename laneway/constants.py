@@ -116,3 +116,25 @@ class RedisKeys:
 
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
+
+    def quota_factor(self, team: str) -> str:
+        """Dynamic quota factor of a team (a float as text), written by the streams app."""
+        return f"{self.prefix}:quota:factor:{team}"
+
+    def quota_bucket(self, team: str, pool: str) -> str:
+        """Token bucket of a team's pool (interactive or batch): a hash."""
+        return f"{self.prefix}:quota:bucket:{team}:{pool}"
+
+    def quota_reservations(self, team: str) -> str:
+        """Open reservations of a team: request id → "<pool> <tokens>"."""
+        return f"{self.prefix}:quota:resv:{team}"
+
+    def quota_used(self, team: str, pool: str, hour: int) -> str:
+        """Tokens settled by a team's pool in one hour (epoch hour)."""
+        return f"{self.prefix}:quota:used:{team}:{pool}:{hour}"
+
+    def breaker(self, route: str, team: str | None = None) -> str:
+        """Breaker state of a model route (or of one team on it): JSON with ``level``."""
+        if team is None:
+            return f"{self.prefix}:breaker:route:{route}"
+        return f"{self.prefix}:breaker:team:{route}:{team}"

@@ -6,6 +6,8 @@ never be silently ignored.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import secrets
 from typing import Any, Literal, TypeVar
@@ -122,18 +124,31 @@ class StackSettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535, description="ingress port")
 
 
-_SETTINGS_CLASSES: tuple[type[CommonSettings], ...] = (
-    IngressSettings,
-    WorkerSettings,
-    StackSettings,
-)
 
 S = TypeVar("S", bound=CommonSettings)
 
 
+# Settings classes defined in other packages register by being subclasses of CommonSettings;
+# these modules are imported so the check knows them even in a process that does not use them.
+_SETTINGS_MODULES = ("streams.settings",)
+
+
+def _all_settings_classes() -> list[type[CommonSettings]]:
+    for module in _SETTINGS_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    found: list[type[CommonSettings]] = []
+    pending: list[type[CommonSettings]] = [CommonSettings]
+    while pending:
+        cls = pending.pop(0)
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
 def known_variables() -> set[str]:
     names = set(_OTHER_KNOWN_VARIABLES)
-    for cls in _SETTINGS_CLASSES:
+    for cls in _all_settings_classes():
         names.update(f"LANEWAY_{field.upper()}" for field in cls.model_fields)
     return names
 
@@ -170,8 +185,7 @@ def settings_table() -> str:
     rows = ["| variable | used by | default | meaning |", "|---|---|---|---|"]
     seen: dict[str, list[str]] = {}
     info: dict[str, tuple[str, str]] = {}
-    classes: tuple[type[CommonSettings], ...] = (CommonSettings, *_SETTINGS_CLASSES)
-    for cls in classes:
+    for cls in _all_settings_classes():
         owner = "all" if cls is CommonSettings else cls.__name__.removesuffix("Settings").lower()
         for name, field in cls.model_fields.items():
             var = f"LANEWAY_{name.upper()}"
