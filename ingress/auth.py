@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from laneway.apikeys import lookup_team
 from laneway.constants import API_KEY_CACHE_S, RedisKeys
-from laneway.errors import Unauthorized
+from laneway.errors import ServiceUnavailable, Unauthorized
 from quota.teams import Team, get_team
 
 __all__ = ["Caller", "CallerResolver"]
@@ -24,9 +25,9 @@ class _TtlCache(Generic[V]):
         self.max_entries = max_entries
         self._data: dict[str, tuple[float, V]] = {}
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: str, *, stale_ok: bool = False) -> V | None:
         hit = self._data.get(key)
-        if hit is None or hit[0] < time.monotonic():
+        if hit is None or (hit[0] < time.monotonic() and not stale_ok):
             return None
         return hit[1]
 
@@ -53,16 +54,25 @@ class CallerResolver:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Unauthorized("missing 'Authorization: Bearer <key>' header")
         key = authorization[7:].strip()
-        team_name = self._teams_by_key.get(key)
-        if team_name is None:
-            team_name = await lookup_team(self.redis, self.keys, key)
+        try:
+            team_name = self._teams_by_key.get(key)
             if team_name is None:
-                raise Unauthorized(
-                    "unknown API key (create one with `laneway keys create --team T`)"
-                )
-            self._teams_by_key.put(key, team_name)
-        team = self._teams.get(team_name)
-        if team is None:
-            team = await get_team(self.redis, self.keys, team_name)
-            self._teams.put(team_name, team)
+                team_name = await lookup_team(self.redis, self.keys, key)
+                if team_name is None:
+                    raise Unauthorized(
+                        "unknown API key (create one with `laneway keys create --team T`)"
+                    )
+                self._teams_by_key.put(key, team_name)
+            team = self._teams.get(team_name)
+            if team is None:
+                team = await get_team(self.redis, self.keys, team_name)
+                self._teams.put(team_name, team)
+        except (RedisError, OSError) as exc:
+            # Redis is down: a key seen before keeps working on its last known record.
+            team_name = self._teams_by_key.get(key, stale_ok=True)
+            team = self._teams.get(team_name, stale_ok=True) if team_name else None
+            if team is None:
+                raise ServiceUnavailable(
+                    f"cannot check this API key now (key store unreachable: {exc})", retry_after=2
+                ) from exc
         return Caller(team=team, key_hint=key[-4:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,9 @@ def error_response(exc: LanewayError) -> Response:
         status, type_, code, param, message = 401, "authentication_error", exc.code, None, str(exc)
     elif isinstance(exc, QuotaExceeded):
         status, type_, code, param, message = 429, "rate_limit_error", exc.code, None, str(exc)
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        headers["x-ratelimit-limit-tokens"] = str(exc.limit)
+        headers["x-ratelimit-remaining-tokens"] = "0"
     elif isinstance(exc, ServiceUnavailable):
         status, type_, code, param, message = 503, "service_unavailable", exc.code, None, str(exc)
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
 from redis.exceptions import RedisError
 
 from laneway.constants import REPLY_STREAM_TTL_S
@@ -124,6 +125,16 @@ class ReplyRouter:
                 for message_id, fields in messages:
                     last_id = message_id
                     self._dispatch(fields.get(b"d"))
+
+    async def tail_kafka(self, consumer: AIOKafkaConsumer) -> None:
+        """Replies that workers sent through Kafka while Redis was unreachable."""
+        key = self.stream.encode()
+        while True:
+            batches = await consumer.getmany(timeout_ms=1000)
+            for records in batches.values():
+                for record in records:
+                    if record.key == key:
+                        self._dispatch(record.value)
 
     def _dispatch(self, raw: bytes | None) -> None:
         try:

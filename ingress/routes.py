@@ -36,6 +36,7 @@ from laneway.errors import (
     Superseded,
 )
 from laneway.schema import Reply, RequestEnvelope
+from quota import Admitted
 
 __all__ = ["router"]
 
@@ -96,6 +97,8 @@ async def _serve(request: Request, model: type[B]) -> Response:
     caller = await state.callers.resolve(request.headers.get("authorization"))
     body = parse_body(model, await request.body())
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
+    admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
+    headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     handed_over = False
@@ -103,23 +106,22 @@ async def _serve(request: Request, model: type[B]) -> Response:
         try:
             await state.admission.produce(env)
         except KafkaError as exc:
+            await state.quota.release(caller.team, env.id)
             raise ServiceUnavailable(
                 f"Kafka did not accept the request ({exc}); retry shortly"
             ) from exc
         first = await _next_reply(state, channel, disconnect)
         if not body.stream:
-            return (
-                _finish_json(env, first)
-                if first.done
-                else await _collect(state, env, channel, disconnect, first)
-            )
+            if first.done:
+                return _finish_json(env, first, headers=headers)
+            return await _collect(state, env, channel, disconnect, first, headers=headers)
         if first.done and first.status != "ok":
             raise _reply_error(first)
         handed_over = True
         return StreamingResponse(
             _stream(state, env, channel, disconnect, first, include_usage=body.include_usage),
             media_type="text/event-stream",
-            headers={"x-laneway-request-id": env.id, "cache-control": "no-cache"},
+            headers={**headers, "cache-control": "no-cache"},
         )
     except _ClientGone:
         state.client_gone(env)
@@ -133,13 +135,23 @@ async def _serve(request: Request, model: type[B]) -> Response:
             state.replies.close(env.id)
 
 
-def _finish_json(env: RequestEnvelope, reply: Reply, text: str | None = None) -> Response:
+def _budget_headers(admitted: Admitted | None) -> dict[str, str]:
+    if admitted is None:
+        return {}
+    return {
+        "x-ratelimit-limit-tokens": str(admitted.capacity),
+        "x-ratelimit-remaining-tokens": str(max(0, admitted.remaining)),
+        "x-ratelimit-reset-tokens": f"{admitted.reset_s:.0f}s",
+    }
+
+
+def _finish_json(
+    env: RequestEnvelope, reply: Reply, text: str | None = None, *, headers: dict[str, str]
+) -> Response:
     if reply.status != "ok":
         raise _reply_error(reply)
     body = final_body(env, reply.text if text is None else text, reply)
-    return JSONResponse(
-        body, headers={"x-laneway-request-id": env.id, "x-laneway-route": reply.route or env.route}
-    )
+    return JSONResponse(body, headers={**headers, "x-laneway-route": reply.route or env.route})
 
 
 async def _collect(
@@ -148,13 +160,15 @@ async def _collect(
     channel: ReplyChannel,
     disconnect: asyncio.Future[None],
     first: Reply,
+    *,
+    headers: dict[str, str],
 ) -> Response:
     parts = [first.text]
     reply = first
     while not reply.done:
         reply = await _next_reply(state, channel, disconnect)
         parts.append(reply.text)
-    return _finish_json(env, reply, "".join(parts))
+    return _finish_json(env, reply, "".join(parts), headers=headers)
 
 
 async def _stream(
@@ -248,7 +262,7 @@ async def healthz() -> Response:
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     checks = await _state(request).readiness()
-    ready = all(c["ok"] for c in checks.values())
+    ready = all(c["ok"] or c.get("degraded") for c in checks.values())
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
 
 

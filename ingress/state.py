@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -15,11 +16,13 @@ from redis.exceptions import RedisError
 from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
+from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
-from laneway.clients import make_producer, make_redis
+from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.schema import CancelRecord, RequestEnvelope
 from laneway.settings import IngressSettings
+from quota import QuotaEnforcer, QuotaPolicy
 
 __all__ = ["IngressState"]
 
@@ -37,14 +40,29 @@ class IngressState:
         self.replies = ReplyRouter(self.redis, self.reply_stream)
         self.callers = CallerResolver(self.redis, self.keys)
         self.admission = Admission(settings, self.producer)
+        policy = QuotaPolicy.from_settings(settings)
+        self.quota = QuotaGate(
+            QuotaEnforcer(self.redis, self.keys, policy), policy, enabled=settings.quota_enabled
+        )
+        # Replies reach this instance through Kafka while Redis is down; tail from "now".
+        self._reply_fallback = make_consumer(
+            settings, self.topics.replies, auto_offset_reset="latest"
+        )
+        self._tail: asyncio.Task[None]
         self.started_at = time.time()
         self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.producer.start()
         await self.replies.start()
+        await self._reply_fallback.start()
+        self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
 
     async def stop(self) -> None:
+        self._tail.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._tail
+        await self._reply_fallback.stop()
         await self.replies.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
@@ -98,7 +116,8 @@ class IngressState:
                     self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
                 )
                 checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
-        except RedisError as exc:
-            checks["redis"] = {"ok": False, "error": repr(exc)}
-        checks["replies"] = {"ok": self.replies.healthy}
+        except (RedisError, OSError) as exc:
+            # Degraded, not down: replies fall back to Kafka and quota to the local limiter.
+            checks["redis"] = {"ok": False, "degraded": True, "error": repr(exc)}
+        checks["replies"] = {"ok": self.replies.healthy, "degraded": not self.replies.healthy}
         return checks

@@ -50,6 +50,8 @@ class Topics:
         self.results_batch = f"{prefix}.results.batch"
         self.control = f"{prefix}.control"
         self.usage_hourly = f"{prefix}.usage.hourly"
+        # Reply chunks go here, keyed by reply stream, only while Redis is unreachable.
+        self.replies = f"{prefix}.replies"
 
     def request(self, cls: RequestClass, band: Band = "hi") -> str:
         """The request topic of a class; batch has a single band."""
@@ -87,6 +89,7 @@ class Topics:
             (self.usage, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
             (self.results_batch, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
             (self.control, 1, {"retention.ms": day_ms}),
+            (self.replies, partitions, {"retention.ms": str(10 * 60 * 1000)}),
             (self.usage_hourly, partitions, {"retention.ms": str(90 * 24 * 3600 * 1000)}),
         ]
         return out

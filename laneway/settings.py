@@ -41,6 +41,23 @@ class CommonSettings(BaseSettings):
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
+    quota_enabled: bool = Field(True, description="enforce team budgets")
+    quota_unit_tokens: int = Field(1000, gt=0, description="tokens in one budget unit")
+    quota_units_per_member: float = Field(
+        50.0, gt=0, description="budget units per team member per hour"
+    )
+    quota_batch_ratio: float = Field(
+        1.0, ge=0, description="batch pool size as a multiple of the interactive pool"
+    )
+    quota_offpeak: str = Field(
+        "22:00-06:00",
+        pattern=r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$|^$",
+        description="UTC window when batch may borrow idle interactive budget ('' = never)",
+    )
+    quota_borrow_reserve: float = Field(
+        0.3, ge=0, le=1, description="share of the interactive pool batch can never borrow"
+    )
+
     @property
     def topics(self) -> Topics:
         return Topics(self.topic_prefix)

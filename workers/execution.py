@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from laneway.errors import Dropped, EngineError
@@ -27,14 +28,23 @@ class RequestExecutor:
     """Executes envelopes on one engine and reports every outcome exactly once."""
 
     def __init__(
-        self, engine: Engine, shield: CancelShield, outbox: Outbox, *, worker_id: str
+        self,
+        engine: Engine,
+        shield: CancelShield,
+        outbox: Outbox,
+        *,
+        worker_id: str,
+        admit: Callable[[RequestEnvelope], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
         self.shield = shield
         self.outbox = outbox
         self.worker_id = worker_id
+        self.admit = admit
 
     async def run(self, env: RequestEnvelope) -> UsageEvent:
+        if self.admit is not None:
+            await self.admit(env)
         start = time.time()
         queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
         verdict = self.shield.verdict(env, start)

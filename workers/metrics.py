@@ -33,3 +33,12 @@ STALE_ENGINE_MS = Counter(
     ["team", "cls", "status"],
 )
 INFLIGHT = Gauge("laneway_worker_inflight", "Requests running on this worker", ["pool"])
+REDIS_FALLBACK = Counter(
+    "laneway_worker_redis_fallback_total",
+    "Times a worker found Redis unreachable and sent replies through Kafka",
+)
+QUOTA_WAITS = Counter(
+    "laneway_quota_waits_total",
+    "Times a batch request waited for its team's batch budget to refill",
+    ["team"],
+)

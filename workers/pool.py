@@ -19,12 +19,14 @@ import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaError
+from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
-from laneway.constants import HEARTBEAT_TTL_S
-from laneway.errors import MalformedMessage
+from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
+from laneway.errors import MalformedMessage, QuotaExceeded
 from laneway.schema import CancelRecord, RequestEnvelope, decode
 from laneway.settings import WorkerSettings
+from quota import QuotaEnforcer, QuotaPolicy, Team, get_team
 from workers import metrics
 from workers.execution import RequestExecutor
 from workers.offsets import OffsetTracker
@@ -35,6 +37,9 @@ from workers.types import Engine
 __all__ = ["PoolWorker"]
 
 log = logging.getLogger(__name__)
+
+# A throttled batch request re-checks its pool at least this often.
+_BATCH_RETRY_MAX_S = 5.0
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -80,11 +85,16 @@ class PoolWorker:
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
+        self.quota: QuotaEnforcer | None = None
+        if settings.quota_enabled:
+            self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
+        self._teams: dict[str, tuple[float, Team]] = {}
         self.executor = RequestExecutor(
             engine,
             self.shield,
-            Outbox(self.redis, self.producer, self.topics),
+            Outbox(self.redis, self.producer, self.topics, self.quota),
             worker_id=settings.worker_id,
+            admit=self._admit_batch if settings.pool == "batch" and self.quota else None,
         )
 
     @property
@@ -231,6 +241,35 @@ class PoolWorker:
             self._slot_free.set()
             metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
         self.offsets.finish(tp, offset)
+
+    async def _admit_batch(self, env: RequestEnvelope) -> None:
+        """Reserve from the team's batch pool, waiting (never failing) until it refills.
+
+        While it waits the request holds its in-flight slot, so a throttled job stops
+        fetching more work instead of failing lines; with Redis unreachable, batch pauses.
+        """
+        assert self.quota is not None
+        amount = env.prompt_tokens + env.max_tokens
+        while True:
+            try:
+                team = await self._team(env.team)
+                await self.quota.reserve(team, "batch", env.id, amount)
+            except QuotaExceeded as exc:
+                metrics.QUOTA_WAITS.labels(env.team).inc()
+                await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
+            except (RedisError, OSError) as exc:
+                log.warning("batch admission paused, Redis unreachable: %s", exc)
+                await asyncio.sleep(1.0)
+            else:
+                return
+
+    async def _team(self, name: str) -> Team:
+        cached = self._teams.get(name)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        team = await get_team(self.redis, self.keys, name)
+        self._teams[name] = (time.monotonic() + API_KEY_CACHE_S, team)
+        return team
 
     # --- commits, cancels, heartbeats -----------------------------------------------------
 

