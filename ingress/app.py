@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from ingress.admin import admin_router
 from ingress.errors import install_error_handlers
 from ingress.routes import router
 from ingress.state import IngressState
@@ -32,4 +33,5 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(admin_router)
     return app

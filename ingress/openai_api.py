@@ -78,7 +78,7 @@ class ChatRequest(_Body):
         return [m.flat() for m in self.messages]
 
 
-B = TypeVar("B", bound=_Body)
+B = TypeVar("B", bound=BaseModel)
 
 
 def parse_body(model: type[B], raw: bytes) -> B:

@@ -398,8 +398,8 @@ class KafkaBroker(_ServerProcess):
             256,
             "kafka.tools.StorageTool",
             "format",
-            "--cluster-id",
-            cluster_id,
+            # One argument with "=": a random id may start with "-" and parse as an option.
+            f"--cluster-id={cluster_id}",
             "--config",
             str(properties),
             "--ignore-formatted",

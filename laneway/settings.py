@@ -80,6 +80,9 @@ class IngressSettings(CommonSettings):
         default_factory=lambda: ["laneway-code", "laneway-chat"],
         description="model names served (JSON list)",
     )
+    admin_key: SecretStr = Field(
+        SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
+    )
     max_prompt_tokens: int = Field(32_768, gt=0, description="largest accepted prompt")
     completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
     chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
@@ -139,7 +142,6 @@ class StackSettings(CommonSettings):
     data_dir: str = Field(".run", description="where broker and Redis keep their data")
     kafka_heap_mb: int = Field(768, ge=256, description="`laneway up`: broker JVM heap")
     port: int = Field(8000, ge=0, le=65535, description="ingress port")
-
 
 
 S = TypeVar("S", bound=CommonSettings)

@@ -182,7 +182,8 @@ class QuotaEnforcer:
                 retry_after=retry,
             )
         reset = (capacity - remaining) * 3600 / capacity if capacity > 0 else 0.0
-        return Admitted(pool, int(remaining), int(capacity), reset)
+        taken_from: Pool = "interactive" if _text(result[4]) == "interactive" else "batch"
+        return Admitted(taken_from, int(remaining), int(capacity), reset)
 
     async def settle(
         self, team: str, request_id: str, actual_tokens: int, *, now: float | None = None
@@ -217,9 +218,9 @@ class QuotaEnforcer:
         ]
         return keys, [request_id, actual_tokens, now, _USED_TTL_S]
 
-    async def release(self, team: str, request_id: str) -> Settled:
+    async def release(self, team: str, request_id: str, *, now: float | None = None) -> Settled:
         """Give a reservation back whole (dropped, cancelled, expired, failed to enqueue)."""
-        return await self.settle(team, request_id, 0)
+        return await self.settle(team, request_id, 0, now=now)
 
     async def snapshot(self, team: Team) -> dict[str, object]:
         """Budget, remaining, reservations, usage this hour and the factor (admin API)."""

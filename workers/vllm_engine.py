@@ -192,6 +192,13 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         return self._stats.stats
 
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV-cache block (the prefix cache's unit), once started."""
+        if self._llm is None:
+            return None
+        return int(self._llm.vllm_config.cache_config.block_size)
+
     def _sampling_params(self, request: EngineRequest) -> Any:
         vllm = _vllm("vllm")
         cap = self.profile.max_tokens_cap if self.profile else None

@@ -1,0 +1,377 @@
+"""Team quotas on the real Redis (and the real broker for the whole-path scenarios)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from laneway.constants import RedisKeys
+from laneway.devstack import RedisServer
+from laneway.errors import QuotaExceeded
+from laneway.schema import RequestEnvelope
+from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
+from tests.stack import LiveStack, Services, wait_for
+from workers import metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the model --------------------------------------------------------------------------
+
+
+def test_budget_formula_and_factor_cap() -> None:
+    policy = QuotaPolicy(unit_tokens=1000, units_per_member=50, batch_ratio=0.5)
+    team = Team("t", size=4, complexity=1.5)
+    assert policy.base_tokens(team, "interactive") == 4 * 50 * 1.5 * 1000
+    assert policy.base_tokens(team, "batch") == 4 * 50 * 1.5 * 1000 * 0.5
+    assert dynamic_factor(0.0) == 1.0
+    assert dynamic_factor(0.2) == pytest.approx(1.1)
+    assert dynamic_factor(0.6) == pytest.approx(1.3)  # 0.5·σ = 0.3: exactly at the cap
+    assert dynamic_factor(5.0) == pytest.approx(1.3)  # capped
+    assert policy.budget_tokens(team, "interactive", dynamic_factor(5.0)) == pytest.approx(390_000)
+
+
+def test_sigma_of_hourly_utilisation() -> None:
+    # Half the hours at 20 % of budget, half at 60 %: mean 40 %, σ = 20 %.
+    hours = [200.0, 600.0] * 12
+    assert utilisation_sigma(hours, 1000.0) == pytest.approx(0.2)
+    assert dynamic_factor(utilisation_sigma(hours, 1000.0)) == pytest.approx(1.1)
+
+
+def test_offpeak_window_wraps_midnight() -> None:
+    policy = QuotaPolicy(offpeak="22:00-06:00")
+    assert policy.in_offpeak(datetime(2026, 1, 1, 23, 30, tzinfo=UTC))
+    assert policy.in_offpeak(datetime(2026, 1, 1, 5, 59, tzinfo=UTC))
+    assert not policy.in_offpeak(datetime(2026, 1, 1, 9, 0, tzinfo=UTC))
+    assert not QuotaPolicy(offpeak="").in_offpeak()
+
+
+# --- enforcement arithmetic on the real Redis --------------------------------------------
+
+
+@pytest.fixture
+async def enforcer(services: Services) -> Any:
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(f"q{uuid.uuid4().hex[:8]}")
+    policy = QuotaPolicy(unit_tokens=1000, units_per_member=1, offpeak="", borrow_reserve=0.3)
+    yield QuotaEnforcer(redis, keys, policy), redis, keys
+    await redis.aclose()
+
+
+async def test_reserve_and_settle_arithmetic(enforcer: Any) -> None:
+    quota, redis, keys = enforcer
+    team = Team("alpha", size=1)  # 1,000 tokens an hour per pool
+    now = time.time()
+    admitted = await quota.reserve(team, "interactive", "ok-1", 300, now=now)
+    assert (admitted.remaining, admitted.capacity) == (700, 1000)
+    await quota.reserve(team, "interactive", "err-1", 200, now=now)
+    await quota.reserve(team, "interactive", "cancel-1", 100, now=now)
+    await quota.reserve(team, "interactive", "exp-1", 100, now=now)
+    # ok: used 120 of 300 → 180 back; error after 50 tokens: 150 back;
+    # cancelled and expired: everything back.
+    assert (await quota.settle("alpha", "ok-1", 120, now=now)).reserved == 300
+    await quota.settle("alpha", "err-1", 50, now=now)
+    await quota.release("alpha", "cancel-1", now=now)
+    await quota.release("alpha", "exp-1", now=now)
+    snap = await quota.snapshot(team)
+    pool = snap["pools"]["interactive"]
+    assert pool["reservations"] == 0
+    assert pool["used_tokens_this_hour"] == 170
+    bucket = await redis.hget(keys.quota_bucket("alpha", "interactive"), "tokens")
+    assert float(bucket) == pytest.approx(830, abs=1)  # refill since `now` is tiny
+    # Settling twice (a re-run after a crash) changes nothing.
+    assert not (await quota.settle("alpha", "ok-1", 120, now=now)).found
+    # Charged above the reservation: the excess is taken too.
+    await quota.reserve(team, "interactive", "long-1", 100, now=now)
+    await quota.settle("alpha", "long-1", 180, now=now)
+    assert float(
+        await redis.hget(keys.quota_bucket("alpha", "interactive"), "tokens")
+    ) == pytest.approx(650, abs=1)
+
+
+async def test_over_budget_says_when_to_retry(enforcer: Any) -> None:
+    quota, _, _ = enforcer
+    team = Team("beta", size=1)
+    now = 2_000_000.0
+    await quota.reserve(team, "interactive", "a", 900, now=now)
+    with pytest.raises(QuotaExceeded) as info:
+        await quota.reserve(team, "interactive", "b", 200, now=now)
+    # 100 tokens are missing; the pool refills 1,000 tokens an hour: 360 s.
+    assert info.value.retry_after == pytest.approx(360, rel=0.01)
+    assert info.value.limit == 1000
+    with pytest.raises(QuotaExceeded, match="can never fit"):
+        await quota.reserve(team, "interactive", "c", 5000, now=now)
+
+
+async def test_dynamic_factor_from_redis_and_batch_pool_separate(enforcer: Any) -> None:
+    quota, redis, keys = enforcer
+    team = Team("gamma", size=1)
+    await redis.set(keys.quota_factor("gamma"), "1.3")
+    admitted = await quota.reserve(team, "interactive", "x", 10, now=3_000_000.0)
+    assert admitted.capacity == 1300
+    # Draining batch leaves interactive untouched.
+    await quota.reserve(team, "batch", "b1", 1300, now=3_000_000.0)
+    with pytest.raises(QuotaExceeded):
+        await quota.reserve(team, "batch", "b2", 10, now=3_000_000.0, borrow=False)
+    assert (await quota.reserve(team, "interactive", "i2", 500, now=3_000_000.0)).remaining == 790
+
+
+async def test_batch_borrows_only_above_the_reserve(enforcer: Any) -> None:
+    quota, _, _ = enforcer
+    team = Team("delta", size=1)
+    now = 4_000_000.0
+    await quota.reserve(team, "batch", "b0", 1000, now=now)
+    # Off-peak borrowing from interactive: allowed while 30 % of it stays untouched.
+    admitted = await quota.reserve(team, "batch", "b1", 600, now=now, borrow=True)
+    assert admitted.pool == "interactive"
+    with pytest.raises(QuotaExceeded):
+        await quota.reserve(team, "batch", "b2", 200, now=now, borrow=True)
+    settled = await quota.settle("delta", "b1", 600, now=now)
+    assert settled.pool == "interactive"
+
+
+# --- whole path ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn_ingress(stack: LiveStack, port: int, **env: str) -> subprocess.Popen[bytes]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    environ.update(
+        PYTHONPATH=str(ROOT),
+        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
+        LANEWAY_REDIS_URL=stack.services.redis_url,
+        LANEWAY_TOPIC_PREFIX=stack.prefix,
+        LANEWAY_REDIS_PREFIX=stack.prefix,
+        LANEWAY_PORT=str(port),
+        LANEWAY_LOG_LEVEL="WARNING",
+        **env,
+    )
+    return subprocess.Popen([sys.executable, "-m", "ingress"], env=environ, cwd=ROOT)
+
+
+async def test_headers_and_429(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(quota_units_per_member=0.1)  # 100 tokens an hour
+    await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("tiny", size=1))
+    body = {"model": "laneway-code", "prompt": "x" * 40, "max_tokens": 30}  # reserves 40
+    first = await http.post("/v1/completions", json=body)
+    assert first.status_code == 200
+    assert int(first.headers["x-ratelimit-limit-tokens"]) == 100
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) == 60
+    assert first.headers["x-ratelimit-reset-tokens"].endswith("s")
+    used = first.json()["usage"]["total_tokens"]
+    statuses = [(await http.post("/v1/completions", json=body)).status_code for _ in range(4)]
+    assert 429 in statuses
+    refused = await http.post("/v1/completions", json=body)
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert used < 40  # settled to the real count, not the reservation
+
+
+@pytest.mark.slow
+async def test_two_ingress_processes_never_overspend(stack: LiveStack) -> None:
+    key = await stack.api_key("shared", size=1, complexity=0.02)  # 1,000 tokens an hour
+    # No worker: reservations stay open, so every admission spends from the bucket.
+    ports = [_free_port(), _free_port()]
+    procs = [_spawn_ingress(stack, port, LANEWAY_REPLY_TIMEOUT_S="3") for port in ports]
+    try:
+        async with httpx.AsyncClient(
+            timeout=30, headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+            for port in ports:
+                await wait_for_http(http, f"http://127.0.0.1:{port}/healthz")
+            body = {"model": "laneway-code", "prompt": "y" * 40, "max_tokens": 16}  # reserves 26
+            calls = [
+                http.post(f"http://127.0.0.1:{ports[i % 2]}/v1/completions", json=body)
+                for i in range(100)
+            ]
+            responses = await asyncio.gather(*calls)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+    codes = [r.status_code for r in responses]
+    admitted = codes.count(504)  # admitted, then no worker answered within the reply timeout
+    assert admitted + codes.count(429) == 100, codes
+    reservation = 26
+    assert admitted * reservation <= 1000 + reservation  # overshoot ≤ one reservation
+    assert admitted * reservation > 1000 - 2 * reservation  # and the budget was really used
+
+
+async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if (await http.get(url)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(url)
+        await asyncio.sleep(0.1)
+
+
+def _batch_envelope(team: str, job: str, line: int) -> RequestEnvelope:
+    return RequestEnvelope(
+        id=f"batch-{job}-{line}",
+        team=team,
+        cls="batch",
+        kind="completion",
+        model="laneway-code",
+        route="laneway-code",
+        prompt=f"document {line} " * 5,
+        max_tokens=64,
+        affinity=f"{job}:{line}",
+        accepted_ts=time.time(),
+        prompt_tokens=20,
+        job_id=job,
+        line_id=str(line),
+    )
+
+
+@pytest.mark.slow
+async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None:
+    team = "night"
+    ingress = await stack.start_ingress(quota_offpeak="")
+    await stack.start_worker("completion")
+    await stack.start_worker("batch", quota_offpeak="")
+    key = await stack.api_key(team, size=1, complexity=0.1)  # 5,000 tokens/h per pool
+    producer = await stack.producer()
+    job = uuid.uuid4().hex[:6]
+    for line in range(200):  # 200 × 84 tokens ≫ the batch pool
+        env = _batch_envelope(team, job, line)
+        await producer.send(stack.topics.request("batch"), env.to_json(), key=env.affinity.encode())
+    await producer.flush()
+    waits_before = metrics.QUOTA_WAITS.labels(team)._value.get()
+    await wait_for(
+        lambda: metrics.QUOTA_WAITS.labels(team)._value.get() > waits_before, 30, "batch throttled"
+    )
+
+    http = stack.http(ingress, key)
+    codes = []
+    for i in range(30):
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "laneway-code", "prompt": f"fix {i}", "max_tokens": 16},
+        )
+        codes.append(response.status_code)
+    assert codes == [200] * 30
+    results = await stack.read_topic(stack.topics.results_batch, count=200, within_s=3)
+    assert 0 < len(results) < 200  # its own pool is throttled: the job waits, nothing fails
+    assert all(r["status"] == "ok" for r in results)
+
+
+@pytest.mark.slow
+async def test_redis_outage_keeps_interactive_and_pauses_batch(
+    services: Services, tmp_path: Path, prefix: str
+) -> None:
+    port = _free_port()
+    server = RedisServer(port=port, data_dir=tmp_path / "redis")
+    server.start()
+    stack = LiveStack(Services(services.bootstrap, server.url), prefix)
+    try:
+        await stack.create_topics()
+        ingress = await stack.start_ingress()
+        await stack.start_worker("completion")
+        await stack.start_worker("batch")
+        key = await stack.api_key("ops", size=1)
+        http = stack.http(ingress, key)
+        body = {"model": "laneway-code", "prompt": "def ok():", "max_tokens": 8}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+        with contextlib.suppress(RedisConnectionError):
+            await stack.redis.shutdown(save=True)  # keeps its data for the restart
+        await wait_for(lambda: not server.running, 10, "redis to stop")
+        server.stop()  # reaps the process and closes its log
+
+        for i in range(5):
+            response = await http.post(
+                "/v1/completions", json={**body, "prompt": f"while down {i}"}
+            )
+            assert response.status_code == 200, response.text
+        producer = await stack.producer()
+        job = uuid.uuid4().hex[:6]
+        for line in range(5):
+            env = _batch_envelope("ops", job, line)
+            await producer.send_and_wait(
+                stack.topics.request("batch"), env.to_json(), key=env.affinity.encode()
+            )
+        assert (
+            await stack.read_topic(stack.topics.results_batch, count=1, within_s=3) == []
+        )  # paused
+
+        server = RedisServer(port=port, data_dir=tmp_path / "redis")
+        server.start()
+        results = await stack.read_topic(stack.topics.results_batch, count=5, within_s=30)
+        assert len(results) == 5
+        response = await http.post("/v1/completions", json={**body, "prompt": "after"})
+        assert response.status_code == 200
+        await wait_for(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
+        response = await http.post("/v1/completions", json={**body, "prompt": "after 2"})
+        assert response.status_code == 200
+        usage = await stack.read_topic(stack.topics.usage, count=12, within_s=10)
+        assert sum(1 for e in usage if e["class"] == "completion" and e["status"] == "ok") == 8
+    finally:
+        await stack.stop()
+        server.stop()
+
+
+async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(admin_key="root-secret")
+    await stack.start_worker("completion")
+    admin = stack.http(ingress, "root-secret")
+    assert (await stack.http(ingress, "wrong").get("/admin/teams/docs")).status_code == 401
+    created = await admin.put(
+        "/admin/teams/docs", json={"size": 2, "complexity": 0.5, "tier": "lo"}
+    )
+    assert created.status_code == 200, created.text
+    assert created.json()["pools"]["interactive"]["budget_tokens_per_hour"] == 2 * 50 * 0.5 * 1000
+    bad = await admin.put("/admin/teams/docs", json={"size": 0})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "size"
+
+    user = stack.http(ingress, await stack.api_key("docs"))
+    done = await user.post(
+        "/v1/completions", json={"model": "laneway-code", "prompt": "x", "max_tokens": 8}
+    )
+    assert done.status_code == 200
+    spent = done.json()["usage"]["total_tokens"]
+    await wait_for_budget_used(admin, spent)
+    snapshot = (await admin.get("/admin/teams/docs")).json()
+    assert snapshot["tier"] == "lo"
+    assert snapshot["factor"] == 1.0
+    pool = snapshot["pools"]["interactive"]
+    assert pool["used_tokens_this_hour"] == spent
+    assert pool["reservations"] == 0
+    assert (await admin.get("/admin/teams/nobody")).status_code == 404
+
+
+async def wait_for_budget_used(admin: httpx.AsyncClient, tokens: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pool = (await admin.get("/admin/teams/docs")).json()["pools"]["interactive"]
+        if pool["used_tokens_this_hour"] >= tokens:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("usage never settled")
