@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys, Topics
 from laneway.devstack import KafkaBroker, RedisServer, create_topics
+from quota import Team, set_team
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,10 +74,13 @@ class BenchStack:
         self.procs.append(proc)
         return proc
 
-    def api_key(self, team: str) -> str:
+    def api_key(self, team: str, size: int = 10_000) -> str:
+        """A key for ``team``, a team big enough that quota never limits the benchmark."""
+
         async def make() -> str:
             redis = aioredis.Redis.from_url(self.redis_url)
             try:
+                await set_team(redis, RedisKeys(self.prefix), Team(team, size=size))
                 return await create_key(redis, RedisKeys(self.prefix), team)
             finally:
                 await redis.aclose()

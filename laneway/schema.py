@@ -132,6 +132,9 @@ class UsageEvent(_Wire):
     cached_tokens: int = 0
     completion_tokens: int = 0
     engine_ms: float = 0.0
+    stale_engine_ms: float = Field(
+        0.0, description="engine time used after the request turned stale (cancel/supersession)"
+    )
     queue_ms: float = 0.0
     ttft_ms: float | None = None
     total_ms: float = 0.0

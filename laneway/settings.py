@@ -108,6 +108,9 @@ class WorkerSettings(CommonSettings):
     )
     engine: EngineName = Field("auto", description="auto, sim, openai or vllm (auto: by machine)")
     max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
+    shield: bool = Field(
+        True, description="drop stale work before it runs (off only to measure the baseline)"
+    )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")

@@ -21,8 +21,6 @@ __all__ = ["RequestExecutor"]
 
 log = logging.getLogger(__name__)
 
-_STALE: frozenset[str] = frozenset({"cancelled", "superseded", "expired"})
-
 
 class RequestExecutor:
     """Executes envelopes on one engine and reports every outcome exactly once."""
@@ -73,7 +71,7 @@ class RequestExecutor:
                 finish = delta.finish_reason or finish
                 if delta.text and ttft_ms is None:
                     ttft_ms = (time.time() - env.accepted_ts) * 1000
-                self.shield.progress(env.id, completion)
+                self.shield.progress(env.id, completion, engine_ms)
                 if env.stream and delta.text and env.reply_to:
                     await self.outbox.reply(env.reply_to, Reply(id=env.id, n=n, text=delta.text))
                     n += 1
@@ -93,6 +91,7 @@ class RequestExecutor:
             )
             status, error = "error", str(exc)
         finally:
+            stale_ms = self.shield.stale_engine_ms(env.id, engine_ms)
             self.shield.finished(env.id)
         return await self._finish(
             env,
@@ -107,6 +106,7 @@ class RequestExecutor:
             completion_tokens=completion,
             finish_reason=finish,
             error=error,
+            stale_engine_ms=stale_ms,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -141,6 +141,7 @@ class RequestExecutor:
         completion_tokens: int = 0,
         finish_reason: str | None = None,
         error: str | None = None,
+        stale_engine_ms: float = 0.0,
     ) -> UsageEvent:
         now = time.time()
         usage = UsageEvent(
@@ -154,6 +155,7 @@ class RequestExecutor:
             cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
             engine_ms=round(engine_ms, 3),
+            stale_engine_ms=round(stale_engine_ms, 3),
             queue_ms=round(queue_ms, 3),
             ttft_ms=round(ttft_ms, 3) if ttft_ms is not None else None,
             total_ms=round((now - env.accepted_ts) * 1000, 3),
@@ -178,6 +180,6 @@ class RequestExecutor:
         await self.outbox.finish(env, final, usage)
         metrics.OUTCOMES.labels(env.team, env.cls, status).inc()
         metrics.ENGINE_MS.labels(env.team, env.cls).inc(engine_ms)
-        if status in _STALE:
-            metrics.STALE_ENGINE_MS.labels(env.team, env.cls, status).inc(engine_ms)
+        if stale_engine_ms:
+            metrics.STALE_ENGINE_MS.labels(env.team, env.cls, status).inc(stale_engine_ms)
         return usage

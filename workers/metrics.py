@@ -29,7 +29,7 @@ ENGINE_MS = Counter(
 )
 STALE_ENGINE_MS = Counter(
     "laneway_stale_engine_ms_total",
-    "Engine milliseconds spent on requests that ended stale (cancelled/superseded/expired)",
+    "Engine milliseconds spent on requests after they turned stale (cancelled or superseded)",
     ["team", "cls", "status"],
 )
 INFLIGHT = Gauge("laneway_worker_inflight", "Requests running on this worker", ["pool"])

@@ -62,7 +62,7 @@ class PoolWorker:
         self.engine = engine
         self.topics = settings.topics
         self.keys = settings.keys
-        self.shield = CancelShield()
+        self.shield = CancelShield(enabled=settings.shield)
         self.offsets = OffsetTracker()
         self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
         self._slot_free = asyncio.Event()

@@ -29,7 +29,13 @@ class RunningRequest:
     seq: int | None
     grace_tokens: int
     tokens: int = 0
+    engine_ms: float = 0.0
     stale: Dropped | None = None
+    stale_since_engine_ms: float = 0.0  # engine time it had used when it turned stale
+
+    def mark_stale(self, reason: Dropped) -> None:
+        self.stale = reason
+        self.stale_since_engine_ms = self.engine_ms
 
 
 class CancelShield:
@@ -39,7 +45,11 @@ class CancelShield:
     out), and a cancel is forgotten after ``ttl_s`` or once its request has finished.
     """
 
-    def __init__(self, *, max_entries: int = 100_000, ttl_s: float = 900.0) -> None:
+    def __init__(
+        self, *, max_entries: int = 100_000, ttl_s: float = 900.0, enabled: bool = True
+    ) -> None:
+        # Disabled only to measure the baseline it protects against (bench/cancel_storm.py).
+        self.enabled = enabled
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
@@ -67,9 +77,10 @@ class CancelShield:
             if run.session != env.session or run.seq is None or run.seq >= env.seq:
                 continue
             if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
-                run.stale = Superseded(f"superseded by seq {env.seq} of session {env.session}")
+                run.mark_stale(Superseded(f"superseded by seq {env.seq} of session {env.session}"))
                 to_abort.append(rid)
-        return to_abort
+        # Disabled: staleness is still recorded (to measure the waste) but nothing aborts.
+        return to_abort if self.enabled else []
 
     def cancel(self, record: CancelRecord) -> str | None:
         """Note a tombstone; returns the request id if it is running here and must abort."""
@@ -79,8 +90,8 @@ class CancelShield:
         if run is not None:
             if run.team != record.team or run.stale is not None:
                 return None
-            run.stale = Cancelled(f"cancelled ({record.reason}) while running")
-            return record.id
+            run.mark_stale(Cancelled(f"cancelled ({record.reason}) while running"))
+            return record.id if self.enabled else None
         self._cancelled[record.id] = (record.team, record.ts + self.ttl_s)
         self._cancelled.move_to_end(record.id)
         self._trim(self._cancelled)
@@ -90,6 +101,8 @@ class CancelShield:
 
     def verdict(self, env: RequestEnvelope, now: float | None = None) -> Dropped | None:
         """Why ``env`` must not run, or None when it may."""
+        if not self.enabled:
+            return None
         now = time.time() if now is None else now
         cancel = self._cancelled.get(env.id)
         if cancel is not None and cancel[0] == env.team:
@@ -108,14 +121,22 @@ class CancelShield:
             env.team, env.session, env.seq, env.supersede_grace_tokens
         )
 
-    def progress(self, request_id: str, tokens: int) -> None:
+    def progress(self, request_id: str, tokens: int, engine_ms: float) -> None:
         run = self._running.get(request_id)
         if run is not None:
             run.tokens = tokens
+            run.engine_ms = engine_ms
 
     def stale_reason(self, request_id: str) -> Dropped | None:
         run = self._running.get(request_id)
         return run.stale if run is not None else None
+
+    def stale_engine_ms(self, request_id: str, engine_ms: float) -> float:
+        """Engine time a running request used after it turned stale (the waste)."""
+        run = self._running.get(request_id)
+        if run is None or run.stale is None:
+            return 0.0
+        return max(0.0, engine_ms - run.stale_since_engine_ms)
 
     def finished(self, request_id: str, now: float | None = None) -> None:
         now = time.time() if now is None else now

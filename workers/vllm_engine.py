@@ -237,10 +237,14 @@ class VllmEngine:
         finally:
             self._running.pop(request.id, None)
 
-    async def _outputs(self, request: EngineRequest) -> AsyncGenerator[Any, None]:
+    async def _outputs(
+        self, request: EngineRequest, running: _Running
+    ) -> AsyncGenerator[Any, None]:
         """vLLM's ``RequestOutput`` deltas for ``request``; vLLM's errors become ``EngineError``."""
         try:
             engine_input = await self._render(request)
+            if running.aborted:  # aborted while its prompt was tokenized: never sent
+                return
             async for output in self._llm.generate(
                 engine_input,
                 self._sampling_params(request),
@@ -256,7 +260,7 @@ class VllmEngine:
     async def _generate(
         self, request: EngineRequest, running: _Running
     ) -> AsyncIterator[EngineDelta]:
-        async with contextlib.aclosing(self._outputs(request)) as outputs:
+        async with contextlib.aclosing(self._outputs(request, running)) as outputs:
             async for output in outputs:
                 text = running.update(output)
                 finish = output.outputs[0].finish_reason if output.finished else None
@@ -268,7 +272,10 @@ class VllmEngine:
                     )
                 if finish == "error":
                     raise EngineError(f"vLLM failed request {request.id} (finish_reason=error)")
-                if text or finish is not None:
-                    yield running.delta(text, None if finish is None else str(finish))
+                if running.aborted:
+                    # The abort came while vLLM was still adding the request, which ignores
+                    # an abort of an id it does not know yet; now it knows it.
+                    await self._llm.abort(request.id)
+                yield running.delta(text, None if finish is None else str(finish))
         if running.aborted:
             raise Aborted(f"request {request.id} aborted in vLLM", engine_ms=running.engine_ms)
