@@ -158,6 +158,10 @@ async def _engine_time(
                     event = orjson.loads(record.value)
                     total += event["engine_ms"]
                     stale += event["stale_engine_ms"]
+                    if event["stale_engine_ms"]:
+                        statuses["turned stale while running"] = (
+                            statuses.get("turned stale while running", 0) + 1
+                        )
                     if event["id"] in abandoned or event["status"] in ("cancelled", "superseded"):
                         on_abandoned += event["engine_ms"]
                     statuses[event["status"]] = statuses.get(event["status"], 0) + 1

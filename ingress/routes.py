@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ingress import metrics
@@ -95,7 +96,14 @@ async def _next_reply(
 async def _serve(request: Request, model: type[B]) -> Response:
     state = _state(request)
     caller = await state.callers.resolve(request.headers.get("authorization"))
-    body = parse_body(model, await request.body())
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        cls = "completion" if model is CompletionRequest else "chat"
+        metrics.CLIENT_GONE.labels(cls).inc()
+        metrics.RESPONSES.labels(cls, "499").inc()
+        return Response(status_code=499)
+    body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
