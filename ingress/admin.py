@@ -8,10 +8,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ingress.openai_api import parse_body
 from ingress.responses import JSONResponse
 from ingress.state import IngressState
 from laneway.errors import NotFound, Unauthorized
+from laneway.openai_api import parse_body
 from quota import Team, get_team, set_team
 
 __all__ = ["admin_router"]

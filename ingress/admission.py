@@ -10,12 +10,12 @@ from aiokafka import AIOKafkaProducer
 from starlette.datastructures import Headers
 
 from ingress.auth import Caller
-from ingress.openai_api import ChatRequest, CompletionRequest
 from laneway.constants import Band, RequestClass
-from laneway.errors import BadRequest, ModelNotFound, PromptTooLarge
+from laneway.errors import BadRequest
+from laneway.openai_api import ChatRequest, CompletionRequest
+from laneway.requests import shape_request
 from laneway.schema import RequestEnvelope
 from laneway.settings import IngressSettings
-from laneway.tokens import estimate_tokens
 
 __all__ = ["Admission", "new_request_id"]
 
@@ -46,7 +46,6 @@ class Admission:
         self.settings = settings
         self.producer = producer
         self.topics = settings.topics
-        self._models = set(settings.models)
 
     def envelope(
         self,
@@ -57,46 +56,9 @@ class Admission:
         reply_to: str,
     ) -> RequestEnvelope:
         s = self.settings
-        if body.model not in self._models:
-            raise ModelNotFound(
-                f"model {body.model!r} is not served here; available: {sorted(self._models)} "
-                "(LANEWAY_MODELS)",
-                param="model",
-            )
-        cls: RequestClass
-        if isinstance(body, CompletionRequest):
-            cls, kind = "completion", "completion"
-            prompt, messages, suffix = body.prompt, None, body.suffix
-            cap, deadline_ms, max_tokens = (
-                s.completion_max_tokens,
-                s.completion_deadline_ms,
-                body.max_tokens,
-            )
-        else:
-            cls, kind = "chat", "chat"
-            messages, suffix = body.flat_messages(), None
-            prompt = "".join(m.content for m in messages)
-            cap, deadline_ms = s.chat_max_tokens, s.chat_deadline_ms
-            max_tokens = body.max_completion_tokens or body.max_tokens
-        max_tokens = max_tokens or cap
-        if max_tokens > cap:
-            setting = (
-                "LANEWAY_COMPLETION_MAX_TOKENS"
-                if cls == "completion"
-                else "LANEWAY_CHAT_MAX_TOKENS"
-            )
-            raise BadRequest(
-                f"max_tokens {max_tokens} is over the {cls} limit {cap} ({setting})",
-                param="max_tokens",
-            )
-        prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
-        if prompt_tokens > s.max_prompt_tokens:
-            raise PromptTooLarge(
-                f"prompt is about {prompt_tokens} tokens, over the limit {s.max_prompt_tokens} "
-                "(LANEWAY_MAX_PROMPT_TOKENS)",
-                param="messages" if messages is not None else "prompt",
-            )
-
+        cls: RequestClass = "completion" if isinstance(body, CompletionRequest) else "chat"
+        shape = shape_request(s, body, cls)
+        deadline_ms = s.completion_deadline_ms if cls == "completion" else s.chat_deadline_ms
         band: Band = caller.team.tier
         asked = headers.get(PRIORITY_HEADER)
         if asked is not None:
@@ -120,21 +82,21 @@ class Admission:
         if session is not None:
             affinity = f"s:{session}"
         else:
-            head = prompt[: s.affinity_prefix_chars].encode()
+            head = shape.prompt[: s.affinity_prefix_chars].encode()
             affinity = "p:" + hashlib.blake2b(head, digest_size=8).hexdigest()
         now = time.time()
         return RequestEnvelope(
-            id=new_request_id(kind),
+            id=new_request_id(shape.kind),
             team=caller.team.name,
             cls=cls,
             band=band,
-            kind=kind,
+            kind=shape.kind,
             model=body.model,
             route=body.model,
-            prompt=prompt if messages is None else "",
-            suffix=suffix,
-            messages=messages,
-            max_tokens=max_tokens,
+            prompt=shape.prompt if shape.messages is None else "",
+            suffix=shape.suffix,
+            messages=shape.messages,
+            max_tokens=shape.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             stop=body.stop,
@@ -145,7 +107,7 @@ class Admission:
             reply_to=reply_to,
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=shape.prompt_tokens,
         )
 
     async def produce(self, env: RequestEnvelope) -> None:

@@ -14,7 +14,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ingress import metrics
-from ingress.openai_api import ChatRequest, CompletionRequest, parse_body
 from ingress.replies import ReplyChannel
 from ingress.responses import (
     DONE,
@@ -36,6 +35,7 @@ from laneway.errors import (
     ServiceUnavailable,
     Superseded,
 )
+from laneway.openai_api import ChatRequest, CompletionRequest, parse_body
 from laneway.schema import Reply, RequestEnvelope
 from quota import Admitted
 

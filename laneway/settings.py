@@ -41,6 +41,14 @@ class CommonSettings(BaseSettings):
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
+    models: list[str] = Field(
+        default_factory=lambda: ["laneway-code", "laneway-chat"],
+        description="model names served (JSON list)",
+    )
+    max_prompt_tokens: int = Field(32_768, gt=0, description="largest accepted prompt")
+    completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
+    chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
+
     quota_enabled: bool = Field(True, description="enforce team budgets")
     quota_unit_tokens: int = Field(1000, gt=0, description="tokens in one budget unit")
     quota_units_per_member: float = Field(
@@ -76,16 +84,9 @@ class IngressSettings(CommonSettings):
         default_factory=lambda: f"ingress-{secrets.token_hex(4)}",
         description="names this replica's reply stream; unique per replica",
     )
-    models: list[str] = Field(
-        default_factory=lambda: ["laneway-code", "laneway-chat"],
-        description="model names served (JSON list)",
-    )
     admin_key: SecretStr = Field(
         SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
     )
-    max_prompt_tokens: int = Field(32_768, gt=0, description="largest accepted prompt")
-    completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
-    chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
@@ -127,6 +128,49 @@ class WorkerSettings(CommonSettings):
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
     sim_seed: int = Field(0, description="sim: seed of injected failures")
+    vllm_model: str = Field(
+        "", description="engine=vllm: model directory or hub id (required by that engine)"
+    )
+    vllm_quantized_model: str = Field(
+        "",
+        description="engine=vllm: pre-quantized checkpoint (e.g. INT8 W8A8) for the chat and "
+        "quantized profiles; empty: fp8 on the fly where the GPU has it",
+    )
+    vllm_profile: Literal["pool", "completion", "chat", "batch", "quantized"] = Field(
+        "pool",
+        description="engine=vllm: 'pool' runs the worker's pool profile; 'quantized' is the "
+        "breaker's level-1 variant (a worker of its own)",
+    )
+    vllm_dtype: Literal["bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="engine=vllm: half precision of the completion and chat profiles "
+        "(float16 on GPUs older than Ampere)",
+    )
+    vllm_load_format: str = Field(
+        "auto", description="engine=vllm: weight format; 'dummy' = random weights (tests)"
+    )
+    vllm_max_model_len: int = Field(
+        0, ge=0, description="engine=vllm: context length in tokens; 0: the model's own"
+    )
+    vllm_kv_cache_gib: float = Field(
+        0.0,
+        ge=0,
+        description="engine=vllm: KV cache size in GiB; 0: vLLM's default "
+        "(GPU: by gpu_memory_utilization; CPU: VLLM_CPU_KVCACHE_SPACE)",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="engine=vllm: share of GPU memory the engine may take"
+    )
+    vllm_kv_offload_gib: float = Field(
+        0.0,
+        ge=0,
+        description="engine=vllm, chat profile: CPU memory in GiB for KV blocks offloaded "
+        "from the GPU; 0: off",
+    )
+    vllm_enforce_eager: bool = Field(
+        False,
+        description="engine=vllm: no torch.compile or CUDA graphs (faster start, slower steps)",
+    )
 
     @field_validator("worker_id")
     @classmethod

@@ -40,6 +40,8 @@ if ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
     say "creating $VENV with $("$python" --version 2>&1)"
     "$python" -m venv "$VENV"
 fi
+# Keeps git, ruff and the rest out of it (as Python 3.13's venv does by itself).
+[ -f "$VENV/.gitignore" ] || printf '*\n' > "$VENV/.gitignore"
 
 pip() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
 

@@ -19,10 +19,21 @@ as_root() {
 }
 
 # --- system packages ---------------------------------------------------------------------
+apt_packages=()
 if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
-    say "installing redis-server (apt-get)"
+    apt_packages+=(redis-server)
+fi
+# promtool checks the alert rules in compose/ (Debian's prometheus package ships it).
+command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+if [ ${#apt_packages[@]} -gt 0 ]; then
+    say "installing ${apt_packages[*]} (apt-get)"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        "${apt_packages[@]}"
+    # The prometheus package starts a server of its own; laneway only needs promtool.
+    if [[ " ${apt_packages[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null 2>&1; then
+        as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
 fi
 
 missing=()

@@ -3,16 +3,19 @@
 from workers.execution import RequestExecutor
 from workers.offsets import OffsetTracker
 from workers.pool import PoolWorker
+from workers.profiles import EngineProfile
 from workers.select import choose_engine
 from workers.shield import CancelShield
 from workers.sim import SimEngine, SimProfile
 from workers.types import Engine, EngineDelta, EngineRequest, EngineStats
 from workers.upstream import OpenAICompatibleEngine
+from workers.vllm_engine import VllmEngine
 
 __all__ = [
     "CancelShield",
     "Engine",
     "EngineDelta",
+    "EngineProfile",
     "EngineRequest",
     "EngineStats",
     "OffsetTracker",
@@ -21,5 +24,6 @@ __all__ = [
     "RequestExecutor",
     "SimEngine",
     "SimProfile",
+    "VllmEngine",
     "choose_engine",
 ]

@@ -136,7 +136,6 @@ class VllmEngine:
         self._stats = _SchedulerStatsRecorder()
         self._running: dict[str, _Running] = {}
         self._chat_template = False
-        self._stopped = False
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -171,13 +170,11 @@ class VllmEngine:
             stat_loggers=[self._stats.factory],
         )
         self._chat_template = bool(getattr(self._llm.renderer.tokenizer, "chat_template", None))
-        self._stopped = False
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
-        if llm is None or self._stopped:
+        if llm is None:
             return
-        self._stopped = True
         if self._running:
             await llm.abort(list(self._running))
         await asyncio.to_thread(llm.shutdown)

