@@ -128,7 +128,7 @@ class BreakerGate:
         levels = _Levels(
             route=route_level,
             team=team_level,
-            retry_after=max(route_retry, team_retry),
+            retry_after=route_retry if route_level >= ISOLATED else team_retry,
             expires=now + BREAKER_CACHE_S,
         )
         if len(self._cache) > 10_000:  # bound memory on many (model, team) pairs

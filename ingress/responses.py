@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from laneway.schema import Reply, RequestEnvelope
+from laneway.openai_format import error_body, final_body, usage_body
+from laneway.schema import RequestEnvelope
 
 __all__ = [
     "DONE",
@@ -27,50 +28,6 @@ class JSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
-
-
-def error_body(
-    message: str, *, type_: str, code: str | None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage_body(reply: Reply) -> dict[str, Any]:
-    return {
-        "prompt_tokens": reply.prompt_tokens,
-        "completion_tokens": reply.completion_tokens,
-        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
-    }
-
-
-def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
-    created = int(env.accepted_ts)
-    if env.kind == "completion":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": reply.finish_reason,
-        }
-        obj = "text_completion"
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reply.finish_reason,
-        }
-        obj = "chat.completion"
-    return {
-        "id": env.id,
-        "object": obj,
-        "created": created,
-        "model": env.model,
-        "choices": [choice],
-        "usage": usage_body(reply),
-        "system_fingerprint": reply.route,
-    }
 
 
 def stream_chunk(

@@ -105,6 +105,9 @@ async def _serve(request: Request, model: type[B]) -> Response:
         return Response(status_code=499)
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
+    decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
+    if decision.route != env.route:
+        env = env.model_copy(update={"route": decision.route})
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)

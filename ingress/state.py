@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
+from ingress.breaker import BreakerGate
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from laneway.clients import make_consumer, make_producer, make_redis
@@ -40,6 +41,7 @@ class IngressState:
         self.replies = ReplyRouter(self.redis, self.reply_stream)
         self.callers = CallerResolver(self.redis, self.keys)
         self.admission = Admission(settings, self.producer)
+        self.breaker = BreakerGate(self.redis, self.keys, settings)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
             QuotaEnforcer(self.redis, self.keys, policy), policy, enabled=settings.quota_enabled

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from laneway.errors import BadRequest
 from laneway.schema import ChatMessage
 
-__all__ = ["ChatRequest", "CompletionRequest", "parse_body"]
+__all__ = ["ChatRequest", "CompletionRequest", "parse_body", "validate_body"]
 
 
 class _Body(BaseModel):
@@ -87,11 +87,16 @@ def parse_body(model: type[B], raw: bytes) -> B:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    return validate_body(model, data)
+
+
+def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
+    """Validate decoded JSON; ``BadRequest`` names the field (under ``prefix``)."""
     if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest(f"{prefix or 'request body'} must be a JSON object", param=prefix or None)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
+        field = prefix + ".".join(str(p) for p in err["loc"])
         raise BadRequest(f"{field}: {err['msg']}", param=field) from None

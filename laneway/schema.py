@@ -7,7 +7,7 @@ Every record carries ``v`` (schema version). Decoding validates and raises
 from __future__ import annotations
 
 import time
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -15,6 +15,9 @@ from laneway.constants import Band, RequestClass
 from laneway.errors import MalformedMessage
 
 __all__ = [
+    "BatchJob",
+    "BatchRequest",
+    "BatchResult",
     "CancelRecord",
     "ChatMessage",
     "Outcome",
@@ -142,6 +145,51 @@ class UsageEvent(_Wire):
     worker: str | None = None
     error: str | None = None
     job_id: str | None = None
+
+
+class BatchRequest(_Wire):
+    """One line of a batch job on ``laneway.req.batch`` (any Kafka producer may write it).
+
+    ``body`` is the OpenAI request body of ``url``; ``api_key`` is the team's key, checked by
+    the batch worker. A line the submitter could not parse carries ``error`` instead of a
+    body and comes back as an error result.
+    """
+
+    v: Literal[1] = 1
+    job_id: str = Field(min_length=1, max_length=200)
+    line_id: str = Field(min_length=1, max_length=500, description="the line's custom_id")
+    api_key: str = Field(min_length=1)
+    url: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/chat/completions"
+    body: dict[str, Any] | None = None
+    error: str | None = None
+    submitted_ts: float = Field(default_factory=time.time)
+
+
+class BatchJob(_Wire):
+    """The header of a job on ``laneway.results.batch`` (key: job id): how many lines."""
+
+    v: Literal[1] = 1
+    type: Literal["job"] = "job"
+    job_id: str
+    team: str
+    lines: int = Field(ge=0)
+    source: str = ""
+    submitted_ts: float = Field(default_factory=time.time)
+
+
+class BatchResult(_Wire):
+    """The result of one line on ``laneway.results.batch`` (key: job id), written exactly once."""
+
+    v: Literal[1] = 1
+    type: Literal["result"] = "result"
+    job_id: str
+    line_id: str
+    request_id: str
+    team: str = ""
+    status: Outcome
+    status_code: int
+    body: dict[str, Any] | None = Field(None, description="OpenAI response or error body")
+    ts: float = Field(default_factory=time.time)
 
 
 def decode(model: type[M], raw: bytes | str | None) -> M:

@@ -27,7 +27,12 @@ __all__ = [
 ]
 
 # Read outside the settings classes (before a venv or Python exists, or by the test setup).
-_OTHER_KNOWN_VARIABLES = {"LANEWAY_CACHE_DIR", "LANEWAY_TEST_KAFKA_PORT", "LANEWAY_TEST_REDIS_PORT"}
+_OTHER_KNOWN_VARIABLES = {
+    "LANEWAY_API_KEY",  # the CLI's batch commands
+    "LANEWAY_CACHE_DIR",
+    "LANEWAY_TEST_KAFKA_PORT",
+    "LANEWAY_TEST_REDIS_PORT",
+}
 
 
 class CommonSettings(BaseSettings):
@@ -90,6 +95,13 @@ class IngressSettings(CommonSettings):
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    breaker_routes: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: {
+            "laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"},
+            "laneway-chat": {"quantized": "laneway-chat-int8", "fallback": "laneway-chat-small"},
+        },
+        description="breaker: model → {quantized, fallback} routes of levels 1 and 2 (JSON)",
+    )
     affinity_prefix_chars: int = Field(
         256, gt=0, description="prompt prefix hashed into the affinity key without a session"
     )
@@ -109,6 +121,9 @@ class WorkerSettings(CommonSettings):
     )
     engine: EngineName = Field("auto", description="auto, sim, openai or vllm (auto: by machine)")
     max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
+    batch_yield_backlog: int = Field(
+        0, ge=0, description="batch pauses while interactive lanes have more waiting than this"
+    )
     shield: bool = Field(
         True, description="drop stale work before it runs (off only to measure the baseline)"
     )

@@ -22,6 +22,7 @@ from laneway.apikeys import create_key
 from laneway.devstack import create_topics
 from laneway.settings import IngressSettings, WorkerSettings
 from quota.teams import Team, set_team
+from workers.factory import create_worker
 from workers.pool import PoolWorker
 from workers.select import choose_engine
 from workers.sim import SimEngine
@@ -130,7 +131,7 @@ class LiveStack:
         **overrides: Any,
     ) -> PoolWorker:
         settings = self.worker_settings(pool, **overrides)
-        worker = PoolWorker(settings, engine or choose_engine(settings)[0])
+        worker = create_worker(settings, engine or choose_engine(settings)[0])
         await worker.start()
         self.workers.append(worker)
         if wait_assigned:
@@ -172,6 +173,7 @@ class LiveStack:
             bootstrap_servers=self.services.bootstrap,
             auto_offset_reset="earliest",
             enable_auto_commit=False,
+            isolation_level="read_committed",
         )
         await consumer.start()
         found: list[dict[str, Any]] = []

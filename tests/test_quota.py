@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from laneway.constants import RedisKeys
 from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
-from laneway.schema import RequestEnvelope
+from laneway.schema import BatchRequest
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, wait_for
 from workers import metrics
@@ -232,21 +232,13 @@ async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def _batch_envelope(team: str, job: str, line: int) -> RequestEnvelope:
-    return RequestEnvelope(
-        id=f"batch-{job}-{line}",
-        team=team,
-        cls="batch",
-        kind="completion",
-        model="laneway-code",
-        route="laneway-code",
-        prompt=f"document {line} " * 5,
-        max_tokens=64,
-        affinity=f"{job}:{line}",
-        accepted_ts=time.time(),
-        prompt_tokens=20,
+def _batch_line(api_key: str, job: str, line: int) -> BatchRequest:
+    return BatchRequest(
         job_id=job,
         line_id=str(line),
+        api_key=api_key,
+        url="/v1/completions",
+        body={"model": "laneway-code", "prompt": f"document {line} " * 5, "max_tokens": 64},
     )
 
 
@@ -260,8 +252,11 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
     producer = await stack.producer()
     job = uuid.uuid4().hex[:6]
     for line in range(200):  # 200 × 84 tokens ≫ the batch pool
-        env = _batch_envelope(team, job, line)
-        await producer.send(stack.topics.request("batch"), env.to_json(), key=env.affinity.encode())
+        await producer.send(
+            stack.topics.request("batch"),
+            _batch_line(key, job, line).to_json(),
+            key=f"{job}:{line}".encode(),
+        )
     await producer.flush()
     waits_before = metrics.QUOTA_WAITS.labels(team)._value.get()
     await wait_for(
@@ -313,9 +308,10 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         producer = await stack.producer()
         job = uuid.uuid4().hex[:6]
         for line in range(5):
-            env = _batch_envelope("ops", job, line)
             await producer.send_and_wait(
-                stack.topics.request("batch"), env.to_json(), key=env.affinity.encode()
+                stack.topics.request("batch"),
+                _batch_line(key, job, line).to_json(),
+                key=f"{job}:{line}".encode(),
             )
         assert (
             await stack.read_topic(stack.topics.results_batch, count=1, within_s=3) == []

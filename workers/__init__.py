@@ -1,6 +1,8 @@
 """GPU workers: Kafka consumers per pool, their engines and the cancel shield."""
 
+from workers.batch_pool import BatchPoolWorker
 from workers.execution import RequestExecutor
+from workers.factory import create_worker
 from workers.offsets import OffsetTracker
 from workers.pool import PoolWorker
 from workers.profiles import EngineProfile
@@ -12,6 +14,7 @@ from workers.upstream import OpenAICompatibleEngine
 from workers.vllm_engine import VllmEngine
 
 __all__ = [
+    "BatchPoolWorker",
     "CancelShield",
     "Engine",
     "EngineDelta",
@@ -26,4 +29,5 @@ __all__ = [
     "SimProfile",
     "VllmEngine",
     "choose_engine",
+    "create_worker",
 ]

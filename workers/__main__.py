@@ -11,24 +11,29 @@ import sys
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging
 from laneway.settings import WorkerSettings, load_settings
-from workers.pool import PoolWorker
+from workers.factory import create_worker
 from workers.select import choose_engine
 
 log = logging.getLogger("workers")
 
 
-async def _serve(settings: WorkerSettings) -> None:
+async def _serve(settings: WorkerSettings) -> int:
     engine, reason = choose_engine(settings)
     log.info("pool %s: engine %s chosen because %s", settings.pool, engine.name, reason)
-    worker = PoolWorker(settings, engine)
+    worker = create_worker(settings, engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await worker.start()
-    await stop.wait()
+    stopped = asyncio.create_task(worker.wait_stopped())
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopped, signalled}, return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: no new fetches, draining for up to %.1fs", settings.drain_grace_s)
     await worker.stop()
+    for task in (stopped, signalled):
+        task.cancel()
+    return 1 if worker.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(settings.log_level)
     try:
-        asyncio.run(_serve(settings))
+        return asyncio.run(_serve(settings))
     except ConfigError as exc:
         log.error("%s", exc)  # noqa: TRY400 - a config error needs no traceback
         return 2
-    return 0
 
 
 if __name__ == "__main__":

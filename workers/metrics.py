@@ -42,3 +42,6 @@ QUOTA_WAITS = Counter(
     "Times a batch request waited for its team's batch budget to refill",
     ["team"],
 )
+BATCH_YIELDING = Gauge(
+    "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
+)

@@ -16,17 +16,16 @@ import time
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaError
-from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
-from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import MalformedMessage, QuotaExceeded
+from laneway.constants import HEARTBEAT_TTL_S
+from laneway.errors import MalformedMessage
 from laneway.schema import CancelRecord, RequestEnvelope, decode
 from laneway.settings import WorkerSettings
-from quota import QuotaEnforcer, QuotaPolicy, Team, get_team
+from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
 from workers.execution import RequestExecutor
 from workers.offsets import OffsetTracker
@@ -38,9 +37,6 @@ __all__ = ["PoolWorker"]
 
 log = logging.getLogger(__name__)
 
-# A throttled batch request re-checks its pool at least this often.
-_BATCH_RETRY_MAX_S = 5.0
-
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, worker: PoolWorker) -> None:
@@ -48,7 +44,7 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self.worker.commit(only=set(revoked))
-        self.worker.offsets.forget(set(revoked))
+        self.worker._forget(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
@@ -70,6 +66,7 @@ class PoolWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = False
+        self.failed = False
         self.redis = make_redis(settings)
         self.producer = make_producer(settings)
         self.consumer: AIOKafkaConsumer = make_consumer(
@@ -88,13 +85,9 @@ class PoolWorker:
         self.quota: QuotaEnforcer | None = None
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
-        self._teams: dict[str, tuple[float, Team]] = {}
+        self.outbox = Outbox(self.redis, self.producer, self.topics, self.quota)
         self.executor = RequestExecutor(
-            engine,
-            self.shield,
-            Outbox(self.redis, self.producer, self.topics, self.quota),
-            worker_id=settings.worker_id,
-            admit=self._admit_batch if settings.pool == "batch" and self.quota else None,
+            engine, self.shield, self.outbox, worker_id=settings.worker_id
         )
 
     @property
@@ -169,6 +162,17 @@ class PoolWorker:
     # --- fetch ---------------------------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
+        try:
+            await self._fetch()
+        except Exception:
+            # Never fetch silently no more: stop, so the process exits and is restarted, and
+            # the partitions go to a live member.
+            log.exception("fetch loop failed; worker %s stops", self.settings.worker_id)
+            self.failed = True
+            self._stopping.set()
+            raise
+
+    async def _fetch(self) -> None:
         while not self._stopping.is_set():
             room = self.settings.max_inflight - len(self._inflight)
             if room <= 0:
@@ -185,17 +189,10 @@ class PoolWorker:
             for tp, records in ordered:
                 for record in records:
                     self.offsets.begin(tp, record.offset)
-                    try:
-                        env = decode(RequestEnvelope, record.value)
-                    except MalformedMessage as exc:
-                        metrics.MALFORMED.labels(self.pool, tp.topic).inc()
-                        log.warning(
-                            "skipped %s:%d@%d: %s", tp.topic, tp.partition, record.offset, exc
-                        )
+                    env = await self._accept(tp, record)
+                    if env is None:
                         self.offsets.finish(tp, record.offset)
                         continue
-                    for rid in self.shield.observe(env):
-                        await self.executor.abort(rid)
                     accepted.append((tp, record.offset, env))
             # Observe the whole batch first: a keystroke is superseded by one fetched with it.
             for tp, offset, env in accepted:
@@ -203,28 +200,53 @@ class PoolWorker:
                 self._inflight[task] = env
             metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
 
+    async def _accept(
+        self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
+    ) -> RequestEnvelope | None:
+        """Decode a fetched record; None when it is done with already (skipped)."""
+        try:
+            env = decode(RequestEnvelope, record.value)
+        except MalformedMessage as exc:
+            self._skip(tp, record.offset, exc)
+            return None
+        for rid in self.shield.observe(env):
+            await self.executor.abort(rid)
+        return env
+
+    def _skip(self, tp: TopicPartition, offset: int, exc: Exception) -> None:
+        metrics.MALFORMED.labels(self.pool, tp.topic).inc()
+        log.warning("skipped %s:%d@%d: %s", tp.topic, tp.partition, offset, exc)
+
+    async def lag(self, partitions: list[TopicPartition] | None = None) -> int:
+        """Records fetched by nobody yet on ``partitions`` (default: all assigned)."""
+        backlog = 0
+        for tp in self.consumer.assignment() if partitions is None else partitions:
+            high = self.consumer.highwater(tp)
+            if high is None:
+                continue
+            with contextlib.suppress(KafkaError, AssertionError):
+                backlog += max(0, high - await self.consumer.position(tp))
+        return backlog
+
     async def _prioritise_bands(self) -> None:
         assigned = self.consumer.assignment()
         hi = [tp for tp in assigned if tp.topic.endswith(".hi")]
         lo = [tp for tp in assigned if tp.topic.endswith(".lo")]
         if not lo:
             return
-        backlog = 0
-        for tp in hi:
-            high = self.consumer.highwater(tp)
-            if high is None:
-                continue
-            with contextlib.suppress(KafkaError, AssertionError):
-                backlog += max(0, high - await self.consumer.position(tp))
+        backlog = await self.lag(hi)
         paused = self.consumer.paused()
         if backlog > 0:
             self.consumer.pause(*[tp for tp in lo if tp not in paused])
         elif paused:
             self.consumer.resume(*[tp for tp in lo if tp in paused])
 
+    async def _execute(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
+        await self.executor.run(env)
+
     async def _run(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
         try:
-            await self.executor.run(env)
+            await self._execute(tp, offset, env)
         except asyncio.CancelledError:
             # Shutdown past the grace period: leave the offset pending so it is re-run.
             raise
@@ -242,35 +264,6 @@ class PoolWorker:
             metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
         self.offsets.finish(tp, offset)
 
-    async def _admit_batch(self, env: RequestEnvelope) -> None:
-        """Reserve from the team's batch pool, waiting (never failing) until it refills.
-
-        While it waits the request holds its in-flight slot, so a throttled job stops
-        fetching more work instead of failing lines; with Redis unreachable, batch pauses.
-        """
-        assert self.quota is not None
-        amount = env.prompt_tokens + env.max_tokens
-        while True:
-            try:
-                team = await self._team(env.team)
-                await self.quota.reserve(team, "batch", env.id, amount)
-            except QuotaExceeded as exc:
-                metrics.QUOTA_WAITS.labels(env.team).inc()
-                await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
-            except (RedisError, OSError) as exc:
-                log.warning("batch admission paused, Redis unreachable: %s", exc)
-                await asyncio.sleep(1.0)
-            else:
-                return
-
-    async def _team(self, name: str) -> Team:
-        cached = self._teams.get(name)
-        if cached is not None and cached[0] > time.monotonic():
-            return cached[1]
-        team = await get_team(self.redis, self.keys, name)
-        self._teams[name] = (time.monotonic() + API_KEY_CACHE_S, team)
-        return team
-
     # --- commits, cancels, heartbeats -----------------------------------------------------
 
     async def commit(self, only: set[TopicPartition] | None = None) -> None:
@@ -283,6 +276,10 @@ class PoolWorker:
             log.info("commit skipped during a rebalance: %s", exc)
             return
         self.offsets.mark_committed(offsets)
+
+    def _forget(self, partitions: set[TopicPartition]) -> None:
+        """Partitions taken away by a rebalance: their next owner re-runs what is pending."""
+        self.offsets.forget(partitions)
 
     async def _commit_loop(self) -> None:
         interval = self.settings.commit_interval_ms / 1000
@@ -320,6 +317,7 @@ class PoolWorker:
                 "engine": self.engine.name,
                 "simulation": self.engine.is_simulation,
                 "inflight": len(self._inflight),
+                "backlog": await self.lag() + stats.waiting,
                 "cancels_held": len(self.shield),
                 "running": stats.running,
                 "waiting": stats.waiting,
@@ -336,4 +334,8 @@ class PoolWorker:
                     await pipe.execute()
             except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
                 log.warning("heartbeat to Redis failed: %s", exc)
+            await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _after_heartbeat(self) -> None:
+        """Periodic hook for subclasses (the batch lane checks interactive backlog here)."""

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
@@ -39,11 +38,16 @@ class Outbox:
         producer: AIOKafkaProducer,
         topics: Topics,
         quota: QuotaEnforcer | None = None,
+        *,
+        capture: bool = False,
     ) -> None:
         self.redis = redis
         self.producer = producer
         self.topics = topics
         self.quota = quota
+        # Batch: final replies are kept for the worker, which writes them transactionally.
+        self.capture = capture
+        self.captured: dict[str, Reply] = {}
         self._redis_down_until = 0.0
 
     def _redis_usable(self) -> bool:
@@ -71,16 +75,12 @@ class Outbox:
         await self._reply_via_kafka(stream, reply)
 
     async def finish(self, env: RequestEnvelope, final: Reply, usage: UsageEvent) -> None:
-        """Final reply (or batch result), quota settlement and the usage event, all delivered."""
+        """Final reply, quota settlement and the usage event, all delivered before return."""
+        if self.capture:
+            self.captured[env.id] = final
+            await self._final_redis_writes(env, final, usage)
+            return
         sends = [self.producer.send(self.topics.usage, usage.to_json(), key=env.team.encode())]
-        if env.reply_to is None:
-            sends.append(
-                self.producer.send(
-                    self.topics.results_batch,
-                    orjson.dumps(_batch_result(env, final)),
-                    key=(env.job_id or env.id).encode(),
-                )
-            )
         await self._final_redis_writes(env, final, usage)
         deliveries = await asyncio.gather(*sends)
         await asyncio.gather(*deliveries)
@@ -112,21 +112,3 @@ class Outbox:
         log.warning(
             "quota not settled for %s (Redis unreachable)", env.id, extra={"request_id": env.id}
         )
-
-
-def _batch_result(env: RequestEnvelope, final: Reply) -> dict[str, object]:
-    return {
-        "job_id": env.job_id,
-        "line_id": env.line_id,
-        "id": env.id,
-        "team": env.team,
-        "status": final.status,
-        "text": final.text,
-        "finish_reason": final.finish_reason,
-        "usage": {
-            "prompt_tokens": final.prompt_tokens,
-            "completion_tokens": final.completion_tokens,
-            "cached_tokens": final.cached_tokens,
-        },
-        "error": final.error,
-    }

@@ -1,0 +1,234 @@
+"""The Python client of the batch lane: submit a job, follow it, fetch its results.
+
+Jobs use the OpenAI Batch formats: each input line is ``{"custom_id", "method": "POST",
+"url": "/v1/chat/completions" | "/v1/completions", "body": {...}}``; each output line is
+``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
+
+from laneway.apikeys import lookup_team
+from laneway.clients import make_consumer, make_producer, make_redis
+from laneway.errors import BadRequest, Unauthorized
+from laneway.schema import BatchJob, BatchRequest, BatchResult
+from laneway.settings import CommonSettings
+
+__all__ = ["BatchClient", "JobStatus", "output_line", "parse_input"]
+
+_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    job_id: str
+    team: str
+    lines: int
+    done: int
+    ok: int
+    failed: int
+    duplicates: int = 0  # result records beyond one per line (exactly-once says 0)
+
+    @property
+    def complete(self) -> bool:
+        return self.lines > 0 and self.done >= self.lines
+
+
+def parse_input(lines: Iterable[str], *, job_id: str, api_key: str) -> Iterator[BatchRequest]:
+    """OpenAI Batch input lines → batch requests; a bad line becomes an error line."""
+    seen: set[str] = set()
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        fallback_id = f"line-{number}"
+        try:
+            item = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            yield BatchRequest(
+                job_id=job_id,
+                line_id=fallback_id,
+                api_key=api_key,
+                error=f"line {number}: invalid JSON: {exc}",
+            )
+            continue
+        if not isinstance(item, dict):
+            yield BatchRequest(
+                job_id=job_id,
+                line_id=fallback_id,
+                api_key=api_key,
+                error=f"line {number}: not a JSON object",
+            )
+            continue
+        line_id = str(item.get("custom_id") or fallback_id)
+        problem = None
+        if line_id in seen:
+            problem = f"line {number}: custom_id {line_id!r} repeats an earlier line"
+            line_id = f"{line_id}#{number}"
+        elif item.get("url") not in _URLS:
+            problem = f"line {number}: url {item.get('url')!r} must be one of {list(_URLS)}"
+        elif str(item.get("method", "POST")).upper() != "POST":
+            problem = f"line {number}: method must be POST"
+        elif not isinstance(item.get("body"), dict):
+            problem = f"line {number}: body must be a JSON object"
+        seen.add(line_id)
+        if problem:
+            yield BatchRequest(job_id=job_id, line_id=line_id, api_key=api_key, error=problem)
+        else:
+            yield BatchRequest(
+                job_id=job_id, line_id=line_id, api_key=api_key, url=item["url"], body=item["body"]
+            )
+
+
+def output_line(result: BatchResult) -> dict[str, Any]:
+    """One line of the OpenAI Batch output format."""
+    error = None
+    if result.status_code != 200:
+        detail = (result.body or {}).get("error", {})
+        error = {"code": detail.get("code") or result.status, "message": detail.get("message", "")}
+    return {
+        "id": f"batch_req_{result.request_id}",
+        "custom_id": result.line_id,
+        "response": {
+            "status_code": result.status_code,
+            "request_id": result.request_id,
+            "body": result.body,
+        },
+        "error": error,
+    }
+
+
+class BatchClient:
+    """Submits jobs to ``laneway.req.batch`` and reads ``laneway.results.batch``."""
+
+    def __init__(self, settings: CommonSettings) -> None:
+        self.settings = settings
+        self.topics = settings.topics
+        self._producer: AIOKafkaProducer | None = None
+        self._redis: aioredis.Redis | None = None
+
+    async def __aenter__(self) -> BatchClient:
+        self._producer = make_producer(self.settings, linger_ms=20)
+        await self._producer.start()
+        self._redis = make_redis(self.settings)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    @property
+    def producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            raise RuntimeError("use BatchClient as `async with BatchClient(settings) as client`")
+        return self._producer
+
+    async def submit(
+        self,
+        lines: Iterable[str],
+        *,
+        api_key: str,
+        job_id: str | None = None,
+        source: str = "",
+        progress: Callable[[int], None] | None = None,
+    ) -> str:
+        """Queue every line of a job; returns the job id once all are stored by Kafka."""
+        assert self._redis is not None
+        team = await lookup_team(self._redis, self.settings.keys, api_key)
+        if team is None:
+            raise Unauthorized("unknown API key (create one with `laneway keys create --team T`)")
+        job_id = job_id or f"batch_{time.strftime('%Y%m%d')}_{secrets.token_hex(6)}"
+        requests = list(parse_input(lines, job_id=job_id, api_key=api_key))
+        if not requests:
+            raise BadRequest("the job has no lines")
+        header = BatchJob(job_id=job_id, team=team, lines=len(requests), source=source)
+        await self.producer.send_and_wait(
+            self.topics.results_batch, header.to_json(), key=job_id.encode()
+        )
+        topic = self.topics.request("batch")
+        pending = []
+        for request in requests:
+            key = f"{job_id}:{request.line_id}".encode()
+            pending.append(await self.producer.send(topic, request.to_json(), key=key))
+            if len(pending) >= 500:
+                await _drain(pending, progress)
+        await _drain(pending, progress)
+        return job_id
+
+    async def _read_job(self, job_id: str) -> tuple[BatchJob | None, dict[str, BatchResult], int]:
+        """The job's header and its results (one per line), read committed from the start."""
+        topic = self.topics.results_batch
+        try:
+            partitions = sorted(await self.producer.partitions_for(topic))
+        except KafkaError as exc:
+            raise BadRequest(
+                f"cannot read {topic} ({exc}); is LANEWAY_TOPIC_PREFIX right?"
+            ) from exc
+        consumer = make_consumer(self.settings, isolation_level="read_committed")
+        await consumer.start()
+        try:
+            return await _scan_job(consumer, topic, partitions, job_id)
+        finally:
+            await consumer.stop()
+
+    async def status(self, job_id: str) -> JobStatus:
+        header, results, records = await self._read_job(job_id)
+        if header is None:
+            raise BadRequest(f"no batch job {job_id!r} on {self.topics.results_batch}", param="job")
+        ok = sum(1 for r in results.values() if r.status_code == 200)
+        done = len(results)
+        return JobStatus(job_id, header.team, header.lines, done, ok, done - ok, records - done)
+
+    async def results(self, job_id: str) -> list[BatchResult]:
+        header, results, _ = await self._read_job(job_id)
+        if header is None:
+            raise BadRequest(f"no batch job {job_id!r} on {self.topics.results_batch}", param="job")
+        return list(results.values())
+
+
+async def _drain(pending: list[Any], progress: Callable[[int], None] | None) -> None:
+    for future in pending:
+        await future
+    if progress is not None:
+        progress(len(pending))
+    pending.clear()
+
+
+async def _scan_job(
+    consumer: AIOKafkaConsumer, topic: str, partitions: list[int], job_id: str
+) -> tuple[BatchJob | None, dict[str, BatchResult], int]:
+    key = job_id.encode()
+    # Results are keyed by job id: the whole job lives in one partition.
+    index = DefaultPartitioner()(key, partitions, partitions)
+    tp = TopicPartition(topic, index)
+    consumer.assign([tp])
+    await consumer.seek_to_beginning(tp)
+    end = (await consumer.end_offsets([tp]))[tp]
+    header: BatchJob | None = None
+    results: dict[str, BatchResult] = {}
+    records = 0
+    while await consumer.position(tp) < end:
+        batches = await consumer.getmany(tp, timeout_ms=1000)
+        for record in batches.get(tp, []):
+            if record.key != key:
+                continue
+            item = orjson.loads(record.value)
+            if item.get("type") == "job":
+                header = BatchJob.model_validate(item)
+            elif item.get("type") == "result":
+                result = BatchResult.model_validate(item)
+                results.setdefault(result.line_id, result)
+                records += 1
+    return header, results, records

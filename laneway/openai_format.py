@@ -1,0 +1,53 @@
+"""OpenAI response bodies, shared by the HTTP ingress and the batch results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from laneway.schema import Reply, RequestEnvelope
+
+__all__ = ["error_body", "final_body", "usage_body"]
+
+
+def error_body(
+    message: str, *, type_: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_body(reply: Reply) -> dict[str, Any]:
+    return {
+        "prompt_tokens": reply.prompt_tokens,
+        "completion_tokens": reply.completion_tokens,
+        "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
+    }
+
+
+def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
+    created = int(env.accepted_ts)
+    if env.kind == "completion":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+        }
+        obj = "text_completion"
+    else:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+        }
+        obj = "chat.completion"
+    return {
+        "id": env.id,
+        "object": obj,
+        "created": created,
+        "model": env.model,
+        "choices": [choice],
+        "usage": usage_body(reply),
+        "system_fingerprint": reply.route,
+    }

@@ -1,0 +1,79 @@
+"""``python -m streams``: run the streams app until SIGTERM (or SIGINT)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from laneway.errors import ConfigError, ServiceError
+from laneway.logs import setup_logging
+from laneway.settings import load_settings
+from streams.app import StreamsApp
+from streams.settings import StreamsSettings
+
+log = logging.getLogger("streams")
+
+
+async def usage_partitions(settings: StreamsSettings) -> int:
+    """Partitions of ``laneway.usage``: the changelog topics must have as many."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:
+        await admin.start()
+        described = await admin.describe_topics([settings.topics.usage])
+    except KafkaError as exc:
+        raise ServiceError(f"Kafka at {settings.kafka_bootstrap} is not reachable: {exc}") from exc
+    finally:
+        await admin.close()
+    partitions = [p for topic in described if not topic["error_code"] for p in topic["partitions"]]
+    if not partitions:
+        raise ConfigError(
+            f"topic {settings.topics.usage} does not exist; create the topics first "
+            "(`laneway topics create`)"
+        )
+    return len(partitions)
+
+
+async def serve(settings: StreamsSettings) -> None:
+    partitions = settings.streams_partitions or await usage_partitions(settings)
+    streams = StreamsApp(settings, partitions=partitions)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await streams.start()
+    stopping = asyncio.ensure_future(stop.wait())
+    crashed = asyncio.ensure_future(streams.wait_crashed())
+    await asyncio.wait({stopping, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in (stopping, crashed):
+        waiter.cancel()
+    log.info("stopping: committing offsets and flushing table changelogs")
+    await streams.stop()
+
+
+def main() -> int:
+    try:
+        settings = load_settings(StreamsSettings)
+    except ConfigError as exc:
+        print(f"laneway streams: {exc}", file=sys.stderr)  # noqa: T201
+        return 2
+    setup_logging(settings.log_level)
+    # Faust and mode narrate every service start and stop at INFO; keep their warnings.
+    for name in ("faust", "mode"):
+        logging.getLogger(name).setLevel(
+            max(logging.WARNING, logging.getLevelName(settings.log_level))
+        )
+    try:
+        asyncio.run(serve(settings))
+    except (ConfigError, ServiceError) as exc:
+        log.error("%s", exc)  # noqa: TRY400 - the message says what to do; no traceback
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

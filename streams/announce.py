@@ -1,0 +1,151 @@
+"""Where the streams app's decisions go: Redis (read by the ingress and the quota code) and
+``laneway.control`` (read by anyone), plus the on-call webhook for serious breaker levels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import orjson
+import redis.asyncio as aioredis
+
+from laneway.constants import RedisKeys
+from streams.breaker import BreakerState
+from streams.oncall import OnCallWebhook
+from streams.records import BreakerTransition, QuotaFactorUpdate
+from streams.types import SendRecord
+from streams.variance import UtilisationStats
+
+__all__ = ["BREAKER_STATE_TTL_S", "Announcer", "BreakerSubject", "StoredLevel"]
+
+log = logging.getLogger(__name__)
+
+# A breaker level outlives a dead streams app by at most this long, then the ingress fails
+# open (level 0); a live app rewrites every raised level well within it.
+BREAKER_STATE_TTL_S = 600
+ONCALL_LEVEL = 2
+
+BreakerSubject = tuple[str, str | None]  # (route, team or None for the whole route)
+
+
+class StoredLevel:
+    """A breaker state read back from Redis at start-up."""
+
+    def __init__(self, subject: BreakerSubject, state: BreakerState) -> None:
+        self.subject = subject
+        self.state = state
+
+
+def subject_name(subject: BreakerSubject) -> str:
+    route, team = subject
+    return f"breaker:{route}" if team is None else f"breaker:{route}:{team}"
+
+
+class Announcer:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        control_topic: str,
+        send: SendRecord,
+        webhook: OnCallWebhook,
+        *,
+        cooldown_s: float,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.control_topic = control_topic
+        self.send = send
+        self.webhook = webhook
+        self.cooldown_s = cooldown_s
+
+    async def breaker_changed(
+        self, subject: BreakerSubject, old: BreakerState, new: BreakerState
+    ) -> BreakerTransition:
+        route, team = subject
+        transition = BreakerTransition(
+            subject=subject_name(subject),
+            route=route,
+            team=team,
+            level=new.level,
+            previous=old.level,
+            rate=round(new.rate, 6),
+            requests=new.requests,
+            since=new.since,
+        )
+        log.warning(
+            "breaker %s: level %d → %d (error rate %.1f%% over %d requests)",
+            transition.subject,
+            old.level,
+            new.level,
+            new.rate * 100,
+            new.requests,
+        )
+        await self.store_level(subject, new)
+        await self.send(self.control_topic, transition.subject.encode(), transition.to_json())
+        if new.level >= ONCALL_LEVEL and new.level > old.level:
+            self.webhook.notify(transition)
+        return transition
+
+    async def store_level(self, subject: BreakerSubject, state: BreakerState) -> None:
+        route, team = subject
+        payload = {
+            "level": state.level,
+            "rate": round(state.rate, 6),
+            "since": state.since,
+            "requests": state.requests,
+            "route": route,
+            "team": team,
+            "cooldown_s": self.cooldown_s,
+        }
+        await self.redis.set(
+            self.keys.breaker(route, team), orjson.dumps(payload), ex=BREAKER_STATE_TTL_S
+        )
+
+    async def stored_levels(self) -> list[StoredLevel]:
+        """Raised levels a previous run left in Redis: a restart must not reset them to 0."""
+        found: list[StoredLevel] = []
+        pattern = f"{self.keys.prefix}:breaker:*"
+        keys = [key async for key in self.redis.scan_iter(match=pattern, count=500)]
+        for key, raw in zip(keys, await self.redis.mget(keys) if keys else [], strict=True):
+            for stored in _parse_level(key, raw):
+                found.append(stored)
+        return found
+
+    async def quota_factor(self, team: str, stats: UtilisationStats) -> None:
+        await self.redis.set(self.keys.quota_factor(team), f"{stats.factor:.6f}")
+        update = QuotaFactorUpdate(
+            subject=f"quota:{team}",
+            team=team,
+            factor=round(stats.factor, 6),
+            sigma=round(stats.sigma, 6),
+            mean=round(stats.mean, 6),
+            hours=stats.hours,
+        )
+        await self.send(self.control_topic, update.subject.encode(), update.to_json())
+        log.info(
+            "quota factor of %s: %.3f (σ %.3f, mean utilisation %.3f)",
+            team,
+            stats.factor,
+            stats.sigma,
+            stats.mean,
+        )
+
+
+def _parse_level(key: bytes | str, raw: bytes | str | None) -> Iterator[StoredLevel]:
+    if raw is None:
+        return
+    try:
+        data = orjson.loads(raw)
+        subject: BreakerSubject = (str(data["route"]), data.get("team"))
+        state = BreakerState(
+            level=int(data["level"]),
+            since=float(data["since"]),
+            rate=float(data.get("rate", 0.0)),
+            requests=int(data.get("requests", 0)),
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        log.warning("ignoring unreadable breaker state %r: %s", key, exc)
+        return
+    if state.level > 0:
+        yield StoredLevel(subject, state)

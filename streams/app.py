@@ -1,0 +1,133 @@
+"""The Faust app: one agent folds ``laneway.usage`` into two changelogged tables; timers turn
+the tables into breaker levels, hourly rollups and quota factors.
+
+Tables (memory store, rebuilt from their changelog topics on start):
+- ``rollups``: (team, class, model, hour) → counts, tokens, latency histogram, cost. These are
+  the tumbling one-hour windows (kept 26 h) that both the analyst rollups and the quota
+  variance are read from.
+- ``outcomes``: (route, team) → ok/error counts in buckets of the sliding breaker window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import faust
+import redis.asyncio as aioredis
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from laneway.clients import make_redis
+from laneway.errors import LanewayError
+from streams.announce import Announcer
+from streams.oncall import OnCallWebhook
+from streams.processor import UsageProcessor
+from streams.settings import StreamsSettings
+
+__all__ = ["StreamsApp"]
+
+log = logging.getLogger(__name__)
+
+
+class StreamsApp:
+    """The Faust app plus the clients it needs; ``start()``/``stop()`` own all of them."""
+
+    def __init__(self, settings: StreamsSettings, *, partitions: int) -> None:
+        self.settings = settings
+        topics = settings.topics
+        self.app: Any = faust.App(
+            settings.app_id,
+            broker=[f"kafka://{server}" for server in settings.kafka_bootstrap.split(",")],
+            store="memory://",
+            datadir=settings.streams_data_dir,
+            web_enabled=False,
+            autodiscover=False,
+            topic_partitions=partitions,
+            topic_replication_factor=settings.streams_replication_factor,
+            consumer_auto_offset_reset="earliest",
+            broker_commit_interval=settings.streams_commit_interval_s,
+            producer_acks=-1,
+            # A crashed instance's partitions move on after this, not after Faust's 60 s.
+            broker_session_timeout=settings.session_timeout_ms / 1000,
+            broker_heartbeat_interval=settings.session_timeout_ms / 3000,
+        )
+        app = self.app
+        self.redis: aioredis.Redis = make_redis(settings)
+        self.webhook = OnCallWebhook(settings.breaker_webhook_url)
+        self._outputs = {
+            name: app.topic(name, key_serializer="raw", value_serializer="raw")
+            for name in (topics.control, topics.usage_hourly)
+        }
+        self.announcer = Announcer(
+            self.redis,
+            settings.keys,
+            topics.control,
+            self._send,
+            self.webhook,
+            cooldown_s=settings.breaker_cooldown_s,
+        )
+        self.processor = UsageProcessor(
+            settings,
+            rollups=app.Table("rollups", key_type=str, partitions=partitions),
+            outcomes=app.Table("outcomes", key_type=str, partitions=partitions),
+            announcer=self.announcer,
+            redis=self.redis,
+            keys=settings.keys,
+            send=self._send,
+        )
+        usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
+        app.agent(usage, name="usage")(self._consume)
+        self._timer(settings.breaker_eval_interval_s, "breakers", self.processor.evaluate_breakers)
+        self._timer(settings.rollup_flush_interval_s, "rollups", self.processor.publish_rollups)
+        self._timer(
+            settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
+        )
+        self._levels_restored = False
+
+    async def _consume(self, stream: Any) -> None:
+        async for event in stream.events():
+            message = event.message
+            self.processor.handle(event.value, message.partition, message.offset)
+
+    async def _send(self, topic: str, key: bytes, value: bytes) -> None:
+        await self._outputs[topic].send(key=key, value=value)
+
+    def _ready(self) -> bool:
+        """Tables are complete: recovered from their changelogs and not rebalancing."""
+        recovery = self.app.tables.recovery
+        return bool(
+            recovery.completed.is_set()
+            and not self.app.rebalancing
+            and not getattr(self.app, "in_recovery", False)
+        )
+
+    def _timer(self, interval: float, name: str, work: Callable[[], Awaitable[object]]) -> None:
+        async def tick() -> None:
+            if not self._ready():
+                return
+            try:
+                if not self._levels_restored:
+                    await self.processor.restore_levels()
+                    self._levels_restored = True
+                await work()
+            except (RedisError, KafkaError, OSError, LanewayError) as exc:
+                log.warning("%s timer: %s; retrying on the next tick", name, exc)
+
+        tick.__name__ = f"streams_{name.replace('-', '_')}"
+        self.app.timer(interval, name=f"streams.{name}")(tick)
+
+    async def start(self) -> None:
+        self.app.in_worker = True
+        await self.app.start()
+        log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)
+
+    async def wait_crashed(self) -> None:
+        await self.app.wait_until_stopped()
+
+    async def stop(self) -> None:
+        """Stop consuming, flush table changelogs, commit offsets, close the clients."""
+        await self.app.stop()
+        await self.webhook.aclose()
+        await self.redis.aclose()

@@ -1,0 +1,248 @@
+"""Folds each usage event into the tables, and turns the tables into decisions on timers.
+
+One ``UsageProcessor`` per streams process. ``handle`` runs inside the Faust agent (one event
+at a time, in offset order per partition); the ``evaluate_breakers``, ``publish_rollups`` and
+``update_quota_factors`` coroutines run on timers. Tables hold everything that must survive a
+restart; the processor's own attributes are caches rebuilt from the tables (and, for breaker
+levels, from Redis) when the process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from laneway.constants import RedisKeys
+from laneway.errors import LanewayError, MalformedMessage
+from laneway.schema import UsageEvent, decode
+from quota.teams import get_team
+from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
+from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.records import BreakerTransition
+from streams.rollups import add_event, new_rollup, to_record
+from streams.settings import StreamsSettings
+from streams.tables import (
+    already_applied,
+    delete_outside_stream,
+    mark_applied,
+    put_outside_stream,
+)
+from streams.types import ChangelogTable, SendRecord
+from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, hourly_budget, utilisation_stats
+
+__all__ = ["ProcessorCounters", "UsageProcessor"]
+
+log = logging.getLogger(__name__)
+
+# Hours of rollups kept: the 24 complete hours the variance needs, the current one, and one
+# more so an hour that closes late is still there when its last events arrive.
+RETENTION_HOURS = WINDOW_HOURS + 2
+_COUNTED_STATUSES = ("ok", "error")
+
+
+@dataclass
+class ProcessorCounters:
+    events: int = 0
+    malformed: int = 0
+    replayed: int = 0
+    too_old: int = 0
+    published: int = 0
+
+
+def rollup_key(team: str, cls: str, model: str, hour: int) -> str:
+    return orjson.dumps([team, cls, model, hour]).decode()
+
+
+def outcome_key(route: str, team: str) -> str:
+    return orjson.dumps([route, team]).decode()
+
+
+class UsageProcessor:
+    def __init__(
+        self,
+        settings: StreamsSettings,
+        *,
+        rollups: ChangelogTable,
+        outcomes: ChangelogTable,
+        announcer: Announcer,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        send: SendRecord,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.policy = BreakerPolicy.from_settings(settings)
+        self.rollups = rollups
+        self.outcomes = outcomes
+        self.announcer = announcer
+        self.redis = redis
+        self.keys = keys
+        self.send = send
+        self.clock = clock
+        self.hourly_topic = settings.topics.usage_hourly
+        self.counters = ProcessorCounters()
+        self.states: dict[BreakerSubject, BreakerState] = {}
+        self.factors: dict[str, float] = {}
+        # Rollups with events not yet published; rebuilt from the table on the first flush.
+        self._pending: set[str] = set()
+        self._indexed = False
+        self._stream_clock: dict[int, float] = {}  # partition → newest event time seen
+        self._last_event: dict[int, float] = {}  # partition → wall time of its last event
+        self._started = clock()
+        self._refreshed = self._started
+
+    # -- in the agent ------------------------------------------------------------------------
+
+    def handle(self, raw: bytes | None, partition: int, offset: int) -> None:
+        """Fold one ``laneway.usage`` record; a malformed one is logged, counted and skipped."""
+        now = self.clock()
+        try:
+            event = decode(UsageEvent, raw)
+        except MalformedMessage as exc:
+            self.counters.malformed += 1
+            log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
+            return
+        self.counters.events += 1
+        self._last_event[partition] = now
+        self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), event.ts)
+        self._fold_rollup(event, partition, offset, now)
+        if event.status in _COUNTED_STATUSES:
+            self._fold_outcome(event, partition, offset, now)
+
+    def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
+        hour = hour_of(event.ts)
+        if hour < hour_of(now) - RETENTION_HOURS:
+            self.counters.too_old += 1
+            return
+        key = rollup_key(event.team, event.cls, event.model, hour)
+        value: dict[str, Any] = self.rollups.get(key) or new_rollup(
+            event.team, event.cls, event.model, hour, partition
+        )
+        if already_applied(value, partition, offset):
+            self.counters.replayed += 1
+            return
+        add_event(value, event, self.settings.price_of(event.route))
+        mark_applied(value, partition, offset)
+        self.rollups[key] = value
+        self._pending.add(key)
+
+    def _fold_outcome(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
+        key = outcome_key(event.route, event.team)
+        value: dict[str, Any] = self.outcomes.get(key) or {"b": {}}
+        if already_applied(value, partition, offset):
+            return
+        counted = add_outcome(
+            value["b"], event.ts, error=event.status == "error", now=now, policy=self.policy
+        )
+        if counted:
+            mark_applied(value, partition, offset)
+            self.outcomes[key] = value
+
+    # -- on timers ---------------------------------------------------------------------------
+
+    async def restore_levels(self) -> None:
+        """Take over the raised levels a previous run stored, so a restart keeps them."""
+        for stored in await self.announcer.stored_levels():
+            self.states[stored.subject] = stored.state
+            log.info("breaker %s: level %d restored", stored.subject, stored.state.level)
+
+    async def evaluate_breakers(self) -> list[BreakerTransition]:
+        now = self.clock()
+        totals: dict[BreakerSubject, list[int]] = {}
+        for key, value in list(self.outcomes.items()):
+            requests, errors = window_counts(value["b"], now, self.policy)
+            if requests == 0:
+                continue
+            route, team = orjson.loads(key)
+            for subject in ((route, team), (route, None)):
+                counts = totals.setdefault(subject, [0, 0])
+                counts[0] += requests
+                counts[1] += errors
+        raised = {subject for subject, state in self.states.items() if state.level > 0}
+        transitions: list[BreakerTransition] = []
+        for subject in set(totals) | raised:
+            requests, errors = totals.get(subject, (0, 0))
+            old = self.states.get(subject, BreakerState())
+            new = next_state(old, requests, errors, now, self.policy)
+            if new.level != old.level:
+                transitions.append(await self.announcer.breaker_changed(subject, old, new))
+            if new.level == 0 and requests == 0:
+                self.states.pop(subject, None)
+            else:
+                self.states[subject] = new
+        if now - self._refreshed >= BREAKER_STATE_TTL_S / 4:
+            self._refreshed = now
+            for subject, state in self.states.items():
+                if state.level > 0:
+                    await self.announcer.store_level(subject, state)
+        return transitions
+
+    def _due(self, value: dict[str, Any], now: float) -> bool:
+        """An hour is published once its partition's events passed its end plus the grace,
+        or once that partition has been idle and the wall clock passed it."""
+        partition = int(value["p"])
+        closes = (int(value["hour"]) + 1) * HOUR_S + self.settings.rollup_grace_s
+        if self._stream_clock.get(partition, 0.0) >= closes:
+            return True
+        idle_since = self._last_event.get(partition, self._started)
+        return now >= closes and now - idle_since >= self.settings.rollup_idle_s
+
+    async def publish_rollups(self) -> int:
+        """Publish the closed hours that have unpublished events; returns how many."""
+        now = self.clock()
+        if not self._indexed:
+            self._indexed = True
+            self._pending.update(
+                key for key, value in self.rollups.items() if value["emitted"] < value["rev"]
+            )
+        published = 0
+        for key in sorted(self._pending):
+            value = self.rollups.data.get(key)
+            if value is None:
+                self._pending.discard(key)
+                continue
+            if not self._due(value, now):
+                continue
+            record = to_record(value, now=now)
+            await self.send(self.hourly_topic, record.team.encode(), record.to_json())
+            value["emitted"] = value["rev"]
+            put_outside_stream(self.rollups, key, value, int(value["p"]))
+            self._pending.discard(key)
+            published += 1
+        oldest = hour_of(now) - RETENTION_HOURS
+        for key, value in list(self.rollups.items()):
+            if value["hour"] < oldest and key not in self._pending:
+                delete_outside_stream(self.rollups, key, int(value["p"]))
+        self.counters.published += published
+        return published
+
+    async def update_quota_factors(self) -> int:
+        """Recompute every team's factor; write and announce the ones that changed."""
+        now = self.clock()
+        tokens: dict[str, dict[int, float]] = {}
+        for value in list(self.rollups.data.values()):
+            by_hour = tokens.setdefault(value["team"], {})
+            hour = int(value["hour"])
+            by_hour[hour] = by_hour.get(hour, 0.0) + value["prompt_tokens"]
+            by_hour[hour] += value["completion_tokens"]
+        changed = 0
+        for team, by_hour in sorted(tokens.items()):
+            try:
+                record = await get_team(self.redis, self.keys, team)
+            except LanewayError as exc:
+                log.warning("team %s has an unusable record, factor left as is: %s", team, exc)
+                continue
+            budget = hourly_budget(record, self.settings.quota_unit_tokens)
+            stats = utilisation_stats(by_hour, budget, hour_of(now))
+            if abs(self.factors.get(team, -1.0) - stats.factor) < 1e-6:
+                continue
+            await self.announcer.quota_factor(team, stats)
+            self.factors[team] = stats.factor
+            changed += 1
+        return changed

@@ -1,0 +1,124 @@
+"""Settings of the streams app (``python -m streams``): windows, thresholds, prices, webhook."""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from laneway.settings import CommonSettings
+
+__all__ = ["Price", "StreamsSettings"]
+
+
+class Price(BaseModel):
+    """Price of one model route, per 1,000 tokens of each kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: float = Field(0.0, ge=0)
+    cached: float = Field(0.0, ge=0)
+    completion: float = Field(0.0, ge=0)
+
+
+def _default_prices() -> dict[str, Price]:
+    return {
+        "laneway-code": Price(prompt=0.0005, cached=0.0001, completion=0.0015),
+        "laneway-chat": Price(prompt=0.001, cached=0.0002, completion=0.003),
+        "*": Price(prompt=0.001, cached=0.0002, completion=0.003),
+    }
+
+
+class StreamsSettings(CommonSettings):
+    """The Faust app: usage rollups, quota factors and breaker levels."""
+
+    streams_app_id: str = Field(
+        "",
+        description="Faust app id (consumer group, changelog topic names); "
+        "default <prefix>-streams",
+    )
+    streams_data_dir: str = Field(".run/streams", description="Faust's local table data")
+    streams_partitions: int = Field(
+        0, ge=0, le=256, description="partitions of the changelog topics; 0: as laneway.usage has"
+    )
+    streams_replication_factor: int = Field(
+        1, gt=0, description="replication factor of the changelog topics"
+    )
+    session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
+    streams_commit_interval_s: float = Field(
+        1.0, gt=0, description="how often the streams app commits its input offsets"
+    )
+
+    quota_unit_tokens: int = Field(1000, gt=0, description="tokens in one quota budget unit")
+    quota_factor_interval_s: float = Field(
+        30.0, gt=0, description="how often quota factors are recomputed"
+    )
+
+    breaker_window_s: float = Field(60.0, gt=0, description="breaker: sliding error-rate window")
+    breaker_bucket_s: float = Field(
+        1.0, gt=0, description="breaker: resolution of the sliding window"
+    )
+    breaker_min_requests: int = Field(
+        50, gt=0, description="breaker: fewest requests in the window for a rate to count"
+    )
+    breaker_enter: list[float] = Field(
+        default_factory=lambda: [0.05, 0.10, 0.20],
+        description="breaker: error rates above which levels 1, 2, 3 are entered (JSON list)",
+    )
+    breaker_exit: list[float] = Field(
+        default_factory=lambda: [0.03, 0.07, 0.15],
+        description="breaker: a level is left once the rate stays below this (JSON list)",
+    )
+    breaker_cooldown_s: float = Field(
+        30.0, ge=0, description="breaker: how long the rate must stay low to step down a level"
+    )
+    breaker_eval_interval_s: float = Field(
+        0.25, gt=0, description="breaker: how often levels are evaluated"
+    )
+    breaker_webhook_url: str = Field(
+        "", description="breaker: on-call webhook POSTed on entering level 2 ('' : none)"
+    )
+
+    rollup_grace_s: float = Field(
+        60.0, ge=0, description="rollups: an hour is closed this long after its end"
+    )
+    rollup_idle_s: float = Field(
+        10.0, gt=0, description="rollups: close due hours of a partition idle this long"
+    )
+    rollup_flush_interval_s: float = Field(
+        1.0, gt=0, description="rollups: how often closed hours are published"
+    )
+    prices: dict[str, Price] = Field(
+        default_factory=_default_prices,
+        description="cost per 1k tokens by route: {route: {prompt, cached, completion}}; "
+        "'*' prices the rest (JSON)",
+    )
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> Self:
+        enter, leave = self.breaker_enter, self.breaker_exit
+        if len(enter) != 3 or len(leave) != 3:
+            raise ValueError(
+                "LANEWAY_BREAKER_ENTER and LANEWAY_BREAKER_EXIT need three rates each "
+                "(levels 1, 2, 3)"
+            )
+        if sorted(enter) != enter or any(not 0 < rate < 1 for rate in enter):
+            raise ValueError(f"LANEWAY_BREAKER_ENTER={enter} must rise within (0, 1)")
+        if any(out >= into for out, into in zip(leave, enter, strict=True)) or min(leave) < 0:
+            raise ValueError(
+                f"LANEWAY_BREAKER_EXIT={leave} must be below LANEWAY_BREAKER_ENTER={enter} "
+                "level by level (the gap is the hysteresis)"
+            )
+        if self.breaker_bucket_s > self.breaker_window_s:
+            raise ValueError(
+                f"LANEWAY_BREAKER_BUCKET_S={self.breaker_bucket_s} is longer than "
+                f"LANEWAY_BREAKER_WINDOW_S={self.breaker_window_s}"
+            )
+        return self
+
+    @property
+    def app_id(self) -> str:
+        return self.streams_app_id or f"{self.topic_prefix}-streams"
+
+    def price_of(self, route: str) -> Price:
+        return self.prices.get(route) or self.prices.get("*") or Price()

@@ -1,0 +1,129 @@
+"""``laneway usage tail``: follow ``laneway.usage`` or ``laneway.usage.hourly`` as a table or
+JSON lines, optionally for one team."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import orjson
+from aiokafka import AIOKafkaConsumer
+
+from laneway.settings import CommonSettings, load_settings
+
+__all__ = ["add_usage_commands", "tail_usage"]
+
+_USAGE_COLUMNS = (
+    ("ts", 8), ("team", 12), ("class", 10), ("model", 14), ("route", 18), ("status", 10),
+    ("prompt_tokens", 7), ("completion_tokens", 7), ("total_ms", 8),
+)  # fmt: skip
+_HOURLY_COLUMNS = (
+    ("hour", 20), ("team", 12), ("class", 10), ("model", 14), ("requests", 8), ("errors", 6),
+    ("prompt_tokens", 9), ("completion_tokens", 9), ("p99_ms", 8), ("cost", 10),
+)  # fmt: skip
+
+
+def _cell(record: dict[str, Any], name: str) -> str:
+    if name == "ts":
+        return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
+    value = (record.get("latency_ms") or {}).get("p99") if name == "p99_ms" else record.get(name)
+    if isinstance(value, float):
+        return f"{value:.4f}" if name == "cost" else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def _row(columns: tuple[tuple[str, int], ...], values: list[str]) -> str:
+    return " ".join(v[:w].ljust(w) for (_, w), v in zip(columns, values, strict=True)).rstrip()
+
+
+async def tail_usage(
+    settings: CommonSettings,
+    *,
+    hourly: bool = False,
+    team: str | None = None,
+    output: str = "table",
+    from_beginning: bool = False,
+    limit: int | None = None,
+    out: TextIO = sys.stdout,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Print records until ``limit`` were shown or ``stop()``; returns how many were shown."""
+    topics = settings.topics
+    topic = topics.usage_hourly if hourly else topics.usage
+    columns = _HOURLY_COLUMNS if hourly else _USAGE_COLUMNS
+    # No consumer group: a tail reads, it never moves anyone's committed offsets.
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=settings.kafka_bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+    )
+    shown = 0
+    await consumer.start()
+    try:
+        if output == "table":
+            print(_row(columns, [name for name, _ in columns]), file=out, flush=True)
+        while not stop() and (limit is None or shown < limit):
+            batches = await consumer.getmany(timeout_ms=200)
+            for message in (m for records in batches.values() for m in records):
+                line = _format(message.value, team, output, columns)
+                if line is None:
+                    continue
+                print(line, file=out, flush=True)
+                shown += 1
+                if limit is not None and shown >= limit:
+                    return shown
+    finally:
+        await consumer.stop()
+    return shown
+
+
+def _format(
+    raw: bytes | None, team: str | None, output: str, columns: tuple[tuple[str, int], ...]
+) -> str | None:
+    try:
+        record = orjson.loads(raw or b"")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or (team is not None and record.get("team") != team):
+        return None
+    if output == "json":
+        return orjson.dumps(record).decode()
+    return _row(columns, [_cell(record, name) for name, _ in columns])
+
+
+def _cmd_tail(args: argparse.Namespace) -> int:
+    settings = load_settings(CommonSettings)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            tail_usage(
+                settings,
+                hourly=args.hourly,
+                team=args.team,
+                output=args.output,
+                from_beginning=args.from_beginning,
+                limit=args.limit,
+            )
+        )
+    return 0
+
+
+def add_usage_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``laneway usage tail``."""
+    usage = subparsers.add_parser("usage", help="usage events and hourly rollups").add_subparsers(
+        dest="usage_command", required=True
+    )
+    tail = usage.add_parser("tail", help="follow laneway.usage (or --hourly rollups)")
+    tail.add_argument("--hourly", action="store_true", help="follow laneway.usage.hourly")
+    tail.add_argument("--team", help="only this team's records")
+    tail.add_argument("--output", "-o", choices=["table", "json"], default="table")
+    tail.add_argument(
+        "--from-beginning", action="store_true", help="start at the oldest retained record"
+    )
+    tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    tail.set_defaults(func=_cmd_tail)

@@ -1,0 +1,175 @@
+"""The batch lane on the real broker: exactly-once results, bad lines, yielding, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from laneway.batch import BatchClient, JobStatus
+from laneway.settings import CommonSettings
+from tests.stack import LiveStack, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _line(i: int, **body: Any) -> str:
+    request = {
+        "model": "laneway-chat",
+        "messages": [{"role": "user", "content": f"summarise doc {i}"}],
+        "max_tokens": 8,
+    }
+    request.update(body)
+    return orjson.dumps(
+        {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions", "body": request}
+    ).decode()
+
+
+def _env(stack: LiveStack, **extra: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    environ.update(
+        PYTHONPATH=str(ROOT),
+        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
+        LANEWAY_REDIS_URL=stack.services.redis_url,
+        LANEWAY_TOPIC_PREFIX=stack.prefix,
+        LANEWAY_REDIS_PREFIX=stack.prefix,
+        **extra,
+    )
+    return environ
+
+
+def _spawn_batch_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
+    env = _env(
+        stack,
+        LANEWAY_POOL="batch",
+        LANEWAY_WORKER_ID="batch-kill",
+        LANEWAY_ENGINE="sim",
+        LANEWAY_SIM_PREFILL_MS_PER_TOKEN="0",
+        LANEWAY_SIM_DECODE_MS_PER_STEP="3",
+        LANEWAY_MAX_INFLIGHT="32",
+        LANEWAY_COMMIT_INTERVAL_MS="100",
+        LANEWAY_LOG_LEVEL="WARNING",
+    )
+    return subprocess.Popen([sys.executable, "-m", "workers"], env=env, cwd=ROOT)
+
+
+async def _status_when(
+    client: BatchClient, job: str, done_at_least: int, within_s: float
+) -> JobStatus:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        status = await client.status(job)
+        if status.done >= done_at_least:
+            return status
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"job {job}: {status.done}/{status.lines} after {within_s}s")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack) -> None:
+    key = await stack.api_key("docs", size=1000)
+    settings = CommonSettings(**stack.common)
+    worker = _spawn_batch_worker(stack)
+    try:
+        async with BatchClient(settings) as client:
+            job = await client.submit([_line(i) for i in range(1000)], api_key=key)
+            for kill_at in (250, 600):
+                await _status_when(client, job, kill_at, 120)
+                worker.send_signal(signal.SIGKILL)
+                worker.wait(timeout=10)
+                worker = _spawn_batch_worker(stack)
+            status = await _status_when(client, job, 1000, 180)
+            results = await client.results(job)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    assert (status.lines, status.done, status.ok, status.duplicates) == (1000, 1000, 1000, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(1000))
+    # Usage events were written in the same transactions: one per line, none twice.
+    usage = await stack.read_topic(stack.topics.usage, count=1001, within_s=5)
+    assert sorted(e["id"] for e in usage if e["job_id"] == job) == sorted(
+        f"batch-{job}-doc-{i}" for i in range(1000)
+    )
+
+
+async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    await stack.start_worker("batch")
+    key = await stack.api_key("docs", size=100)
+    lines = [_line(i) for i in range(95)]
+    lines += [
+        "{this is not json",
+        _line(95, model="no-such-model"),
+        _line(96, messages=[{"role": "user", "content": "x" * 200_000}]),
+        orjson.dumps({"custom_id": "doc-97", "url": "/v1/embeddings", "body": {}}).decode(),
+        _line(98, max_tokens="lots"),
+    ]
+    source = tmp_path / "job.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    env = _env(stack, LANEWAY_API_KEY=key)
+    laneway = str(Path(sys.executable).parent / "laneway")
+    submit = await asyncio.to_thread(
+        subprocess.run,
+        [laneway, "batch", "submit", str(source), "--wait", "--timeout", "120"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().splitlines()[-1]
+    assert "95 ok, 5 failed of 100" in submit.stdout
+
+    out = tmp_path / "out.jsonl"
+    fetched = await asyncio.to_thread(
+        subprocess.run,
+        [laneway, "batch", "results", job, "-o", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    rows = {row["custom_id"]: row for row in map(orjson.loads, out.read_text().splitlines())}
+    assert len(rows) == 100
+    assert rows["doc-0"]["response"]["status_code"] == 200
+    assert rows["doc-0"]["response"]["body"]["object"] == "chat.completion"
+    assert rows["doc-0"]["error"] is None
+    expected = {"line-96": 400, "doc-95": 404, "doc-96": 413, "doc-97": 400, "doc-98": 400}
+    assert {cid: rows[cid]["response"]["status_code"] for cid in expected} == expected
+    assert "invalid JSON" in rows["line-96"]["error"]["message"]
+    assert rows["doc-98"]["response"]["body"]["error"]["param"] == "body.max_tokens"
+
+    status = await asyncio.to_thread(
+        subprocess.run,
+        [laneway, "batch", "status", job],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "complete, 100/100 done, 95 ok, 5 failed" in status.stdout
+
+
+async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_batch_slots=1, sim_decode_ms_per_step=30.0)
+    batch = await stack.start_worker("batch", sim_decode_ms_per_step=5.0)
+    http = stack.http(ingress, await stack.api_key("ide", size=100))
+    body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 16}
+    burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
+    await wait_for(lambda: batch.yielding, 10, "batch to yield to the interactive backlog")
+    assert set(batch.consumer.paused()) == batch.consumer.assignment()
+    responses = await asyncio.gather(*burst)
+    assert {r.status_code for r in responses} == {200}
+    await wait_for(lambda: not batch.yielding, 10, "batch to resume")
+    assert not batch.consumer.paused()

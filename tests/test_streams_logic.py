@@ -1,0 +1,139 @@
+"""The streams app's rules without a broker: σ → factor, breaker hysteresis, rollup maths,
+and replays after a crash that must not count twice."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import pytest
+
+from quota.teams import Team
+from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.processor import UsageProcessor
+from streams.rollups import add_event, new_rollup, percentile, to_record
+from streams.settings import Price, StreamsSettings
+from streams.variance import hourly_budget, quota_factor, utilisation_stats
+from tests.test_streams_process import usage_event
+
+POLICY = BreakerPolicy(
+    enter=(0.05, 0.10, 0.20),
+    exit=(0.03, 0.07, 0.15),
+    cooldown_s=10.0,
+    min_requests=100,
+    window_s=60.0,
+    bucket_s=1.0,
+)
+
+
+def test_factor_grows_with_sigma_and_is_capped() -> None:
+    assert quota_factor(0.0) == 1.0
+    assert quota_factor(0.2) == pytest.approx(1.1)
+    assert quota_factor(5.0) == pytest.approx(1.3)
+
+
+def test_sigma_of_24_complete_hours_with_idle_hours_as_zero() -> None:
+    budget = hourly_budget(Team("t", size=2, complexity=1.5), 1000)
+    assert budget == 150_000
+    now = 1000
+    alternating = {now - 24 + i: (0.2 if i % 2 else 0.6) * budget for i in range(24)}
+    alternating[now] = 10 * budget  # the current, incomplete hour is not part of it
+    stats = utilisation_stats(alternating, budget, now)
+    assert (stats.mean, stats.sigma, stats.hours) == (pytest.approx(0.4), pytest.approx(0.2), 24)
+    assert stats.factor == pytest.approx(1.1)
+    one_burst = utilisation_stats({now - 1: 24 * budget}, budget, now)
+    assert one_burst.mean == pytest.approx(1.0)
+    assert one_burst.factor == pytest.approx(1.3)
+
+
+def test_breaker_enters_at_once_and_leaves_one_level_per_cooldown() -> None:
+    state = BreakerState()
+    state = next_state(state, 99, 50, 0.0, POLICY)
+    assert state.level == 0, "below the minimum request count there is no rate"
+    state = next_state(state, 200, 50, 1.0, POLICY)
+    assert (state.level, state.since) == (3, 1.0)
+    # Below level 3's exit threshold but not for a whole cool-down: no change.
+    state = next_state(state, 200, 20, 2.0, POLICY)
+    state = next_state(state, 200, 20, 11.0, POLICY)
+    assert state.level == 3
+    state = next_state(state, 200, 20, 12.0, POLICY)
+    assert (state.level, state.since) == (2, 12.0)
+    # 10 % is above level 2's exit (7 %): the cool-down restarts, no flapping.
+    state = next_state(state, 200, 20, 30.0, POLICY)
+    assert state.level == 2
+    assert state.calm_since is None
+    for t in (31.0, 41.0, 51.0):
+        state = next_state(state, 200, 2, t, POLICY)
+    assert state.level == 0 or state.level == 1
+    state = next_state(state, 0, 0, 70.0, POLICY)  # no traffic: calm
+    state = next_state(state, 0, 0, 80.0, POLICY)
+    assert state.level == 0
+
+
+def test_breaker_window_slides() -> None:
+    buckets: MutableMapping[str, list[int]] = {}
+    for second in range(100):
+        add_outcome(buckets, float(second), error=second % 2 == 0, now=float(second), policy=POLICY)
+    # The bucket the window's start falls in still counts: 60 s plus up to one bucket.
+    assert window_counts(buckets, 99.5, POLICY) == (61, 30)
+    assert not add_outcome(buckets, 10.0, error=True, now=99.5, policy=POLICY)
+    assert window_counts(buckets, 200.0, POLICY) == (0, 0)
+
+
+def test_rollup_counts_costs_and_percentiles() -> None:
+    price = Price(prompt=1.0, cached=0.5, completion=2.0)
+    rollup = new_rollup("t", "completion", "laneway-code", 500_000, 0)
+    for ms in range(1, 1001):
+        add_event(
+            rollup,
+            usage_event(
+                total_ms=float(ms), prompt_tokens=1000, cached_tokens=400, completion_tokens=100
+            ),
+            price,
+        )
+    add_event(rollup, usage_event(status="error", total_ms=5000.0), price)
+    add_event(rollup, usage_event(status="cancelled", prompt_tokens=0, completion_tokens=0), price)
+    record = to_record(rollup, now=0)
+    assert (record.requests, record.ok, record.errors, record.dropped) == (1002, 1000, 1, 1)
+    assert record.hour == "2027-01-15T08:00:00Z"
+    # 1000 × (600·1 + 400·0.5 + 100·2)/1000 + (100·1 + 20·2)/1000
+    assert record.cost == pytest.approx(1000 * 1.0 + 0.14)
+    assert record.latency_ms.p50 == pytest.approx(500, rel=0.02)
+    assert record.latency_ms.p99 == pytest.approx(990, rel=0.02)
+    assert record.latency_ms.p999 == pytest.approx(999, rel=0.02)
+    assert percentile({}, 0.5) is None
+
+
+class _Table(dict[str, Any]):
+    @property
+    def data(self) -> MutableMapping[str, Any]:
+        return self
+
+    def send_changelog(self, partition: int | None, key: Any, value: Any, *args: Any) -> None:
+        pass
+
+
+async def test_replayed_offsets_are_not_counted_twice() -> None:
+    rollups, outcomes = _Table(), _Table()
+    processor = UsageProcessor(
+        StreamsSettings(),
+        rollups=rollups,
+        outcomes=outcomes,
+        announcer=None,  # type: ignore[arg-type]
+        redis=None,  # type: ignore[arg-type]
+        keys=None,  # type: ignore[arg-type]
+        send=None,  # type: ignore[arg-type]
+    )
+    events = [usage_event(status="error" if i % 3 == 0 else "ok") for i in range(10)]
+    for offset, event in enumerate(events):
+        processor.handle(event.to_json(), 0, offset)
+    # A crash after the changelog was flushed but before offsets were committed: 4..9 again.
+    for offset, event in enumerate(events[4:], start=4):
+        processor.handle(event.to_json(), 0, offset)
+    processor.handle(b'{"id": 1}', 0, 10)
+    (rollup,) = rollups.values()
+    assert rollup["requests"] == 10
+    (outcome,) = outcomes.values()
+    assert sum(n for n, _ in outcome["b"].values()) == 10
+    assert processor.counters.replayed == 6
+    assert processor.counters.malformed == 1

@@ -1,0 +1,133 @@
+"""``python -m streams`` as a subprocess: the helper the other streams tests use, and its own
+contract (starts against the real broker, stops cleanly on SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaProducer
+
+from laneway.schema import UsageEvent
+from tests.stack import LiveStack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Fast timers so tests see decisions within a second; everything else as in production.
+FAST: dict[str, Any] = {
+    "breaker_eval_interval_s": 0.1,
+    "rollup_flush_interval_s": 0.2,
+    "quota_factor_interval_s": 0.3,
+    "streams_commit_interval_s": 0.2,
+}
+
+
+class StreamsProcess:
+    """One ``python -m streams`` child with the stack's prefixes and a data dir of its own."""
+
+    def __init__(self, stack: LiveStack, data_dir: Path, **settings: Any) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+        values: dict[str, Any] = {
+            **stack.common,
+            "streams_data_dir": str(data_dir),
+            "log_level": "INFO",
+            **FAST,
+            **settings,
+        }
+        for name, value in values.items():
+            text = value if isinstance(value, str) else orjson.dumps(value).decode()
+            env[f"LANEWAY_{name.upper()}"] = text
+        env["PYTHONPATH"] = str(ROOT)
+        self.env = env
+        self.log_path = data_dir / "streams.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "streams", env=self.env, cwd=ROOT, stdout=log, stderr=log
+            )
+
+    async def stop(self, sig: int = signal.SIGTERM, within_s: float = 30.0) -> int:
+        """Signal the child and wait for it; returns its exit code."""
+        if self.proc is None:
+            return 0
+        proc, self.proc = self.proc, None
+        if proc.returncode is None:
+            proc.send_signal(sig)
+        try:
+            return await asyncio.wait_for(proc.wait(), within_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def usage_event(**fields: Any) -> UsageEvent:
+    values: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "team": "team-a",
+        "cls": "completion",
+        "model": "laneway-code",
+        "route": "laneway-code",
+        "status": "ok",
+        "prompt_tokens": 100,
+        "completion_tokens": 20,
+        "total_ms": 25.0,
+        "ts": time.time(),
+    }
+    values.update(fields)
+    return UsageEvent(**values)
+
+
+async def produce_usage(producer: AIOKafkaProducer, topic: str, events: list[UsageEvent]) -> None:
+    """Keyed by team, as the workers do; waits until the broker has all of them."""
+    futures = [await producer.send(topic, e.to_json(), key=e.team.encode()) for e in events]
+    await asyncio.gather(*futures)
+
+
+async def wait_until(
+    check: Callable[[], Any], within_s: float, what: str, *, every_s: float = 0.1
+) -> Any:
+    """Poll an async or sync ``check`` until it returns something truthy."""
+    deadline = time.monotonic() + within_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(every_s)
+
+
+async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    streams = StreamsProcess(stack, tmp_path, rollup_idle_s=0.5, rollup_grace_s=0)
+    await streams.start()
+    try:
+        producer = await stack.producer()
+        event = usage_event(ts=time.time() - 7200)
+        await produce_usage(producer, stack.topics.usage, [event])
+        await producer.send_and_wait(stack.topics.usage, b"not json", key=b"team-a")
+        records = await stack.read_topic(stack.topics.usage_hourly, count=1, within_s=30)
+        assert records[0]["team"] == "team-a"
+        assert records[0]["requests"] == 1
+    finally:
+        code = await streams.stop()
+    assert code == 0, streams.log()
+    assert "skipping usage record" in streams.log()

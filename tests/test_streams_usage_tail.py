@@ -1,0 +1,66 @@
+"""``laneway usage tail``: follows either topic, filters by team, prints a table or JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import time
+
+from laneway.settings import CommonSettings
+from streams.usage_tail import add_usage_commands, tail_usage
+from tests.stack import LiveStack
+from tests.test_streams_process import produce_usage, usage_event
+
+
+async def test_tail_filters_by_team_as_json_and_table(stack: LiveStack) -> None:
+    producer = await stack.producer()
+    events = [usage_event(team=team, ts=time.time()) for team in ("a", "b", "a", "c", "a")]
+    await produce_usage(producer, stack.topics.usage, events)
+    await producer.send_and_wait(stack.topics.usage, b"garbage", key=b"a")
+    settings = CommonSettings(**stack.common)
+
+    out = io.StringIO()
+    shown = await tail_usage(
+        settings, team="a", output="json", from_beginning=True, limit=3, out=out
+    )
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert shown == 3
+    assert {line["team"] for line in lines} == {"a"}
+    assert {line["id"] for line in lines} == {e.id for e in events if e.team == "a"}
+
+    table = io.StringIO()
+    await tail_usage(settings, team="b", from_beginning=True, limit=1, out=table)
+    header, row = table.getvalue().splitlines()
+    assert header.split()[:3] == ["ts", "team", "class"]
+    assert row.split()[1:4] == ["b", "completion", "laneway-code"]
+
+
+async def test_tail_follows_hourly_rollups(stack: LiveStack) -> None:
+    producer = await stack.producer()
+    record = {
+        "team": "a",
+        "class": "chat",
+        "model": "m",
+        "hour": "2026-01-01T10:00:00Z",
+        "requests": 7,
+        "errors": 1,
+        "latency_ms": {"p99": 12.5},
+        "cost": 0.25,
+    }
+    await producer.send_and_wait(stack.topics.usage_hourly, json.dumps(record).encode(), key=b"a")
+    out = io.StringIO()
+    await tail_usage(
+        CommonSettings(**stack.common), hourly=True, from_beginning=True, limit=1, out=out
+    )
+    row = out.getvalue().splitlines()[1].split()
+    assert row[:5] == ["2026-01-01T10:00:00Z", "a", "chat", "m", "7"]
+    assert row[-2:] == ["12.5", "0.2500"]
+
+
+def test_cli_registers_usage_tail() -> None:
+    parser = argparse.ArgumentParser(prog="laneway")
+    add_usage_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["usage", "tail", "--hourly", "--team", "x", "-o", "json"])
+    assert (args.hourly, args.team, args.output, args.limit) == (True, "x", "json", None)
+    assert callable(args.func)

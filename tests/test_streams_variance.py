@@ -1,0 +1,62 @@
+"""A synthetic 24 h usage history on the real broker gives the expected σ and quota factor,
+written where the quota code reads it and announced on ``laneway.control``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from laneway.constants import RedisKeys
+from quota.teams import Team, set_team
+from streams.variance import HOUR_S, hour_of
+from tests.stack import LiveStack
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event, wait_until
+
+
+async def test_24h_history_gives_the_expected_factor(stack: LiveStack, tmp_path: Path) -> None:
+    keys = RedisKeys(stack.prefix)
+    # Budgets: steady 2 × 50 × 1.0 × 1000 = 100k tokens/h; bursty 1 × 50 × 2.0 × 1000 = 100k.
+    await set_team(stack.redis, keys, Team("steady", size=2, complexity=1.0))
+    await set_team(stack.redis, keys, Team("bursty", size=1, complexity=2.0))
+    current = hour_of(time.time())
+    events = []
+    for i in range(24):
+        ts = (current - 24 + i) * HOUR_S + 60
+        steady = 40_000 if i % 2 else 60_000  # utilisation 0.4 / 0.6: σ 0.1 → 1.05
+        events.append(
+            usage_event(team="steady", prompt_tokens=steady - 1000, completion_tokens=1000, ts=ts)
+        )
+        if i % 6 == 0:  # 4 busy hours at 3.0, 20 idle: σ = √1.25 → capped at 1.3
+            events.append(
+                usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0, ts=ts)
+            )
+    producer = await stack.producer()
+    await produce_usage(producer, stack.topics.usage, events)
+
+    streams = StreamsProcess(stack, tmp_path)
+    await streams.start()
+    try:
+
+        async def factors() -> tuple[bytes, bytes] | None:
+            steady, bursty = await stack.redis.mget(
+                [keys.quota_factor("steady"), keys.quota_factor("bursty")]
+            )
+            return (steady, bursty) if steady and bursty else None
+
+        steady, bursty = await wait_until(factors, 40, "quota factors in Redis")
+    finally:
+        assert await streams.stop() == 0, streams.log()
+    if hour_of(time.time()) != current:
+        pytest.skip("the hour turned during the test: the 24 h window moved")
+    assert float(steady) == pytest.approx(1.05, abs=1e-6)
+    assert float(bursty) == pytest.approx(1.3, abs=1e-6)
+    updates = await stack.read_topic(
+        stack.topics.control, count=2, where=lambda r: r["kind"] == "quota_factor"
+    )
+    by_team = {u["team"]: u for u in updates}
+    assert by_team["steady"]["sigma"] == pytest.approx(0.1, abs=1e-6)
+    assert by_team["steady"]["mean"] == pytest.approx(0.5, abs=1e-6)
+    assert by_team["bursty"]["factor"] == pytest.approx(1.3, abs=1e-6)
+    assert by_team["bursty"]["sigma"] == pytest.approx(1.25**0.5, abs=1e-6)

@@ -1,0 +1,162 @@
+"""The batch lane: lines of jobs in, exactly-once results out.
+
+A batch line is checked like an HTTP request (key, model, limits); a bad line becomes an
+error result for that line and the job goes on. Results and the usage event of each line
+are written in one Kafka transaction together with the input offsets they complete, so a
+crash anywhere neither loses nor duplicates a result: records wait in the ledger until every
+line before them on their partition has finished, then go out with the offset commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+from aiokafka import TopicPartition
+
+from laneway.apikeys import lookup_team
+from laneway.constants import API_KEY_CACHE_S, RedisKeys, Topics
+from laneway.errors import BadRequest, LanewayError, Unauthorized
+from laneway.openai_api import ChatRequest, CompletionRequest, validate_body
+from laneway.openai_format import error_body, final_body
+from laneway.requests import shape_request
+from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope, UsageEvent
+from laneway.settings import CommonSettings
+
+__all__ = ["BatchIntake", "BatchLedger", "KafkaRecord", "batch_result", "error_result"]
+
+KafkaRecord = tuple[str, bytes, bytes]  # topic, key, value
+
+_STATUS_CODES = {"ok": 200, "error": 500, "cancelled": 499, "aborted": 503, "expired": 504}
+
+
+def batch_request_id(job_id: str, line_id: str) -> str:
+    # Deterministic: a line re-run after a crash settles the same quota reservation.
+    return f"batch-{job_id}-{line_id}"
+
+
+class BatchIntake:
+    """Turns a batch line into an envelope, or raises the error that becomes its result."""
+
+    def __init__(self, settings: CommonSettings, redis: aioredis.Redis, keys: RedisKeys) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.keys = keys
+        self._teams: dict[str, tuple[float, str]] = {}
+
+    async def _team(self, api_key: str) -> str:
+        cached = self._teams.get(api_key)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        team = await lookup_team(self.redis, self.keys, api_key)
+        if team is None:
+            raise Unauthorized("unknown API key in this batch line")
+        self._teams[api_key] = (time.monotonic() + API_KEY_CACHE_S, team)
+        return team
+
+    async def envelope(self, line: BatchRequest) -> RequestEnvelope:
+        if line.error is not None:
+            raise BadRequest(line.error)
+        if line.body is None:
+            raise BadRequest("batch line has no body", param="body")
+        team = await self._team(line.api_key)
+        body: CompletionRequest | ChatRequest
+        if line.url == "/v1/completions":
+            body = validate_body(CompletionRequest, line.body, prefix="body.")
+        else:
+            body = validate_body(ChatRequest, line.body, prefix="body.")
+        shape = shape_request(self.settings, body, "batch")
+        return RequestEnvelope(
+            id=batch_request_id(line.job_id, line.line_id),
+            team=team,
+            cls="batch",
+            kind=shape.kind,
+            model=body.model,
+            route=body.model,
+            prompt=shape.prompt if shape.messages is None else "",
+            suffix=shape.suffix,
+            messages=shape.messages,
+            max_tokens=shape.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stop,
+            affinity=f"{line.job_id}:{line.line_id}",
+            accepted_ts=time.time(),
+            prompt_tokens=shape.prompt_tokens,
+            job_id=line.job_id,
+            line_id=line.line_id,
+        )
+
+
+def error_result(line: BatchRequest, exc: LanewayError, team: str = "") -> BatchResult:
+    status_code = int(getattr(exc, "status_code", 500))
+    code = getattr(exc, "code", None)
+    param = getattr(exc, "param", None)
+    return BatchResult(
+        job_id=line.job_id,
+        line_id=line.line_id,
+        request_id=batch_request_id(line.job_id, line.line_id),
+        team=team,
+        status="rejected",
+        status_code=status_code,
+        body=error_body(str(exc), type_="invalid_request_error", code=code, param=param),
+    )
+
+
+def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
+    status = final.status or "error"
+    if status == "ok":
+        body = final_body(env, final.text, final)
+    else:
+        body = error_body(final.error or status, type_="server_error", code=status)
+    return BatchResult(
+        job_id=env.job_id or "",
+        line_id=env.line_id or env.id,
+        request_id=env.id,
+        team=env.team,
+        status=status,
+        status_code=_STATUS_CODES.get(status, 500),
+        body=body,
+    )
+
+
+def result_records(
+    topics: Topics, result: BatchResult, usage: UsageEvent | None = None
+) -> list[KafkaRecord]:
+    records = [(topics.results_batch, result.job_id.encode(), result.to_json())]
+    if usage is not None:
+        records.append((topics.usage, usage.team.encode(), usage.to_json()))
+    return records
+
+
+class BatchLedger:
+    """Output records per input offset, held until their offsets commit in one transaction."""
+
+    def __init__(self) -> None:
+        self._records: dict[TopicPartition, dict[int, list[KafkaRecord]]] = {}
+
+    def add(self, tp: TopicPartition, offset: int, records: Iterable[KafkaRecord]) -> None:
+        self._records.setdefault(tp, {})[offset] = list(records)
+
+    def below(self, offsets: dict[TopicPartition, int]) -> list[KafkaRecord]:
+        """Records of every offset below the ones about to be committed, in offset order."""
+        out: list[KafkaRecord] = []
+        for tp, upto in offsets.items():
+            held = self._records.get(tp, {})
+            for offset in sorted(o for o in held if o < upto):
+                out.extend(held[offset])
+        return out
+
+    def drop_below(self, offsets: dict[TopicPartition, int]) -> None:
+        for tp, upto in offsets.items():
+            held = self._records.get(tp, {})
+            for offset in [o for o in held if o < upto]:
+                del held[offset]
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            self._records.pop(tp, None)
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._records.values())

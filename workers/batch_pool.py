@@ -1,0 +1,185 @@
+"""The batch pool's worker: exactly-once results, its own quota pool, and it yields.
+
+Differences from the interactive pools: records are batch lines (``BatchRequest``), each
+result and usage event is written in a Kafka transaction with the input offset it
+completes, a line waits (never fails) for its team's batch budget, and the whole lane
+pauses while the interactive lanes have a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError, ProducerFenced
+from redis.exceptions import RedisError
+
+from laneway.clients import make_producer
+from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
+from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
+from laneway.schema import BatchRequest, RequestEnvelope, decode
+from laneway.settings import WorkerSettings
+from quota import Team, get_team
+from workers import metrics
+from workers.batch import BatchIntake, BatchLedger, batch_result, error_result, result_records
+from workers.pool import PoolWorker
+from workers.types import Engine
+
+__all__ = ["BatchPoolWorker"]
+
+log = logging.getLogger(__name__)
+
+# A throttled batch line re-checks its pool at least this often.
+_BATCH_RETRY_MAX_S = 5.0
+_INTERACTIVE_POOLS = ("completion", "chat")
+
+
+class BatchPoolWorker(PoolWorker):
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        super().__init__(settings, engine)
+        self.outbox.capture = True
+        if self.quota is not None:
+            self.executor.admit = self._admit
+        self.ledger = BatchLedger()
+        self.intake = BatchIntake(settings, self.redis, self.keys)
+        # A stable transactional id fences a zombie instance after a restart.
+        self.txn = make_producer(
+            settings, transactional_id=f"{settings.topic_prefix}.batch.{settings.worker_id}"
+        )
+        self._teams: dict[str, tuple[float, Team]] = {}
+        self.yielding = False
+
+    async def start(self) -> None:
+        if not self._started:
+            await self.txn.start()
+        await super().start()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        was_running = self._started and not self._stopped
+        await super().stop(grace_s)
+        if was_running:
+            await self.txn.stop()
+
+    # --- intake and execution -------------------------------------------------------------
+
+    async def _accept(
+        self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
+    ) -> RequestEnvelope | None:
+        try:
+            line = decode(BatchRequest, record.value)
+        except MalformedMessage as exc:
+            self._skip(tp, record.offset, exc)  # no job to report it to
+            return None
+        while True:
+            try:
+                return await self.intake.envelope(line)
+            except LanewayError as exc:
+                result = error_result(line, exc)
+                self.ledger.add(tp, record.offset, result_records(self.topics, result))
+                return None
+            except (RedisError, OSError) as exc:
+                # The key cannot be checked without Redis: the lane waits, nothing is dropped.
+                log.warning("batch intake paused, Redis unreachable: %s", exc)
+                await asyncio.sleep(1.0)
+
+    async def _execute(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
+        usage = await self.executor.run(env)
+        final = self.outbox.captured.pop(env.id)
+        self.ledger.add(tp, offset, result_records(self.topics, batch_result(env, final), usage))
+
+    async def _admit(self, env: RequestEnvelope) -> None:
+        """Reserve from the team's batch pool, waiting (never failing) until it refills.
+
+        While it waits the line holds its in-flight slot, so a throttled job stops fetching
+        more work instead of failing lines; with Redis unreachable, batch pauses.
+        """
+        assert self.quota is not None
+        amount = env.prompt_tokens + env.max_tokens
+        while True:
+            try:
+                team = await self._team(env.team)
+                await self.quota.reserve(team, "batch", env.id, amount)
+            except QuotaExceeded as exc:
+                metrics.QUOTA_WAITS.labels(env.team).inc()
+                await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
+            except (RedisError, OSError) as exc:
+                log.warning("batch admission paused, Redis unreachable: %s", exc)
+                await asyncio.sleep(1.0)
+            else:
+                return
+
+    async def _team(self, name: str) -> Team:
+        cached = self._teams.get(name)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        team = await get_team(self.redis, self.keys, name)
+        self._teams[name] = (time.monotonic() + API_KEY_CACHE_S, team)
+        return team
+
+    # --- exactly-once commit --------------------------------------------------------------
+
+    async def commit(self, only: set[TopicPartition] | None = None) -> None:
+        """Results below the committable offsets and those offsets, in one transaction."""
+        offsets = self.offsets.committable(only)
+        if not offsets:
+            return
+        records = self.ledger.below(offsets)
+        try:
+            async with self.txn.transaction():
+                for topic, key, value in records:
+                    await self.txn.send(topic, value, key=key)
+                await self.txn.send_offsets_to_transaction(
+                    offsets, self.topics.consumer_group("batch")
+                )
+        except ProducerFenced:
+            log.exception(
+                "another instance took over transactional id of %s: stopping",
+                self.settings.worker_id,
+            )
+            self._stopping.set()
+            raise
+        except KafkaError as exc:
+            log.warning("batch transaction aborted (will retry): %s", exc)
+            return
+        self.ledger.drop_below(offsets)
+        self.offsets.mark_committed(offsets)
+
+    def _forget(self, partitions: set[TopicPartition]) -> None:
+        super()._forget(partitions)
+        self.ledger.forget(partitions)
+
+    # --- yielding to interactive work -------------------------------------------------------
+
+    async def _after_heartbeat(self) -> None:
+        backlog = await self._interactive_backlog()
+        should_yield = backlog > self.settings.batch_yield_backlog
+        if should_yield == self.yielding:
+            return
+        self.yielding = should_yield
+        assigned = list(self.consumer.assignment())
+        if should_yield:
+            log.info("interactive backlog %d: batch lane pauses", backlog)
+            self.consumer.pause(*assigned)
+        else:
+            log.info("interactive backlog gone: batch lane resumes")
+            self.consumer.resume(*assigned)
+        metrics.BATCH_YIELDING.set(1 if should_yield else 0)
+
+    async def _interactive_backlog(self) -> int:
+        now = time.time()
+        try:
+            ids: list[Any] = []
+            for pool in _INTERACTIVE_POOLS:
+                ids += await self.redis.zrangebyscore(
+                    self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
+                )
+            if not ids:
+                return 0
+            infos = await self.redis.mget([self.keys.worker_info(i.decode()) for i in ids])
+        except (RedisError, OSError):
+            return 0
+        return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
