@@ -114,7 +114,8 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
     try:
         kafka.start()
         create_topics(kafka.bootstrap, stack.topics.specs(stack.partitions))
-        stack.spawn("ingress", {"LANEWAY_PORT": str(stack.ingress_port), **stack.ingress_env})
+        ingress_env = {"LANEWAY_PORT": str(stack.ingress_port), "LANEWAY_PROBE_INTERVAL_S": "0"}
+        stack.spawn("ingress", {**ingress_env, **stack.ingress_env})
         for i, worker in enumerate(stack.workers):
             stack.spawn(
                 "workers", {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker}

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from laneway.constants import RedisKeys
 from laneway.errors import ServiceUnavailable
+from laneway.metrics import BREAKER_LEVEL
 
 __all__ = ["BREAKER_CACHE_S", "BreakerGate", "BreakerGateSettings", "RouteDecision"]
 
@@ -124,6 +125,7 @@ class BreakerGate:
             log.warning("breaker levels unreadable (%s): serving %s at level 0", exc, model)
             raw_route = raw_team = None
         route_level, route_retry = _parse(raw_route)
+        BREAKER_LEVEL.labels(model).set(route_level)
         team_level, team_retry = _parse(raw_team)
         levels = _Levels(
             route=route_level,

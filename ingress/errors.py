@@ -21,14 +21,27 @@ from laneway.errors import (
     ServiceUnavailable,
     Unauthorized,
 )
+from laneway.metrics import ERRORS
 
 __all__ = ["error_response", "install_error_handlers"]
+
+# Error kinds of laneway_errors_total (bounded: one per class of the error tree).
+_KINDS: dict[type[LanewayError], str] = {
+    BadRequest: "bad_request",
+    Unauthorized: "unauthorized",
+    QuotaExceeded: "quota",
+    ServiceUnavailable: "unavailable",
+    Expired: "timeout",
+    EngineError: "engine",
+}
 
 log = logging.getLogger(__name__)
 
 
 def error_response(exc: LanewayError) -> Response:
     """The one map from laneway errors to status, headers and body."""
+    kind = next((_KINDS[c] for c in type(exc).__mro__ if c in _KINDS), "other")
+    ERRORS.labels(kind).inc()
     headers: dict[str, str] = {}
     if isinstance(exc, BadRequest):
         status, type_, code, param = exc.status_code, "invalid_request_error", exc.code, exc.param

@@ -17,7 +17,7 @@ CLIENT_GONE = Counter(
 LATENCY = Histogram(
     "laneway_ingress_latency_seconds",
     "End-to-end latency at the ingress, accept to last byte",
-    ["cls"],
+    ["team", "cls", "model"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
 )
 OPEN_REQUESTS = Gauge("laneway_ingress_open_requests", "Requests waiting on replies")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from laneway.errors import (
     ServiceUnavailable,
     Superseded,
 )
+from laneway.metrics import team_label
 from laneway.openai_api import ChatRequest, CompletionRequest, parse_body
 from laneway.schema import Reply, RequestEnvelope
 from quota import Admitted
@@ -156,11 +158,18 @@ def _budget_headers(admitted: Admitted | None) -> dict[str, str]:
     }
 
 
+def _observe(env: RequestEnvelope, code: int) -> None:
+    metrics.RESPONSES.labels(env.cls, str(code)).inc()
+    latency = max(0.0, time.time() - env.accepted_ts)
+    metrics.LATENCY.labels(team_label(env.team), env.cls, env.model).observe(latency)
+
+
 def _finish_json(
     env: RequestEnvelope, reply: Reply, text: str | None = None, *, headers: dict[str, str]
 ) -> Response:
     if reply.status != "ok":
         raise _reply_error(reply)
+    _observe(env, 200)
     body = final_body(env, reply.text if text is None else text, reply)
     return JSONResponse(body, headers={**headers, "x-laneway-route": reply.route or env.route})
 
@@ -200,6 +209,7 @@ async def _stream(
                 yield stream_chunk(env, text=reply.text, role=role)
                 role = False
             if reply.done:
+                _observe(env, 200 if reply.status == "ok" else 500)
                 if reply.status == "ok":
                     yield stream_chunk(env, finish_reason=reply.finish_reason)
                     if include_usage:

@@ -17,6 +17,7 @@ from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
 from ingress.breaker import BreakerGate
+from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from laneway.clients import make_consumer, make_producer, make_redis
@@ -42,6 +43,7 @@ class IngressState:
         self.callers = CallerResolver(self.redis, self.keys)
         self.admission = Admission(settings, self.producer)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
+        self.prober = Prober(self)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
             QuotaEnforcer(self.redis, self.keys, policy), policy, enabled=settings.quota_enabled
@@ -59,8 +61,10 @@ class IngressState:
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
+        await self.prober.start()
 
     async def stop(self) -> None:
+        await self.prober.stop()
         self._tail.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._tail
@@ -122,4 +126,11 @@ class IngressState:
             # Degraded, not down: replies fall back to Kafka and quota to the local limiter.
             checks["redis"] = {"ok": False, "degraded": True, "error": repr(exc)}
         checks["replies"] = {"ok": self.replies.healthy, "degraded": not self.replies.healthy}
+        for probed, probe in self.prober.results.items():
+            checks[f"probe.{probed}"] = {
+                "ok": probe.ok,
+                "latency_ms": round(probe.latency_s * 1000, 1),
+                "at": probe.ts,
+                **({"error": probe.error} if probe.error else {}),
+            }
         return checks

@@ -25,6 +25,7 @@ from laneway.logs import setup_logging
 from laneway.schema import BatchResult
 from laneway.settings import CommonSettings, StackSettings, load_settings
 from quota.teams import Team, set_team
+from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
 
 __all__ = ["main"]
@@ -156,7 +157,7 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
 def cmd_topics_create(args: argparse.Namespace) -> int:
     settings = load_settings(StackSettings)
     specs = settings.topics.specs(args.partitions or settings.partitions)
-    create_topics(settings.kafka_bootstrap, specs)
+    create_topics(settings.kafka_bootstrap, specs, settings.replication_factor)
     for name, partitions, _ in specs:
         print(f"{name} ({partitions} partitions)")
     return 0
@@ -288,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     tcreate.add_argument("--partitions", type=int, default=0)
     tcreate.set_defaults(func=cmd_topics_create)
     add_usage_commands(sub)
+    add_report_commands(sub)
     return parser
 
 

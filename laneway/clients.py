@@ -6,10 +6,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from laneway.settings import CommonSettings
 
-__all__ = ["make_consumer", "make_producer", "make_redis"]
+__all__ = ["make_consumer", "make_producer", "make_redis", "topic_partitions"]
 
 
 def make_producer(settings: CommonSettings, **overrides: Any) -> AIOKafkaProducer:
@@ -46,4 +47,17 @@ def make_redis(settings: CommonSettings) -> aioredis.Redis:
         socket_connect_timeout=2.0,
         socket_timeout=5.0,
         health_check_interval=15,
+    )
+
+
+async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:
+    """Partition numbers of ``topic``; empty when it does not exist."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return sorted(
+        p["partition"] for t in described if not t.get("error_code") for p in t["partitions"]
     )

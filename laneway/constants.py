@@ -120,6 +120,10 @@ class RedisKeys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def probe_key(self) -> str:
+        """The API key the health prober uses for its batch probes."""
+        return f"{self.prefix}:probe:key"
+
     def quota_factor(self, team: str) -> str:
         """Dynamic quota factor of a team (a float as text), written by the streams app."""
         return f"{self.prefix}:quota:factor:{team}"

@@ -495,21 +495,25 @@ class RedisServer(_ServerProcess):
         return reply.startswith(b"+PONG"), reply.decode(errors="replace").strip()
 
 
-def create_topics(bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]]) -> None:
+def create_topics(
+    bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]], replication: int = 1
+) -> None:
     """Create the topics in ``specs`` (name, partitions, config) that do not exist yet.
 
     Synchronous (runs its own event loop): call it from set-up code, not from a coroutine.
     """
-    _run_sync(_create_topics(bootstrap, specs))
+    _run_sync(_create_topics(bootstrap, specs, replication))
 
 
-async def _create_topics(bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]]) -> None:
+async def _create_topics(
+    bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]], replication: int
+) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         await admin.start()
         existing = set(await admin.list_topics())
         wanted = [
-            NewTopic(name, partitions, 1, topic_configs=dict(config))
+            NewTopic(name, partitions, replication, topic_configs=dict(config))
             for name, partitions, config in specs
             if name not in existing
         ]

@@ -12,7 +12,7 @@ import os
 import secrets
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from laneway.constants import RedisKeys, RequestClass, Topics
@@ -21,6 +21,7 @@ from laneway.errors import ConfigError
 __all__ = [
     "CommonSettings",
     "IngressSettings",
+    "Price",
     "StackSettings",
     "WorkerSettings",
     "load_settings",
@@ -33,6 +34,24 @@ _OTHER_KNOWN_VARIABLES = {
     "LANEWAY_TEST_KAFKA_PORT",
     "LANEWAY_TEST_REDIS_PORT",
 }
+
+
+class Price(BaseModel):
+    """Price of one model route, per 1,000 tokens of each kind."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: float = Field(0.0, ge=0)
+    cached: float = Field(0.0, ge=0)
+    completion: float = Field(0.0, ge=0)
+
+
+def _default_prices() -> dict[str, Price]:
+    return {
+        "laneway-code": Price(prompt=0.0005, cached=0.0001, completion=0.0015),
+        "laneway-chat": Price(prompt=0.001, cached=0.0002, completion=0.003),
+        "*": Price(prompt=0.001, cached=0.0002, completion=0.003),
+    }
 
 
 class CommonSettings(BaseSettings):
@@ -54,6 +73,15 @@ class CommonSettings(BaseSettings):
     completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
     chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
 
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="workers and streams: serve /metrics here (0: off)"
+    )
+    prices: dict[str, Price] = Field(
+        default_factory=_default_prices,
+        description="cost per 1k tokens by route: {route: {prompt, cached, completion}}; "
+        "'*' prices the rest (JSON)",
+    )
+
     quota_enabled: bool = Field(True, description="enforce team budgets")
     quota_unit_tokens: int = Field(1000, gt=0, description="tokens in one budget unit")
     quota_units_per_member: float = Field(
@@ -70,6 +98,9 @@ class CommonSettings(BaseSettings):
     quota_borrow_reserve: float = Field(
         0.3, ge=0, le=1, description="share of the interactive pool batch can never borrow"
     )
+
+    def price_of(self, route: str) -> Price:
+        return self.prices.get(route) or self.prices.get("*") or Price()
 
     @property
     def topics(self) -> Topics:
@@ -102,6 +133,10 @@ class IngressSettings(CommonSettings):
         },
         description="breaker: model → {quantized, fallback} routes of levels 1 and 2 (JSON)",
     )
+    probe_interval_s: float = Field(
+        300.0, ge=0, description="health probe of every pool this often (0: off)"
+    )
+    probe_timeout_s: float = Field(10.0, gt=0, description="a probe slower than this fails")
     affinity_prefix_chars: int = Field(
         256, gt=0, description="prompt prefix hashed into the affinity key without a session"
     )
@@ -202,6 +237,9 @@ class StackSettings(CommonSettings):
     redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
     partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
     data_dir: str = Field(".run", description="where broker and Redis keep their data")
+    replication_factor: int = Field(
+        1, ge=1, le=7, description="`laneway topics create`: replicas of each topic"
+    )
     kafka_heap_mb: int = Field(768, ge=256, description="`laneway up`: broker JVM heap")
     port: int = Field(8000, ge=0, le=65535, description="ingress port")
 

@@ -12,6 +12,7 @@ from aiokafka.errors import KafkaError
 
 from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
+from laneway.metrics import serve_metrics
 from laneway.settings import load_settings
 from streams.app import StreamsApp
 from streams.settings import StreamsSettings
@@ -41,6 +42,7 @@ async def usage_partitions(settings: StreamsSettings) -> int:
 async def serve(settings: StreamsSettings) -> None:
     partitions = settings.streams_partitions or await usage_partitions(settings)
     streams = StreamsApp(settings, partitions=partitions)
+    serve_metrics(settings.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

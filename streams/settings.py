@@ -4,29 +4,11 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from laneway.settings import CommonSettings
+from laneway.settings import CommonSettings, Price
 
 __all__ = ["Price", "StreamsSettings"]
-
-
-class Price(BaseModel):
-    """Price of one model route, per 1,000 tokens of each kind."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompt: float = Field(0.0, ge=0)
-    cached: float = Field(0.0, ge=0)
-    completion: float = Field(0.0, ge=0)
-
-
-def _default_prices() -> dict[str, Price]:
-    return {
-        "laneway-code": Price(prompt=0.0005, cached=0.0001, completion=0.0015),
-        "laneway-chat": Price(prompt=0.001, cached=0.0002, completion=0.003),
-        "*": Price(prompt=0.001, cached=0.0002, completion=0.003),
-    }
 
 
 class StreamsSettings(CommonSettings):
@@ -88,11 +70,6 @@ class StreamsSettings(CommonSettings):
     rollup_flush_interval_s: float = Field(
         1.0, gt=0, description="rollups: how often closed hours are published"
     )
-    prices: dict[str, Price] = Field(
-        default_factory=_default_prices,
-        description="cost per 1k tokens by route: {route: {prompt, cached, completion}}; "
-        "'*' prices the rest (JSON)",
-    )
 
     @model_validator(mode="after")
     def _check_thresholds(self) -> Self:
@@ -119,6 +96,3 @@ class StreamsSettings(CommonSettings):
     @property
     def app_id(self) -> str:
         return self.streams_app_id or f"{self.topic_prefix}-streams"
-
-    def price_of(self, route: str) -> Price:
-        return self.prices.get(route) or self.prices.get("*") or Price()

@@ -102,7 +102,9 @@ class LiveStack:
         )
 
     async def start_ingress(self, **overrides: Any) -> Ingress:
-        settings = IngressSettings(**{**self.common, **overrides})
+        # Probes would add their own usage events; tests that want them turn them on.
+        options = {"probe_interval_s": 0, **overrides}
+        settings = IngressSettings(**{**self.common, **options})
         ingress = Ingress(settings)
         await ingress.start()
         self.ingresses.append(ingress)

@@ -10,6 +10,7 @@ import sys
 
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging
+from laneway.metrics import serve_metrics
 from laneway.settings import WorkerSettings, load_settings
 from workers.factory import create_worker
 from workers.select import choose_engine
@@ -21,6 +22,7 @@ async def _serve(settings: WorkerSettings) -> int:
     engine, reason = choose_engine(settings)
     log.info("pool %s: engine %s chosen because %s", settings.pool, engine.name, reason)
     worker = create_worker(settings, engine)
+    serve_metrics(settings.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

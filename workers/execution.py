@@ -8,7 +8,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from laneway.errors import Dropped, EngineError
+from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
+from laneway.settings import Price
 from workers import metrics
 from workers.types import EngineRequest
 
@@ -33,12 +35,14 @@ class RequestExecutor:
         *,
         worker_id: str,
         admit: Callable[[RequestEnvelope], Awaitable[None]] | None = None,
+        price_of: Callable[[str], Price] | None = None,
     ) -> None:
         self.engine = engine
         self.shield = shield
         self.outbox = outbox
         self.worker_id = worker_id
         self.admit = admit
+        self.price_of = price_of or (lambda _route: Price())
 
     async def run(self, env: RequestEnvelope) -> UsageEvent:
         if self.admit is not None:
@@ -178,8 +182,34 @@ class RequestExecutor:
             error=error,
         )
         await self.outbox.finish(env, final, usage)
-        metrics.OUTCOMES.labels(env.team, env.cls, status).inc()
-        metrics.ENGINE_MS.labels(env.team, env.cls).inc(engine_ms)
-        if stale_engine_ms:
-            metrics.STALE_ENGINE_MS.labels(env.team, env.cls, status).inc(stale_engine_ms)
+        _record(env, usage, self.price_of(env.route))
         return usage
+
+
+def _record(env: RequestEnvelope, usage: UsageEvent, price: Price) -> None:
+    team = team_label(env.team)
+    metrics.OUTCOMES.labels(team, env.cls, usage.status).inc()
+    metrics.ENGINE_MS.labels(team, env.cls).inc(usage.engine_ms)
+    if usage.stale_engine_ms:
+        metrics.STALE_ENGINE_MS.labels(team, env.cls, usage.status).inc(usage.stale_engine_ms)
+    if usage.status == "error":
+        ERRORS.labels("engine").inc()
+    if usage.engine_ms or usage.status == "ok":
+        QUEUE_WAIT.labels(team, env.cls, env.route).observe(usage.queue_ms / 1000)
+    if usage.ttft_ms is not None:
+        TTFT.labels(team, env.cls, env.route).observe(usage.ttft_ms / 1000)
+    uncached = usage.prompt_tokens - usage.cached_tokens
+    for kind, count in (
+        ("prompt", uncached),
+        ("cached", usage.cached_tokens),
+        ("completion", usage.completion_tokens),
+    ):
+        if count:
+            TOKENS.labels(team, env.cls, env.route, kind).inc(count)
+    cost = (
+        uncached * price.prompt
+        + usage.cached_tokens * price.cached
+        + usage.completion_tokens * price.completion
+    ) / 1000
+    if cost:
+        COST.labels(team, env.cls, env.route).inc(cost)

@@ -23,6 +23,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S
 from laneway.errors import MalformedMessage
+from laneway.metrics import CONSUMER_LAG
 from laneway.schema import CancelRecord, RequestEnvelope, decode
 from laneway.settings import WorkerSettings
 from quota import QuotaEnforcer, QuotaPolicy
@@ -67,6 +68,7 @@ class PoolWorker:
         self._started = False
         self._stopped = False
         self.failed = False
+        self._digest = ""
         self.redis = make_redis(settings)
         self.producer = make_producer(settings)
         self.consumer: AIOKafkaConsumer = make_consumer(
@@ -87,7 +89,11 @@ class PoolWorker:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
         self.outbox = Outbox(self.redis, self.producer, self.topics, self.quota)
         self.executor = RequestExecutor(
-            engine, self.shield, self.outbox, worker_id=settings.worker_id
+            engine,
+            self.shield,
+            self.outbox,
+            worker_id=settings.worker_id,
+            price_of=settings.price_of,
         )
 
     @property
@@ -99,6 +105,7 @@ class PoolWorker:
             return
         self._started = True
         await self.engine.start()
+        self._digest = self.engine.model_digest()
         await self.producer.start()
         await self.cancels.start()
         self.consumer.subscribe(
@@ -317,13 +324,20 @@ class PoolWorker:
                 "engine": self.engine.name,
                 "simulation": self.engine.is_simulation,
                 "inflight": len(self._inflight),
-                "backlog": await self.lag() + stats.waiting,
+                "backlog": await self._record_lag() + stats.waiting,
                 "cancels_held": len(self.shield),
                 "running": stats.running,
                 "waiting": stats.waiting,
                 "kv_cache_usage": stats.kv_cache_usage,
                 "prefix_cache_queries": stats.prefix_cache_queries,
                 "prefix_cache_hits": stats.prefix_cache_hits,
+                "prefix_cache_hit_rate": (
+                    stats.prefix_cache_hits / stats.prefix_cache_queries
+                    if stats.prefix_cache_queries
+                    else None
+                ),
+                "memory_free_bytes": stats.memory_free_bytes,
+                "model_digest": self._digest,
                 "ts": now,
             }
             try:
@@ -336,6 +350,14 @@ class PoolWorker:
                 log.warning("heartbeat to Redis failed: %s", exc)
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _record_lag(self) -> int:
+        total = 0
+        for topic in self.topics.pool_topics(self.settings.pool):
+            lag = await self.lag([tp for tp in self.consumer.assignment() if tp.topic == topic])
+            CONSUMER_LAG.labels(self.pool, topic).set(lag)
+            total += lag
+        return total
 
     async def _after_heartbeat(self) -> None:
         """Periodic hook for subclasses (the batch lane checks interactive backlog here)."""

@@ -99,6 +99,10 @@ class SimEngine:
             prefix_cache_hits=self._hits,
         )
 
+    def model_digest(self) -> str:
+        """The simulation has no weights: its digest is that of its cost profile."""
+        return hashlib.sha256(f"sim:{self.profile!r}".encode()).hexdigest()[:16]
+
     def _cached_tokens(self, tokens: list[str]) -> int:
         """Longest cached prefix in whole blocks; every full block is then cached (LRU)."""
         size = self.profile.block_tokens

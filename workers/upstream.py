@@ -15,6 +15,7 @@ import orjson
 
 from laneway.errors import Aborted, EngineError
 from laneway.tokens import estimate_tokens
+from workers.integrity import model_digest
 from workers.types import EngineDelta, EngineRequest, EngineStats
 
 __all__ = ["OpenAICompatibleEngine"]
@@ -48,6 +49,10 @@ class OpenAICompatibleEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(running=self._running)
+
+    def model_digest(self) -> str:
+        # The weights live upstream: the digest pins which server and model name we use.
+        return model_digest(f"{self.base_url}#{self.model}")
 
     def _body(self, request: EngineRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {

@@ -24,6 +24,7 @@ from typing import Any
 
 from laneway.errors import Aborted, ConfigError, EngineError
 from laneway.settings import WorkerSettings
+from workers.integrity import model_digest
 from workers.profiles import EngineProfile, build_profile, check_engine_args
 from workers.types import EngineDelta, EngineRequest, EngineStats
 
@@ -188,6 +189,10 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         return self._stats.stats
+
+    def model_digest(self) -> str:
+        load_format = self.settings.vllm_load_format
+        return model_digest(self.settings.vllm_model, extra=f"load_format={load_format}")
 
     @property
     def block_size(self) -> int | None:

@@ -1,0 +1,184 @@
+"""Health probes: a synthetic request per pool through the whole chain, on a timer.
+
+Completion and chat probes go ingress → Kafka → worker → reply stream like any request;
+the batch probe is a one-line job whose result must appear on the results topic. Each
+result is a metric, a record on ``laneway.control`` and a line of ``/readyz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
+from redis.exceptions import RedisError
+
+from laneway.apikeys import create_key, lookup_team
+from laneway.clients import make_consumer
+from laneway.constants import POOLS, RequestClass
+from laneway.metrics import PROBE_LATENCY, PROBE_SUCCESS
+from laneway.schema import BatchRequest, RequestEnvelope
+
+if TYPE_CHECKING:
+    from ingress.state import IngressState
+
+__all__ = ["PROBE_TEAM", "ProbeResult", "Prober"]
+
+log = logging.getLogger(__name__)
+
+PROBE_TEAM = "laneway-probe"
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ok: bool
+    latency_s: float
+    ts: float
+    error: str | None = None
+
+
+class Prober:
+    def __init__(self, state: IngressState) -> None:
+        self.state = state
+        self.settings = state.settings
+        self.results: dict[str, ProbeResult] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._key: str | None = None
+
+    async def start(self) -> None:
+        if self.settings.probe_interval_s > 0 and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="prober")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(pool) for pool in POOLS))
+            await asyncio.sleep(self.settings.probe_interval_s)
+
+    async def probe(self, pool: RequestClass) -> ProbeResult:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout_s):
+                if pool == "batch":
+                    await self._probe_batch()
+                else:
+                    await self._probe_interactive(pool)
+            result = ProbeResult(True, time.monotonic() - started, time.time())
+        except (TimeoutError, KafkaError, RedisError, OSError, ProbeFailed) as exc:
+            error = str(exc) or f"no answer within {self.settings.probe_timeout_s}s"
+            result = ProbeResult(False, time.monotonic() - started, time.time(), error)
+            log.warning("probe of pool %s failed: %s", pool, error)
+        self.results[pool] = result
+        PROBE_SUCCESS.labels(pool).set(1 if result.ok else 0)
+        PROBE_LATENCY.labels(pool).set(result.latency_s)
+        await self._announce(pool, result)
+        return result
+
+    async def _probe_interactive(self, pool: RequestClass) -> None:
+        state = self.state
+        now = time.time()
+        env = RequestEnvelope(
+            id=f"probe-{secrets.token_hex(8)}",
+            team=PROBE_TEAM,
+            cls=pool,
+            kind="completion" if pool == "completion" else "chat",
+            model=self.settings.models[0],
+            route=self.settings.models[0],
+            prompt="probe",
+            max_tokens=1,
+            affinity=f"probe:{secrets.token_hex(4)}",
+            reply_to=state.reply_stream,
+            accepted_ts=now,
+            deadline_ts=now + self.settings.probe_timeout_s,
+        )
+        channel = state.replies.open(env.id, env.team)
+        try:
+            await state.admission.produce(env)
+            while True:
+                reply = await channel.get(self.settings.probe_timeout_s)
+                if reply.done:
+                    if reply.status != "ok":
+                        raise ProbeFailed(f"{reply.status}: {reply.error}")
+                    return
+        finally:
+            state.replies.close(env.id)
+
+    async def _probe_key(self) -> str:
+        if self._key is None:
+            state = self.state
+            stored = await state.redis.get(state.keys.probe_key())
+            key = stored.decode() if isinstance(stored, bytes) else stored
+            if key is None or await lookup_team(state.redis, state.keys, key) is None:
+                key = await create_key(state.redis, state.keys, PROBE_TEAM)
+                await state.redis.set(state.keys.probe_key(), key)
+            self._key = key
+        return self._key
+
+    async def _probe_batch(self) -> None:
+        state = self.state
+        job = f"probe-{secrets.token_hex(6)}"
+        line = BatchRequest(
+            job_id=job,
+            line_id="probe",
+            api_key=await self._probe_key(),
+            url="/v1/completions",
+            body={"model": self.settings.models[0], "prompt": "probe", "max_tokens": 1},
+        )
+        topic = state.topics.results_batch
+        partitions = sorted(await state.producer.partitions_for(topic))
+        tp = TopicPartition(topic, DefaultPartitioner()(job.encode(), partitions, partitions))
+        consumer = make_consumer(self.settings, isolation_level="read_committed")
+        await consumer.start()
+        try:
+            consumer.assign([tp])
+            await consumer.seek_to_end(tp)
+            await consumer.position(tp)
+            await state.producer.send_and_wait(
+                state.topics.request("batch"), line.to_json(), key=f"{job}:probe".encode()
+            )
+            while True:
+                batches = await consumer.getmany(tp, timeout_ms=200)
+                for record in batches.get(tp, []):
+                    if record.key == job.encode():
+                        status = orjson.loads(record.value).get("status")
+                        if status != "ok":
+                            raise ProbeFailed(f"batch probe ended {status}")
+                        return
+        finally:
+            await consumer.stop()
+
+    async def _announce(self, pool: str, result: ProbeResult) -> None:
+        subject = f"probe:{pool}"
+        record = {
+            "v": 1,
+            "kind": "probe",
+            "subject": subject,
+            "pool": pool,
+            "ok": result.ok,
+            "latency_ms": round(result.latency_s * 1000, 2),
+            "error": result.error,
+            "ingress": self.settings.instance_id,
+            "ts": result.ts,
+        }
+        with contextlib.suppress(KafkaError):
+            await self.state.producer.send(
+                self.state.topics.control, orjson.dumps(record), key=subject.encode()
+            )
+
+
+class ProbeFailed(Exception):
+    """The chain answered, but not with success."""

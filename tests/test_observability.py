@@ -1,0 +1,218 @@
+"""Metrics, heartbeats, health probes and the cost report, on the real broker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from laneway import metrics as shared_metrics
+from laneway.settings import CommonSettings
+from streams.records import HourlyRollup, LatencySummary
+from streams.report import cost_report, render
+from tests.stack import LiveStack, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _families(text: str) -> dict[str, set[frozenset[str]]]:
+    """Metric name → the label-name sets of its samples (parsing fails on a bad scrape)."""
+    out: dict[str, set[frozenset[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).add(frozenset(sample.labels))
+    return out
+
+
+async def test_ingress_scrape_carries_team_class_model(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("metrics-team"))
+    for streamed in (False, True):
+        body = {"model": "laneway-code", "prompt": "x = 1", "max_tokens": 8, "stream": streamed}
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200
+    assert (
+        await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    ).status_code == 404
+    text = (await http.get("/metrics")).text
+    families = _families(text)
+    assert (
+        frozenset({"team", "cls", "model", "le"})
+        in families["laneway_ingress_latency_seconds_bucket"]
+    )
+    assert frozenset({"team", "cls", "model", "kind"}) in families["laneway_tokens_total"]
+    assert frozenset({"team", "cls", "model"}) in families["laneway_cost_total"]
+    assert (
+        frozenset({"team", "cls", "model", "le"}) in families["laneway_queue_wait_seconds_bucket"]
+    )
+    assert frozenset({"team", "cls", "model", "le"}) in families["laneway_ttft_seconds_bucket"]
+    assert frozenset({"kind"}) in families["laneway_errors_total"]
+    assert 'laneway_errors_total{kind="bad_request"}' in text
+    labels = 'cls="completion",model="laneway-code",team="metrics-team"'
+    assert f"laneway_ingress_latency_seconds_count{{{labels}}} 2.0" in text
+
+
+def test_team_labels_stay_bounded() -> None:
+    seen = {
+        shared_metrics.team_label(f"flood-{i}") for i in range(shared_metrics.MAX_TEAM_LABELS + 50)
+    }
+    assert "other" in seen
+    assert len(seen) <= shared_metrics.MAX_TEAM_LABELS + 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
+    port = _free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    environ.update(
+        PYTHONPATH=str(ROOT),
+        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
+        LANEWAY_REDIS_URL=stack.services.redis_url,
+        LANEWAY_TOPIC_PREFIX=stack.prefix,
+        LANEWAY_REDIS_PREFIX=stack.prefix,
+        LANEWAY_POOL="chat",
+        LANEWAY_WORKER_ID="scraped",
+        LANEWAY_ENGINE="sim",
+        LANEWAY_METRICS_PORT=str(port),
+        LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "workers"], env=environ, cwd=ROOT)  # noqa: ASYNC220
+    try:
+        info_key = f"{stack.prefix}:worker:scraped"
+        await wait_for_async(lambda: stack.redis.exists(info_key), 30)
+        info = orjson.loads(await stack.redis.get(info_key))
+        assert info["engine"] == "sim"
+        assert info["simulation"] is True
+        assert len(info["model_digest"]) == 16
+        assert {"backlog", "kv_cache_usage", "prefix_cache_hit_rate", "memory_free_bytes"} <= set(
+            info
+        )
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        families = _families(text)
+        assert frozenset({"pool", "topic"}) in families["laneway_consumer_lag"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+async def wait_for_async(check: object, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await check():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("condition not met")
+
+
+async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(probe_interval_s=0.5, probe_timeout_s=1.5)
+    workers = {pool: await stack.start_worker(pool) for pool in ("completion", "chat", "batch")}
+    http = stack.http(ingress)
+
+    async def ready() -> tuple[int, dict[str, dict[str, object]]]:
+        response = await http.get("/readyz")
+        return response.status_code, response.json()["checks"]
+
+    await wait_for(
+        lambda: ingress.state.prober.results.get("batch") is not None, 20, "a batch probe"
+    )
+    deadline = time.monotonic() + 20
+    while (await ready())[0] != 200:
+        assert time.monotonic() < deadline, await ready()
+        await asyncio.sleep(0.2)
+
+    await workers["completion"].stop()
+    stopped_at = time.monotonic()
+    while True:
+        status, checks = await ready()
+        if checks.get("probe.completion", {}).get("ok") is False:
+            break
+        assert time.monotonic() - stopped_at < 5, checks
+        await asyncio.sleep(0.1)
+    assert status == 503
+    assert checks["probe.chat"]["ok"] is True
+
+    await stack.start_worker("completion")
+    deadline = time.monotonic() + 20
+    while (await ready())[0] != 200:
+        assert time.monotonic() < deadline, await ready()
+        await asyncio.sleep(0.2)
+    control = await stack.read_topic(
+        stack.topics.control, count=6, where=lambda r: r.get("kind") == "probe"
+    )
+    assert {r["pool"] for r in control} >= {"completion", "chat", "batch"}
+
+
+def _rollup(
+    team: str, cls: str, hour_start: int, revision: int, tokens: int, cost: float
+) -> HourlyRollup:
+    return HourlyRollup(
+        team=team,
+        cls=cls,
+        model="laneway-code",
+        hour=time.strftime("%Y-%m-%dT%H:00:00Z", time.gmtime(hour_start)),
+        hour_start=hour_start,
+        requests=revision,
+        ok=revision,
+        errors=0,
+        dropped=0,
+        statuses={"ok": revision},
+        routes={"laneway-code": revision},
+        prompt_tokens=tokens,
+        cached_tokens=0,
+        completion_tokens=tokens // 2,
+        engine_ms=1.0,
+        latency_ms=LatencySummary(),
+        cost=cost,
+        revision=revision,
+    )
+
+
+async def test_cost_report_matches_a_known_history(stack: LiveStack) -> None:
+    now = time.time()
+    hour = int(now // 3600) * 3600
+    history = [
+        _rollup("alpha", "completion", hour - 3 * 3600, 5, 1000, 1.0),
+        _rollup("alpha", "completion", hour - 3 * 3600, 9, 1800, 1.8),  # later revision wins
+        _rollup("alpha", "completion", hour - 2 * 3600, 4, 400, 0.4),
+        _rollup("beta", "chat", hour - 3600, 2, 200, 0.25),
+        _rollup("beta", "chat", hour - 30 * 3600, 7, 7000, 7.0),  # outside --since 24h
+    ]
+    producer = await stack.producer()
+    for rollup in history:
+        await producer.send_and_wait(
+            stack.topics.usage_hourly,
+            rollup.model_dump_json(by_alias=True).encode(),
+            key=rollup.team.encode(),
+        )
+    settings = CommonSettings(**stack.common)
+    rows = await cost_report(settings, 24 * 3600, now=now)
+    summary = {
+        (r.team, r.cls): (r.requests, r.prompt_tokens, r.completion_tokens, r.cost) for r in rows
+    }
+    assert summary == {
+        ("alpha", "completion"): (13, 2200, 1100, 2.2),
+        ("beta", "chat"): (2, 200, 100, 0.25),
+    }
+    csv_text = render(rows, "csv")
+    assert (
+        csv_text.splitlines()[0]
+        == "team,cls,model,requests,prompt_tokens,cached_tokens,completion_tokens,cost"
+    )
+    assert "alpha,completion,laneway-code,13,2200,0,1100,2.2" in csv_text
+    assert "total" in render(rows, "table")
