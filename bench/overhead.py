@@ -13,53 +13,48 @@ import argparse
 import asyncio
 import time
 
-import httpx
-
+from bench._http import HttpPool
 from bench._stack import BenchStack, bench_stack, machine, percentile
 
 
 async def drive(
-    base_url: str, key: str, rate: float, seconds: float
-) -> tuple[list[float], int, float]:
+    stack: BenchStack, key: str, rate: float, seconds: float
+) -> tuple[list[float], list[float], int, float]:
+    """Open-loop load: request i is sent at start + i/rate whatever the earlier ones do."""
     latencies: list[float] = []
+    inside: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers={"Authorization": f"Bearer {key}"}, limits=limits, timeout=10
-    ) as http:
+    http = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
 
-        async def one(i: int) -> None:
-            nonlocal errors
-            started = time.perf_counter()
-            try:
-                response = await http.post(
-                    "/v1/completions",
-                    json={
-                        "model": "laneway-code",
-                        "prompt": f"def f{i}(x):\n    return",
-                        "max_tokens": 16,
-                    },
-                    headers={"X-Laneway-Session": f"s{i % 64}"},
-                )
-            except httpx.HTTPError:
-                errors += 1
-                return
-            if response.status_code != 200:
-                errors += 1
-                return
-            latencies.append((time.perf_counter() - started) * 1000)
+    async def one(i: int) -> None:
+        nonlocal errors
+        started = time.perf_counter()
+        body = {"model": "laneway-code", "prompt": f"def f{i}(x):\n    return", "max_tokens": 16}
+        try:
+            status, headers, _ = await http.post(
+                "/v1/completions", body, {"X-Laneway-Session": f"s{i % 64}"}
+            )
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            errors += 1
+            return
+        if status != 200:
+            errors += 1
+            return
+        latencies.append((time.perf_counter() - started) * 1000)
+        inside.append(float(headers["server-timing"].split("dur=")[1]))
 
-        total = int(rate * seconds)
-        start = time.perf_counter()
-        tasks = []
-        for i in range(total):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
-        achieved = total / (time.perf_counter() - start)
-    return latencies, errors, achieved
+    total = int(rate * seconds)
+    start = time.perf_counter()
+    tasks = []
+    for i in range(total):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    achieved = total / (time.perf_counter() - start)
+    await http.close()
+    return latencies, inside, errors, achieved
 
 
 def main() -> None:
@@ -84,15 +79,14 @@ def main() -> None:
     )
     with bench_stack(stack):
         key = stack.api_key("bench")
-        asyncio.run(drive(stack.base_url, key, 50, args.warmup))
+        asyncio.run(drive(stack, key, 50, args.warmup))
         print(f"# laneway added latency (instant sim engine) — {machine()}")
         header = ("rate/s", "sent", "achieved/s", "errors", "P50 ms", "P99 ms", "max ms")
+        header += ("inside P50", "inside P99")
         print(" ".join(f"{h:>10}" for h in header))
         best = 0.0
         for rate in rates:
-            latencies, errors, achieved = asyncio.run(
-                drive(stack.base_url, key, rate, args.seconds)
-            )
+            latencies, inside, errors, achieved = asyncio.run(drive(stack, key, rate, args.seconds))
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             row = (
                 rate,
@@ -102,6 +96,8 @@ def main() -> None:
                 p50,
                 p99,
                 max(latencies, default=0),
+                percentile(inside, 50),
+                percentile(inside, 99),
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
             if p99 < 50 and errors == 0:

@@ -8,7 +8,7 @@ import uvicorn
 
 from ingress.app import create_app
 from laneway.errors import ConfigError
-from laneway.logs import setup_logging
+from laneway.logs import setup_logging, tune_gc
 from laneway.settings import IngressSettings, load_settings
 
 
@@ -19,6 +19,7 @@ def main() -> int:
         print(f"laneway ingress: {exc}", file=sys.stderr)  # noqa: T201
         return 2
     setup_logging(settings.log_level)
+    tune_gc()
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -171,7 +171,13 @@ def _finish_json(
         raise _reply_error(reply)
     _observe(env, 200)
     body = final_body(env, reply.text if text is None else text, reply)
-    return JSONResponse(body, headers={**headers, "x-laneway-route": reply.route or env.route})
+    # Server-Timing: acceptance to response inside laneway (lanes, worker, reply path).
+    elapsed_ms = (time.time() - env.accepted_ts) * 1000
+    extra = {
+        "x-laneway-route": reply.route or env.route,
+        "server-timing": f"laneway;dur={elapsed_ms:.2f}",
+    }
+    return JSONResponse(body, headers={**headers, **extra})
 
 
 async def _collect(

@@ -33,8 +33,9 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
         "bootstrap_servers": settings.kafka_bootstrap,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
-        # Return as soon as one record is there: latency matters more than fetch size.
-        "fetch_max_wait_ms": 100,
+        # A long poll: the broker answers as soon as one record is there (fetch_min_bytes=1),
+        # so this only bounds idle polling; shorter only burns broker CPU on idle consumers.
+        "fetch_max_wait_ms": 500,
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)

@@ -7,9 +7,10 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from laneway.errors import ConfigError
-from laneway.logs import setup_logging
+from laneway.logs import setup_logging, tune_gc
 from laneway.metrics import serve_metrics
 from laneway.settings import WorkerSettings, load_settings
 from workers.factory import create_worker
@@ -28,6 +29,7 @@ async def _serve(settings: WorkerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await worker.start()
+    tune_gc()
     stopped = asyncio.create_task(worker.wait_stopped())
     signalled = asyncio.create_task(stop.wait())
     await asyncio.wait({stopped, signalled}, return_when=asyncio.FIRST_COMPLETED)
@@ -36,6 +38,15 @@ async def _serve(settings: WorkerSettings) -> int:
     for task in (stopped, signalled):
         task.cancel()
     return 1 if worker.failed else 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed: fewer syscalls and less Python per socket event."""
+    try:
+        import uvloop  # noqa: PLC0415 - optional accelerator
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(settings.log_level)
     try:
-        return asyncio.run(_serve(settings))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_serve(settings))
     except ConfigError as exc:
         log.error("%s", exc)  # noqa: TRY400 - a config error needs no traceback
         return 2

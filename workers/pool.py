@@ -70,7 +70,9 @@ class PoolWorker:
         self.failed = False
         self._digest = ""
         self.redis = make_redis(settings)
-        self.producer = make_producer(settings)
+        # Usage events are awaited only before the offset commit, never by a client: let a few
+        # milliseconds of them share one produce request.
+        self.producer = make_producer(settings, linger_ms=5)
         self.consumer: AIOKafkaConsumer = make_consumer(
             settings,
             group_id=self.topics.consumer_group(settings.pool),
