@@ -42,13 +42,16 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
 
 
 def make_redis(settings: CommonSettings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
+    """A client whose pool waits for a free connection instead of failing under a burst."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
-        decode_responses=False,
+        max_connections=64,
+        timeout=5.0,
         socket_connect_timeout=2.0,
         socket_timeout=5.0,
         health_check_interval=15,
     )
+    return aioredis.Redis(connection_pool=pool, decode_responses=False)
 
 
 async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:
