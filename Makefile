@@ -31,6 +31,10 @@ fmt: setup
 
 bench: setup
 	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.cancel_storm
+	$(BIN)/python -m bench.quota
+	$(BIN)/python -m bench.batch
+	$(BIN)/python -m bench.streams
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

@@ -51,7 +51,8 @@ def make_redis(settings: CommonSettings) -> aioredis.Redis:
         socket_timeout=5.0,
         health_check_interval=15,
     )
-    return aioredis.Redis(connection_pool=pool, decode_responses=False)
+    # from_pool: the client owns the pool, so aclose() closes its connections too.
+    return aioredis.Redis.from_pool(pool)
 
 
 async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:

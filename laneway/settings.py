@@ -156,6 +156,12 @@ class WorkerSettings(CommonSettings):
     )
     engine: EngineName = Field("auto", description="auto, sim, openai or vllm (auto: by machine)")
     max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
+    batch_memory_high: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="batch aborts and re-queues its newest work above this KV-cache usage",
+    )
     batch_yield_backlog: int = Field(
         0, ge=0, description="batch pauses while interactive lanes have more waiting than this"
     )
@@ -175,6 +181,9 @@ class WorkerSettings(CommonSettings):
     sim_decode_ms_per_step: float = Field(15.0, ge=0, description="sim: one decode step")
     sim_batch_slots: int = Field(32, gt=0, description="sim: sequences decoded at once")
     sim_prefix_cache_blocks: int = Field(4096, ge=0, description="sim: prefix-cache LRU size")
+    sim_kv_tokens: int = Field(
+        0, ge=0, description="sim: KV memory for running sequences, in tokens (0: unlimited)"
+    )
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
     sim_seed: int = Field(0, description="sim: seed of injected failures")

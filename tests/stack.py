@@ -6,9 +6,13 @@ Each test gets its own topic and key prefix, so tests never see each other's rec
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +33,7 @@ from workers.sim import SimEngine
 from workers.types import Engine, EngineRequest
 
 PARTITIONS = 2
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,25 @@ class LiveStack:
         finally:
             await consumer.stop()
         return found
+
+    def process_env(self, **extra: str) -> dict[str, str]:
+        """Environment of a laneway subprocess on this stack's broker, Redis and prefixes."""
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+        environ.update(
+            PYTHONPATH=str(ROOT),
+            LANEWAY_KAFKA_BOOTSTRAP=self.services.bootstrap,
+            LANEWAY_REDIS_URL=self.services.redis_url,
+            LANEWAY_TOPIC_PREFIX=self.prefix,
+            LANEWAY_REDIS_PREFIX=self.prefix,
+            **extra,
+        )
+        return environ
+
+    def spawn(self, module: str, **extra: str) -> subprocess.Popen[bytes]:
+        """``python -m module`` (ingress, workers, streams) as a real process of this stack."""
+        return subprocess.Popen(
+            [sys.executable, "-m", module], env=self.process_env(**extra), cwd=ROOT
+        )
 
     async def stop(self) -> None:
         for client in reversed(self._clients):

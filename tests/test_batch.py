@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -16,8 +15,6 @@ import pytest
 from laneway.batch import BatchClient, JobStatus
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _line(i: int, **body: Any) -> str:
@@ -32,22 +29,9 @@ def _line(i: int, **body: Any) -> str:
     ).decode()
 
 
-def _env(stack: LiveStack, **extra: str) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    environ.update(
-        PYTHONPATH=str(ROOT),
-        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
-        LANEWAY_REDIS_URL=stack.services.redis_url,
-        LANEWAY_TOPIC_PREFIX=stack.prefix,
-        LANEWAY_REDIS_PREFIX=stack.prefix,
-        **extra,
-    )
-    return environ
-
-
 def _spawn_batch_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
-    env = _env(
-        stack,
+    return stack.spawn(
+        "workers",
         LANEWAY_POOL="batch",
         LANEWAY_WORKER_ID="batch-kill",
         LANEWAY_ENGINE="sim",
@@ -57,7 +41,6 @@ def _spawn_batch_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
         LANEWAY_COMMIT_INTERVAL_MS="100",
         LANEWAY_LOG_LEVEL="WARNING",
     )
-    return subprocess.Popen([sys.executable, "-m", "workers"], env=env, cwd=ROOT)
 
 
 async def _status_when(
@@ -115,7 +98,7 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     ]
     source = tmp_path / "job.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    env = _env(stack, LANEWAY_API_KEY=key)
+    env = stack.process_env(LANEWAY_API_KEY=key)
     laneway = str(Path(sys.executable).parent / "laneway")
     submit = await asyncio.to_thread(
         subprocess.run,
@@ -173,3 +156,31 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     assert {r.status_code for r in responses} == {200}
     await wait_for(lambda: not batch.yielding, 10, "batch to resume")
     assert not batch.consumer.paused()
+
+
+async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack) -> None:
+    # A simulated engine with room for about three long lines at once, six lines in flight.
+    await stack.start_worker(
+        "batch",
+        sim_kv_tokens=1200,
+        sim_decode_ms_per_step=20.0,
+        max_inflight=6,
+        batch_memory_high=0.9,
+    )
+    key = await stack.api_key("docs", size=100)
+    lines = [
+        _line(i, messages=[{"role": "user", "content": f"doc {i} " * 200}], max_tokens=30)
+        for i in range(12)
+    ]
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit(lines, api_key=key)
+        status = await _status_when(client, job, 12, 120)
+    assert (status.done, status.ok, status.duplicates) == (12, 12, 0)
+    usage = await stack.read_topic(
+        stack.topics.usage, count=100, within_s=3, where=lambda e: e["job_id"] == job
+    )
+    aborted = [e for e in usage if e["status"] == "aborted"]
+    assert aborted, "the engine never came under pressure"
+    assert sorted(e["id"] for e in usage if e["status"] == "ok") == sorted(
+        f"batch-{job}-doc-{i}" for i in range(12)
+    )

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import orjson
@@ -17,8 +14,6 @@ from aiokafka.partitioner import murmur2
 from tests.stack import PARTITIONS, LiveStack, wait_for
 from workers.sim import SimEngine
 from workers.types import EngineRequest
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _partition(session: str) -> int:
@@ -61,20 +56,14 @@ async def test_same_session_same_partition_same_worker(stack: LiveStack) -> None
 
 
 def _spawn_worker(stack: LiveStack, worker_id: str, **env: str) -> subprocess.Popen[bytes]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    environ.update(
-        PYTHONPATH=str(ROOT),
-        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
-        LANEWAY_REDIS_URL=stack.services.redis_url,
-        LANEWAY_TOPIC_PREFIX=stack.prefix,
-        LANEWAY_REDIS_PREFIX=stack.prefix,
+    return stack.spawn(
+        "workers",
         LANEWAY_WORKER_ID=worker_id,
         LANEWAY_ENGINE="sim",
         LANEWAY_COMMIT_INTERVAL_MS="50",
         LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
         **env,
     )
-    return subprocess.Popen([sys.executable, "-m", "workers"], env=environ, cwd=ROOT)
 
 
 @pytest.mark.slow

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import orjson
@@ -19,8 +15,6 @@ from laneway.settings import CommonSettings
 from streams.records import HourlyRollup, LatencySummary
 from streams.report import cost_report, render
 from tests.stack import LiveStack, wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _families(text: str) -> dict[str, set[frozenset[str]]]:
@@ -77,20 +71,14 @@ def _free_port() -> int:
 
 async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
     port = _free_port()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    environ.update(
-        PYTHONPATH=str(ROOT),
-        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
-        LANEWAY_REDIS_URL=stack.services.redis_url,
-        LANEWAY_TOPIC_PREFIX=stack.prefix,
-        LANEWAY_REDIS_PREFIX=stack.prefix,
+    proc = stack.spawn(
+        "workers",
         LANEWAY_POOL="chat",
         LANEWAY_WORKER_ID="scraped",
         LANEWAY_ENGINE="sim",
         LANEWAY_METRICS_PORT=str(port),
         LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
     )
-    proc = subprocess.Popen([sys.executable, "-m", "workers"], env=environ, cwd=ROOT)  # noqa: ASYNC220
     try:
         info_key = f"{stack.prefix}:worker:scraped"
         await wait_for_async(lambda: stack.redis.exists(info_key), 30)

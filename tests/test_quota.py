@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from datetime import UTC, datetime
@@ -27,9 +25,6 @@ from laneway.schema import BatchRequest
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, wait_for
 from workers import metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 # --- the model --------------------------------------------------------------------------
 
@@ -155,18 +150,7 @@ def _free_port() -> int:
 
 
 def _spawn_ingress(stack: LiveStack, port: int, **env: str) -> subprocess.Popen[bytes]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    environ.update(
-        PYTHONPATH=str(ROOT),
-        LANEWAY_KAFKA_BOOTSTRAP=stack.services.bootstrap,
-        LANEWAY_REDIS_URL=stack.services.redis_url,
-        LANEWAY_TOPIC_PREFIX=stack.prefix,
-        LANEWAY_REDIS_PREFIX=stack.prefix,
-        LANEWAY_PORT=str(port),
-        LANEWAY_LOG_LEVEL="WARNING",
-        **env,
-    )
-    return subprocess.Popen([sys.executable, "-m", "ingress"], env=environ, cwd=ROOT)
+    return stack.spawn("ingress", LANEWAY_PORT=str(port), LANEWAY_LOG_LEVEL="WARNING", **env)
 
 
 async def test_headers_and_429(stack: LiveStack) -> None:

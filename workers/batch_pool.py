@@ -25,7 +25,14 @@ from laneway.schema import BatchRequest, RequestEnvelope, decode
 from laneway.settings import WorkerSettings
 from quota import Team, get_team
 from workers import metrics
-from workers.batch import BatchIntake, BatchLedger, batch_result, error_result, result_records
+from workers.batch import (
+    BatchIntake,
+    BatchLedger,
+    KafkaRecord,
+    batch_result,
+    error_result,
+    result_records,
+)
 from workers.pool import PoolWorker
 from workers.types import Engine
 
@@ -51,6 +58,8 @@ class BatchPoolWorker(PoolWorker):
             settings, transactional_id=f"{settings.topic_prefix}.batch.{settings.worker_id}"
         )
         self._teams: dict[str, tuple[float, Team]] = {}
+        self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
+        self._requeue: set[str] = set()
         self.yielding = False
 
     async def start(self) -> None:
@@ -76,7 +85,7 @@ class BatchPoolWorker(PoolWorker):
             return None
         while True:
             try:
-                return await self.intake.envelope(line)
+                env = await self.intake.envelope(line)
             except LanewayError as exc:
                 result = error_result(line, exc)
                 self.ledger.add(tp, record.offset, result_records(self.topics, result))
@@ -85,10 +94,25 @@ class BatchPoolWorker(PoolWorker):
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
                 log.warning("batch intake paused, Redis unreachable: %s", exc)
                 await asyncio.sleep(1.0)
+            else:
+                key = record.key or f"{line.job_id}:{line.line_id}".encode()
+                self._lines[env.id] = (tp.topic, key, record.value)
+                return env
 
     async def _execute(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
-        usage = await self.executor.run(env)
+        try:
+            usage = await self.executor.run(env)
+        finally:
+            line = self._lines.pop(env.id)
         final = self.outbox.captured.pop(env.id)
+        if env.id in self._requeue:
+            # Aborted for memory: the line goes back to the end of its topic, in the same
+            # transaction that commits its offset, so it runs again exactly once.
+            self._requeue.discard(env.id)
+            metrics.BATCH_REQUEUED.inc()
+            usage_record = (self.topics.usage, env.team.encode(), usage.to_json())
+            self.ledger.add(tp, offset, [line, usage_record])
+            return
         self.ledger.add(tp, offset, result_records(self.topics, batch_result(env, final), usage))
 
     async def _admit(self, env: RequestEnvelope) -> None:
@@ -155,6 +179,27 @@ class BatchPoolWorker(PoolWorker):
     # --- yielding to interactive work -------------------------------------------------------
 
     async def _after_heartbeat(self) -> None:
+        await self._relieve_memory()
+        await self._yield_to_interactive()
+
+    async def _relieve_memory(self) -> None:
+        """Over ``batch_memory_high`` KV usage: abort the newest quarter of our work."""
+        usage = self.engine.stats().kv_cache_usage
+        if usage < self.settings.batch_memory_high:
+            return
+        running = [env for env in self._inflight.values() if env.id not in self._requeue]
+        victims = list(reversed(running))[: max(1, len(running) // 4)]
+        log.warning(
+            "engine memory at %.0f%%: batch aborts and re-queues %d of %d lines",
+            usage * 100,
+            len(victims),
+            len(running),
+        )
+        for env in victims:
+            self._requeue.add(env.id)
+            await self.executor.abort(env.id)
+
+    async def _yield_to_interactive(self) -> None:
         backlog = await self._interactive_backlog()
         should_yield = backlog > self.settings.batch_yield_backlog
         if should_yield == self.yielding:

@@ -45,3 +45,6 @@ QUOTA_WAITS = Counter(
 BATCH_YIELDING = Gauge(
     "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
 )
+BATCH_REQUEUED = Counter(
+    "laneway_batch_requeued_total", "Batch lines aborted under engine memory pressure and re-queued"
+)

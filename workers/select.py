@@ -41,6 +41,7 @@ def sim_profile(settings: WorkerSettings) -> SimProfile:
         decode_ms_per_step=settings.sim_decode_ms_per_step,
         batch_slots=settings.sim_batch_slots,
         prefix_cache_blocks=settings.sim_prefix_cache_blocks,
+        kv_tokens=settings.sim_kv_tokens,
         block_tokens=settings.sim_block_tokens,
         failure_rate=settings.sim_failure_rate,
         seed=settings.sim_seed,

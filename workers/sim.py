@@ -54,6 +54,7 @@ class SimProfile:
     decode_ms_per_step: float = 15.0
     batch_slots: int = 32
     prefix_cache_blocks: int = 4096
+    kv_tokens: int = 0  # KV memory of running sequences, in tokens (0: not modelled)
     block_tokens: int = 16
     failure_rate: float = 0.0
     seed: int = 0
@@ -79,6 +80,7 @@ class SimEngine:
         self._queries = 0
         self._hits = 0
         self._rng = random.Random(self.profile.seed)
+        self._kv_used = 0
 
     async def start(self) -> None:
         return None
@@ -91,10 +93,16 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         blocks = self.profile.prefix_cache_blocks
+        if self.profile.kv_tokens:
+            usage = self._kv_used / self.profile.kv_tokens
+            free = max(0, self.profile.kv_tokens - self._kv_used)
+        else:
+            usage, free = (len(self._cache) / blocks if blocks else 0.0), None
         return EngineStats(
             running=self._running,
             waiting=self._waiting,
-            kv_cache_usage=len(self._cache) / blocks if blocks else 0.0,
+            kv_cache_usage=usage,
+            memory_free_bytes=free,
             prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits,
         )
@@ -164,6 +172,20 @@ class SimEngine:
                 f"sim: injected failure (LANEWAY_SIM_FAILURE_RATE={profile.failure_rate})"
             )
         words = self._completion_words(request)
+        held = len(tokens)
+        self._kv_used += held
+        try:
+            async for delta in self._decode(request, words, len(tokens), cached, engine_ms):
+                self._kv_used += 1
+                held += 1
+                yield delta
+        finally:
+            self._kv_used -= held
+
+    async def _decode(
+        self, request: EngineRequest, words: list[str], prompt: int, cached: int, engine_ms: float
+    ) -> AsyncIterator[EngineDelta]:
+        profile = self.profile
         for i, word in enumerate(words):
             if request.id in self._aborted:
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
@@ -173,7 +195,7 @@ class SimEngine:
             finish = ("length" if len(words) == request.max_tokens else "stop") if last else None
             yield EngineDelta(
                 text=word,
-                prompt_tokens=len(tokens),
+                prompt_tokens=prompt,
                 cached_tokens=cached,
                 completion_tokens=i + 1,
                 engine_ms=engine_ms,
