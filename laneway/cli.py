@@ -181,7 +181,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
+    # Ctrl-C reaches every process of the terminal's group: the children stop on their own,
+    # and this loop must not take their exit for a crash.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         print(f"starting Redis on {redis_server.url}", flush=True)
         redis_server.start()
@@ -216,7 +219,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         while not stopping:
             for child in children:
-                if child.poll() is not None:
+                if child.poll() is not None and not stopping:
                     raise LanewayError(
                         f"{child.args!r} exited with {child.returncode}; stopping the stack"
                     )
