@@ -85,21 +85,11 @@ class Admission:
             head = shape.prompt[: s.affinity_prefix_chars].encode()
             affinity = "p:" + hashlib.blake2b(head, digest_size=8).hexdigest()
         now = time.time()
-        return RequestEnvelope(
+        return shape.envelope(
             id=new_request_id(shape.kind),
             team=caller.team.name,
             cls=cls,
             band=band,
-            kind=shape.kind,
-            model=body.model,
-            route=body.model,
-            prompt=shape.prompt if shape.messages is None else "",
-            suffix=shape.suffix,
-            messages=shape.messages,
-            max_tokens=shape.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stop,
             stream=body.stream,
             session=session,
             seq=seq,
@@ -107,7 +97,6 @@ class Admission:
             reply_to=reply_to,
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,
-            prompt_tokens=shape.prompt_tokens,
         )
 
     async def produce(self, env: RequestEnvelope) -> None:

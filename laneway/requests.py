@@ -7,11 +7,12 @@ job fails exactly where the same body would fail over HTTP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from laneway.constants import RequestClass
 from laneway.errors import BadRequest, ModelNotFound, PromptTooLarge
 from laneway.openai_api import ChatRequest, CompletionRequest
-from laneway.schema import ApiKind, ChatMessage
+from laneway.schema import ApiKind, ChatMessage, RequestEnvelope
 from laneway.settings import CommonSettings
 from laneway.tokens import estimate_tokens
 
@@ -26,6 +27,25 @@ class RequestShape:
     suffix: str | None
     max_tokens: int
     prompt_tokens: int
+    body: CompletionRequest | ChatRequest
+
+    def envelope(self, **fields: Any) -> RequestEnvelope:
+        """The envelope of this request; ``fields`` add who, where and when."""
+        body = self.body
+        return RequestEnvelope(
+            kind=self.kind,
+            model=body.model,
+            route=body.model,
+            prompt=self.prompt if self.messages is None else "",
+            suffix=self.suffix,
+            messages=self.messages,
+            max_tokens=self.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop=body.stop,
+            prompt_tokens=self.prompt_tokens,
+            **fields,
+        )
 
 
 def shape_request(
@@ -64,4 +84,4 @@ def shape_request(
             "(LANEWAY_MAX_PROMPT_TOKENS)",
             param="messages" if messages is not None else "prompt",
         )
-    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens)
+    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body)

@@ -67,23 +67,12 @@ class BatchIntake:
         else:
             body = validate_body(ChatRequest, line.body, prefix="body.")
         shape = shape_request(self.settings, body, "batch")
-        return RequestEnvelope(
+        return shape.envelope(
             id=batch_request_id(line.job_id, line.line_id),
             team=team,
             cls="batch",
-            kind=shape.kind,
-            model=body.model,
-            route=body.model,
-            prompt=shape.prompt if shape.messages is None else "",
-            suffix=shape.suffix,
-            messages=shape.messages,
-            max_tokens=shape.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            stop=body.stop,
             affinity=f"{line.job_id}:{line.line_id}",
             accepted_ts=time.time(),
-            prompt_tokens=shape.prompt_tokens,
             job_id=line.job_id,
             line_id=line.line_id,
         )
