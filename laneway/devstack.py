@@ -379,9 +379,9 @@ class KafkaBroker(_ServerProcess):
         return [
             "java",
             f"-Xmx{heap_mb}m",
-            # A small heap: the parallel collector spends less CPU than G1 for the same pauses.
-            "-XX:+UseParallelGC",
-            "-XX:ParallelGCThreads=1",
+            # ZGC: sub-millisecond pauses. With the parallel collector, 25-40 ms young pauses
+            # every ~20 s set the P99 of every request that crosses the broker (bench/overhead).
+            "-XX:+UseZGC",
             "-XX:+ExitOnOutOfMemoryError",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
