@@ -13,7 +13,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest --cov --cov-report=term:skip-covered
 
 # Opt-in: vLLM's CPU build in .venv-vllm (about 4 minutes the first time), then the vLLM tests.
 test-vllm: setup
