@@ -10,7 +10,9 @@ import orjson
 import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
+from laneway.metrics import BREAKER_LEVEL, team_label
 from streams.breaker import BreakerState
+from streams.metrics import QUOTA_FACTOR
 from streams.oncall import OnCallWebhook
 from streams.records import BreakerTransition, QuotaFactorUpdate
 from streams.types import SendRecord
@@ -89,6 +91,8 @@ class Announcer:
 
     async def store_level(self, subject: BreakerSubject, state: BreakerState) -> None:
         route, team = subject
+        if team is None:
+            BREAKER_LEVEL.labels(route).set(state.level)
         payload = {
             "level": state.level,
             "rate": round(state.rate, 6),
@@ -114,6 +118,7 @@ class Announcer:
 
     async def quota_factor(self, team: str, stats: UtilisationStats) -> None:
         await self.redis.set(self.keys.quota_factor(team), f"{stats.factor:.6f}")
+        QUOTA_FACTOR.labels(team_label(team)).set(stats.factor)
         update = QuotaFactorUpdate(
             subject=f"quota:{team}",
             team=team,

@@ -24,6 +24,7 @@ from laneway.schema import UsageEvent, decode
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
 from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.metrics import EVENTS
 from streams.records import BreakerTransition
 from streams.rollups import add_event, new_rollup, to_record
 from streams.settings import StreamsSettings
@@ -106,9 +107,11 @@ class UsageProcessor:
             event = decode(UsageEvent, raw)
         except MalformedMessage as exc:
             self.counters.malformed += 1
+            EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
         self.counters.events += 1
+        EVENTS.labels("folded").inc()
         self._last_event[partition] = now
         self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), event.ts)
         self._fold_rollup(event, partition, offset, now)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -13,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 from aiokafka import AIOKafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from laneway.schema import UsageEvent
 from tests.stack import LiveStack
@@ -117,7 +120,12 @@ async def wait_until(
 async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
     stack: LiveStack, tmp_path: Path
 ) -> None:
-    streams = StreamsProcess(stack, tmp_path, rollup_idle_s=0.5, rollup_grace_s=0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    streams = StreamsProcess(
+        stack, tmp_path, rollup_idle_s=0.5, rollup_grace_s=0, metrics_port=str(port)
+    )
     await streams.start()
     try:
         producer = await stack.producer()
@@ -127,6 +135,15 @@ async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
         records = await stack.read_topic(stack.topics.usage_hourly, count=1, within_s=30)
         assert records[0]["team"] == "team-a"
         assert records[0]["requests"] == 1
+        async with httpx.AsyncClient() as http:
+            scrape = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(scrape)
+            for sample in family.samples
+        }
+        assert samples[("laneway_streams_events_total", (("result", "folded"),))] >= 1
+        assert samples[("laneway_streams_events_total", (("result", "malformed"),))] >= 1
     finally:
         code = await streams.stop()
     assert code == 0, streams.log()

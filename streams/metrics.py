@@ -1,0 +1,12 @@
+"""Streams app metrics (served on LANEWAY_METRICS_PORT)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+__all__ = ["EVENTS", "QUOTA_FACTOR"]
+
+EVENTS = Counter(
+    "laneway_streams_events_total", "Usage records read by the streams app", ["result"]
+)
+QUOTA_FACTOR = Gauge("laneway_quota_factor", "Dynamic quota factor of a team", ["team"])
