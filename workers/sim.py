@@ -140,8 +140,12 @@ class SimEngine:
         length = min(request.max_tokens, 4 + seed[0] % max(1, request.max_tokens))
         return [rng.choice(_WORDS) + " " for _ in range(length)]
 
-    async def _sleep_ms(self, ms: float) -> None:
-        await asyncio.sleep(ms / 1000 if ms > 0 else 0)
+    async def _sleep_ms(self, ms: float, step: int = 0) -> None:
+        if ms > 0:
+            await asyncio.sleep(ms / 1000)
+        elif step % 32 == 0:
+            # An instant engine still lets the loop breathe now and then, not at every token.
+            await asyncio.sleep(0)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         self._waiting += 1
@@ -189,7 +193,7 @@ class SimEngine:
         for i, word in enumerate(words):
             if request.id in self._aborted:
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
-            await self._sleep_ms(profile.decode_ms_per_step)
+            await self._sleep_ms(profile.decode_ms_per_step, i)
             engine_ms += profile.decode_ms_per_step
             last = i == len(words) - 1
             finish = ("length" if len(words) == request.max_tokens else "stop") if last else None
