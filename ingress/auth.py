@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from laneway.apikeys import lookup_team
+from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, RedisKeys
 from laneway.errors import ServiceUnavailable, Unauthorized
 from quota.teams import Team, get_team
 
 __all__ = ["Caller", "CallerResolver"]
-
-V = TypeVar("V")
-
-
-class _TtlCache(Generic[V]):
-    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._data: dict[str, tuple[float, V]] = {}
-
-    def get(self, key: str, *, stale_ok: bool = False) -> V | None:
-        hit = self._data.get(key)
-        if hit is None or (hit[0] < time.monotonic() and not stale_ok):
-            return None
-        return hit[1]
-
-    def put(self, key: str, value: V) -> None:
-        if len(self._data) >= self.max_entries:
-            self._data.clear()
-        self._data[key] = (time.monotonic() + self.ttl_s, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +26,8 @@ class CallerResolver:
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self.redis = redis
         self.keys = keys
-        self._teams_by_key: _TtlCache[str] = _TtlCache(API_KEY_CACHE_S)
-        self._teams: _TtlCache[Team] = _TtlCache(API_KEY_CACHE_S)
+        self._teams_by_key: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
+        self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
 
     async def resolve(self, authorization: str | None) -> Caller:
         if not authorization or not authorization.lower().startswith("bearer "):

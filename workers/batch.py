@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 
 from laneway.apikeys import lookup_team
+from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, RedisKeys, Topics
 from laneway.errors import BadRequest, LanewayError, Unauthorized
 from laneway.openai_api import ChatRequest, CompletionRequest, validate_body
@@ -43,16 +44,15 @@ class BatchIntake:
         self.settings = settings
         self.redis = redis
         self.keys = keys
-        self._teams: dict[str, tuple[float, str]] = {}
+        self._teams: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
 
     async def _team(self, api_key: str) -> str:
-        cached = self._teams.get(api_key)
-        if cached is not None and cached[0] > time.monotonic():
-            return cached[1]
-        team = await lookup_team(self.redis, self.keys, api_key)
+        team = self._teams.get(api_key)
         if team is None:
-            raise Unauthorized("unknown API key in this batch line")
-        self._teams[api_key] = (time.monotonic() + API_KEY_CACHE_S, team)
+            team = await lookup_team(self.redis, self.keys, api_key)
+            if team is None:
+                raise Unauthorized("unknown API key in this batch line")
+            self._teams.put(api_key, team)
         return team
 
     async def envelope(self, line: BatchRequest) -> RequestEnvelope:

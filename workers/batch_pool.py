@@ -18,6 +18,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 from redis.exceptions import RedisError
 
+from laneway.cache import TtlCache
 from laneway.clients import make_producer
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
@@ -57,7 +58,7 @@ class BatchPoolWorker(PoolWorker):
         self.txn = make_producer(
             settings, transactional_id=f"{settings.topic_prefix}.batch.{settings.worker_id}"
         )
-        self._teams: dict[str, tuple[float, Team]] = {}
+        self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
         self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
         self._requeue: set[str] = set()
         self.yielding = False
@@ -137,11 +138,10 @@ class BatchPoolWorker(PoolWorker):
                 return
 
     async def _team(self, name: str) -> Team:
-        cached = self._teams.get(name)
-        if cached is not None and cached[0] > time.monotonic():
-            return cached[1]
-        team = await get_team(self.redis, self.keys, name)
-        self._teams[name] = (time.monotonic() + API_KEY_CACHE_S, team)
+        team = self._teams.get(name)
+        if team is None:
+            team = await get_team(self.redis, self.keys, name)
+            self._teams.put(name, team)
         return team
 
     # --- exactly-once commit --------------------------------------------------------------
