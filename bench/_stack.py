@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import redis.asyncio as aioredis
 
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys, Topics
-from laneway.devstack import KafkaBroker, RedisServer, create_topics
+from laneway.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
 from quota import Team, set_team
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,14 +122,7 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
         stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
         yield stack
     finally:
-        for proc in stack.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in stack.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(stack.procs)
         kafka.stop()
         redis.stop()
         shutil.rmtree(data, ignore_errors=True)

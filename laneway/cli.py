@@ -19,7 +19,7 @@ from tqdm import tqdm
 from laneway.apikeys import create_key
 from laneway.batch import BatchClient, output_line
 from laneway.clients import make_redis
-from laneway.devstack import KafkaBroker, RedisServer, create_topics
+from laneway.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
 from laneway.errors import BadRequest, ConfigError, LanewayError
 from laneway.logs import setup_logging
 from laneway.schema import BatchResult
@@ -228,14 +228,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         pass
     finally:
         print("stopping laneway...", flush=True)
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        stop_processes(children)
         broker.stop()
         redis_server.stop()
     return 0

@@ -37,6 +37,7 @@ __all__ = [
     "create_topics",
     "kafka_classpath",
     "port_in_use",
+    "stop_processes",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,19 @@ def cache_dir() -> Path:
     """Downloads and resolved classpaths live here: ``$LANEWAY_CACHE_DIR`` or ~/.cache/laneway."""
     configured = os.environ.get("LANEWAY_CACHE_DIR")
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "laneway"
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 15.0) -> None:
+    """SIGTERM every process still running, give them ``grace_s`` to drain, then kill."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def port_in_use(port: int) -> bool:
