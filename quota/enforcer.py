@@ -197,12 +197,15 @@ class QuotaEnforcer:
         pool_name = pool.decode() if isinstance(pool, bytes) else str(pool)
         return Settled(bool(int(found)), pool_name, int(float(reserved)))
 
-    async def queue_settle(
-        self, pipe: Pipeline, team: str, request_id: str, actual_tokens: int
-    ) -> None:
-        """``settle`` as one command of a pipeline (the worker sends it with its reply)."""
+    def queue_settle(self, pipe: Pipeline, team: str, request_id: str, actual_tokens: int) -> None:
+        """``settle`` as one command of a pipeline (the worker sends it with its reply).
+
+        Queued as a bare EVALSHA: a pipeline that holds a registered script first asks Redis
+        ``SCRIPT EXISTS``, a round trip per reply. When Redis answers NOSCRIPT (it restarted
+        and lost its script cache), the caller runs ``settle``, which loads the script.
+        """
         keys, args = self._settle_call(team, request_id, actual_tokens, None)
-        await self._settle(keys=keys, args=args, client=pipe)
+        pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
 
     def _settle_call(
         self, team: str, request_id: str, actual_tokens: int, now: float | None

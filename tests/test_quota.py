@@ -18,13 +18,14 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from laneway.constants import RedisKeys
+from laneway.constants import RedisKeys, Topics
 from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
-from laneway.schema import BatchRequest
+from laneway.schema import BatchRequest, Reply, RequestEnvelope, UsageEvent
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, wait_for
 from workers import metrics
+from workers.replies import Outbox
 
 # --- the model --------------------------------------------------------------------------
 
@@ -147,6 +148,44 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def test_worker_settles_even_after_redis_lost_its_scripts(enforcer: Any) -> None:
+    """The worker sends its settle as a bare EVALSHA beside the final reply; a Redis that
+    restarted without its script cache answers NOSCRIPT, and the settle must still land."""
+    quota, redis, keys = enforcer
+    team = Team("alpha", size=1)
+    await quota.reserve(team, "interactive", "r-1", 300)
+    await redis.script_flush()
+    outbox = Outbox(redis, None, Topics(keys.prefix), quota)  # type: ignore[arg-type]
+    env = RequestEnvelope(
+        id="r-1",
+        team="alpha",
+        cls="completion",
+        kind="completion",
+        model="m",
+        route="m",
+        max_tokens=200,
+        affinity="p:x",
+        reply_to=f"{keys.prefix}:reply:test",
+        accepted_ts=time.time(),
+    )
+    final = Reply(id="r-1", n=0, text="hi", done=True, status="ok")
+    usage = UsageEvent(
+        id="r-1",
+        team="alpha",
+        cls="completion",
+        model="m",
+        route="m",
+        status="ok",
+        prompt_tokens=100,
+        completion_tokens=20,
+    )
+    await outbox._final_redis_writes(env, final, usage)
+    pool = (await quota.snapshot(team))["pools"]["interactive"]
+    assert pool["reservations"] == 0
+    assert pool["used_tokens_this_hour"] == 120
+    assert await redis.xlen(env.reply_to) == 1  # the reply went out once, through Redis
 
 
 def _spawn_ingress(stack: LiveStack, port: int, **env: str) -> subprocess.Popen[bytes]:
@@ -310,7 +349,8 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         await wait_for(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
         response = await http.post("/v1/completions", json={**body, "prompt": "after 2"})
         assert response.status_code == 200
-        usage = await stack.read_topic(stack.topics.usage, count=12, within_s=10)
+        # 8 completions (1 before, 5 during, 2 after the outage) and the 5 batch lines
+        usage = await stack.read_topic(stack.topics.usage, count=13, within_s=10)
         assert sum(1 for e in usage if e["class"] == "completion" and e["status"] == "ok") == 8
     finally:
         await stack.stop()

@@ -13,7 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
 from laneway.schema import Reply, RequestEnvelope, UsageEvent
@@ -101,8 +101,14 @@ class Outbox:
                             approximate=True,
                         )
                     if self.quota is not None:
-                        await self.quota.queue_settle(pipe, env.team, env.id, actual)
-                    await pipe.execute()
+                        self.quota.queue_settle(pipe, env.team, env.id, actual)
+                    results = await pipe.execute(raise_on_error=False)
+                for result in results:
+                    if isinstance(result, NoScriptError) and self.quota is not None:
+                        # Redis restarted and lost its scripts; settle is idempotent.
+                        await self.quota.settle(env.team, env.id, actual)
+                    elif isinstance(result, Exception):
+                        raise result
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             else:
