@@ -107,10 +107,12 @@ async def _serve(request: Request, model: type[B]) -> Response:
         return Response(status_code=499)
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
+    clock = _Stages()
     decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
     if decision.route != env.route:
         env = env.model_copy(update={"route": decision.route})
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
+    clock.stage("admit")
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
@@ -123,18 +125,22 @@ async def _serve(request: Request, model: type[B]) -> Response:
             raise ServiceUnavailable(
                 f"Kafka did not accept the request ({exc}); retry shortly"
             ) from exc
+        clock.stage("enqueue")
         first = await _next_reply(state, channel, disconnect)
+        clock.stage("worker")
         if not body.stream:
             if first.done:
-                return _finish_json(env, first, headers=headers)
-            return await _collect(state, env, channel, disconnect, first, headers=headers)
+                return _finish_json(env, first, headers=headers, clock=clock)
+            return await _collect(
+                state, env, channel, disconnect, first, headers=headers, clock=clock
+            )
         if first.done and first.status != "ok":
             raise _reply_error(first)
         handed_over = True
         return StreamingResponse(
             _stream(state, env, channel, disconnect, first, include_usage=body.include_usage),
             media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache"},
+            headers={**headers, "cache-control": "no-cache", "server-timing": clock.header(env)},
         )
     except _ClientGone:
         state.client_gone(env)
@@ -146,6 +152,27 @@ async def _serve(request: Request, model: type[B]) -> Response:
         if not handed_over:
             disconnect.cancel()
             state.replies.close(env.id)
+
+
+class _Stages:
+    """Where a request's time went inside the ingress, for the Server-Timing header."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.spent: dict[str, float] = {}
+
+    def stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spent[name] = self.spent.get(name, 0.0) + (now - self._last) * 1000
+        self._last = now
+
+    def header(self, env: RequestEnvelope) -> str:
+        """``laneway`` is acceptance to now; its parts are admit (breaker and quota), enqueue
+        (until Kafka stored the envelope) and worker (until the reply came back)."""
+        total = (time.time() - env.accepted_ts) * 1000
+        parts = [f"laneway;dur={total:.2f}"]
+        parts += [f"{name};dur={ms:.2f}" for name, ms in self.spent.items()]
+        return ", ".join(parts)
 
 
 def _budget_headers(admitted: Admitted | None) -> dict[str, str]:
@@ -165,18 +192,18 @@ def _observe(env: RequestEnvelope, code: int) -> None:
 
 
 def _finish_json(
-    env: RequestEnvelope, reply: Reply, text: str | None = None, *, headers: dict[str, str]
+    env: RequestEnvelope,
+    reply: Reply,
+    text: str | None = None,
+    *,
+    headers: dict[str, str],
+    clock: _Stages,
 ) -> Response:
     if reply.status != "ok":
         raise _reply_error(reply)
     _observe(env, 200)
     body = final_body(env, reply.text if text is None else text, reply)
-    # Server-Timing: acceptance to response inside laneway (lanes, worker, reply path).
-    elapsed_ms = (time.time() - env.accepted_ts) * 1000
-    extra = {
-        "x-laneway-route": reply.route or env.route,
-        "server-timing": f"laneway;dur={elapsed_ms:.2f}",
-    }
+    extra = {"x-laneway-route": reply.route or env.route, "server-timing": clock.header(env)}
     return JSONResponse(body, headers={**headers, **extra})
 
 
@@ -188,13 +215,15 @@ async def _collect(
     first: Reply,
     *,
     headers: dict[str, str],
+    clock: _Stages,
 ) -> Response:
     parts = [first.text]
     reply = first
     while not reply.done:
         reply = await _next_reply(state, channel, disconnect)
         parts.append(reply.text)
-    return _finish_json(env, reply, "".join(parts), headers=headers)
+    clock.stage("worker")
+    return _finish_json(env, reply, "".join(parts), headers=headers, clock=clock)
 
 
 async def _stream(

@@ -130,3 +130,19 @@ async def test_models_lists_served_models(served: tuple[LiveStack, openai.AsyncO
     _, client = served
     models = await client.models.list()
     assert {m.id for m in models.data} == {"laneway-code", "laneway-chat"}
+
+
+async def test_server_timing_splits_the_time_inside_laneway(
+    served: tuple[LiveStack, openai.AsyncOpenAI],
+) -> None:
+    _, client = served
+    raw = await client.completions.with_raw_response.create(
+        model="laneway-code", prompt="def sub(a, b):", max_tokens=8
+    )
+    timing: dict[str, float] = {}
+    for part in raw.headers["server-timing"].split(", "):
+        name, _, duration = part.partition(";dur=")
+        timing[name] = float(duration)
+    assert set(timing) == {"laneway", "admit", "enqueue", "worker"}
+    parts = timing["admit"] + timing["enqueue"] + timing["worker"]
+    assert 0 < parts <= timing["laneway"] + 0.1  # the parts lie within the whole
