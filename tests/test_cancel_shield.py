@@ -198,3 +198,36 @@ def test_shield_memory_is_bounded() -> None:
     assert len(shield) == 100
     shield.expire(now=1000.0 + 61)
     assert len(shield) == 0
+
+
+def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
+    """A tombstone 5 ms into a 15 ms step: 10 ms of that step are waste, not all 15."""
+    now = [100.0]
+    shield = CancelShield(clock=lambda: now[0])
+    env = RequestEnvelope(
+        id="cmpl-1",
+        team="t",
+        cls="completion",
+        band="hi",
+        kind="completion",
+        model="laneway-code",
+        route="laneway-code",
+        prompt="x",
+        max_tokens=16,
+        affinity="p:x",
+        accepted_ts=0.0,
+    )
+    shield.started(env)
+    for token in (1, 2):
+        shield.progress(env.id, tokens=token, engine_ms=15.0 * token)
+    now[0] += 0.005
+    assert shield.cancel(CancelRecord(id=env.id, team="t")) == env.id
+    # The engine finishes the step under way, then drops the sequence.
+    assert shield.stale_engine_ms(env.id, engine_ms=45.0) == pytest.approx(10.0)
+    # When the step under way is overdue, its pace is unknown: it is charged whole.
+    later = env.model_copy(update={"id": "cmpl-2"})
+    shield.started(later)
+    shield.progress(later.id, tokens=1, engine_ms=15.0)
+    now[0] += 1.0
+    shield.cancel(CancelRecord(id=later.id, team="t"))
+    assert shield.stale_engine_ms(later.id, engine_ms=30.0) == pytest.approx(15.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,13 +30,24 @@ class RunningRequest:
     seq: int | None
     grace_tokens: int
     tokens: int = 0
-    engine_ms: float = 0.0
+    engine_ms: float = 0.0  # engine time used, as of the last chunk
+    step_ms: float = 0.0  # engine time the last chunk took
+    progress_at: float = 0.0  # monotonic time of the last chunk
     stale: Dropped | None = None
     stale_since_engine_ms: float = 0.0  # engine time it had used when it turned stale
 
-    def mark_stale(self, reason: Dropped) -> None:
+    def mark_stale(self, reason: Dropped, now: float) -> None:
+        """From now on its engine time is waste.
+
+        The engine reports its time once per step, so the step under way when the news
+        arrives is split: the part already done was useful work, the rest is waste. A step
+        that is taking longer than the last one is charged whole (the pace is unknown).
+        """
         self.stale = reason
-        self.stale_since_engine_ms = self.engine_ms
+        in_step = (now - self.progress_at) * 1000
+        if not self.tokens or not 0 <= in_step < self.step_ms:
+            in_step = 0.0
+        self.stale_since_engine_ms = self.engine_ms + in_step
 
 
 class CancelShield:
@@ -46,12 +58,18 @@ class CancelShield:
     """
 
     def __init__(
-        self, *, max_entries: int = 100_000, ttl_s: float = 900.0, enabled: bool = True
+        self,
+        *,
+        max_entries: int = 100_000,
+        ttl_s: float = 900.0,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # Disabled only to measure the baseline it protects against (bench/cancel_storm.py).
         self.enabled = enabled
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self._clock = clock
         self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._latest_seq: OrderedDict[str, int] = OrderedDict()
         self._running: dict[str, RunningRequest] = {}
@@ -77,7 +95,8 @@ class CancelShield:
             if run.session != env.session or run.seq is None or run.seq >= env.seq:
                 continue
             if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
-                run.mark_stale(Superseded(f"superseded by seq {env.seq} of session {env.session}"))
+                reason = Superseded(f"superseded by seq {env.seq} of session {env.session}")
+                run.mark_stale(reason, self._clock())
                 to_abort.append(rid)
         # Disabled: staleness is still recorded (to measure the waste) but nothing aborts.
         return to_abort if self.enabled else []
@@ -90,7 +109,7 @@ class CancelShield:
         if run is not None:
             if run.team != record.team or run.stale is not None:
                 return None
-            run.mark_stale(Cancelled(f"cancelled ({record.reason}) while running"))
+            run.mark_stale(Cancelled(f"cancelled ({record.reason}) while running"), self._clock())
             return record.id if self.enabled else None
         self._cancelled[record.id] = (record.team, record.ts + self.ttl_s)
         self._cancelled.move_to_end(record.id)
@@ -124,8 +143,10 @@ class CancelShield:
     def progress(self, request_id: str, tokens: int, engine_ms: float) -> None:
         run = self._running.get(request_id)
         if run is not None:
+            run.step_ms = engine_ms - run.engine_ms
             run.tokens = tokens
             run.engine_ms = engine_ms
+            run.progress_at = self._clock()
 
     def stale_reason(self, request_id: str) -> Dropped | None:
         run = self._running.get(request_id)
