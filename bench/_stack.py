@@ -136,6 +136,25 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (/proc/stat): user, nice, system, idle, ..., steal."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return [0] * 8
+
+
+def steal_percent(before: list[int], after: list[int]) -> float:
+    """Share of CPU time the hypervisor gave to other guests between two ``cpu_times()``.
+
+    On a shared virtual machine this swings from 0 to 30 % from one minute to the next, and
+    every latency tail with it: a row measured under steal is not comparable to one without.
+    """
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent)
+    return 100 * spent[7] / total if total else 0.0
+
+
 def machine() -> str:
     cpu = "unknown cpu"
     try:

@@ -25,7 +25,7 @@ import httpx
 import orjson
 from aiokafka import AIOKafkaConsumer
 
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._stack import BenchStack, bench_stack, cpu_times, machine, percentile, steal_percent
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0.05",
@@ -215,6 +215,7 @@ def main() -> None:
         "err %",
         "open max",
         "open end",
+        "steal %",
     )
     print(" ".join(f"{h:>15}" for h in header))
     for name, storm, shield in (
@@ -230,9 +231,11 @@ def main() -> None:
         stack = BenchStack(workers=[worker])
         with bench_stack(stack):
             key = stack.api_key("typists")
+            before = cpu_times()
             stats, total, stale, on_abandoned, statuses = asyncio.run(
                 _run(stack, key, args.typists, args.seconds, storm)
             )
+            steal = steal_percent(before, cpu_times())
         share = 100 * stale / total if total else 0.0
         abandoned_share = 100 * on_abandoned / total if total else 0.0
         errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
@@ -248,6 +251,7 @@ def main() -> None:
             f"{errors:.2f}",
             f"{stats.open_max:.0f}",
             f"{stats.open_end:.0f}",
+            f"{steal:.1f}",
         )
         print(" ".join(f"{v:>15}" for v in row), flush=True)
         print(f"#   outcomes: {statuses}", flush=True)
