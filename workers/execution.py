@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,14 @@ class RequestExecutor:
         self.worker_id = worker_id
         self.admit = admit
         self.price_of = price_of or (lambda _route: Price())
+        # Usage events handed to the producer and not yet acknowledged, by request id.
+        self.deliveries: dict[str, asyncio.Future[object]] = {}
+
+    async def delivered(self, request_id: str) -> None:
+        """Wait until the usage event of a finished request is stored by the broker."""
+        delivery = self.deliveries.pop(request_id, None)
+        if delivery is not None:
+            await delivery
 
     async def run(self, env: RequestEnvelope) -> UsageEvent:
         if self.admit is not None:
@@ -181,7 +190,9 @@ class RequestExecutor:
             route=env.route,
             error=error,
         )
-        await self.outbox.finish(env, final, usage)
+        delivery = await self.outbox.finish(env, final, usage)
+        if delivery is not None:
+            self.deliveries[env.id] = delivery
         _record(env, usage, self.price_of(env.route))
         return usage
 

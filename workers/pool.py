@@ -61,7 +61,10 @@ class PoolWorker:
         self.keys = settings.keys
         self.shield = CancelShield(enabled=settings.shield)
         self.offsets = OffsetTracker()
+        # Every fetched record until its offset may be committed; _busy of them hold an
+        # engine slot (max_inflight bounds those).
         self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
+        self._busy = 0
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -184,7 +187,7 @@ class PoolWorker:
 
     async def _fetch(self) -> None:
         while not self._stopping.is_set():
-            room = self.settings.max_inflight - len(self._inflight)
+            room = self.settings.max_inflight - self._busy
             if room <= 0:
                 self._slot_free.clear()
                 await self._slot_free.wait()
@@ -208,6 +211,7 @@ class PoolWorker:
             for tp, offset, env in accepted:
                 task = asyncio.create_task(self._run(tp, offset, env), name=f"req-{env.id}")
                 self._inflight[task] = env
+                self._busy += 1
             metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
 
     async def _accept(
@@ -256,7 +260,14 @@ class PoolWorker:
 
     async def _run(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
         try:
-            await self._execute(tp, offset, env)
+            try:
+                await self._execute(tp, offset, env)
+            finally:
+                # The engine is done with it: its slot takes the next record while the usage
+                # event is still on its way to the broker.
+                self._busy -= 1
+                self._slot_free.set()
+            await self.executor.delivered(env.id)
         except asyncio.CancelledError:
             # Shutdown past the grace period: leave the offset pending so it is re-run.
             raise
@@ -270,7 +281,6 @@ class PoolWorker:
             )
         finally:
             self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            self._slot_free.set()
             metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
         self.offsets.finish(tp, offset)
 

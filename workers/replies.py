@@ -74,16 +74,21 @@ class Outbox:
                 return
         await self._reply_via_kafka(stream, reply)
 
-    async def finish(self, env: RequestEnvelope, final: Reply, usage: UsageEvent) -> None:
-        """Final reply, quota settlement and the usage event, all delivered before return."""
+    async def finish(
+        self, env: RequestEnvelope, final: Reply, usage: UsageEvent
+    ) -> asyncio.Future[object] | None:
+        """Final reply and quota settlement, delivered before return; the usage event is
+        handed to the producer, and its delivery is returned for the caller to await before
+        the request's offset may be committed (None: nothing to wait for)."""
         if self.capture:
             self.captured[env.id] = final
             await self._final_redis_writes(env, final, usage)
-            return
-        sends = [self.producer.send(self.topics.usage, usage.to_json(), key=env.team.encode())]
+            return None
         await self._final_redis_writes(env, final, usage)
-        deliveries = await asyncio.gather(*sends)
-        await asyncio.gather(*deliveries)
+        delivery: asyncio.Future[object] = await self.producer.send(
+            self.topics.usage, usage.to_json(), key=env.team.encode()
+        )
+        return delivery
 
     async def _final_redis_writes(
         self, env: RequestEnvelope, final: Reply, usage: UsageEvent
