@@ -38,6 +38,7 @@ class BenchStack:
     ingress_env: dict[str, str] = field(default_factory=dict)
     workers: list[dict[str, str]] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)  # every process of the stack, by role
 
     @property
     def base_url(self) -> str:
@@ -68,9 +69,12 @@ class BenchStack:
         env.update(extra)
         return env
 
-    def spawn(self, module: str, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, module: str, extra: dict[str, str], role: str | None = None
+    ) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-m", module], env=self._env(extra), cwd=ROOT)
         self.procs.append(proc)
+        self.pids[role or module] = proc.pid
         return proc
 
     def api_key(self, team: str, size: int = 10_000) -> str:
@@ -114,10 +118,13 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
         kafka.start()
         create_topics(kafka.bootstrap, stack.topics.specs(stack.partitions))
         ingress_env = {"LANEWAY_PORT": str(stack.ingress_port), "LANEWAY_PROBE_INTERVAL_S": "0"}
+        stack.pids.update(broker=kafka.pid or 0, redis=redis.pid or 0)
         stack.spawn("ingress", {**ingress_env, **stack.ingress_env})
         for i, worker in enumerate(stack.workers):
             stack.spawn(
-                "workers", {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker}
+                "workers",
+                {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker},
+                role="worker" if len(stack.workers) == 1 else f"worker-{i}",
             )
         stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
         yield stack
@@ -134,6 +141,28 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) each process has used so far, by role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for role, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        used[role] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+def cpu_share(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """'role N%' per process: its share of one core between two ``cpu_seconds()``."""
+    return "  ".join(
+        f"{role} {100 * (after[role] - before.get(role, 0.0)) / seconds:.0f}%"
+        for role in after
+        if seconds > 0
+    )
 
 
 def cpu_times() -> list[int]:

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import uvloop
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, cpu_times, machine, percentile, steal_percent
+from bench._stack import (
+    BenchStack,
+    bench_stack,
+    cpu_seconds,
+    cpu_share,
+    cpu_times,
+    machine,
+    percentile,
+    steal_percent,
+)
 
 
 async def drive(
@@ -101,9 +111,11 @@ def main() -> None:
         print(" ".join(f"{h:>10}" for h in header))
         best = 0.0
         for rate in rates:
-            before = cpu_times()
+            pids = {**stack.pids, "load generator": os.getpid()}
+            before, used_before, started = cpu_times(), cpu_seconds(pids), time.monotonic()
             latencies, stages, errors, achieved = uvloop.run(drive(stack, key, rate, args.seconds))
             steal = steal_percent(before, cpu_times())
+            used = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             row = (
                 rate,
@@ -118,6 +130,7 @@ def main() -> None:
                 steal,
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
+            print(f"#   cpu, % of one core: {used}", flush=True)
             if p99 < 50 and errors == 0:
                 best = max(best, rate)
         print(f"highest rate with P99 < 50 ms and no errors: {best:.0f}/s")

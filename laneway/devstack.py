@@ -281,6 +281,10 @@ class _ServerProcess:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def stop(self, timeout: float = 20.0) -> None:
         """Stop with SIGTERM, then SIGKILL after ``timeout`` seconds; safe to call twice."""
         process, self._process = self._process, None
