@@ -255,6 +255,10 @@ def main() -> None:
         )
         print(" ".join(f"{v:>15}" for v in row), flush=True)
         print(f"#   outcomes: {statuses}", flush=True)
+        if running := statuses.get("turned stale while running", 0):
+            print(
+                f"#   stale ms per request that turned stale while running: {stale / running:.1f}"
+            )
 
 
 if __name__ == "__main__":
