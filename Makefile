@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.batch
 	$(BIN)/python -m bench.streams
+	$(BIN)/python -m bench.broker_jit
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

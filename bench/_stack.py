@@ -36,6 +36,7 @@ class BenchStack:
     partitions: int = 6
     prefix: str = "bench"
     ingress_env: dict[str, str] = field(default_factory=dict)
+    jvm_options: list[str] = field(default_factory=list)  # extra JVM flags for the broker
     workers: list[dict[str, str]] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # every process of the stack, by role
@@ -111,7 +112,11 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
     redis = RedisServer(port=stack.redis_port, data_dir=data / "redis")
     kafka = KafkaBroker(
-        port=stack.kafka_port, data_dir=data / "kafka", heap_mb=768, partitions=stack.partitions
+        port=stack.kafka_port,
+        data_dir=data / "kafka",
+        heap_mb=768,
+        partitions=stack.partitions,
+        jvm_options=stack.jvm_options,
     )
     redis.start()
     try:
@@ -158,10 +163,9 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 def cpu_share(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
     """'role N%' per process: its share of one core between two ``cpu_seconds()``."""
+    seconds = max(seconds, 1e-9)
     return "  ".join(
-        f"{role} {100 * (after[role] - before.get(role, 0.0)) / seconds:.0f}%"
-        for role in after
-        if seconds > 0
+        f"{role} {100 * (after[role] - before.get(role, 0.0)) / seconds:.0f}%" for role in after
     )
 
 

@@ -73,6 +73,17 @@ async def drive(
     return latencies, stages, errors, achieved
 
 
+def instant_stack(jvm_options: list[str] | None = None) -> BenchStack:
+    """Ingress and one completion worker whose sim engine takes no time at all."""
+    worker = {
+        "LANEWAY_POOL": "completion",
+        "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
+        "LANEWAY_SIM_DECODE_MS_PER_STEP": "0",
+        "LANEWAY_MAX_INFLIGHT": "256",
+    }
+    return BenchStack(workers=[worker], jvm_options=jvm_options or [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,16 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
-    stack = BenchStack(
-        workers=[
-            {
-                "LANEWAY_POOL": "completion",
-                "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
-                "LANEWAY_SIM_DECODE_MS_PER_STEP": "0",
-                "LANEWAY_MAX_INFLIGHT": "256",
-            }
-        ],
-    )
+    stack = instant_stack()
     with bench_stack(stack):
         key = stack.api_key("bench")
         # uvloop: the load generator shares the cores it measures, so keep it light.

@@ -336,11 +336,18 @@ class KafkaBroker(_ServerProcess):
     cmdline_marker = b"kafka.Kafka"
 
     def __init__(
-        self, *, port: int, data_dir: Path, heap_mb: int = 768, partitions: int = 3
+        self,
+        *,
+        port: int,
+        data_dir: Path,
+        heap_mb: int = 768,
+        partitions: int = 3,
+        jvm_options: Sequence[str] = (),
     ) -> None:
         super().__init__(port=port, data_dir=data_dir)
         self.heap_mb = heap_mb
         self.partitions = partitions
+        self.jvm_options = tuple(jvm_options)  # extra JVM flags for the broker (benchmarks)
         self.bootstrap = f"127.0.0.1:{port}"
 
     @property
@@ -443,7 +450,10 @@ class KafkaBroker(_ServerProcess):
         properties.write_text(self._server_properties())
         (self.data_dir / "log4j2.properties").write_text(_LOG4J2)
         self._format_storage(classpath, properties)
-        self._spawn(self._java(classpath, self.heap_mb, "kafka.Kafka", str(properties)))
+        argv = self._java(classpath, self.heap_mb, "kafka.Kafka", str(properties))
+        cp = argv.index("-cp")
+        argv[cp:cp] = self.jvm_options  # after the defaults: the JVM takes the last of a flag
+        self._spawn(argv)
         self._wait_ready(timeout)
 
     def _probe(self) -> tuple[bool, str]:
