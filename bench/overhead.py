@@ -4,7 +4,8 @@ Drives non-streamed completions open-loop at fixed rates and prints P50/P99 per 
 the highest rate whose P99 stays under 50 ms. The sim engine costs nothing, so every
 millisecond measured is laneway's own (HTTP, Kafka, Redis, Python). Each row also gives the
 P99 of the parts of the ingress's Server-Timing header (admit, enqueue, worker) and the CPU
-steal of the window: on a shared virtual machine, rows under steal are not comparable.
+steal of the row, on average and in its worst 200 ms: on a shared virtual machine, rows under
+steal are not comparable.
 
     .venv/bin/python -m bench.overhead [--rates 50,100,200,300] [--seconds 10] [--warmup 150]
 """
@@ -21,6 +22,7 @@ import uvloop
 from bench._http import HttpPool
 from bench._stack import (
     BenchStack,
+    StealWatch,
     bench_stack,
     cpu_seconds,
     cpu_share,
@@ -110,13 +112,16 @@ def main() -> None:
         header = ("rate/s", "sent", "achieved/s", "errors", "P50 ms", "P99 ms", "max ms")
         # P99 of each part of the time inside laneway (the Server-Timing header)
         parts = ("laneway", "admit", "enqueue", "worker")
-        header += ("inside P50", *(f"{p[:7]} P99" for p in parts), "steal %")
+        header += ("inside P50", *(f"{p[:7]} P99" for p in parts), "steal %", "steal max")
         print(" ".join(f"{h:>10}" for h in header))
         best = 0.0
         for rate in rates:
             pids = {**stack.pids, "load generator": os.getpid()}
             before, used_before, started = cpu_times(), cpu_seconds(pids), time.monotonic()
-            latencies, stages, errors, achieved = uvloop.run(drive(stack, key, rate, args.seconds))
+            with StealWatch() as watch:
+                latencies, stages, errors, achieved = uvloop.run(
+                    drive(stack, key, rate, args.seconds)
+                )
             steal = steal_percent(before, cpu_times())
             used = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
@@ -131,6 +136,7 @@ def main() -> None:
                 percentile(stages.get("laneway", []), 50),
                 *(percentile(stages.get(p, []), 99) for p in parts),
                 steal,
+                watch.peak,
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
             print(f"#   cpu, % of one core: {used}", flush=True)

@@ -138,6 +138,11 @@ class UsageEvent(_Wire):
     stale_engine_ms: float = Field(
         0.0, description="engine time used after the request turned stale (cancel/supersession)"
     )
+    stale_news_ms: float = Field(
+        0.0,
+        description="for one that turned stale while running: how long the news took from "
+        "the ingress to its worker (engine time in that gap is not in stale_engine_ms)",
+    )
     queue_ms: float = 0.0
     ttft_ms: float | None = None
     total_ms: float = 0.0

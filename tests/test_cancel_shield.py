@@ -124,7 +124,10 @@ async def test_running_request_is_aborted_by_supersession(stack: LiveStack) -> N
     usage = await _usage(stack, old.id, new.id)
     assert usage[old.id]["status"] == "superseded"
     assert 0 < usage[old.id]["engine_ms"] < 128 * STEP_MS
+    # How long the newer keystroke took from the ingress to the worker is reported apart.
+    assert 0 < usage[old.id]["stale_news_ms"] < 10_000
     assert usage[new.id]["status"] == "ok"
+    assert usage[new.id]["stale_news_ms"] == 0
 
 
 async def test_team_cannot_cancel_another_teams_request(stack: LiveStack) -> None:
@@ -201,7 +204,7 @@ def test_shield_memory_is_bounded() -> None:
 
 
 def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
-    """A tombstone 5 ms into a 15 ms step: 10 ms of that step are waste, not all 15."""
+    """Of the step under way when the news arrives, only the part after it is waste."""
     now = [100.0]
     shield = CancelShield(clock=lambda: now[0])
     env = RequestEnvelope(
@@ -217,17 +220,34 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
         affinity="p:x",
         accepted_ts=0.0,
     )
-    shield.started(env)
-    for token in (1, 2):
-        shield.progress(env.id, tokens=token, engine_ms=15.0 * token)
-    now[0] += 0.005
-    assert shield.cancel(CancelRecord(id=env.id, team="t")) == env.id
-    # The engine finishes the step under way, then drops the sequence.
-    assert shield.stale_engine_ms(env.id, engine_ms=45.0) == pytest.approx(10.0)
-    # When the step under way is overdue, its pace is unknown: it is charged whole.
-    later = env.model_copy(update={"id": "cmpl-2"})
-    shield.started(later)
-    shield.progress(later.id, tokens=1, engine_ms=15.0)
-    now[0] += 1.0
-    shield.cancel(CancelRecord(id=later.id, team="t"))
-    assert shield.stale_engine_ms(later.id, engine_ms=30.0) == pytest.approx(15.0)
+
+    def run(rid: str, *events: tuple[float, str, float]) -> float:
+        """Replay (ms after the start, event, engine ms so far); the stale engine ms."""
+        shield.started(env.model_copy(update={"id": rid}))
+        started, engine_ms = now[0], 0.0
+        for at_ms, what, reported_ms in events:
+            now[0] = started + at_ms / 1000
+            if what == "cancel":
+                # The tombstone left the ingress 8 ms before it got here.
+                tombstone = CancelRecord(id=rid, team="t", ts=time.time() - 0.008)
+                assert shield.cancel(tombstone) == rid
+                continue
+            engine_ms = reported_ms  # a chunk, or the engine's last word ("end": an abort)
+            if what == "chunk":
+                shield.progress(rid, tokens=1, engine_ms=engine_ms)
+        waste, news_ms = shield.waste(rid, engine_ms)
+        assert 8 <= news_ms < 1000
+        shield.finished(rid)
+        return waste
+
+    # A tombstone 5 ms into a 15 ms decode step: 10 ms of it are waste, not all 15; a step
+    # that still runs after that is waste whole.
+    steps = [(15.0, "chunk", 15.0), (30.0, "chunk", 30.0), (35.0, "cancel", 0.0)]
+    assert run("a", *steps, (45.0, "chunk", 45.0)) == pytest.approx(10.0)
+    assert run("b", *steps, (45.0, "chunk", 45.0), (60.0, "chunk", 60.0)) == pytest.approx(25.0)
+    # A step that runs late (25 ms of wall time for 15 of engine time) is split the same way:
+    # the news came 20 ms into it, so the last fifth of it is waste.
+    late = [(15.0, "chunk", 15.0), (35.0, "cancel", 0.0), (40.0, "chunk", 30.0)]
+    assert run("c", *late) == pytest.approx(3.0)
+    # News during a 50 ms prefill, 10 ms in: the engine's abort reports the prefill at once.
+    assert run("d", (10.0, "cancel", 0.0), (50.0, "end", 50.0)) == pytest.approx(40.0)

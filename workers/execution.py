@@ -104,7 +104,7 @@ class RequestExecutor:
             )
             status, error = "error", str(exc)
         finally:
-            stale_ms = self.shield.stale_engine_ms(env.id, engine_ms)
+            stale_ms, news_ms = self.shield.waste(env.id, engine_ms)
             self.shield.finished(env.id)
         return await self._finish(
             env,
@@ -120,6 +120,7 @@ class RequestExecutor:
             finish_reason=finish,
             error=error,
             stale_engine_ms=stale_ms,
+            stale_news_ms=news_ms,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -155,6 +156,7 @@ class RequestExecutor:
         finish_reason: str | None = None,
         error: str | None = None,
         stale_engine_ms: float = 0.0,
+        stale_news_ms: float = 0.0,
     ) -> UsageEvent:
         now = time.time()
         usage = UsageEvent(
@@ -169,6 +171,7 @@ class RequestExecutor:
             completion_tokens=completion_tokens,
             engine_ms=round(engine_ms, 3),
             stale_engine_ms=round(stale_engine_ms, 3),
+            stale_news_ms=round(stale_news_ms, 3),
             queue_ms=round(queue_ms, 3),
             ttft_ms=round(ttft_ms, 3) if ttft_ms is not None else None,
             total_ms=round((now - env.accepted_ts) * 1000, 3),

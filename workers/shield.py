@@ -31,23 +31,49 @@ class RunningRequest:
     grace_tokens: int
     tokens: int = 0
     engine_ms: float = 0.0  # engine time used, as of the last chunk
-    step_ms: float = 0.0  # engine time the last chunk took
-    progress_at: float = 0.0  # monotonic time of the last chunk
+    progress_at: float = 0.0  # monotonic time of the last chunk (of the start before one)
     stale: Dropped | None = None
-    stale_since_engine_ms: float = 0.0  # engine time it had used when it turned stale
+    stale_at: float = 0.0  # monotonic time the news reached this worker
+    news_ms: float = 0.0  # how long the news took from the ingress to this worker
+    # Engine time it had used when it turned stale; None until the step under way then ends.
+    stale_since_engine_ms: float | None = None
 
-    def mark_stale(self, reason: Dropped, now: float) -> None:
-        """From now on its engine time is waste.
-
-        The engine reports its time once per step, so the step under way when the news
-        arrives is split: the part already done was useful work, the rest is waste. A step
-        that is taking longer than the last one is charged whole (the pace is unknown).
-        """
+    def mark_stale(self, reason: Dropped, now: float, sent_ts: float) -> None:
+        """From now on its engine time is waste; ``sent_ts`` is when the ingress sent the news
+        (wall clock): the newer keystroke's acceptance, or the tombstone's."""
         self.stale = reason
-        in_step = (now - self.progress_at) * 1000
-        if not self.tokens or not 0 <= in_step < self.step_ms:
-            in_step = 0.0
-        self.stale_since_engine_ms = self.engine_ms + in_step
+        self.stale_at = now
+        self.news_ms = max(0.0, (time.time() - sent_ts) * 1000)
+
+    def advance(self, tokens: int, engine_ms: float, now: float) -> None:
+        """A chunk arrived: the step that made it ended ``now`` having used ``engine_ms``."""
+        if self.stale is not None and self.stale_since_engine_ms is None:
+            self.stale_since_engine_ms = self._split(engine_ms, now)
+        self.tokens, self.engine_ms, self.progress_at = tokens, engine_ms, now
+
+    def wasted_ms(self, engine_ms: float, now: float) -> float:
+        """Engine time used after the news, of ``engine_ms`` used in all by ``now``."""
+        if self.stale is None:
+            return 0.0
+        since = self.stale_since_engine_ms
+        if since is None:
+            since = self._split(engine_ms, now)
+        return max(0.0, engine_ms - since)
+
+    def _split(self, engine_ms: float, ended: float) -> float:
+        """Engine time used at the news.
+
+        The engine reports its time once per step (prefill included), so the step under way
+        when the news arrived is split in proportion to its wall time: the part before the
+        news was useful work, the rest is waste. Its end is known once it reports, so a step
+        that runs late is split as exactly as one on time.
+        """
+        step_ms = engine_ms - self.engine_ms
+        wall = ended - self.progress_at
+        if step_ms <= 0 or wall <= 0:
+            return self.engine_ms
+        before = min(1.0, max(0.0, (self.stale_at - self.progress_at) / wall))
+        return self.engine_ms + step_ms * before
 
 
 class CancelShield:
@@ -96,7 +122,7 @@ class CancelShield:
                 continue
             if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
                 reason = Superseded(f"superseded by seq {env.seq} of session {env.session}")
-                run.mark_stale(reason, self._clock())
+                run.mark_stale(reason, self._clock(), env.accepted_ts)
                 to_abort.append(rid)
         # Disabled: staleness is still recorded (to measure the waste) but nothing aborts.
         return to_abort if self.enabled else []
@@ -109,7 +135,8 @@ class CancelShield:
         if run is not None:
             if run.team != record.team or run.stale is not None:
                 return None
-            run.mark_stale(Cancelled(f"cancelled ({record.reason}) while running"), self._clock())
+            reason = Cancelled(f"cancelled ({record.reason}) while running")
+            run.mark_stale(reason, self._clock(), record.ts)
             return record.id if self.enabled else None
         self._cancelled[record.id] = (record.team, record.ts + self.ttl_s)
         self._cancelled.move_to_end(record.id)
@@ -137,27 +164,25 @@ class CancelShield:
 
     def started(self, env: RequestEnvelope) -> None:
         self._running[env.id] = RunningRequest(
-            env.team, env.session, env.seq, env.supersede_grace_tokens
+            env.team, env.session, env.seq, env.supersede_grace_tokens, progress_at=self._clock()
         )
 
     def progress(self, request_id: str, tokens: int, engine_ms: float) -> None:
         run = self._running.get(request_id)
         if run is not None:
-            run.step_ms = engine_ms - run.engine_ms
-            run.tokens = tokens
-            run.engine_ms = engine_ms
-            run.progress_at = self._clock()
+            run.advance(tokens, engine_ms, self._clock())
 
     def stale_reason(self, request_id: str) -> Dropped | None:
         run = self._running.get(request_id)
         return run.stale if run is not None else None
 
-    def stale_engine_ms(self, request_id: str, engine_ms: float) -> float:
-        """Engine time a running request used after it turned stale (the waste)."""
+    def waste(self, request_id: str, engine_ms: float) -> tuple[float, float]:
+        """Engine time a running request used after it turned stale (the waste), and how
+        long the news of it took to get here (0 when it never turned stale)."""
         run = self._running.get(request_id)
         if run is None or run.stale is None:
-            return 0.0
-        return max(0.0, engine_ms - run.stale_since_engine_ms)
+            return 0.0, 0.0
+        return run.wasted_ms(engine_ms, self._clock()), run.news_ms
 
     def finished(self, request_id: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
