@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,13 +220,26 @@ class LiveStack:
         for client in reversed(self._clients):
             for closer in ("aclose", "close", "stop"):
                 if hasattr(client, closer):
-                    await getattr(client, closer)()
+                    await _stops(type(client).__name__, getattr(client, closer)())
                     break
         for ingress in self.ingresses:
-            await ingress.stop()
+            await _stops("ingress", ingress.stop())
         for worker in self.workers:
-            await worker.stop(grace_s=1.0)
+            await _stops(f"{worker.pool} worker", worker.stop(grace_s=1.0))
         await self.redis.aclose()
+
+
+async def _stops(name: str, stopping: Coroutine[Any, Any, None], within_s: float = 30.0) -> None:
+    """Await a component's stop; one that hangs fails the test by name, with every task's
+    stack printed, instead of running into the suite's timeout."""
+    stop = asyncio.ensure_future(stopping)
+    done, _ = await asyncio.wait({stop}, timeout=within_s)
+    if not done:
+        for task in asyncio.all_tasks():  # the stuck stop's stack among them
+            task.print_stack(file=sys.stderr)
+        stop.cancel()
+        raise AssertionError(f"{name} did not stop within {within_s:.0f} s")
+    stop.result()
 
 
 def long_prompt(
