@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -76,16 +77,27 @@ class IngressState:
         await self.redis.aclose()
 
     async def send_cancel(self, request_id: str, team: str, *, reason: str) -> None:
+        """Publish a tombstone: on the compacted topic (the record every worker replays),
+        and on a Redis channel too, which reaches running workers a Kafka hop sooner."""
         record = CancelRecord(
             id=request_id, team=team, reason="api" if reason == "api" else "disconnect"
         )
-        await self.producer.send_and_wait(
-            self.topics.cancel, record.to_json(), key=request_id.encode()
-        )
+        raw = record.to_json()
+        self._in_background(self._publish_early(raw))  # never waits on a Redis outage
+        await self.producer.send_and_wait(self.topics.cancel, raw, key=request_id.encode())
+
+    async def _publish_early(self, raw: bytes) -> None:
+        try:
+            await self.redis.publish(self.keys.cancels(), raw)
+        except (RedisError, OSError) as exc:
+            log.debug("cancel not published on Redis (the topic still carries it): %s", exc)
 
     def publish_cancel(self, env: RequestEnvelope, *, reason: str) -> None:
         """Fire-and-forget cancel from a handler that is itself being torn down."""
-        task = asyncio.create_task(self._cancel_quietly(env, reason))
+        self._in_background(self._cancel_quietly(env, reason))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

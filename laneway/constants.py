@@ -120,6 +120,10 @@ class RedisKeys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def cancels(self) -> str:
+        """Pub/sub channel that carries each cancel tombstone ahead of ``laneway.cancel``."""
+        return f"{self.prefix}:cancels"
+
     def probe_key(self) -> str:
         """The API key the health prober uses for its batch probes."""
         return f"{self.prefix}:probe:key"

@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 
+from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
 from tests.stack import LiveStack, long_prompt, wait_for
 from workers.shield import CancelShield
@@ -163,6 +164,53 @@ async def test_owner_cancels_with_delete(stack: LiveStack) -> None:
     event = (await _usage(stack, request_id))[request_id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < 128
+
+
+async def _subscribed(stack: LiveStack, channel: str) -> None:
+    deadline = time.monotonic() + 10
+    while dict(await stack.redis.pubsub_numsub(channel)).get(channel.encode(), 0) < 1:
+        assert time.monotonic() < deadline, f"nobody subscribed to {channel}"
+        await asyncio.sleep(0.02)
+
+
+async def test_tombstone_on_redis_alone_aborts_a_running_request(stack: LiveStack) -> None:
+    """The early path: a tombstone published on Redis, and (yet) on no topic, is honoured;
+    a malformed message on the channel is skipped without stopping the worker."""
+    worker = await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    channel = RedisKeys(stack.prefix).cancels()
+    await _subscribed(stack, channel)
+    env = _envelope(stack, max_tokens=128, prompt=long_prompt(100))
+    await _send(stack, env)
+    await wait_for(lambda: worker.engine.stats().running > 0, 10, "the request to start")
+    await stack.redis.publish(channel, b"{not a tombstone")
+    await stack.redis.publish(channel, CancelRecord(id=env.id, team="team-b").to_json())
+    await stack.redis.publish(channel, CancelRecord(id=env.id, team=env.team).to_json())
+    event = (await _usage(stack, env.id))[env.id]
+    assert event["status"] == "cancelled"
+    assert event["completion_tokens"] < 100
+    assert event["stale_engine_ms"] <= STEP_MS + 1
+
+
+async def test_delete_publishes_the_tombstone_on_redis_too(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    owner = stack.http(ingress, await stack.api_key("team-a"))
+    body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
+    async with stack.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+        await pubsub.subscribe(RedisKeys(stack.prefix).cancels())
+        async with owner.stream("POST", "/v1/completions", json=body) as response:
+            request_id = response.headers["x-laneway-request-id"]
+            assert (await owner.delete(f"/v1/requests/{request_id}")).status_code == 200
+            deadline = time.monotonic() + 5
+            # None while it reads past the subscription's own confirmation, or until then
+            while (message := await pubsub.get_message(timeout=1)) is None:
+                assert time.monotonic() < deadline, "no tombstone on the Redis channel"
+        tombstone = orjson.loads(message["data"])
+        assert (tombstone["id"], tombstone["team"], tombstone["reason"]) == (
+            request_id,
+            "team-a",
+            "api",
+        )
 
 
 async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack) -> None:

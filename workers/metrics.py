@@ -14,7 +14,7 @@ __all__ = [
 
 MALFORMED = Counter(
     "laneway_worker_malformed_records_total",
-    "Kafka records skipped because they did not decode",
+    "Kafka records (and Redis cancel messages) skipped because they did not decode",
     ["pool", "topic"],
 )
 OUTCOMES = Counter(

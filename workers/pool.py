@@ -19,6 +19,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaError
+from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S
@@ -122,6 +123,7 @@ class PoolWorker:
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self._commit_loop(), name="commit"),
             asyncio.create_task(self._cancel_loop(), name="cancels"),
+            asyncio.create_task(self._early_cancel_loop(), name="early-cancels"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
         ]
         log.info(
@@ -315,16 +317,36 @@ class PoolWorker:
             batches = await self.cancels.getmany(timeout_ms=1000)
             for records in batches.values():
                 for record in records:
-                    try:
-                        cancel = decode(CancelRecord, record.value)
-                    except MalformedMessage as exc:
-                        metrics.MALFORMED.labels(self.pool, record.topic).inc()
-                        log.warning("skipped cancel record @%d: %s", record.offset, exc)
-                        continue
-                    rid = self.shield.cancel(cancel)
-                    if rid is not None:
-                        await self.executor.abort(rid)
+                    await self._on_cancel(record.value, record.topic, f"@{record.offset}")
             self.shield.expire(time.time())
+
+    async def _early_cancel_loop(self) -> None:
+        """Tombstones the ingress also publishes on Redis: they reach a running request a
+        Kafka hop sooner. The compacted topic stays the record (replayed at start, and the
+        only path while Redis is away); a tombstone seen twice changes nothing."""
+        backoff = 0.5
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.keys.cancels())
+                    backoff = 0.5
+                    async for message in pubsub.listen():
+                        await self._on_cancel(message["data"], self.keys.cancels())
+            except (RedisError, OSError) as exc:
+                log.info("early cancels paused (%s); the cancel topic still carries them", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    async def _on_cancel(self, raw: bytes | None, source: str, at: str = "") -> None:
+        try:
+            cancel = decode(CancelRecord, raw)
+        except MalformedMessage as exc:
+            metrics.MALFORMED.labels(self.pool, source).inc()
+            log.warning("skipped cancel record on %s%s: %s", source, at, exc)
+            return
+        rid = self.shield.cancel(cancel)
+        if rid is not None:
+            await self.executor.abort(rid)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.pool)
