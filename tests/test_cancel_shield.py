@@ -293,9 +293,13 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
     steps = [(15.0, "chunk", 15.0), (30.0, "chunk", 30.0), (35.0, "cancel", 0.0)]
     assert run("a", *steps, (45.0, "chunk", 45.0)) == pytest.approx(10.0)
     assert run("b", *steps, (45.0, "chunk", 45.0), (60.0, "chunk", 60.0)) == pytest.approx(25.0)
-    # A step that runs late (25 ms of wall time for 15 of engine time) is split the same way:
-    # the news came 20 ms into it, so the last fifth of it is waste.
+    # A step that reports 25 ms after the last one, for 15 ms of engine time, ran in the 15 ms
+    # before it reported: the news came 10 ms into that, so its last third is waste.
     late = [(15.0, "chunk", 15.0), (35.0, "cancel", 0.0), (40.0, "chunk", 30.0)]
-    assert run("c", *late) == pytest.approx(3.0)
+    assert run("c", *late) == pytest.approx(5.0)
+    # News that came before the step began (the worker was busy between steps): the engine
+    # ran all of that step for a stale request.
+    gap = [(15.0, "chunk", 15.0), (17.0, "cancel", 0.0), (35.0, "chunk", 30.0)]
+    assert run("e", *gap) == pytest.approx(15.0)
     # News during a 50 ms prefill, 10 ms in: the engine's abort reports the prefill at once.
     assert run("d", (10.0, "cancel", 0.0), (50.0, "end", 50.0)) == pytest.approx(40.0)

@@ -64,15 +64,19 @@ class RunningRequest:
         """Engine time used at the news.
 
         The engine reports its time once per step (prefill included), so the step under way
-        when the news arrived is split in proportion to its wall time: the part before the
-        news was useful work, the rest is waste. Its end is known once it reports, so a step
-        that runs late is split as exactly as one on time.
+        when the news arrived is split: the part before the news was useful work, the rest
+        is waste. The step is taken to have run for its engine time right before it
+        reported (and not before the previous report): a step that reports late is split
+        as exactly as one on time, and news that came before the step began makes all of it
+        waste.
         """
         step_ms = engine_ms - self.engine_ms
-        wall = ended - self.progress_at
-        if step_ms <= 0 or wall <= 0:
+        if step_ms <= 0:
             return self.engine_ms
-        before = min(1.0, max(0.0, (self.stale_at - self.progress_at) / wall))
+        began = max(self.progress_at, ended - step_ms / 1000)
+        if ended <= began:
+            return self.engine_ms
+        before = min(1.0, max(0.0, (self.stale_at - began) / (ended - began)))
         return self.engine_ms + step_ms * before
 
 
