@@ -149,16 +149,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def stat_cpu_seconds(stat: str) -> float:
+    """CPU time (user + system) in the text of a /proc/<pid>[/task/<tid>]/stat file."""
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """CPU time (user + system) each process has used so far, by role."""
-    tick = os.sysconf("SC_CLK_TCK")
     used = {}
     for role, pid in pids.items():
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            used[role] = stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
         except (OSError, IndexError):
             continue
-        used[role] = (int(fields[11]) + int(fields[12])) / tick
     return used
 
 
@@ -190,7 +194,7 @@ def steal_percent(before: list[int], after: list[int]) -> float:
 
 
 class StealWatch:
-    """Steal in short windows while a row runs, for its worst window (``peak``).
+    """Steal while a row runs: on ``average``, and in its worst short window (``peak``).
 
     A row's average hides bursts: 2 % of steal over ten seconds can be a few 200 ms windows
     in which the hypervisor took a third of the machine, and the slow requests of the row
@@ -199,20 +203,23 @@ class StealWatch:
 
     def __init__(self, window_s: float = 0.2) -> None:
         self.window_s = window_s
-        self.peak = 0.0
+        self.average = self.peak = 0.0
+        self._first: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="steal-watch", daemon=True)
 
     def __enter__(self) -> StealWatch:
+        self._first = cpu_times()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.average = steal_percent(self._first, cpu_times())
 
     def _watch(self) -> None:
-        before = cpu_times()
+        before = self._first
         while not self._stop.wait(self.window_s):
             after = cpu_times()
             self.peak = max(self.peak, steal_percent(before, after))

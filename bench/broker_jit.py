@@ -13,14 +13,20 @@ show what a flag changes:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import Counter
 from pathlib import Path
 
 import uvloop
 
-from bench._stack import bench_stack, cpu_times, machine, percentile, steal_percent
+from bench._stack import (
+    bench_stack,
+    cpu_times,
+    machine,
+    percentile,
+    stat_cpu_seconds,
+    steal_percent,
+)
 from bench.overhead import drive, instant_stack
 
 GROUPS = (("C2 Compiler", "C2 JIT"), ("C1 Compiler", "C1 JIT"), ("data-plane", "data plane"))
@@ -28,7 +34,6 @@ GROUPS = (("C2 Compiler", "C2 JIT"), ("C1 Compiler", "C1 JIT"), ("data-plane", "
 
 def thread_seconds(pid: int) -> dict[tuple[str, str], float]:
     """CPU seconds used so far by each thread of ``pid``, keyed by (thread id, group)."""
-    tick = os.sysconf("SC_CLK_TCK")
     used: dict[tuple[str, str], float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -36,9 +41,8 @@ def thread_seconds(pid: int) -> dict[tuple[str, str], float]:
         except OSError:
             continue  # the thread ended
         name = raw[raw.index("(") + 1 : raw.rindex(")")]
-        fields = raw[raw.rindex(")") + 1 :].split()
         group = next((label for prefix, label in GROUPS if name.startswith(prefix)), "other")
-        used[task.name, group] = (int(fields[11]) + int(fields[12])) / tick
+        used[task.name, group] = stat_cpu_seconds(raw)
     return used
 
 

@@ -26,7 +26,7 @@ import httpx
 import orjson
 from aiokafka import AIOKafkaConsumer
 
-from bench._stack import BenchStack, bench_stack, cpu_times, machine, percentile, steal_percent
+from bench._stack import BenchStack, StealWatch, bench_stack, machine, percentile
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0.05",
@@ -247,9 +247,8 @@ def main() -> None:
         stack = BenchStack(workers=[worker])
         with bench_stack(stack):
             key = stack.api_key("typists")
-            before = cpu_times()
-            stats, seen = asyncio.run(_run(stack, key, args.typists, args.seconds, storm))
-            steal = steal_percent(before, cpu_times())
+            with StealWatch() as steal:
+                stats, seen = asyncio.run(_run(stack, key, args.typists, args.seconds, storm))
         total = seen.total or 1.0
         share, abandoned_share = 100 * seen.stale / total, 100 * seen.on_abandoned / total
         errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
@@ -265,7 +264,7 @@ def main() -> None:
             f"{errors:.2f}",
             f"{stats.open_max:.0f}",
             f"{stats.open_end:.0f}",
-            f"{steal:.1f}",
+            f"{steal.average:.1f}",
         )
         print(" ".join(f"{v:>15}" for v in row), flush=True)
         print(f"#   outcomes: {seen.statuses}", flush=True)

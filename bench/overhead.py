@@ -26,10 +26,8 @@ from bench._stack import (
     bench_stack,
     cpu_seconds,
     cpu_share,
-    cpu_times,
     machine,
     percentile,
-    steal_percent,
 )
 
 
@@ -117,12 +115,11 @@ def main() -> None:
         best = 0.0
         for rate in rates:
             pids = {**stack.pids, "load generator": os.getpid()}
-            before, used_before, started = cpu_times(), cpu_seconds(pids), time.monotonic()
-            with StealWatch() as watch:
+            used_before, started = cpu_seconds(pids), time.monotonic()
+            with StealWatch() as steal:
                 latencies, stages, errors, achieved = uvloop.run(
                     drive(stack, key, rate, args.seconds)
                 )
-            steal = steal_percent(before, cpu_times())
             used = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             row = (
@@ -135,8 +132,8 @@ def main() -> None:
                 max(latencies, default=0),
                 percentile(stages.get("laneway", []), 50),
                 *(percentile(stages.get(p, []), 99) for p in parts),
-                steal,
-                watch.peak,
+                steal.average,
+                steal.peak,
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
             print(f"#   cpu, % of one core: {used}", flush=True)

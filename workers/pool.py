@@ -324,14 +324,14 @@ class PoolWorker:
         """Tombstones the ingress also publishes on Redis: they reach a running request a
         Kafka hop sooner. The compacted topic stays the record (replayed at start, and the
         only path while Redis is away); a tombstone seen twice changes nothing."""
-        backoff = 0.5
+        channel, backoff = self.keys.cancels(), 0.5
         while True:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.keys.cancels())
+                    await pubsub.subscribe(channel)
                     backoff = 0.5
                     async for message in pubsub.listen():
-                        await self._on_cancel(message["data"], self.keys.cancels())
+                        await self._on_cancel(message["data"], channel)
             except (RedisError, OSError) as exc:
                 log.info("early cancels paused (%s); the cancel topic still carries them", exc)
                 await asyncio.sleep(backoff)
