@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python -m bench.batch
 	$(BIN)/python -m bench.streams
 	$(BIN)/python -m bench.broker_jit
+	$(BIN)/python -m bench.hops
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

@@ -1,6 +1,9 @@
 """A throwaway laneway stack for benchmarks: real Kafka, Redis, ingress and worker processes.
 
-Ports default to a range of their own (3xxxx) so a bench runs beside `make up` and the tests.
+Ports default to a range of their own (31xxx) so a bench runs beside `make up` and the tests,
+and below the kernel's ephemeral range (32768 and up): a client that reconnects to a port in
+that range while its server is down can be given that very port as its own and connect to
+itself, and the port then stays taken (TIME_WAIT) for a minute after.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class BenchStack:
-    kafka_port: int = 39092
-    redis_port: int = 36379
-    ingress_port: int = 38000
+    kafka_port: int = 31092
+    redis_port: int = 31379
+    ingress_port: int = 31800
     partitions: int = 6
     prefix: str = "bench"
     ingress_env: dict[str, str] = field(default_factory=dict)
@@ -109,7 +112,8 @@ class BenchStack:
 
 
 @contextmanager
-def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
+def services(stack: BenchStack) -> Iterator[tuple[KafkaBroker, RedisServer]]:
+    """The broker (with laneway's topics) and Redis of ``stack``, on their bench ports."""
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
     redis = RedisServer(port=stack.redis_port, data_dir=data / "redis")
     kafka = KafkaBroker(
@@ -123,22 +127,31 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
     try:
         kafka.start()
         create_topics(kafka.bootstrap, stack.topics.specs(stack.partitions))
-        ingress_env = {"LANEWAY_PORT": str(stack.ingress_port), "LANEWAY_PROBE_INTERVAL_S": "0"}
         stack.pids.update(broker=kafka.pid or 0, redis=redis.pid or 0)
-        stack.spawn("ingress", {**ingress_env, **stack.ingress_env})
-        for i, worker in enumerate(stack.workers):
-            stack.spawn(
-                "workers",
-                {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker},
-                role="worker" if len(stack.workers) == 1 else f"worker-{i}",
-            )
-        stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
-        yield stack
+        yield kafka, redis
     finally:
-        stop_processes(stack.procs)
         kafka.stop()
         redis.stop()
         shutil.rmtree(data, ignore_errors=True)
+
+
+@contextmanager
+def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
+    """``services`` plus the ingress and the workers of ``stack``, each a process."""
+    with services(stack):
+        try:
+            ingress_env = {"LANEWAY_PORT": str(stack.ingress_port), "LANEWAY_PROBE_INTERVAL_S": "0"}
+            stack.spawn("ingress", {**ingress_env, **stack.ingress_env})
+            for i, worker in enumerate(stack.workers):
+                stack.spawn(
+                    "workers",
+                    {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker},
+                    role="worker" if len(stack.workers) == 1 else f"worker-{i}",
+                )
+            stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
+            yield stack
+        finally:
+            stop_processes(stack.procs)
 
 
 def percentile(values: list[float], q: float) -> float:

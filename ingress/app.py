@@ -9,7 +9,7 @@ from fastapi import FastAPI
 
 from ingress.admin import admin_router
 from ingress.errors import install_error_handlers
-from ingress.routes import router
+from ingress.routes import HOT_ROUTES, router
 from ingress.state import IngressState
 from laneway.settings import IngressSettings
 
@@ -32,6 +32,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.router.routes.extend(HOT_ROUTES)  # tried before the included routers
     app.include_router(router)
     app.include_router(admin_router)
     return app
