@@ -52,10 +52,11 @@ async def paced(op: Op, ops: int, interval: float) -> tuple[float, list[float]]:
     return (time.process_time() - cpu) / ops * 1e6, walls
 
 
-def _envelope(i: int) -> bytes:
+def _envelope() -> bytes:
+    """A request envelope of the usual size, as the ingress produces it."""
     now = time.time()
     return RequestEnvelope(
-        id=f"cmpl-hops-{i}",
+        id="cmpl-hops",
         team="bench",
         cls="completion",
         kind="completion",
@@ -63,7 +64,7 @@ def _envelope(i: int) -> bytes:
         route="laneway-code",
         prompt="def f(x):\n    return" * 8,
         max_tokens=16,
-        affinity=f"s:hops-{i % 64}",
+        affinity="s:hops",
         reply_to="bench:replies:hops",
         accepted_ts=now,
         deadline_ts=now + 2,
@@ -90,7 +91,7 @@ async def hops(
     quota = QuotaEnforcer(redis, keys, QuotaPolicy.from_settings(settings))
     team = Team("bench", size=1_000_000)
     topic = stack.topics.request("completion", "hi")
-    payload = _envelope(0)
+    payload = _envelope()
     counter = iter(range(10**9))
 
     async def reserve() -> object:

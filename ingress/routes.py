@@ -278,7 +278,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 # The two paths every request takes are plain Starlette routes: FastAPI's per-request
-# dependency and signature machinery costs 50-70 µs a request here and does nothing for a
+# dependency and signature machinery costs about 70 µs a request here and does nothing for a
 # handler that parses its own body (`python -m bench.hops` measures both).
 HOT_ROUTES = (
     Route("/v1/completions", completions, methods=["POST"]),
