@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from laneway.clients import make_redis
 from laneway.errors import LanewayError
 from streams.announce import Announcer
+from streams.faust_buffer import drain_before_commit
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
@@ -54,6 +55,7 @@ class StreamsApp:
             broker_heartbeat_interval=settings.session_timeout_ms / 3000,
         )
         app = self.app
+        drain_before_commit(app)  # no offset commit ahead of the table changelogs
         self.redis: aioredis.Redis = make_redis(settings)
         self.webhook = OnCallWebhook(settings.breaker_webhook_url)
         self._outputs = {
