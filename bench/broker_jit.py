@@ -20,12 +20,11 @@ from pathlib import Path
 import uvloop
 
 from bench._stack import (
+    StealWatch,
     bench_stack,
-    cpu_times,
     machine,
     percentile,
     stat_cpu_seconds,
-    steal_percent,
 )
 from bench.overhead import drive, instant_stack
 
@@ -80,8 +79,9 @@ def main() -> None:
         print(" ".join(f"{h:>12}" for h in header))
         started = time.monotonic()
         for _ in range(args.windows):
-            before, threads_before, t0 = cpu_times(), thread_seconds(broker), time.monotonic()
-            latencies, _, _, _ = uvloop.run(drive(stack, key, args.rate, args.window))
+            threads_before, t0 = thread_seconds(broker), time.monotonic()
+            with StealWatch() as steal:
+                latencies, _, _, _ = uvloop.run(drive(stack, key, args.rate, args.window))
             seconds = time.monotonic() - t0
             spent = group_seconds(threads_before, thread_seconds(broker))
             shares = [100 * spent[g] / seconds for g in labels]
@@ -89,7 +89,7 @@ def main() -> None:
                 time.monotonic() - started,
                 percentile(latencies, 50),
                 percentile(latencies, 99),
-                steal_percent(before, cpu_times()),
+                steal.average,
                 *shares,
             ]
             print(" ".join(f"{v:>12.1f}" for v in row), flush=True)
