@@ -44,6 +44,27 @@ async def test_sim_prefix_cache_counts_only_whole_shared_blocks() -> None:
     assert engine.stats().prefix_cache_hits == 2
 
 
+async def test_sim_full_prefix_cache_is_not_memory_pressure() -> None:
+    # The batch pool aborts and re-queues work above batch_memory_high KV usage; a warm prefix
+    # cache must not set that off (it once did, every heartbeat, under a document job).
+    unlimited = SimEngine(SimProfile(decode_ms_per_step=0.0, prefix_cache_blocks=4))
+    await _run(unlimited, EngineRequest(id="a", route="m", prompt="d" * 4096, max_tokens=4))
+    assert unlimited.stats().kv_cache_usage == 0.0
+    bounded = SimEngine(
+        SimProfile(
+            prefill_ms_per_token=0.0, decode_ms_per_step=50.0, prefix_cache_blocks=4, kv_tokens=2000
+        )
+    )
+    task = asyncio.create_task(
+        _run(bounded, EngineRequest(id="b", route="m", prompt="d" * 4000, max_tokens=8))
+    )
+    while bounded.stats().running == 0:
+        await asyncio.sleep(0.001)
+    assert 0.5 <= bounded.stats().kv_cache_usage < 0.6  # its 1000 prompt tokens and a few more
+    await task
+    assert bounded.stats().kv_cache_usage == 0.0
+
+
 async def test_sim_batch_slots_queue_the_rest() -> None:
     engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0, batch_slots=2))
     requests = [EngineRequest(id=str(i), route="m", prompt=f"p{i}", max_tokens=2) for i in range(3)]

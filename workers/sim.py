@@ -92,12 +92,14 @@ class SimEngine:
         self._aborted.add(request_id)
 
     def stats(self) -> EngineStats:
-        blocks = self.profile.prefix_cache_blocks
+        # KV usage is memory held by running sequences. Cached blocks no sequence holds are
+        # evictable, so a full prefix cache is not memory pressure (vLLM counts them as free
+        # too); with unlimited KV memory (kv_tokens=0) there is none to report.
         if self.profile.kv_tokens:
             usage = self._kv_used / self.profile.kv_tokens
-            free = max(0, self.profile.kv_tokens - self._kv_used)
+            free: int | None = max(0, self.profile.kv_tokens - self._kv_used)
         else:
-            usage, free = (len(self._cache) / blocks if blocks else 0.0), None
+            usage, free = 0.0, None
         return EngineStats(
             running=self._running,
             waiting=self._waiting,
