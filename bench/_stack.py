@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys, Topics
 from laneway.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
+from laneway.settings import CommonSettings
 from quota import Team, set_team
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +61,15 @@ class BenchStack:
     @property
     def topics(self) -> Topics:
         return Topics(self.prefix)
+
+    def settings(self) -> CommonSettings:
+        """Client settings that reach this stack (for BatchClient and the like)."""
+        return CommonSettings(
+            kafka_bootstrap=self.bootstrap,
+            redis_url=self.redis_url,
+            topic_prefix=self.prefix,
+            redis_prefix=self.prefix,
+        )
 
     def _env(self, extra: dict[str, str]) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}

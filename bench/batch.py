@@ -92,12 +92,7 @@ def main() -> None:
     stack = BenchStack(workers=workers)
     with bench_stack(stack):
         key = stack.api_key("bench")
-        settings = CommonSettings(
-            kafka_bootstrap=stack.bootstrap,
-            redis_url=stack.redis_url,
-            topic_prefix=stack.prefix,
-            redis_prefix=stack.prefix,
-        )
+        settings = stack.settings()
 
         async def run() -> None:
             print(f"# batch lane — {machine()}")

@@ -10,7 +10,19 @@ Three runs: no storm (kept completions only, the baseline latency), storm with t
 shield, storm without it. Printed per run: share of engine time spent on stale requests,
 P50/P99 of kept completions, HTTP error rate, open requests at the ingress.
 
-    .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30]
+Two scenarios, each with the three runs:
+
+- ``storm``: the typists alone on the fleet. The harshest case: nearly all engine time is
+  completions, so without the shield most of it is stale.
+- ``fleet``: the same typists on a mixed fleet, the case the issue's 15–20 % baseline
+  describes. Beside the completion pool, a chat pool serves a few users streaming long
+  conversations and a batch pool works through a document job that keeps its slots full.
+  Each pool has its own sim engine; the stale share is over the engine time of all three.
+
+Engine time is counted from the usage events that end inside a run's window (a steady
+background is counted as much at the window's start as it is left out at its end).
+
+    .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--scenario both]
 """
 
 from __future__ import annotations
@@ -24,9 +36,10 @@ from typing import Any
 
 import httpx
 import orjson
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._stack import BenchStack, StealWatch, bench_stack, machine, percentile
+from laneway.batch import BatchClient
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0.05",
@@ -36,6 +49,33 @@ COSTS = {
 }
 PROMPT_CHARS = 4000  # about 1k tokens of file context
 MAX_TOKENS = 48
+# The fleet's other traffic: chat users with long conversations, and a document job.
+CHAT_USERS = 2
+CHAT_CONTEXT_CHARS = 32_000  # about 8k tokens
+CHAT_MAX_TOKENS = 128
+DOCUMENT_CHARS = 8_000  # about 2k tokens a document
+DOCUMENT_MAX_TOKENS = 128
+# Lines the batch worker runs at once. It sizes the fleet's background so that without the
+# shield the typists' stale work is 15-20 % of all engine time, the issue's baseline for
+# mixed deployments (with all 32 slots busy it is about 12 %).
+BATCH_LINES_AT_ONCE = 24
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fleet: bool  # chat users and a batch job beside the typists
+
+    def workers(self, shield: bool) -> list[dict[str, str]]:
+        completion = {"LANEWAY_POOL": "completion", "LANEWAY_SHIELD": str(shield).lower()}
+        pools = [completion]
+        if self.fleet:
+            batch = {"LANEWAY_POOL": "batch", "LANEWAY_MAX_INFLIGHT": str(BATCH_LINES_AT_ONCE)}
+            pools += [{"LANEWAY_POOL": "chat"}, batch]
+        return [{**COSTS, **pool} for pool in pools]
+
+
+SCENARIOS = {"storm": Scenario("storm", fleet=False), "fleet": Scenario("fleet", fleet=True)}
 
 
 @dataclass
@@ -47,6 +87,8 @@ class RunStats:
     errors: int = 0
     open_max: float = 0.0
     open_end: float = 0.0
+    chat_turns: int = 0
+    chat_errors: int = 0
 
 
 async def _completion(
@@ -116,6 +158,71 @@ async def _typist(
             await asyncio.sleep(rng.uniform(0.5, 1.5))
 
 
+async def _chat_user(
+    base_url: str, key: str, number: int, deadline: float, stats: RunStats
+) -> None:
+    """Fleet background: a conversation that grows turn by turn, each reply streamed."""
+    rng = random.Random(1000 + number)
+    context = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(CHAT_CONTEXT_CHARS))
+    messages = [{"role": "user", "content": context}]
+    async with httpx.AsyncClient(
+        base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    ) as http:
+        await asyncio.sleep(rng.uniform(0, 1))
+        while time.monotonic() < deadline:
+            body = {
+                "model": "laneway-chat",
+                "messages": messages,
+                "max_tokens": CHAT_MAX_TOKENS,
+                "stream": True,
+            }
+            answer = []
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    stats.chat_errors += 1
+                    await response.aread()
+                async for line in response.aiter_lines():
+                    if line.startswith('data: {"error"'):
+                        stats.chat_errors += 1
+                        break
+                    if line.startswith("data: {"):
+                        choices = orjson.loads(line[6:])["choices"]
+                        answer += [c["delta"].get("content") or "" for c in choices]
+            stats.chat_turns += 1
+            messages += [
+                {"role": "assistant", "content": "".join(answer)},
+                {"role": "user", "content": f"and what about part {len(messages)}?"},
+            ]
+            await asyncio.sleep(rng.uniform(1, 3))
+
+
+def _documents(n: int) -> list[str]:
+    rng = random.Random(7)
+    return [
+        orjson.dumps(
+            {
+                "custom_id": f"doc-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "laneway-chat",
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": f"summarise document {i}: "
+                            + "".join(
+                                rng.choice("abcdefghij klmnop\n") for _ in range(DOCUMENT_CHARS)
+                            ),
+                        }
+                    ],
+                    "max_tokens": DOCUMENT_MAX_TOKENS,
+                },
+            }
+        ).decode()
+        for i in range(n)
+    ]
+
+
 async def _abandon(task: asyncio.Task[float | None], ids: list[str], stats: RunStats) -> None:
     """The typist moved on; whatever this request answered no longer matters to anyone."""
     stats.abandoned_requests += 1
@@ -148,9 +255,11 @@ class EngineTime:
     in_flight: float = 0.0  # used while the news travelled from the ingress to the worker
     news_ms: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
+    by_class: dict[str, float] = field(default_factory=dict)
 
     def add(self, event: dict[str, Any], abandoned: bool) -> None:
         self.total += event["engine_ms"]
+        self.by_class[event["class"]] = self.by_class.get(event["class"], 0.0) + event["engine_ms"]
         self.stale += event["stale_engine_ms"]
         if event["stale_engine_ms"]:
             self._count("turned stale while running")
@@ -160,40 +269,60 @@ class EngineTime:
             self.in_flight += min(event["stale_news_ms"], before_news)
         if abandoned or event["status"] in ("cancelled", "superseded"):
             self.on_abandoned += event["engine_ms"]
-        self._count(event["status"])
+        if event["class"] == "completion":
+            self._count(event["status"])
 
     def _count(self, status: str) -> None:
         self.statuses[status] = self.statuses.get(status, 0) + 1
 
 
 async def _engine_time(
-    stack: BenchStack, since_ms: int, abandoned: set[str], settle_s: float
+    stack: BenchStack, since_ms: int, until_ms: int, abandoned: set[str]
 ) -> EngineTime:
-    consumer = AIOKafkaConsumer(
-        stack.topics.usage, bootstrap_servers=stack.bootstrap, auto_offset_reset="earliest"
-    )
+    """Engine time of the usage events stamped inside [since_ms, until_ms]: everything on
+    the topic up to now is read, to its end offsets."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
     await consumer.start()
     seen = EngineTime()
     try:
-        quiet_until = time.monotonic() + settle_s
-        while time.monotonic() < quiet_until:
+        partitions = [
+            TopicPartition(stack.topics.usage, p)
+            for p in sorted(consumer.partitions_for_topic(stack.topics.usage) or ())
+        ] or [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        give_up = time.monotonic() + 60
+        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+            if time.monotonic() > give_up:
+                raise TimeoutError("the usage topic could not be read to its end within 60 s")
             batches = await consumer.getmany(timeout_ms=500)
             for records in batches.values():
                 for record in records:
-                    if record.timestamp < since_ms:
-                        continue
-                    event = orjson.loads(record.value)
-                    seen.add(event, event["id"] in abandoned)
-                    quiet_until = time.monotonic() + settle_s
+                    if since_ms <= record.timestamp <= until_ms:
+                        event = orjson.loads(record.value)
+                        seen.add(event, event["id"] in abandoned)
     finally:
         await consumer.stop()
     return seen
 
 
 async def _run(
-    stack: BenchStack, key: str, typists: int, seconds: float, storm: bool
+    stack: BenchStack, key: str, typists: int, seconds: float, storm: bool, fleet: bool
 ) -> tuple[RunStats, EngineTime]:
     stats = RunStats()
+    background: list[asyncio.Task[None]] = []
+    if fleet:
+        # The document job first, long enough to keep the batch pool busy past the window;
+        # it is still running when the stack is torn down.
+        async with BatchClient(stack.settings()) as client:
+            await client.submit(_documents(int(seconds * 40) + 200), api_key=key)
+        deadline = time.monotonic() + seconds + 5
+        background = [
+            asyncio.create_task(_chat_user(stack.base_url, key, i, deadline, stats))
+            for i in range(CHAT_USERS)
+        ]
+        await asyncio.sleep(5)  # the batch slots fill and the conversations get going
     since_ms = int(time.time() * 1000)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_open(stack.base_url, stats, stop))
@@ -202,9 +331,12 @@ async def _run(
         *(_typist(stack.base_url, key, i, deadline, storm, stats) for i in range(typists))
     )
     await asyncio.sleep(2)  # let the ingress notice the last disconnects
+    until_ms = int(time.time() * 1000)
     stop.set()
     await watcher
-    return stats, await _engine_time(stack, since_ms, stats.abandoned, settle_s=3.0)
+    await asyncio.gather(*background)
+    await asyncio.sleep(1)  # the worker's usage producer lingers before it sends
+    return stats, await _engine_time(stack, since_ms, until_ms, stats.abandoned)
 
 
 def main() -> None:
@@ -213,13 +345,32 @@ def main() -> None:
     )
     parser.add_argument("--typists", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--scenario",
+        choices=(*SCENARIOS, "both"),
+        default="both",
+        help="the typists alone (storm), on a mixed fleet (fleet), or both (default)",
+    )
     args = parser.parse_args()
+    if args.typists < 1 or args.seconds <= 0:
+        parser.error("--typists must be at least 1 and --seconds positive")
 
     print(f"# cancel storm — {machine()}")
-    print("# sim engine (a simulated GPU): prefill 0.05 ms/token, decode 15 ms/step, 32 slots")
-    print(f"# {args.typists} typists, {args.seconds:.0f} s a run, prompts ~1k tokens", end="")
+    print("# sim engine (a simulated GPU) in each pool: prefill 0.05 ms/token, decode 15 ms/step,")
+    print(
+        f"# 32 slots; {args.typists} typists, {args.seconds:.0f} s a run, prompts ~1k tokens",
+        end="",
+    )
     print(f", max_tokens {MAX_TOKENS}")
+    if args.scenario != "storm":
+        print(
+            f"# fleet: + {CHAT_USERS} chat users (~{CHAT_CONTEXT_CHARS // 4000}k-token "
+            f"conversations, max_tokens {CHAT_MAX_TOKENS}, streamed) + a batch job "
+            f"(~{DOCUMENT_CHARS // 4000}k-token documents, max_tokens {DOCUMENT_MAX_TOKENS}, "
+            f"{BATCH_LINES_AT_ONCE} at once)"
+        )
     header = (
+        "scenario",
         "run",
         "requests",
         "abandoned",
@@ -234,50 +385,60 @@ def main() -> None:
         "steal %",
     )
     print(" ".join(f"{h:>15}" for h in header))
-    for name, storm, shield in (
-        ("no storm", False, True),
-        ("shield on", True, True),
-        ("shield off", True, False),
-    ):
-        worker = {
-            "LANEWAY_POOL": "completion",
-            "LANEWAY_SHIELD": "true" if shield else "false",
-            **COSTS,
-        }
-        stack = BenchStack(workers=[worker])
-        with bench_stack(stack):
-            key = stack.api_key("typists")
-            with StealWatch() as steal:
-                stats, seen = asyncio.run(_run(stack, key, args.typists, args.seconds, storm))
-        total = seen.total or 1.0
-        share, abandoned_share = 100 * seen.stale / total, 100 * seen.on_abandoned / total
-        errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
-        row = (
-            name,
-            stats.sent,
-            stats.abandoned_requests,
-            f"{share:.1f}",
-            f"{abandoned_share:.1f}",
-            len(stats.kept_ms),
-            f"{percentile(stats.kept_ms, 50):.0f}",
-            f"{percentile(stats.kept_ms, 99):.0f}",
-            f"{errors:.2f}",
-            f"{stats.open_max:.0f}",
-            f"{stats.open_end:.0f}",
-            f"{steal.average:.1f}",
+    chosen = SCENARIOS.values() if args.scenario == "both" else [SCENARIOS[args.scenario]]
+    for scenario in chosen:
+        for name, storm, shield in (
+            ("no storm", False, True),
+            ("shield on", True, True),
+            ("shield off", True, False),
+        ):
+            _one_run(args, scenario, name, storm=storm, shield=shield)
+
+
+def _one_run(
+    args: argparse.Namespace, scenario: Scenario, name: str, *, storm: bool, shield: bool
+) -> None:
+    stack = BenchStack(workers=scenario.workers(shield))
+    with bench_stack(stack):
+        key = stack.api_key("typists")
+        with StealWatch() as steal:
+            stats, seen = asyncio.run(
+                _run(stack, key, args.typists, args.seconds, storm, scenario.fleet)
+            )
+    total = seen.total or 1.0
+    share, abandoned_share = 100 * seen.stale / total, 100 * seen.on_abandoned / total
+    errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
+    row = (
+        scenario.name,
+        name,
+        stats.sent,
+        stats.abandoned_requests,
+        f"{share:.1f}",
+        f"{abandoned_share:.1f}",
+        len(stats.kept_ms),
+        f"{percentile(stats.kept_ms, 50):.0f}",
+        f"{percentile(stats.kept_ms, 99):.0f}",
+        f"{errors:.2f}",
+        f"{stats.open_max:.0f}",
+        f"{stats.open_end:.0f}",
+        f"{steal.average:.1f}",
+    )
+    print(" ".join(f"{v:>15}" for v in row), flush=True)
+    print(f"#   completion outcomes: {seen.statuses}", flush=True)
+    by_class = ", ".join(f"{cls} {ms / 1000:.0f}" for cls, ms in sorted(seen.by_class.items()))
+    print(f"#   engine seconds by class: {by_class}", flush=True)
+    if scenario.fleet:
+        print(f"#   chat turns {stats.chat_turns}, chat errors {stats.chat_errors}", flush=True)
+    if news := seen.news_ms:
+        print(
+            f"#   stale ms per request that turned stale while running: {seen.stale / len(news):.1f}"
         )
-        print(" ".join(f"{v:>15}" for v in row), flush=True)
-        print(f"#   outcomes: {seen.statuses}", flush=True)
-        if news := seen.news_ms:
-            print(
-                f"#   stale ms per request that turned stale while running: {seen.stale / len(news):.1f}"
-            )
-            print(
-                f"#   its news took P50 {percentile(news, 50):.1f} / P99 {percentile(news, 99):.1f} ms "
-                "from the ingress to the worker; with the engine time in that gap, stale eng % "
-                f"would be {100 * (seen.stale + seen.in_flight) / total:.1f}",
-                flush=True,
-            )
+        print(
+            f"#   its news took P50 {percentile(news, 50):.1f} / P99 {percentile(news, 99):.1f} ms "
+            "from the ingress to the worker; with the engine time in that gap, stale eng % "
+            f"would be {100 * (seen.stale + seen.in_flight) / total:.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
