@@ -55,14 +55,36 @@ async def test_sim_full_prefix_cache_is_not_memory_pressure() -> None:
             prefill_ms_per_token=0.0, decode_ms_per_step=50.0, prefix_cache_blocks=4, kv_tokens=2000
         )
     )
-    task = asyncio.create_task(
-        _run(bounded, EngineRequest(id="b", route="m", prompt="d" * 4000, max_tokens=8))
-    )
-    while bounded.stats().running == 0:
-        await asyncio.sleep(0.001)
-    assert 0.5 <= bounded.stats().kv_cache_usage < 0.6  # its 1000 prompt tokens and a few more
-    await task
+    stream = bounded.generate(EngineRequest(id="b", route="m", prompt="d" * 4000, max_tokens=8))
+    await anext(stream)  # prefilled its 1000 prompt tokens, decoding
+    assert 0.5 <= bounded.stats().kv_cache_usage < 0.6
+    await bounded.abort("b")
+    with pytest.raises(Aborted):
+        await anext(stream)
     assert bounded.stats().kv_cache_usage == 0.0
+
+
+async def test_sim_steps_do_not_wait_for_a_slow_consumer() -> None:
+    # A GPU keeps decoding while the worker writes a chunk out; steps that fell due while
+    # the consumer was away are ready at once, not started only when it asks.
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0))
+    prompt = next(
+        p
+        for p in (f"def f{i}():" for i in range(100))
+        if len(engine._completion_words(EngineRequest(id="x", route="m", prompt=p, max_tokens=64)))
+        >= 8
+    )
+    stream = engine.generate(EngineRequest(id="s", route="m", prompt=prompt, max_tokens=64))
+    loop = asyncio.get_running_loop()
+    await anext(stream)
+    await asyncio.sleep(0.12)  # the worker is busy for six steps' time
+    started = loop.time()
+    caught_up = [await anext(stream) for _ in range(4)]
+    assert loop.time() - started < 0.04  # paced by the consumer it would take >= 80 ms
+    assert [d.completion_tokens for d in caught_up] == [2, 3, 4, 5]
+    await engine.abort("s")
+    with pytest.raises(Aborted):
+        await anext(stream)
 
 
 async def test_sim_batch_slots_queue_the_rest() -> None:

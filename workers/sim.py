@@ -12,10 +12,11 @@ repeats what the client already saw.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from laneway.errors import Aborted, EngineError
@@ -157,14 +158,17 @@ class SimEngine:
             self._waiting -= 1
         self._running += 1
         try:
-            async for delta in self._run(request):
-                yield delta
+            # aclosing: a consumer that stops early (cancelled, closed) frees the slot and
+            # the KV at once, not whenever the inner generators are collected.
+            async with contextlib.aclosing(self._run(request)) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             self._running -= 1
             self._slots.release()
             self._aborted.discard(request.id)
 
-    async def _run(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def _run(self, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         profile = self.profile
         if request.id in self._aborted:
             raise Aborted(f"request {request.id} aborted while waiting for a batch slot")
@@ -181,21 +185,31 @@ class SimEngine:
         held = len(tokens)
         self._kv_used += held
         try:
-            async for delta in self._decode(request, words, len(tokens), cached, engine_ms):
-                self._kv_used += 1
-                held += 1
-                yield delta
+            decode = self._decode(request, words, len(tokens), cached, engine_ms)
+            async with contextlib.aclosing(decode) as deltas:
+                async for delta in deltas:
+                    self._kv_used += 1
+                    held += 1
+                    yield delta
         finally:
             self._kv_used -= held
 
     async def _decode(
         self, request: EngineRequest, words: list[str], prompt: int, cached: int, engine_ms: float
-    ) -> AsyncIterator[EngineDelta]:
+    ) -> AsyncGenerator[EngineDelta, None]:
         profile = self.profile
+        # Steps run on the engine's own clock: a GPU does not wait for the worker to write out
+        # the previous token. A consumer that falls behind finds the next steps already done.
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         for i, word in enumerate(words):
             if request.id in self._aborted:
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
-            await self._sleep_ms(profile.decode_ms_per_step, i)
+            if profile.decode_ms_per_step > 0:
+                due += profile.decode_ms_per_step / 1000
+                await asyncio.sleep(max(0.0, due - loop.time()))
+            else:
+                await self._sleep_ms(0, i)
             engine_ms += profile.decode_ms_per_step
             last = i == len(words) - 1
             finish = ("length" if len(words) == request.max_tokens else "stop") if last else None
