@@ -75,7 +75,7 @@ class SimEngine:
         self.profile = profile or SimProfile()
         self._slots = asyncio.Semaphore(self.profile.batch_slots)
         self._cache: OrderedDict[bytes, None] = OrderedDict()
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, float] = {}  # request id: when the abort came (loop time)
         self._running = 0
         self._waiting = 0
         self._queries = 0
@@ -90,7 +90,7 @@ class SimEngine:
         self._aborted.clear()
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        self._aborted.setdefault(request_id, asyncio.get_running_loop().time())
 
     def stats(self) -> EngineStats:
         # KV usage is memory held by running sequences. Cached blocks no sequence holds are
@@ -166,7 +166,7 @@ class SimEngine:
         finally:
             self._running -= 1
             self._slots.release()
-            self._aborted.discard(request.id)
+            self._aborted.pop(request.id, None)
 
     async def _run(self, request: EngineRequest) -> AsyncGenerator[EngineDelta, None]:
         profile = self.profile
@@ -198,15 +198,23 @@ class SimEngine:
         self, request: EngineRequest, words: list[str], prompt: int, cached: int, engine_ms: float
     ) -> AsyncGenerator[EngineDelta, None]:
         profile = self.profile
+        step_s = profile.decode_ms_per_step / 1000
         # Steps run on the engine's own clock: a GPU does not wait for the worker to write out
         # the previous token. A consumer that falls behind finds the next steps already done.
         loop = asyncio.get_running_loop()
-        due = loop.time()
+        began = due = loop.time()
         for i, word in enumerate(words):
-            if request.id in self._aborted:
+            if (aborted_at := self._aborted.get(request.id)) is not None:
+                # An abort takes effect between steps: the step under way when it came runs
+                # to its end, as do any the consumer had not asked for yet.
+                if step_s > 0 and aborted_at >= began:
+                    begun = int((aborted_at - began) / step_s) + 1
+                    steps = min(len(words), max(i, begun))
+                    await asyncio.sleep(max(0.0, began + steps * step_s - loop.time()))
+                    engine_ms += (steps - i) * profile.decode_ms_per_step
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
-            if profile.decode_ms_per_step > 0:
-                due += profile.decode_ms_per_step / 1000
+            if step_s > 0:
+                due += step_s
                 await asyncio.sleep(max(0.0, due - loop.time()))
             else:
                 await self._sleep_ms(0, i)
