@@ -28,23 +28,24 @@ log = logging.getLogger(__name__)
 class ReplyChannel:
     """The replies of one request, in order, repeats dropped.
 
-    A worker that crashed mid-request is replaced and runs it again from the start;
-    chunk numbers ``n`` let the channel drop what the client has already received.
+    A worker that crashed mid-request is replaced and runs it again from the start; each
+    message's offset ``n`` lets the channel pass on only text the client has not received.
     """
 
     def __init__(self, request_id: str, team: str) -> None:
         self.request_id = request_id
         self.team = team
         self._queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._next = 0
+        self._seen = 0  # characters of text passed on
 
     def feed(self, reply: Reply) -> None:
-        if reply.n < self._next and not reply.done:
-            return
-        if reply.done and reply.n < self._next:
-            # A re-run's final message: keep only the text the client has not seen.
-            reply = reply.model_copy(update={"text": "", "n": self._next})
-        self._next = reply.n + 1
+        end = reply.n + len(reply.text)
+        if reply.n < self._seen:
+            if end <= self._seen and not reply.done:
+                return  # a re-run repeating text already passed on
+            fresh = reply.text[self._seen - reply.n :] if end > self._seen else ""
+            reply = reply.model_copy(update={"text": fresh, "n": self._seen})
+        self._seen = max(self._seen, end)
         self._queue.put_nowait(reply)
 
     async def get(self, wait_s: float) -> Reply:

@@ -104,12 +104,13 @@ class CancelRecord(_Wire):
 class Reply(_Wire):
     """One message on an ingress reply stream: a chunk of text and/or the terminal outcome.
 
-    ``n`` numbers the chunks of one request so the ingress can drop repeats when a worker
-    restarted and ran the request again.
+    ``n`` is where this message's text starts in the request's whole text (in characters),
+    so the ingress can drop what it already passed on when a worker restarted and ran the
+    request again, however differently the re-run's text is cut into chunks.
     """
 
     id: str
-    n: int = Field(ge=0)
+    n: int = Field(ge=0, description="offset of this text in the reply's text, in characters")
     text: str = ""
     done: bool = False
     status: Outcome | None = None

@@ -13,6 +13,7 @@ from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
+from workers.replies import ChunkStream
 from workers.types import EngineRequest
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ class RequestExecutor:
             return await self._finish(env, verdict.status, queue_ms=queue_ms, error=str(verdict))  # type: ignore[arg-type]
 
         self.shield.started(env)
-        n = 0
+        chunks = (
+            ChunkStream(self.outbox, env.reply_to, env.id) if env.stream and env.reply_to else None
+        )
         text_parts: list[str] = []
         ttft_ms: float | None = None
         prompt_tokens = cached = completion = 0
@@ -85,9 +88,8 @@ class RequestExecutor:
                 if delta.text and ttft_ms is None:
                     ttft_ms = (time.time() - env.accepted_ts) * 1000
                 self.shield.progress(env.id, completion, engine_ms)
-                if env.stream and delta.text and env.reply_to:
-                    await self.outbox.reply(env.reply_to, Reply(id=env.id, n=n, text=delta.text))
-                    n += 1
+                if chunks is not None and delta.text:
+                    chunks.add(delta.text)
                 else:
                     text_parts.append(delta.text)
         except Dropped as dropped:
@@ -103,9 +105,18 @@ class RequestExecutor:
                 extra={"request_id": env.id, "team": env.team},
             )
             status, error = "error", str(exc)
+        except BaseException:
+            if chunks is not None:
+                chunks.cancel()
+            raise
         finally:
             stale_ms, news_ms = self.shield.waste(env.id, engine_ms)
             self.shield.finished(env.id)
+        n = 0
+        if chunks is not None:
+            # The rest of the text rides on the final reply.
+            n, rest = await chunks.close()
+            text_parts.append(rest)
         return await self._finish(
             env,
             status,

@@ -20,7 +20,7 @@ from laneway.schema import Reply, RequestEnvelope, UsageEvent
 from quota import QuotaEnforcer
 from workers import metrics
 
-__all__ = ["Outbox"]
+__all__ = ["ChunkStream", "Outbox"]
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +123,52 @@ class Outbox:
         log.warning(
             "quota not settled for %s (Redis unreachable)", env.id, extra={"request_id": env.id}
         )
+
+
+class ChunkStream:
+    """The streamed text of one request, written to its ingress one message at a time.
+
+    The engine never waits for a write: text that arrives while one is in flight goes out
+    together in the next, so a busy worker sends fewer, larger chunks instead of falling
+    behind one token at a time. Each message carries its text's offset (``Reply.n``).
+    """
+
+    def __init__(self, outbox: Outbox, stream: str, request_id: str) -> None:
+        self._outbox = outbox
+        self._stream = stream
+        self._id = request_id
+        self._pending: list[str] = []
+        self.sent = 0  # characters written
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task = asyncio.create_task(self._write(), name=f"chunks-{request_id}")
+
+    def add(self, text: str) -> None:
+        self._pending.append(text)
+        self._wake.set()
+
+    async def _write(self) -> None:
+        while not self._closing:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            text = "".join(self._pending)
+            self._pending.clear()
+            await self._outbox.reply(self._stream, Reply(id=self._id, n=self.sent, text=text))
+            self.sent += len(text)
+
+    async def close(self) -> tuple[int, str]:
+        """Finish the write in flight; returns the offset reached and the text not yet
+        written, which the caller sends with the final reply."""
+        self._closing = True
+        self._wake.set()
+        await self._task  # a failed write raises here
+        rest = "".join(self._pending)
+        self._pending.clear()
+        return self.sent, rest
+
+    def cancel(self) -> None:
+        if self._task.done() and not self._task.cancelled():
+            self._task.exception()  # retrieved: the request is being torn down anyway
+        self._task.cancel()
