@@ -16,12 +16,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import orjson
 import redis.asyncio as aioredis
 
 from laneway.apikeys import create_key
@@ -162,6 +163,25 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
             yield stack
         finally:
             stop_processes(stack.procs)
+
+
+def document_lines(documents: Iterable[str], max_tokens: int) -> list[str]:
+    """The JSONL lines of a batch job: one chat completion per document, ``doc-<i>``."""
+    return [
+        orjson.dumps(
+            {
+                "custom_id": f"doc-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "laneway-chat",
+                    "messages": [{"role": "user", "content": document}],
+                    "max_tokens": max_tokens,
+                },
+            }
+        ).decode()
+        for i, document in enumerate(documents)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -12,10 +12,8 @@ import argparse
 import asyncio
 import time
 
-import orjson
-
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._stack import BenchStack, bench_stack, document_lines, machine, percentile
 from laneway.batch import BatchClient
 from laneway.settings import CommonSettings
 
@@ -27,21 +25,7 @@ COSTS = {
 
 
 def _lines(n: int) -> list[str]:
-    return [
-        orjson.dumps(
-            {
-                "custom_id": f"doc-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "laneway-chat",
-                    "messages": [{"role": "user", "content": f"summarise document {i} " * 20}],
-                    "max_tokens": 16,
-                },
-            }
-        ).decode()
-        for i in range(n)
-    ]
+    return document_lines((f"summarise document {i} " * 20 for i in range(n)), max_tokens=16)
 
 
 async def _interactive(stack: BenchStack, key: str, rate: float, seconds: float) -> list[float]:

@@ -38,7 +38,14 @@ import httpx
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench._stack import BenchStack, StealWatch, bench_stack, machine, percentile
+from bench._stack import (
+    BenchStack,
+    StealWatch,
+    bench_stack,
+    document_lines,
+    machine,
+    percentile,
+)
 from laneway.batch import BatchClient
 
 COSTS = {
@@ -48,6 +55,7 @@ COSTS = {
     "LANEWAY_MAX_INFLIGHT": "256",
 }
 PROMPT_CHARS = 4000  # about 1k tokens of file context
+_LETTERS = "abcdefghij klmnop\n"
 MAX_TOKENS = 48
 # The fleet's other traffic: chat users with long conversations, and a document job.
 CHAT_USERS = 2
@@ -122,7 +130,7 @@ async def _typist(
     base_url: str, key: str, number: int, deadline: float, storm: bool, stats: RunStats
 ) -> None:
     rng = random.Random(number)
-    document = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(PROMPT_CHARS))
+    document = "".join(rng.choice(_LETTERS) for _ in range(PROMPT_CHARS))
     session = f"typist-{number}-{int(time.time())}"
     seq = 0
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
@@ -165,7 +173,7 @@ async def _chat_user(
 ) -> None:
     """Fleet background: a conversation that grows turn by turn, each reply streamed."""
     rng = random.Random(1000 + number)
-    context = "".join(rng.choice("abcdefghij klmnop\n") for _ in range(CHAT_CONTEXT_CHARS))
+    context = "".join(rng.choice(_LETTERS) for _ in range(CHAT_CONTEXT_CHARS))
     messages = [{"role": "user", "content": context}]
     async with httpx.AsyncClient(
         base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
@@ -200,29 +208,11 @@ async def _chat_user(
 
 def _documents(n: int) -> list[str]:
     rng = random.Random(7)
-    return [
-        orjson.dumps(
-            {
-                "custom_id": f"doc-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "laneway-chat",
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": f"summarise document {i}: "
-                            + "".join(
-                                rng.choice("abcdefghij klmnop\n") for _ in range(DOCUMENT_CHARS)
-                            ),
-                        }
-                    ],
-                    "max_tokens": DOCUMENT_MAX_TOKENS,
-                },
-            }
-        ).decode()
+    texts = (
+        f"summarise document {i}: " + "".join(rng.choice(_LETTERS) for _ in range(DOCUMENT_CHARS))
         for i in range(n)
-    ]
+    )
+    return document_lines(texts, max_tokens=DOCUMENT_MAX_TOKENS)
 
 
 async def _abandon(task: asyncio.Task[float | None], ids: list[str], stats: RunStats) -> None:
