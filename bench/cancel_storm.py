@@ -186,23 +186,28 @@ async def _chat_user(
                 "max_tokens": CHAT_MAX_TOKENS,
                 "stream": True,
             }
-            answer = []
-            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    stats.chat_errors += 1
-                    await response.aread()
-                async for line in response.aiter_lines():
-                    if line.startswith('data: {"error"'):
-                        stats.chat_errors += 1
-                        break
-                    if line.startswith("data: {"):
-                        choices = orjson.loads(line[6:])["choices"]
-                        answer += [c["delta"].get("content") or "" for c in choices]
+            answer: list[str] = []
+            failed = False
+            try:
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    failed = response.status_code != 200
+                    async for line in response.aiter_lines():
+                        if failed or line.startswith('data: {"error"'):
+                            failed = True
+                            break
+                        if line.startswith("data: {"):
+                            choices = orjson.loads(line[6:])["choices"]
+                            answer += [c["delta"].get("content") or "" for c in choices]
+            except httpx.HTTPError:
+                failed = True
             stats.chat_turns += 1
-            messages += [
-                {"role": "assistant", "content": "".join(answer)},
-                {"role": "user", "content": f"and what about part {len(messages)}?"},
-            ]
+            if failed:
+                stats.chat_errors += 1
+            else:
+                messages += [
+                    {"role": "assistant", "content": "".join(answer)},
+                    {"role": "user", "content": f"and what about part {len(messages)}?"},
+                ]
             await asyncio.sleep(rng.uniform(1, 3))
 
 
@@ -276,7 +281,8 @@ async def _engine_time(
 ) -> EngineTime:
     """Engine time of the usage events stamped inside [since_ms, until_ms]: everything on
     the topic up to now is read, to its end offsets."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
+    # read_committed: a batch transaction that aborted (and ran again) is counted once.
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, isolation_level="read_committed")
     await consumer.start()
     seen = EngineTime()
     try:

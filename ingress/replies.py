@@ -29,7 +29,8 @@ class ReplyChannel:
     """The replies of one request, in order, repeats dropped.
 
     A worker that crashed mid-request is replaced and runs it again from the start; each
-    message's offset ``n`` lets the channel pass on only text the client has not received.
+    message's text offset ``at`` lets the channel pass on only text the client has not
+    received (message numbers ``n`` for a worker that sends no offsets).
     """
 
     def __init__(self, request_id: str, team: str) -> None:
@@ -37,15 +38,26 @@ class ReplyChannel:
         self.team = team
         self._queue: asyncio.Queue[Reply] = asyncio.Queue()
         self._seen = 0  # characters of text passed on
+        self._next = 0  # message number expected next (workers without offsets)
 
     def feed(self, reply: Reply) -> None:
-        end = reply.n + len(reply.text)
-        if reply.n < self._seen:
+        if reply.at is None:
+            if reply.n < self._next:
+                if not reply.done:
+                    return  # a re-run repeating a message already passed on
+                reply = reply.model_copy(update={"text": ""})
+            self._next = reply.n + 1
+            self._seen += len(reply.text)
+            self._queue.put_nowait(reply)
+            return
+        end = reply.at + len(reply.text)
+        if reply.at < self._seen:
             if end <= self._seen and not reply.done:
                 return  # a re-run repeating text already passed on
-            fresh = reply.text[self._seen - reply.n :] if end > self._seen else ""
-            reply = reply.model_copy(update={"text": fresh, "n": self._seen})
+            fresh = reply.text[self._seen - reply.at :] if end > self._seen else ""
+            reply = reply.model_copy(update={"text": fresh, "at": self._seen})
         self._seen = max(self._seen, end)
+        self._next = reply.n + 1
         self._queue.put_nowait(reply)
 
     async def get(self, wait_s: float) -> Reply:

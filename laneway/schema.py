@@ -104,13 +104,16 @@ class CancelRecord(_Wire):
 class Reply(_Wire):
     """One message on an ingress reply stream: a chunk of text and/or the terminal outcome.
 
-    ``n`` is where this message's text starts in the request's whole text (in characters),
+    ``at`` is where this message's text starts in the request's whole text (in characters),
     so the ingress can drop what it already passed on when a worker restarted and ran the
-    request again, however differently the re-run's text is cut into chunks.
+    request again, however differently the re-run's text is cut into messages. ``n`` numbers
+    the messages of one run; an ingress goes by it only for a worker that sends no ``at``
+    (one from before offsets, during a rolling upgrade).
     """
 
     id: str
-    n: int = Field(ge=0, description="offset of this text in the reply's text, in characters")
+    n: int = Field(ge=0, description="number of this message among the request's messages")
+    at: int | None = Field(None, ge=0, description="offset of this text in the whole text")
     text: str = ""
     done: bool = False
     status: Outcome | None = None

@@ -4,9 +4,11 @@ each character once, however a re-run cuts the same text into chunks."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
 
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
@@ -24,25 +26,35 @@ def _drain(channel: ReplyChannel) -> list[Reply]:
 
 def test_channel_passes_on_each_character_once_across_a_rerun() -> None:
     channel = ReplyChannel("r-1", "team-a")
-    channel.feed(Reply(id="r-1", n=0, text="def "))
-    channel.feed(Reply(id="r-1", n=4, text="main"))
+    channel.feed(Reply(id="r-1", n=0, at=0, text="def "))
+    channel.feed(Reply(id="r-1", n=1, at=4, text="main"))
     # The worker died; its replacement runs the request again and cuts the text otherwise.
-    channel.feed(Reply(id="r-1", n=0, text="de"))
-    channel.feed(Reply(id="r-1", n=2, text="f ma"))
-    channel.feed(Reply(id="r-1", n=6, text="in():"))
-    channel.feed(Reply(id="r-1", n=11, text=" pass", done=True, status="ok"))
+    channel.feed(Reply(id="r-1", n=0, at=0, text="de"))
+    channel.feed(Reply(id="r-1", n=1, at=2, text="f ma"))
+    channel.feed(Reply(id="r-1", n=2, at=6, text="in():"))
+    channel.feed(Reply(id="r-1", n=3, at=11, text=" pass", done=True, status="ok"))
     replies = _drain(channel)
     assert "".join(r.text for r in replies) == "def main(): pass"
-    assert [r.n for r in replies] == [0, 4, 8, 11]
+    assert [r.at for r in replies] == [0, 4, 8, 11]
     assert replies[-1].done
 
 
 def test_channel_keeps_a_rerun_final_reply_without_repeating_its_text() -> None:
     channel = ReplyChannel("r-2", "team-a")
-    channel.feed(Reply(id="r-2", n=0, text="abc"))
-    channel.feed(Reply(id="r-2", n=0, text="abc", done=True, status="ok"))
+    channel.feed(Reply(id="r-2", n=0, at=0, text="abc"))
+    channel.feed(Reply(id="r-2", n=0, at=0, text="abc", done=True, status="ok"))
     replies = _drain(channel)
     assert [(r.text, r.done) for r in replies] == [("abc", False), ("", True)]
+
+
+def test_channel_goes_by_message_numbers_for_a_worker_without_offsets() -> None:
+    # A worker from before text offsets (a rolling upgrade): one message per token.
+    channel = ReplyChannel("r-4", "team-a")
+    for n, text in enumerate(["def ", "main", "():"]):
+        channel.feed(Reply(id="r-4", n=n, text=text))
+    channel.feed(Reply(id="r-4", n=0, text="def "))  # its re-run after a crash
+    channel.feed(Reply(id="r-4", n=3, text="", done=True, status="ok"))
+    assert "".join(r.text for r in _drain(channel)) == "def main():"
 
 
 async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
@@ -61,14 +73,44 @@ async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_repl
             await asyncio.sleep(0.01)
         chunks.add("d")
         chunks.add("e")
-        offset, rest = await chunks.close()
-        assert (offset, rest) == (3, "de")
+        count, offset, rest = await chunks.close()
+        assert (count, offset, rest) == (1, 3, "de")
         written = [decode(Reply, fields[b"d"]) for _, fields in await redis.xrange(stream)]
-        assert [(r.n, r.text) for r in written] == [(0, "abc")]
+        assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "abc")]
+        final = Reply(id="r-3", n=count, at=offset, text=rest, done=True, status="ok")
         channel = ReplyChannel("r-3", "team-a")
-        for reply in [*written, Reply(id="r-3", n=offset, text=rest, done=True, status="ok")]:
+        for reply in [*written, final]:
             channel.feed(reply)
         assert "".join(r.text for r in _drain(channel)) == "abcde"
     finally:
         await redis.delete(stream)
         await redis.aclose()
+
+
+async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply(
+    services: Services,
+) -> None:
+    # Redis is not listening and the replies topic does not exist (the broker creates none on
+    # its own): the write fails on both paths.
+    redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{_free_port()}/0")
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, request_timeout_ms=1000)
+    await producer.start()
+    outbox = Outbox(redis, producer, Topics(f"missing{uuid.uuid4().hex[:8]}"))
+    try:
+        chunks = ChunkStream(outbox, "c:reply:test", "r-5")
+        chunks.add("ab")
+        for _ in range(500):
+            if chunks._task.done():
+                break
+            await asyncio.sleep(0.01)
+        chunks.add("c")
+        assert await chunks.close() == (0, 0, "abc")
+    finally:
+        await producer.stop()
+        await redis.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -112,15 +112,16 @@ class RequestExecutor:
         finally:
             stale_ms, news_ms = self.shield.waste(env.id, engine_ms)
             self.shield.finished(env.id)
-        n = 0
+        n = at = 0
         if chunks is not None:
             # The rest of the text rides on the final reply.
-            n, rest = await chunks.close()
+            n, at, rest = await chunks.close()
             text_parts.append(rest)
         return await self._finish(
             env,
             status,
             n=n,
+            at=at,
             text="".join(text_parts),
             queue_ms=queue_ms,
             ttft_ms=ttft_ms,
@@ -157,6 +158,7 @@ class RequestExecutor:
         status: Outcome,
         *,
         n: int = 0,
+        at: int = 0,
         text: str = "",
         queue_ms: float = 0.0,
         ttft_ms: float | None = None,
@@ -194,6 +196,7 @@ class RequestExecutor:
         final = Reply(
             id=env.id,
             n=n,
+            at=at,
             text=text,
             done=True,
             status=status,

@@ -13,6 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from redis.exceptions import NoScriptError, RedisError
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
@@ -130,7 +131,9 @@ class ChunkStream:
 
     The engine never waits for a write: text that arrives while one is in flight goes out
     together in the next, so a busy worker sends fewer, larger chunks instead of falling
-    behind one token at a time. Each message carries its text's offset (``Reply.n``).
+    behind one token at a time. Each message carries its number ``n`` and its text's offset
+    ``at``. If a write fails (Redis and Kafka both refused it), streaming stops and the text
+    not yet written stays for the final reply.
     """
 
     def __init__(self, outbox: Outbox, stream: str, request_id: str) -> None:
@@ -139,6 +142,7 @@ class ChunkStream:
         self._id = request_id
         self._pending: list[str] = []
         self.sent = 0  # characters written
+        self.count = 0  # messages written
         self._wake = asyncio.Event()
         self._closing = False
         self._task = asyncio.create_task(self._write(), name=f"chunks-{request_id}")
@@ -155,20 +159,30 @@ class ChunkStream:
                 continue
             text = "".join(self._pending)
             self._pending.clear()
-            await self._outbox.reply(self._stream, Reply(id=self._id, n=self.sent, text=text))
+            reply = Reply(id=self._id, n=self.count, at=self.sent, text=text)
+            try:
+                await self._outbox.reply(self._stream, reply)
+            except KafkaError as exc:
+                self._pending.insert(0, text)
+                log.warning(
+                    "streaming of %s stopped, its text goes with the final reply: %s",
+                    self._id,
+                    exc,
+                    extra={"request_id": self._id},
+                )
+                return
             self.sent += len(text)
+            self.count += 1
 
-    async def close(self) -> tuple[int, str]:
-        """Finish the write in flight; returns the offset reached and the text not yet
-        written, which the caller sends with the final reply."""
+    async def close(self) -> tuple[int, int, str]:
+        """Finish the write in flight; returns the messages and characters written and the
+        text not yet written, which the caller sends with the final reply."""
         self._closing = True
         self._wake.set()
-        await self._task  # a failed write raises here
+        await self._task
         rest = "".join(self._pending)
         self._pending.clear()
-        return self.sent, rest
+        return self.count, self.sent, rest
 
     def cancel(self) -> None:
-        if self._task.done() and not self._task.cancelled():
-            self._task.exception()  # retrieved: the request is being torn down anyway
         self._task.cancel()
