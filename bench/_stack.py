@@ -157,7 +157,9 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
                 stack.spawn(
                     "workers",
                     {"LANEWAY_WORKER_ID": f"bench-{i}", "LANEWAY_ENGINE": "sim", **worker},
-                    role="worker" if len(stack.workers) == 1 else f"worker-{i}",
+                    role="worker"
+                    if len(stack.workers) == 1
+                    else f"{worker.get('LANEWAY_POOL', 'completion')} worker",
                 )
             stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
             yield stack

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from bench._stack import (
     BenchStack,
     StealWatch,
     bench_stack,
+    cpu_seconds,
+    cpu_share,
     document_lines,
     machine,
     percentile,
@@ -98,6 +101,7 @@ class RunStats:
     open_end: float = 0.0
     chat_turns: int = 0
     chat_errors: int = 0
+    cpu: str = ""  # share of a core each process used during the run
 
 
 async def _completion(
@@ -325,6 +329,8 @@ async def _run(
         ]
         await asyncio.sleep(5)  # the batch slots fill and the conversations get going
     since_ms = int(time.time() * 1000)
+    pids = {**stack.pids, "load generator": os.getpid()}
+    used_before, started = cpu_seconds(pids), time.monotonic()
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_open(stack.base_url, stats, stop))
     deadline = time.monotonic() + seconds
@@ -333,6 +339,7 @@ async def _run(
     )
     await asyncio.sleep(2)  # let the ingress notice the last disconnects
     until_ms = int(time.time() * 1000)
+    stats.cpu = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
     stop.set()
     await watcher
     await asyncio.gather(*background)
@@ -431,6 +438,7 @@ def _one_run(
     )
     print(" ".join(f"{v:>15}" for v in row), flush=True)
     print(f"#   completion outcomes: {seen.statuses}", flush=True)
+    print(f"#   cpu, % of one core: {stats.cpu}", flush=True)
     by_class = ", ".join(f"{cls} {ms / 1000:.0f}" for cls, ms in sorted(seen.by_class.items()))
     print(f"#   engine seconds by class: {by_class}", flush=True)
     if scenario.fleet:
