@@ -269,11 +269,12 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
         accepted_ts=0.0,
     )
 
-    def run(rid: str, *events: tuple[float, str, float]) -> float:
-        """Replay (ms after the start, event, engine ms so far); the stale engine ms."""
+    def run(rid: str, *events: tuple[float, str, float] | tuple[float, str, float, float]) -> float:
+        """Replay (ms after the start, event, engine ms so far[, ms the step ended]); the
+        stale engine ms."""
         shield.started(env.model_copy(update={"id": rid}))
         started, engine_ms = now[0], 0.0
-        for at_ms, what, reported_ms in events:
+        for at_ms, what, reported_ms, *step_end in events:
             now[0] = started + at_ms / 1000
             if what == "cancel":
                 # The tombstone left the ingress 8 ms before it got here.
@@ -282,7 +283,8 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
                 continue
             engine_ms = reported_ms  # a chunk, or the engine's last word ("end": an abort)
             if what == "chunk":
-                shield.progress(rid, tokens=1, engine_ms=engine_ms)
+                ended = started + step_end[0] / 1000 if step_end else None
+                shield.progress(rid, tokens=1, engine_ms=engine_ms, ended=ended)
         waste, news_ms = shield.waste(rid, engine_ms)
         assert 8 <= news_ms < 1000
         shield.finished(rid)
@@ -303,3 +305,9 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
     assert run("e", *gap) == pytest.approx(15.0)
     # News during a 50 ms prefill, 10 ms in: the engine's abort reports the prefill at once.
     assert run("d", (10.0, "cancel", 0.0), (50.0, "end", 50.0)) == pytest.approx(40.0)
+    # The worker fell behind and reads two steps at once, after the news: the engine says
+    # they ended at 30 and 45 ms, so the first was useful and the second is 5 ms waste.
+    # (Taken as ending when read, the first would be split and 20 ms charged.)
+    burst = [(15.0, "chunk", 15.0), (40.0, "cancel", 0.0)]
+    burst += [(46.0, "chunk", 30.0, 30.0), (46.5, "chunk", 45.0, 45.0)]
+    assert run("f", *burst) == pytest.approx(5.0)

@@ -87,7 +87,7 @@ class RequestExecutor:
                 finish = delta.finish_reason or finish
                 if delta.text and ttft_ms is None:
                     ttft_ms = (time.time() - env.accepted_ts) * 1000
-                self.shield.progress(env.id, completion, engine_ms)
+                self.shield.progress(env.id, completion, engine_ms, delta.ended)
                 if chunks is not None and delta.text:
                     chunks.add(delta.text)
                 else:

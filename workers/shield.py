@@ -46,8 +46,9 @@ class RunningRequest:
         self.news_ms = max(0.0, (time.time() - sent_ts) * 1000)
 
     def advance(self, tokens: int, engine_ms: float, now: float) -> None:
-        """A chunk arrived: the step that made it ended ``now`` having used ``engine_ms``."""
-        if self.stale is not None and self.stale_since_engine_ms is None:
+        """A chunk arrived: the step that made it ended ``now`` having used ``engine_ms``
+        (a step that ended before the news, read after it, was all useful)."""
+        if self.stale is not None and self.stale_since_engine_ms is None and now > self.stale_at:
             self.stale_since_engine_ms = self._split(engine_ms, now)
         self.tokens, self.engine_ms, self.progress_at = tokens, engine_ms, now
 
@@ -171,10 +172,14 @@ class CancelShield:
             env.team, env.session, env.seq, env.supersede_grace_tokens, progress_at=self._clock()
         )
 
-    def progress(self, request_id: str, tokens: int, engine_ms: float) -> None:
+    def progress(
+        self, request_id: str, tokens: int, engine_ms: float, ended: float | None = None
+    ) -> None:
+        """A chunk: its step ended at ``ended`` (this shield's clock) or, when the engine does
+        not say, now."""
         run = self._running.get(request_id)
         if run is not None:
-            run.advance(tokens, engine_ms, self._clock())
+            run.advance(tokens, engine_ms, self._clock() if ended is None else ended)
 
     def stale_reason(self, request_id: str) -> Dropped | None:
         run = self._running.get(request_id)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import random
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -213,9 +214,12 @@ class SimEngine:
                     await asyncio.sleep(max(0.0, began + steps * step_s - loop.time()))
                     engine_ms += (steps - i) * profile.decode_ms_per_step
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
+            ended = None
             if step_s > 0:
                 due += step_s
                 await asyncio.sleep(max(0.0, due - loop.time()))
+                # A consumer that fell behind reads this step after it ended.
+                ended = time.monotonic() - max(0.0, loop.time() - due)
             else:
                 await self._sleep_ms(0, i)
             engine_ms += profile.decode_ms_per_step
@@ -228,4 +232,5 @@ class SimEngine:
                 completion_tokens=i + 1,
                 engine_ms=engine_ms,
                 finish_reason=finish,
+                ended=ended,
             )

@@ -35,6 +35,9 @@ class EngineDelta:
     completion_tokens: int
     engine_ms: float
     finish_reason: str | None = None
+    # When the step that made it ended (time.monotonic()), for an engine that knows: it may
+    # be earlier than when the worker reads the delta. None: take the time it was read.
+    ended: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
