@@ -238,6 +238,25 @@ def steal_percent(before: list[int], after: list[int]) -> float:
     return 100 * spent[7] / total if total else 0.0
 
 
+class CpuWatch:
+    """The share of a core each process of ``stack`` (and this load generator) used while
+    the block ran, as ``shares`` ('role N%' per process)."""
+
+    def __init__(self, stack: BenchStack) -> None:
+        self.pids = {**stack.pids, "load generator": os.getpid()}
+        self.shares = ""
+        self._before: dict[str, float] = {}
+        self._started = 0.0
+
+    def __enter__(self) -> CpuWatch:
+        self._before, self._started = cpu_seconds(self.pids), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.monotonic() - self._started
+        self.shares = cpu_share(self._before, cpu_seconds(self.pids), elapsed)
+
+
 class StealWatch:
     """Steal while a row runs: on ``average``, and in its worst short window (``peak``).
 

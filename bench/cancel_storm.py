@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -41,10 +40,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._stack import (
     BenchStack,
+    CpuWatch,
     StealWatch,
     bench_stack,
-    cpu_seconds,
-    cpu_share,
     document_lines,
     machine,
     percentile,
@@ -94,8 +92,7 @@ class RunStats:
     sent: int = 0
     abandoned: set[str] = field(default_factory=set)
     abandoned_requests: int = 0
-    kept_ms: list[float] = field(default_factory=list)
-    kept_ids: dict[str, float] = field(default_factory=dict)  # request id: its latency
+    kept: dict[str, float] = field(default_factory=dict)  # request id: its latency (ms)
     errors: int = 0
     open_max: float = 0.0
     open_end: float = 0.0
@@ -167,8 +164,7 @@ async def _typist(
                 if elapsed is None:
                     stats.errors += 1
                 else:
-                    stats.kept_ms.append(elapsed)
-                    stats.kept_ids.update((rid, elapsed) for rid in ids)
+                    stats.kept.update((rid, elapsed) for rid in ids)
             await asyncio.sleep(rng.uniform(0.5, 1.5))
 
 
@@ -290,10 +286,7 @@ async def _engine_time(
     await consumer.start()
     seen = EngineTime()
     try:
-        partitions = [
-            TopicPartition(stack.topics.usage, p)
-            for p in sorted(consumer.partitions_for_topic(stack.topics.usage) or ())
-        ] or [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
+        partitions = [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(partitions)
@@ -329,17 +322,16 @@ async def _run(
         ]
         await asyncio.sleep(5)  # the batch slots fill and the conversations get going
     since_ms = int(time.time() * 1000)
-    pids = {**stack.pids, "load generator": os.getpid()}
-    used_before, started = cpu_seconds(pids), time.monotonic()
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_open(stack.base_url, stats, stop))
     deadline = time.monotonic() + seconds
-    await asyncio.gather(
-        *(_typist(stack.base_url, key, i, deadline, storm, stats) for i in range(typists))
-    )
-    await asyncio.sleep(2)  # let the ingress notice the last disconnects
+    with CpuWatch(stack) as cpu:
+        await asyncio.gather(
+            *(_typist(stack.base_url, key, i, deadline, storm, stats) for i in range(typists))
+        )
+        await asyncio.sleep(2)  # let the ingress notice the last disconnects
     until_ms = int(time.time() * 1000)
-    stats.cpu = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
+    stats.cpu = cpu.shares
     stop.set()
     await watcher
     await asyncio.gather(*background)
@@ -419,7 +411,8 @@ def _one_run(
     errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
     # A kept completion's latency beyond its own engine time: what the rest of the traffic
     # made it wait, without the luck of how many tokens it happened to generate.
-    waits = [ms - seen.by_id[rid] for rid, ms in stats.kept_ids.items() if rid in seen.by_id]
+    kept = list(stats.kept.values())
+    waits = [ms - seen.by_id[rid] for rid, ms in stats.kept.items() if rid in seen.by_id]
     row = (
         scenario.name,
         name,
@@ -427,9 +420,9 @@ def _one_run(
         stats.abandoned_requests,
         f"{share:.1f}",
         f"{abandoned_share:.1f}",
-        len(stats.kept_ms),
-        f"{percentile(stats.kept_ms, 50):.0f}",
-        f"{percentile(stats.kept_ms, 99):.0f}",
+        len(kept),
+        f"{percentile(kept, 50):.0f}",
+        f"{percentile(kept, 99):.0f}",
         f"{percentile(waits, 99):.0f}",
         f"{errors:.2f}",
         f"{stats.open_max:.0f}",

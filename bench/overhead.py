@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 
 import uvloop
@@ -22,10 +21,9 @@ import uvloop
 from bench._http import HttpPool
 from bench._stack import (
     BenchStack,
+    CpuWatch,
     StealWatch,
     bench_stack,
-    cpu_seconds,
-    cpu_share,
     machine,
     percentile,
 )
@@ -114,13 +112,10 @@ def main() -> None:
         print(" ".join(f"{h:>10}" for h in header))
         best = 0.0
         for rate in rates:
-            pids = {**stack.pids, "load generator": os.getpid()}
-            used_before, started = cpu_seconds(pids), time.monotonic()
-            with StealWatch() as steal:
+            with CpuWatch(stack) as cpu, StealWatch() as steal:
                 latencies, stages, errors, achieved = uvloop.run(
                     drive(stack, key, rate, args.seconds)
                 )
-            used = cpu_share(used_before, cpu_seconds(pids), time.monotonic() - started)
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             row = (
                 rate,
@@ -136,7 +131,7 @@ def main() -> None:
                 steal.peak,
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
-            print(f"#   cpu, % of one core: {used}", flush=True)
+            print(f"#   cpu, % of one core: {cpu.shares}", flush=True)
             if p99 < 50 and errors == 0:
                 best = max(best, rate)
         print(f"highest rate with P99 < 50 ms and no errors: {best:.0f}/s")

@@ -76,7 +76,7 @@ class SimEngine:
         self.profile = profile or SimProfile()
         self._slots = asyncio.Semaphore(self.profile.batch_slots)
         self._cache: OrderedDict[bytes, None] = OrderedDict()
-        self._aborted: dict[str, float] = {}  # request id: when the abort came (loop time)
+        self._aborted: dict[str, float] = {}  # request id: when the abort came (monotonic)
         self._running = 0
         self._waiting = 0
         self._queries = 0
@@ -91,7 +91,7 @@ class SimEngine:
         self._aborted.clear()
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.setdefault(request_id, asyncio.get_running_loop().time())
+        self._aborted.setdefault(request_id, time.monotonic())
 
     def stats(self) -> EngineStats:
         # KV usage is memory held by running sequences. Cached blocks no sequence holds are
@@ -201,9 +201,9 @@ class SimEngine:
         profile = self.profile
         step_s = profile.decode_ms_per_step / 1000
         # Steps run on the engine's own clock: a GPU does not wait for the worker to write out
-        # the previous token. A consumer that falls behind finds the next steps already done.
-        loop = asyncio.get_running_loop()
-        began = due = loop.time()
+        # the previous token. A consumer that falls behind finds the next steps already done;
+        # each delta says when its step ended (``due``), however late it is read.
+        began = due = time.monotonic()
         for i, word in enumerate(words):
             if (aborted_at := self._aborted.get(request.id)) is not None:
                 # An abort takes effect between steps: the step under way when it came runs
@@ -211,15 +211,12 @@ class SimEngine:
                 if step_s > 0 and aborted_at >= began:
                     begun = int((aborted_at - began) / step_s) + 1
                     steps = min(len(words), max(i, begun))
-                    await asyncio.sleep(max(0.0, began + steps * step_s - loop.time()))
+                    await asyncio.sleep(max(0.0, began + steps * step_s - time.monotonic()))
                     engine_ms += (steps - i) * profile.decode_ms_per_step
                 raise Aborted(f"request {request.id} aborted after {i} tokens", engine_ms=engine_ms)
-            ended = None
             if step_s > 0:
                 due += step_s
-                await asyncio.sleep(max(0.0, due - loop.time()))
-                # A consumer that fell behind reads this step after it ended.
-                ended = time.monotonic() - max(0.0, loop.time() - due)
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
             else:
                 await self._sleep_ms(0, i)
             engine_ms += profile.decode_ms_per_step
@@ -232,5 +229,5 @@ class SimEngine:
                 completion_tokens=i + 1,
                 engine_ms=engine_ms,
                 finish_reason=finish,
-                ended=ended,
+                ended=due if step_s > 0 else None,
             )
