@@ -2,13 +2,15 @@
 
 httpx spends more CPU per request than the ingress under test does; on a 2-core machine
 that would measure the load generator. This client does one write and reads one response
-per request over pooled connections, and nothing else.
+per request over pooled connections, and nothing else; ``stream`` reads a streamed (SSE)
+response line by line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import orjson
 
@@ -26,36 +28,79 @@ class HttpPool:
     async def post(
         self, path: str, body: object, headers: dict[str, str] | None = None
     ) -> tuple[int, dict[str, str], bytes]:
+        async with self._limit:
+            reader, writer, status, response_headers = await self._send(path, body, headers)
+            try:
+                data = b"".join([part async for part in _body(reader, response_headers)])
+            except BaseException:
+                writer.close()
+                raise
+            self._idle.append((reader, writer))
+            return status, response_headers, data
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self, path: str, body: object, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[tuple[int, dict[str, str], AsyncIterator[bytes]]]:
+        """POST, then the response body line by line (an SSE stream). Leaving the block
+        before the body ended, or on an error or a cancellation, closes the connection, as a
+        client that walks away does."""
+        async with self._limit:
+            reader, writer, status, response_headers = await self._send(path, body, headers)
+            ended = False
+
+            async def lines() -> AsyncIterator[bytes]:
+                nonlocal ended
+                pending = b""
+                async for part in _body(reader, response_headers):
+                    *complete, pending = (pending + part).split(b"\n")
+                    for line in complete:
+                        yield line.rstrip(b"\r")
+                ended = True
+                if pending:
+                    yield pending
+
+            try:
+                yield status, response_headers, lines()
+            except BaseException:
+                writer.close()
+                raise
+            if ended:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+
+    async def _send(
+        self, path: str, body: object, headers: dict[str, str] | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, dict[str, str]]:
+        """Write the request on a pooled connection (or a new one) and read the status line
+        and headers."""
         payload = orjson.dumps(body)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n{self._head}{extra}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         ).encode() + payload
-        async with self._limit:
-            for attempt in (1, 2):
-                if self._idle and attempt == 1:
-                    reader, writer = self._idle.pop()
-                else:
-                    reader, writer = await asyncio.open_connection(self.host, self.port)
-                try:
-                    writer.write(request)
-                    status_line = await reader.readline()
-                    if not status_line and attempt == 1:
-                        writer.close()  # the server closed this idle connection: dial anew
-                        continue
-                    status = int(status_line.split()[1])
-                    response_headers: dict[str, str] = {}
-                    while (line := await reader.readline()) not in (b"\r\n", b""):
-                        name, _, value = line.decode().partition(":")
-                        response_headers[name.strip().lower()] = value.strip()
-                    length = int(response_headers.get("content-length", "0"))
-                    data = await reader.readexactly(length)
-                except BaseException:
-                    writer.close()
-                    raise
-                self._idle.append((reader, writer))
-                return status, response_headers, data
+        for attempt in (1, 2):
+            if self._idle and attempt == 1:
+                reader, writer = self._idle.pop()
+            else:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                writer.write(request)
+                status_line = await reader.readline()
+                if not status_line and attempt == 1:
+                    writer.close()  # the server closed this idle connection: dial anew
+                    continue
+                status = int(status_line.split()[1])
+                response_headers: dict[str, str] = {}
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    response_headers[name.strip().lower()] = value.strip()
+            except BaseException:
+                writer.close()
+                raise
+            return reader, writer, status, response_headers
         raise ConnectionError(f"{self.host}:{self.port} closed the connection twice")
 
     async def close(self) -> None:
@@ -64,3 +109,17 @@ class HttpPool:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
         self._idle.clear()
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """A response body as it arrives: by Content-Length, or chunk by chunk."""
+    if headers.get("transfer-encoding", "").lower() != "chunked":
+        yield await reader.readexactly(int(headers.get("content-length", "0")))
+        return
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()  # the empty line after the last chunk (no trailers)
+            return
+        chunk = await reader.readexactly(size + 2)
+        yield chunk[:size]

@@ -36,8 +36,10 @@ from typing import Any
 
 import httpx
 import orjson
+import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench._http import HttpPool
 from bench._stack import (
     BenchStack,
     CpuWatch,
@@ -93,6 +95,8 @@ class RunStats:
     abandoned: set[str] = field(default_factory=set)
     abandoned_requests: int = 0
     kept: dict[str, float] = field(default_factory=dict)  # request id: its latency (ms)
+    # request id: the ingress's Server-Timing parts (admit, enqueue, worker) in ms
+    timing: dict[str, dict[str, float]] = field(default_factory=dict)
     errors: int = 0
     open_max: float = 0.0
     open_end: float = 0.0
@@ -101,8 +105,22 @@ class RunStats:
     cpu: str = ""  # share of a core each process used during the run
 
 
+def _server_timing(header: str) -> dict[str, float]:
+    parts = {}
+    for part in header.split(", "):
+        name, _, dur = part.partition(";dur=")
+        if dur:
+            parts[name] = float(dur)
+    return parts
+
+
 async def _completion(
-    http: httpx.AsyncClient, session: str, seq: int, text: str, ids: list[str]
+    http: HttpPool,
+    session: str,
+    seq: int,
+    text: str,
+    ids: list[str],
+    timings: dict[str, float],
 ) -> float | None:
     """Latency of a completed stream, or None when it ended in an error."""
     started = time.perf_counter()
@@ -114,30 +132,31 @@ async def _completion(
         "stream": True,
     }
     headers = {"X-Laneway-Session": session, "X-Laneway-Seq": str(seq)}
-    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return None
-        ids.append(response.headers["x-laneway-request-id"])
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                break
-            if line.startswith('data: {"error"'):
-                return None
-    return (time.perf_counter() - started) * 1000
+    elapsed: float | None = None
+    failed = False
+    async with http.stream("/v1/completions", body, headers) as (status, response, lines):
+        failed = status != 200
+        if not failed:
+            ids.append(response["x-laneway-request-id"])
+            timings.update(_server_timing(response.get("server-timing", "")))
+        async for line in lines:
+            # Read to the end of the body, so the connection can serve the next keystroke.
+            if line.startswith(b'data: {"error"'):
+                failed = True
+            elif line == b"data: [DONE]":
+                elapsed = (time.perf_counter() - started) * 1000
+    return None if failed else elapsed
 
 
 async def _typist(
-    base_url: str, key: str, number: int, deadline: float, storm: bool, stats: RunStats
+    stack: BenchStack, key: str, number: int, deadline: float, storm: bool, stats: RunStats
 ) -> None:
     rng = random.Random(number)
     document = "".join(rng.choice(_LETTERS) for _ in range(PROMPT_CHARS))
     session = f"typist-{number}-{int(time.time())}"
     seq = 0
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30, limits=limits
-    ) as http:
+    http = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
+    try:
         await asyncio.sleep(rng.uniform(0, 0.5))
         while time.monotonic() < deadline:
             burst = rng.randint(3, 8) if storm else 1
@@ -146,8 +165,9 @@ async def _typist(
                 seq += 1
                 document += rng.choice("abcdefgh")
                 ids: list[str] = []
+                timings: dict[str, float] = {}
                 stats.sent += 1
-                task = asyncio.create_task(_completion(http, session, seq, document, ids))
+                task = asyncio.create_task(_completion(http, session, seq, document, ids, timings))
                 if previous is not None:
                     # Like an IDE plugin: fire the new keystroke, then drop the old request
                     # by closing its connection.
@@ -158,26 +178,28 @@ async def _typist(
                     continue
                 try:
                     elapsed = await task
-                except httpx.HTTPError:
+                except (OSError, ValueError, asyncio.IncompleteReadError):
                     stats.errors += 1
                     continue
                 if elapsed is None:
                     stats.errors += 1
                 else:
                     stats.kept.update((rid, elapsed) for rid in ids)
+                    stats.timing.update((rid, timings) for rid in ids)
             await asyncio.sleep(rng.uniform(0.5, 1.5))
+    finally:
+        await http.close()
 
 
 async def _chat_user(
-    base_url: str, key: str, number: int, deadline: float, stats: RunStats
+    stack: BenchStack, key: str, number: int, deadline: float, stats: RunStats
 ) -> None:
     """Fleet background: a conversation that grows turn by turn, each reply streamed."""
     rng = random.Random(1000 + number)
     context = "".join(rng.choice(_LETTERS) for _ in range(CHAT_CONTEXT_CHARS))
     messages = [{"role": "user", "content": context}]
-    async with httpx.AsyncClient(
-        base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
-    ) as http:
+    http = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
+    try:
         await asyncio.sleep(rng.uniform(0, 1))
         while time.monotonic() < deadline:
             body = {
@@ -189,16 +211,15 @@ async def _chat_user(
             answer: list[str] = []
             failed = False
             try:
-                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                    failed = response.status_code != 200
-                    async for line in response.aiter_lines():
-                        if failed or line.startswith('data: {"error"'):
+                async with http.stream("/v1/chat/completions", body) as (status, _, lines):
+                    failed = status != 200
+                    async for line in lines:
+                        if failed or line.startswith(b'data: {"error"'):
                             failed = True
-                            break
-                        if line.startswith("data: {"):
+                        elif line.startswith(b"data: {"):
                             choices = orjson.loads(line[6:])["choices"]
                             answer += [c["delta"].get("content") or "" for c in choices]
-            except httpx.HTTPError:
+            except (OSError, ValueError, asyncio.IncompleteReadError):
                 failed = True
             stats.chat_turns += 1
             if failed:
@@ -209,6 +230,8 @@ async def _chat_user(
                     {"role": "user", "content": f"and what about part {len(messages)}?"},
                 ]
             await asyncio.sleep(rng.uniform(1, 3))
+    finally:
+        await http.close()
 
 
 def _documents(n: int) -> list[str]:
@@ -254,11 +277,14 @@ class EngineTime:
     statuses: dict[str, int] = field(default_factory=dict)
     by_class: dict[str, float] = field(default_factory=dict)
     by_id: dict[str, float] = field(default_factory=dict)  # completions only
+    # completions only: (queue_ms, total_ms) as the worker measured them from acceptance
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def add(self, event: dict[str, Any], abandoned: bool) -> None:
         self.total += event["engine_ms"]
         if event["class"] == "completion":
             self.by_id[event["id"]] = event["engine_ms"]
+            self.times[event["id"]] = (event["queue_ms"], event["total_ms"])
         self.by_class[event["class"]] = self.by_class.get(event["class"], 0.0) + event["engine_ms"]
         self.stale += event["stale_engine_ms"]
         if event["stale_engine_ms"]:
@@ -317,7 +343,7 @@ async def _run(
             await client.submit(_documents(int(seconds * 40) + 200), api_key=key)
         deadline = time.monotonic() + seconds + 5
         background = [
-            asyncio.create_task(_chat_user(stack.base_url, key, i, deadline, stats))
+            asyncio.create_task(_chat_user(stack, key, i, deadline, stats))
             for i in range(CHAT_USERS)
         ]
         await asyncio.sleep(5)  # the batch slots fill and the conversations get going
@@ -327,7 +353,7 @@ async def _run(
     deadline = time.monotonic() + seconds
     with CpuWatch(stack) as cpu:
         await asyncio.gather(
-            *(_typist(stack.base_url, key, i, deadline, storm, stats) for i in range(typists))
+            *(_typist(stack, key, i, deadline, storm, stats) for i in range(typists))
         )
         await asyncio.sleep(2)  # let the ingress notice the last disconnects
     until_ms = int(time.time() * 1000)
@@ -403,7 +429,8 @@ def _one_run(
     with bench_stack(stack):
         key = stack.api_key("typists")
         with StealWatch() as steal:
-            stats, seen = asyncio.run(
+            # uvloop: the load generator shares the cores it measures, so keep it light.
+            stats, seen = uvloop.run(
                 _run(stack, key, args.typists, args.seconds, storm, scenario.fleet)
             )
     total = seen.total or 1.0
@@ -434,6 +461,8 @@ def _one_run(
     print(f"#   cpu, % of one core: {stats.cpu}", flush=True)
     by_class = ", ".join(f"{cls} {ms / 1000:.0f}" for cls, ms in sorted(seen.by_class.items()))
     print(f"#   engine seconds by class: {by_class}", flush=True)
+    if parts := _wait_parts(stats, seen):
+        print(f"#   kept wait, P50/P99 ms: {parts}", flush=True)
     if scenario.fleet:
         print(f"#   chat turns {stats.chat_turns}, chat errors {stats.chat_errors}", flush=True)
     if news := seen.news_ms:
@@ -446,6 +475,34 @@ def _one_run(
             f"would be {100 * (seen.stale + seen.in_flight) / total:.1f}",
             flush=True,
         )
+
+
+def _wait_parts(stats: RunStats, seen: EngineTime) -> str:
+    """Where a kept completion's wait went: before its engine started (ingress, Kafka,
+    worker fetch), at the worker beside the engine's own time, and after the worker's last
+    word (reply to the ingress, HTTP to the client, and the client's request before the
+    ingress accepted it)."""
+    parts: dict[str, list[float]] = {
+        "admit": [],
+        "enqueue": [],
+        "to worker": [],
+        "worker": [],
+        "delivery": [],
+    }
+    for rid, latency in stats.kept.items():
+        if rid not in seen.times:
+            continue
+        queue, total = seen.times[rid]
+        timing = stats.timing.get(rid, {})
+        admit, enqueue = timing.get("admit", 0.0), timing.get("enqueue", 0.0)
+        parts["admit"].append(admit)
+        parts["enqueue"].append(enqueue)
+        parts["to worker"].append(queue - admit - enqueue)
+        parts["worker"].append(total - queue - seen.by_id[rid])
+        parts["delivery"].append(latency - total)
+    return ", ".join(
+        f"{name} {percentile(v, 50):.0f}/{percentile(v, 99):.0f}" for name, v in parts.items() if v
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Quota admission at the ingress: Redis when it answers, a local limiter when it does not."""
+"""Quota admission at the ingress: a lease when the budget is big enough, Redis per request
+when it is not, and a local limiter while Redis does not answer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
@@ -22,20 +25,52 @@ QUOTA_REMAINING = Gauge(
     "Tokens left in a team's pool at its last admission",
     ["team", "pool"],
 )
+QUOTA_LEASED = Gauge(
+    "laneway_quota_leased_tokens",
+    "Interactive tokens this ingress holds as a lease and has not admitted yet",
+    ["team"],
+)
 
 # After a Redis failure, try it again this often; in between the local limiter answers
 # at once instead of every request waiting for a connect timeout.
 _RETRY_REDIS_S = 1.0
 
 
+@dataclass(slots=True)
+class _Lease:
+    tokens: int = 0  # taken from the pool and not admitted yet
+    remaining: float = 0.0  # left in the pool after the last lease
+    capacity: float = 0.0
+    used: float = 0.0  # monotonic time of the last admission
+    refill: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class QuotaGate:
+    """Admits interactive requests against their team's budget.
+
+    With ``lease_share`` > 0, a team whose hourly budget is big enough that this share
+    covers the request is served from a lease: the share is taken from Redis in one
+    script and admissions spend it locally, so a typing user's completions cost no Redis
+    round trip each. A lease unused for ``lease_idle_s`` goes back to the pool, and so
+    does every lease when the ingress stops.
+    """
+
     def __init__(
-        self, enforcer: QuotaEnforcer, policy: QuotaPolicy, *, enabled: bool = True
+        self,
+        enforcer: QuotaEnforcer,
+        policy: QuotaPolicy,
+        *,
+        enabled: bool = True,
+        lease_share: float = 0.0,
+        lease_idle_s: float = 10.0,
     ) -> None:
         self.enforcer = enforcer
         self.policy = policy
         self.enabled = enabled
+        self.lease_share = lease_share
+        self.lease_idle_s = lease_idle_s
         self.local = LocalLimiter()
+        self._leases: dict[str, _Lease] = {}
         self._redis_down_until = 0.0
 
     @property
@@ -46,29 +81,97 @@ class QuotaGate:
         """Reserve interactive budget; raises ``QuotaExceeded`` when the team is over it."""
         if not self.enabled:
             return None
+        chunk = int(self.policy.budget_tokens(team, "interactive") * self.lease_share)
+        lease = self._leases.get(team.name)
+        if lease is not None and lease.tokens >= tokens:
+            return self._spend(team, lease, tokens)  # no Redis at all, even while it is down
         if not self.degraded:
             try:
+                if chunk >= tokens:
+                    return await self._from_lease(team, tokens, chunk)
                 admitted = await self.enforcer.reserve(team, "interactive", request_id, tokens)
             except (RedisError, OSError) as exc:
                 self._redis_down(exc)
             else:
-                if self._redis_down_until:
-                    log.warning("Redis is back: quota enforcement is exact again")
-                    self._redis_down_until = 0.0
-                    QUOTA_FALLBACK.set(0)
+                self._redis_up()
                 QUOTA_REMAINING.labels(team.name, "interactive").set(admitted.remaining)
                 return admitted
         capacity = self.policy.budget_tokens(team, "interactive")
         remaining = self.local.reserve(team.name, tokens, capacity)
         return Admitted("interactive", int(remaining), int(capacity), 0.0)
 
-    async def release(self, team: Team, request_id: str) -> None:
-        if not self.enabled or self.degraded:
+    async def _from_lease(self, team: Team, tokens: int, chunk: int) -> Admitted:
+        lease = self._leases.setdefault(team.name, _Lease())
+        async with lease.refill:  # one refill at a time: the others wait and spend from it
+            if lease.tokens < tokens:
+                need = tokens - lease.tokens
+                got = await self.enforcer.lease(team, need=need, want=need + chunk)
+                lease.tokens += got.taken
+                lease.remaining, lease.capacity = got.remaining, got.capacity
+                QUOTA_REMAINING.labels(team.name, "interactive").set(got.remaining)
+            return self._spend(team, lease, tokens)
+
+    def _spend(self, team: Team, lease: _Lease, tokens: int) -> Admitted:
+        lease.tokens -= tokens
+        lease.used = time.monotonic()
+        QUOTA_LEASED.labels(team.name).set(lease.tokens)
+        # What the pool had at the last lease plus what this replica still holds: other
+        # replicas' use since then is not in it.
+        remaining = lease.remaining + lease.tokens
+        reset = (lease.capacity - remaining) * 3600 / lease.capacity if lease.capacity else 0.0
+        return Admitted(
+            "interactive", int(remaining), int(lease.capacity), max(0.0, reset), leased=tokens
+        )
+
+    async def release(self, team: Team, request_id: str, admitted: Admitted | None) -> None:
+        """Give back what ``admit`` took for a request that never reached Kafka."""
+        if not self.enabled or admitted is None:
+            return
+        lease = self._leases.get(team.name)
+        if admitted.leased and lease is not None:
+            lease.tokens += admitted.leased
+            return
+        if self.degraded:
             return
         try:
             await self.enforcer.release(team.name, request_id)
         except (RedisError, OSError) as exc:
             self._redis_down(exc)
+
+    async def return_idle(self, *, idle_s: float | None = None) -> int:
+        """Give unused leases idle for ``idle_s`` (default: ``lease_idle_s``) back to their
+        pools; returns the tokens given back."""
+        idle_s = self.lease_idle_s if idle_s is None else idle_s
+        now = time.monotonic()
+        returned = 0
+        for team, lease in list(self._leases.items()):
+            if lease.tokens <= 0 or now - lease.used < idle_s or lease.refill.locked():
+                continue
+            tokens, lease.tokens = lease.tokens, 0
+            try:
+                await self.enforcer.give_back(team, tokens)
+            except (RedisError, OSError) as exc:
+                lease.tokens += tokens  # kept; the next round tries again
+                self._redis_down(exc)
+                break
+            returned += tokens
+            QUOTA_LEASED.labels(team).set(lease.tokens)
+        return returned
+
+    async def run_returns(self) -> None:
+        """Background task: idle leases go back to their pools."""
+        while True:
+            await asyncio.sleep(max(0.5, self.lease_idle_s / 4))
+            try:
+                await self.return_idle()
+            except Exception:
+                log.exception("giving idle quota leases back failed; trying again")
+
+    def _redis_up(self) -> None:
+        if self._redis_down_until:
+            log.warning("Redis is back: quota enforcement is exact again")
+            self._redis_down_until = 0.0
+            QUOTA_FALLBACK.set(0)
 
     def _redis_down(self, exc: BaseException) -> None:
         if not self._redis_down_until:

@@ -113,6 +113,8 @@ async def _serve(request: Request, model: type[B]) -> Response:
     if decision.route != env.route:
         env = env.model_copy(update={"route": decision.route})
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
+    if admitted is not None and admitted.leased:
+        env = env.model_copy(update={"quota_leased": admitted.leased})
     clock.stage("admit")
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
@@ -122,7 +124,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
         try:
             await state.admission.produce(env)
         except KafkaError as exc:
-            await state.quota.release(caller.team, env.id)
+            await state.quota.release(caller.team, env.id, admitted)
             raise ServiceUnavailable(
                 f"Kafka did not accept the request ({exc}); retry shortly"
             ) from exc

@@ -47,13 +47,18 @@ class IngressState:
         self.prober = Prober(self)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
-            QuotaEnforcer(self.redis, self.keys, policy), policy, enabled=settings.quota_enabled
+            QuotaEnforcer(self.redis, self.keys, policy),
+            policy,
+            enabled=settings.quota_enabled,
+            lease_share=settings.quota_lease_share,
+            lease_idle_s=settings.quota_lease_idle_s,
         )
         # Replies reach this instance through Kafka while Redis is down; tail from "now".
         self._reply_fallback = make_consumer(
             settings, self.topics.replies, auto_offset_reset="latest"
         )
         self._tail: asyncio.Task[None]
+        self._lease_returns: asyncio.Task[None]
         self.started_at = time.time()
         self._background: set[asyncio.Task[None]] = set()
 
@@ -62,10 +67,12 @@ class IngressState:
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
+        self._lease_returns = asyncio.create_task(self.quota.run_returns())
         await self.prober.start()
 
     async def stop(self) -> None:
         await self.prober.stop()
+        self._lease_returns.cancel()
         self._tail.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._tail
@@ -73,6 +80,8 @@ class IngressState:
         await self.replies.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
+        with contextlib.suppress(RedisError, OSError):
+            await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
         await self.producer.stop()
         await self.redis.aclose()
 

@@ -140,6 +140,10 @@ class RedisKeys:
         """Open reservations of a team: request id → "<pool> <tokens>"."""
         return f"{self.prefix}:quota:resv:{team}"
 
+    def quota_settled(self, team: str, slot: int) -> str:
+        """Request ids admitted from a lease and settled already: a hash per time slot."""
+        return f"{self.prefix}:quota:settled:{team}:{slot}"
+
     def quota_used(self, team: str, pool: str, hour: int) -> str:
         """Tokens settled by a team's pool in one hour (epoch hour)."""
         return f"{self.prefix}:quota:used:{team}:{pool}:{hour}"

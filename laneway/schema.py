@@ -74,6 +74,12 @@ class RequestEnvelope(_Wire):
     prompt_tokens: int = Field(0, ge=0, description="the ingress estimate")
     job_id: str | None = None
     line_id: str | None = None
+    quota_leased: int = Field(
+        0,
+        ge=0,
+        description="tokens the ingress admitted it for from its quota lease (settled against "
+        "the team's interactive pool); 0: a reservation in Redis, or no quota",
+    )
     supersede_grace_tokens: int = Field(
         0,
         ge=0,

@@ -140,6 +140,16 @@ class IngressSettings(CommonSettings):
     affinity_prefix_chars: int = Field(
         256, gt=0, description="prompt prefix hashed into the affinity key without a session"
     )
+    quota_lease_share: float = Field(
+        0.01,
+        ge=0,
+        le=0.1,
+        description="share of a team's hourly interactive budget this replica takes from "
+        "Redis at once and admits from locally (0: one Redis reservation per request)",
+    )
+    quota_lease_idle_s: float = Field(
+        10.0, gt=0, description="an unused quota lease goes back to its pool after this long"
+    )
 
 
 EngineName = Literal["auto", "sim", "openai", "vllm"]

@@ -1,12 +1,13 @@
 """Quota model and its Redis enforcement, shared by the ingress, the workers and streams."""
 
-from quota.enforcer import Admitted, QuotaEnforcer, Settled
+from quota.enforcer import Admitted, Lease, QuotaEnforcer, Settled
 from quota.fallback import LocalLimiter
 from quota.model import Pool, QuotaPolicy, dynamic_factor, pool_of, utilisation_sigma
 from quota.teams import Team, get_team, set_team
 
 __all__ = [
     "Admitted",
+    "Lease",
     "LocalLimiter",
     "Pool",
     "QuotaEnforcer",

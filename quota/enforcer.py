@@ -5,6 +5,13 @@ Admission reserves ``prompt_tokens + max_tokens``; the end of the request settle
 reservation to the real count (refund or charge) and a drop releases it. Because every
 decision is one script on the one Redis, the limit holds with any number of ingress
 replicas: concurrent admissions overshoot by at most one reservation.
+
+An ingress may also take a *lease*: a share of a team's interactive pool moved to it in one
+script, from which it admits requests locally without a round trip each. The pool loses the
+tokens when they are leased, so leases never overspend; what they cost is precision at the
+edge (a replica may refuse a request while another holds unused lease) and a lease's unused
+tokens for as long as a crashed replica would have held them. Requests admitted from a lease
+carry the amount in their envelope and are settled against the pool like reservations.
 """
 
 from __future__ import annotations
@@ -20,18 +27,24 @@ from laneway.errors import QuotaExceeded
 from quota.model import Pool, QuotaPolicy
 from quota.teams import Team
 
-__all__ = ["Admitted", "QuotaEnforcer", "Settled"]
+__all__ = ["Admitted", "Lease", "QuotaEnforcer", "Settled"]
 
 # Buckets, reservations and hourly counters outlive any idle period that matters: a bucket
 # idle for an hour is full again anyway, and a reservation open for a day is a leak.
 _BUCKET_TTL_S = 2 * 3600
 _RESERVATION_TTL_S = 24 * 3600
 _USED_TTL_S = 48 * 3600
+# A request admitted from a lease has no reservation record to delete when it is settled; a
+# mark per request id, kept this long, makes a second settle (a re-run after a crash) a no-op.
+# Re-runs come within a minute or so (a partition moving to a live worker); a request re-run
+# later than this has expired long before and is dropped, released at most once more.
+_SETTLED_MARK_S = 900
+_SETTLED_SLOT_S = 300  # marks are grouped by the five minutes the request was accepted in
 
 # KEYS: 1 bucket, 2 reservations, 3 factor, 4 lender bucket (batch borrowing interactive)
 # ARGV: 1 base tokens/h, 2 now, 3 amount, 4 request id, 5 pool, 6 borrow 0|1,
 #       7 lender base tokens/h, 8 reserve share, 9 lender pool, 10 bucket ttl, 11 resv ttl
-_RESERVE = """
+_BUCKET = """
 local function load(key, cap, now)
   local v = redis.call('HMGET', key, 'tokens', 'ts')
   local tokens, ts = tonumber(v[1]), tonumber(v[2])
@@ -42,6 +55,11 @@ local function save(key, tokens, now, cap, ttl)
   redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now), 'cap', tostring(cap))
   redis.call('EXPIRE', key, ttl)
 end
+"""
+
+_RESERVE = (
+    _BUCKET
+    + """
 local factor = tonumber(redis.call('GET', KEYS[3]) or '1') or 1
 local now, amount = tonumber(ARGV[2]), tonumber(ARGV[3])
 local cap = tonumber(ARGV[1]) * factor
@@ -72,14 +90,61 @@ local retry = -1
 if amount <= cap and cap > 0 then retry = (amount - tokens) * 3600 / cap end
 return {0, tostring(tokens), tostring(retry), tostring(cap), ARGV[5]}
 """
+)
 
-# KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used
-# ARGV: 1 request id, 2 actual tokens, 3 now, 4 used ttl
+# A lease: an ingress takes a share of the interactive pool at once and admits from it
+# locally, so most admissions cost no round trip. The bucket loses the tokens when they are
+# leased; requests admitted from a lease are settled against the pool like reservations.
+# KEYS: 1 bucket, 2 factor
+# ARGV: 1 base tokens/h, 2 now, 3 need (fewest to take), 4 want (most), 5 bucket ttl
+_LEASE = (
+    _BUCKET
+    + """
+local factor = tonumber(redis.call('GET', KEYS[2]) or '1') or 1
+local now, need, want = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local cap = tonumber(ARGV[1]) * factor
+local tokens = load(KEYS[1], cap, now)
+if tokens < need then
+  local retry = -1
+  if need <= cap and cap > 0 then retry = (need - tokens) * 3600 / cap end
+  return {0, tostring(tokens), tostring(retry), tostring(cap)}
+end
+local take = math.max(need, math.floor(math.min(want, tokens)))
+save(KEYS[1], tokens - take, now, cap, tonumber(ARGV[5]))
+return {1, tostring(tokens - take), tostring(take), tostring(cap)}
+"""
+)
+
+# Unused lease back to the pool. KEYS: 1 bucket; ARGV: 1 tokens, 2 now
+_GIVE_BACK = """
+local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts', 'cap')
+local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+local amount, now = tonumber(ARGV[1]), tonumber(ARGV[2])
+if tokens ~= nil then
+  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
+  tokens = math.min(cap, tokens + amount)
+  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+end
+return 1
+"""
+
+# KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
+#       6 settled marks (request ids admitted from a lease and settled already)
+# ARGV: 1 request id, 2 actual tokens, 3 now, 4 used ttl, 5 leased tokens (0: none),
+#       6 marks ttl
 _SETTLE = """
 local held = redis.call('HGET', KEYS[1], ARGV[1])
-if not held then return {0, '', '0'} end
-local pool, amount = string.match(held, '^(%S+) (%S+)$')
-amount = tonumber(amount)
+local pool, amount
+if held then
+  pool, amount = string.match(held, '^(%S+) (%S+)$')
+  amount = tonumber(amount)
+elseif tonumber(ARGV[5]) > 0 then
+  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then return {0, '', '0'} end
+  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[6]))
+  pool, amount = 'interactive', tonumber(ARGV[5])
+else
+  return {0, '', '0'}
+end
 local actual, now = tonumber(ARGV[2]), tonumber(ARGV[3])
 local bucket, used = KEYS[2], KEYS[4]
 if pool == 'batch' then bucket, used = KEYS[3], KEYS[5] end
@@ -90,7 +155,7 @@ if tokens ~= nil then
   tokens = math.min(cap, tokens + amount - actual)
   redis.call('HSET', bucket, 'tokens', tostring(tokens), 'ts', tostring(now))
 end
-redis.call('HDEL', KEYS[1], ARGV[1])
+if held then redis.call('HDEL', KEYS[1], ARGV[1]) end
 if actual > 0 then
   redis.call('INCRBY', used, actual)
   redis.call('EXPIRE', used, tonumber(ARGV[4]))
@@ -109,6 +174,14 @@ class Admitted:
     remaining: int
     capacity: int
     reset_s: float  # seconds until the bucket is full again
+    leased: int = 0  # tokens taken from the ingress's lease (0: a reservation in Redis)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    taken: int  # tokens moved from the pool to the holder
+    remaining: float  # left in the pool after that
+    capacity: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +200,8 @@ class QuotaEnforcer:
         self.policy = policy
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
+        self._lease = redis.register_script(_LEASE)
+        self._give_back = redis.register_script(_GIVE_BACK)
 
     async def reserve(
         self,
@@ -166,49 +241,86 @@ class QuotaEnforcer:
         )
         ok, remaining, retry, capacity = (float(x) for x in result[:4])
         if not ok:
-            if retry < 0:
-                raise QuotaExceeded(
-                    f"a request of {tokens} tokens can never fit team {team.name!r}'s {pool} "
-                    f"budget of {capacity:.0f} tokens/hour (raise it with `laneway teams set`)",
-                    team=team.name,
-                    limit=int(capacity),
-                    retry_after=3600.0,
-                )
-            raise QuotaExceeded(
-                f"team {team.name!r} is over its {pool} budget: {tokens} tokens asked, "
-                f"{max(0.0, remaining):.0f} of {capacity:.0f} tokens/hour left",
-                team=team.name,
-                limit=int(capacity),
-                retry_after=retry,
+            raise self._exceeded(
+                team, pool, tokens, remaining=remaining, retry=retry, capacity=capacity
             )
         reset = (capacity - remaining) * 3600 / capacity if capacity > 0 else 0.0
         taken_from: Pool = "interactive" if _text(result[4]) == "interactive" else "batch"
         return Admitted(taken_from, int(remaining), int(capacity), reset)
 
+    @staticmethod
+    def _exceeded(
+        team: Team, pool: Pool, tokens: int, *, remaining: float, retry: float, capacity: float
+    ) -> QuotaExceeded:
+        if retry < 0:
+            return QuotaExceeded(
+                f"a request of {tokens} tokens can never fit team {team.name!r}'s {pool} "
+                f"budget of {capacity:.0f} tokens/hour (raise it with `laneway teams set`)",
+                team=team.name,
+                limit=int(capacity),
+                retry_after=3600.0,
+            )
+        return QuotaExceeded(
+            f"team {team.name!r} is over its {pool} budget: {tokens} tokens asked, "
+            f"{max(0.0, remaining):.0f} of {capacity:.0f} tokens/hour left",
+            team=team.name,
+            limit=int(capacity),
+            retry_after=retry,
+        )
+
     async def settle(
-        self, team: str, request_id: str, actual_tokens: int, *, now: float | None = None
+        self,
+        team: str,
+        request_id: str,
+        actual_tokens: int,
+        *,
+        now: float | None = None,
+        leased: int = 0,
+        accepted_ts: float = 0.0,
     ) -> Settled:
         """Turn a reservation into the real count: refund the rest, or charge the excess.
 
+        ``leased`` is what the ingress admitted the request for from its lease (the envelope
+        carries it, with ``accepted_ts``); then there is no reservation record in Redis.
         Idempotent: a second settle of the same request (a re-run after a crash) is a no-op.
         """
-        keys, args = self._settle_call(team, request_id, actual_tokens, now)
+        keys, args = self._settle_call(
+            team, request_id, actual_tokens, now=now, leased=leased, accepted_ts=accepted_ts
+        )
         found, pool, reserved = await self._settle(keys=keys, args=args)
         pool_name = pool.decode() if isinstance(pool, bytes) else str(pool)
         return Settled(bool(int(found)), pool_name, int(float(reserved)))
 
-    def queue_settle(self, pipe: Pipeline, team: str, request_id: str, actual_tokens: int) -> None:
+    def queue_settle(
+        self,
+        pipe: Pipeline,
+        team: str,
+        request_id: str,
+        actual_tokens: int,
+        *,
+        leased: int = 0,
+        accepted_ts: float = 0.0,
+    ) -> None:
         """``settle`` as one command of a pipeline (the worker sends it with its reply).
 
         Queued as a bare EVALSHA: a pipeline that holds a registered script first asks Redis
         ``SCRIPT EXISTS``, a round trip per reply. When Redis answers NOSCRIPT (it restarted
         and lost its script cache), the caller runs ``settle``, which loads the script.
         """
-        keys, args = self._settle_call(team, request_id, actual_tokens, None)
+        keys, args = self._settle_call(
+            team, request_id, actual_tokens, now=None, leased=leased, accepted_ts=accepted_ts
+        )
         pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
 
     def _settle_call(
-        self, team: str, request_id: str, actual_tokens: int, now: float | None
+        self,
+        team: str,
+        request_id: str,
+        actual_tokens: int,
+        *,
+        now: float | None,
+        leased: int,
+        accepted_ts: float,
     ) -> tuple[list[str], list[float | int | str]]:
         now = time.time() if now is None else now
         hour = int(now // 3600)
@@ -218,8 +330,45 @@ class QuotaEnforcer:
             self.keys.quota_bucket(team, "batch"),
             self.keys.quota_used(team, "interactive", hour),
             self.keys.quota_used(team, "batch", hour),
+            self.keys.quota_settled(team, int(accepted_ts // _SETTLED_SLOT_S)),
         ]
-        return keys, [request_id, actual_tokens, now, _USED_TTL_S]
+        return keys, [request_id, actual_tokens, now, _USED_TTL_S, leased, _SETTLED_MARK_S]
+
+    async def lease(self, team: Team, need: int, want: int, *, now: float | None = None) -> Lease:
+        """Take between ``need`` and ``want`` tokens of the team's interactive pool for an
+        ingress to admit from, or raise ``QuotaExceeded`` when not even ``need`` is left."""
+        now = time.time() if now is None else now
+        result = await self._lease(
+            keys=[
+                self.keys.quota_bucket(team.name, "interactive"),
+                self.keys.quota_factor(team.name),
+            ],
+            args=[
+                self.policy.base_tokens(team, "interactive"),
+                now,
+                need,
+                max(need, want),
+                _BUCKET_TTL_S,
+            ],
+        )
+        ok, remaining, taken_or_retry, capacity = (float(x) for x in result)
+        if not ok:
+            raise self._exceeded(
+                team,
+                "interactive",
+                need,
+                remaining=remaining,
+                retry=taken_or_retry,
+                capacity=capacity,
+            )
+        return Lease(int(taken_or_retry), remaining, capacity)
+
+    async def give_back(self, team: str, tokens: int, *, now: float | None = None) -> None:
+        """Return the unused part of a lease to the team's interactive pool."""
+        now = time.time() if now is None else now
+        await self._give_back(
+            keys=[self.keys.quota_bucket(team, "interactive")], args=[tokens, now]
+        )
 
     async def release(self, team: str, request_id: str, *, now: float | None = None) -> Settled:
         """Give a reservation back whole (dropped, cancelled, expired, failed to enqueue)."""

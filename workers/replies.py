@@ -107,12 +107,25 @@ class Outbox:
                             approximate=True,
                         )
                     if self.quota is not None:
-                        self.quota.queue_settle(pipe, env.team, env.id, actual)
+                        self.quota.queue_settle(
+                            pipe,
+                            env.team,
+                            env.id,
+                            actual,
+                            leased=env.quota_leased,
+                            accepted_ts=env.accepted_ts,
+                        )
                     results = await pipe.execute(raise_on_error=False)
                 for result in results:
                     if isinstance(result, NoScriptError) and self.quota is not None:
                         # Redis restarted and lost its scripts; settle is idempotent.
-                        await self.quota.settle(env.team, env.id, actual)
+                        await self.quota.settle(
+                            env.team,
+                            env.id,
+                            actual,
+                            leased=env.quota_leased,
+                            accepted_ts=env.accepted_ts,
+                        )
                     elif isinstance(result, Exception):
                         raise result
             except (RedisError, OSError) as exc:
