@@ -10,6 +10,11 @@ Three runs: no storm (kept completions only, the baseline latency), storm with t
 shield, storm without it. Printed per run: share of engine time spent on stale requests,
 P50/P99 of kept completions, HTTP error rate, open requests at the ingress.
 
+The storm and its baseline are compared on the same stack, window by window (no storm,
+storm, storm, no storm, ...: ``--rounds``), after a warm-up: a comparison across two stacks
+started minutes apart would measure the broker's JIT and the shared host's speed as much as
+the storm. The run without the shield needs a stack of its own.
+
 Two scenarios, each with the three runs:
 
 - ``storm``: the typists alone on the fleet. The harshest case: nearly all engine time is
@@ -22,7 +27,8 @@ Two scenarios, each with the three runs:
 Engine time is counted from the usage events that end inside a run's window (a steady
 background is counted as much at the window's start as it is left out at its end).
 
-    .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--scenario both]
+    .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--rounds 2]
+        [--warmup 20] [--scenario both]
 """
 
 from __future__ import annotations
@@ -102,7 +108,32 @@ class RunStats:
     open_end: float = 0.0
     chat_turns: int = 0
     chat_errors: int = 0
-    cpu: str = ""  # share of a core each process used during the run
+    cpu: list[str] = field(default_factory=list)  # per window: share of a core per process
+    steal: list[float] = field(default_factory=list)  # per window, %
+    p99: list[float] = field(default_factory=list)  # per window: P99 of the kept latencies
+
+    def merge(self, other: RunStats) -> None:
+        self.sent += other.sent
+        self.abandoned |= other.abandoned
+        self.abandoned_requests += other.abandoned_requests
+        self.kept.update(other.kept)
+        self.timing.update(other.timing)
+        self.errors += other.errors
+        self.open_max = max(self.open_max, other.open_max)
+        self.open_end = other.open_end
+        self.chat_turns += other.chat_turns
+        self.chat_errors += other.chat_errors
+        self.cpu += other.cpu
+        self.steal += other.steal
+        self.p99 += other.p99
+
+
+@dataclass
+class ChatCount:
+    """Turns of the fleet's chat users, for the whole life of a stack."""
+
+    turns: int = 0
+    errors: int = 0
 
 
 def _server_timing(header: str) -> dict[str, float]:
@@ -192,7 +223,7 @@ async def _typist(
 
 
 async def _chat_user(
-    stack: BenchStack, key: str, number: int, deadline: float, stats: RunStats
+    stack: BenchStack, key: str, number: int, stop: asyncio.Event, count: ChatCount
 ) -> None:
     """Fleet background: a conversation that grows turn by turn, each reply streamed."""
     rng = random.Random(1000 + number)
@@ -201,7 +232,7 @@ async def _chat_user(
     http = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
     try:
         await asyncio.sleep(rng.uniform(0, 1))
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             body = {
                 "model": "laneway-chat",
                 "messages": messages,
@@ -221,9 +252,9 @@ async def _chat_user(
                             answer += [c["delta"].get("content") or "" for c in choices]
             except (OSError, ValueError, asyncio.IncompleteReadError):
                 failed = True
-            stats.chat_turns += 1
+            count.turns += 1
             if failed:
-                stats.chat_errors += 1
+                count.errors += 1
             else:
                 messages += [
                     {"role": "assistant", "content": "".join(answer)},
@@ -298,8 +329,21 @@ class EngineTime:
         if event["class"] == "completion":
             self._count(event["status"])
 
-    def _count(self, status: str) -> None:
-        self.statuses[status] = self.statuses.get(status, 0) + 1
+    def _count(self, status: str, n: int = 1) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + n
+
+    def merge(self, other: EngineTime) -> None:
+        self.total += other.total
+        self.stale += other.stale
+        self.on_abandoned += other.on_abandoned
+        self.in_flight += other.in_flight
+        self.news_ms += other.news_ms
+        for status, n in other.statuses.items():
+            self._count(status, n)
+        for cls, ms in other.by_class.items():
+            self.by_class[cls] = self.by_class.get(cls, 0.0) + ms
+        self.by_id.update(other.by_id)
+        self.times.update(other.times)
 
 
 async def _engine_time(
@@ -331,38 +375,66 @@ async def _engine_time(
     return seen
 
 
-async def _run(
-    stack: BenchStack, key: str, typists: int, seconds: float, storm: bool, fleet: bool
+async def _window(
+    stack: BenchStack, key: str, typists: int, seconds: float, storm: bool, chat: ChatCount
 ) -> tuple[RunStats, EngineTime]:
+    """One measured window: the typists type (a storm, or only the keystrokes they keep)."""
     stats = RunStats()
-    background: list[asyncio.Task[None]] = []
-    if fleet:
-        # The document job first, long enough to keep the batch pool busy past the window;
-        # it is still running when the stack is torn down.
-        async with BatchClient(stack.settings()) as client:
-            await client.submit(_documents(int(seconds * 40) + 200), api_key=key)
-        deadline = time.monotonic() + seconds + 5
-        background = [
-            asyncio.create_task(_chat_user(stack, key, i, deadline, stats))
-            for i in range(CHAT_USERS)
-        ]
-        await asyncio.sleep(5)  # the batch slots fill and the conversations get going
+    turns, chat_errors = chat.turns, chat.errors
     since_ms = int(time.time() * 1000)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_open(stack.base_url, stats, stop))
     deadline = time.monotonic() + seconds
-    with CpuWatch(stack) as cpu:
+    with CpuWatch(stack) as cpu, StealWatch() as steal:
         await asyncio.gather(
             *(_typist(stack, key, i, deadline, storm, stats) for i in range(typists))
         )
         await asyncio.sleep(2)  # let the ingress notice the last disconnects
     until_ms = int(time.time() * 1000)
-    stats.cpu = cpu.shares
+    stats.cpu.append(cpu.shares)
+    stats.steal.append(steal.average)
+    stats.p99.append(percentile(list(stats.kept.values()), 99))
+    stats.chat_turns, stats.chat_errors = chat.turns - turns, chat.errors - chat_errors
     stop.set()
     await watcher
-    await asyncio.gather(*background)
     await asyncio.sleep(1)  # the worker's usage producer lingers before it sends
     return stats, await _engine_time(stack, since_ms, until_ms, stats.abandoned)
+
+
+async def _session(
+    stack: BenchStack, key: str, args: argparse.Namespace, fleet: bool, runs: tuple[str, ...]
+) -> dict[str, tuple[RunStats, EngineTime]]:
+    """The runs of one stack, ``args.rounds`` windows each, interleaved after a warm-up."""
+    chat, stop = ChatCount(), asyncio.Event()
+    background: list[asyncio.Task[None]] = []
+    if fleet:
+        # A document job long enough to keep the batch pool busy past the last window; it
+        # is still running when the stack is torn down.
+        lasts = args.warmup + args.rounds * len(runs) * (args.seconds + 5) + 10
+        async with BatchClient(stack.settings()) as client:
+            await client.submit(_documents(int(lasts * 40) + 200), api_key=key)
+        background = [
+            asyncio.create_task(_chat_user(stack, key, i, stop, chat)) for i in range(CHAT_USERS)
+        ]
+        await asyncio.sleep(5)  # the batch slots fill and the conversations get going
+    if args.warmup > 0:
+        # Not measured: a fresh broker JVM compiles its hot paths in its first minutes.
+        deadline = time.monotonic() + args.warmup
+        await asyncio.gather(
+            *(_typist(stack, key, i, deadline, True, RunStats()) for i in range(args.typists))
+        )
+    results = {name: (RunStats(), EngineTime()) for name in runs}
+    for round_ in range(args.rounds):
+        # ABBA: the order turns every round, so a drift (the JIT, the host) favours neither.
+        for name in runs if round_ % 2 == 0 else runs[::-1]:
+            stats, seen = await _window(
+                stack, key, args.typists, args.seconds, name != "no storm", chat
+            )
+            results[name][0].merge(stats)
+            results[name][1].merge(seen)
+    stop.set()
+    await asyncio.gather(*background)
+    return results
 
 
 def main() -> None:
@@ -370,7 +442,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--typists", type=int, default=10)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of one window")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="windows of each run, interleaved (default 2)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=20.0, help="seconds of storm on a new stack first"
+    )
     parser.add_argument(
         "--scenario",
         choices=(*SCENARIOS, "both"),
@@ -378,16 +456,18 @@ def main() -> None:
         help="the typists alone (storm), on a mixed fleet (fleet), or both (default)",
     )
     args = parser.parse_args()
-    if args.typists < 1 or args.seconds <= 0:
-        parser.error("--typists must be at least 1 and --seconds positive")
+    if args.typists < 1 or args.seconds <= 0 or args.rounds < 1 or args.warmup < 0:
+        parser.error(
+            "--typists and --rounds must be at least 1, --seconds positive, --warmup not negative"
+        )
 
     print(f"# cancel storm — {machine()}")
     print("# sim engine (a simulated GPU) in each pool: prefill 0.05 ms/token, decode 15 ms/step,")
     print(
-        f"# 32 slots; {args.typists} typists, {args.seconds:.0f} s a run, prompts ~1k tokens",
-        end="",
+        f"# 32 slots; {args.typists} typists, prompts ~1k tokens, max_tokens {MAX_TOKENS}; "
+        f"each run is {args.rounds} windows of {args.seconds:.0f} s, after {args.warmup:.0f} s "
+        "of warm-up; no storm and shield on alternate (ABBA) on one stack"
     )
-    print(f", max_tokens {MAX_TOKENS}")
     if args.scenario != "storm":
         print(
             f"# fleet: + {CHAT_USERS} chat users (~{CHAT_CONTEXT_CHARS // 4000}k-token "
@@ -414,25 +494,18 @@ def main() -> None:
     print(" ".join(f"{h:>15}" for h in header))
     chosen = SCENARIOS.values() if args.scenario == "both" else [SCENARIOS[args.scenario]]
     for scenario in chosen:
-        for name, storm, shield in (
-            ("no storm", False, True),
-            ("shield on", True, True),
-            ("shield off", True, False),
-        ):
-            _one_run(args, scenario, name, storm=storm, shield=shield)
+        # The same stack (shield on) serves the storm and its baseline, window by window,
+        # so both meet the same broker, the same JIT state and the same host speed.
+        for shield, runs in ((True, ("no storm", "shield on")), (False, ("shield off",))):
+            stack = BenchStack(workers=scenario.workers(shield))
+            with bench_stack(stack):
+                key = stack.api_key("typists")
+                results = uvloop.run(_session(stack, key, args, scenario.fleet, runs))
+            for name in runs:
+                _report(scenario, name, *results[name])
 
 
-def _one_run(
-    args: argparse.Namespace, scenario: Scenario, name: str, *, storm: bool, shield: bool
-) -> None:
-    stack = BenchStack(workers=scenario.workers(shield))
-    with bench_stack(stack):
-        key = stack.api_key("typists")
-        with StealWatch() as steal:
-            # uvloop: the load generator shares the cores it measures, so keep it light.
-            stats, seen = uvloop.run(
-                _run(stack, key, args.typists, args.seconds, storm, scenario.fleet)
-            )
+def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) -> None:
     total = seen.total or 1.0
     share, abandoned_share = 100 * seen.stale / total, 100 * seen.on_abandoned / total
     errors = 100 * stats.errors / max(1, stats.sent - stats.abandoned_requests)
@@ -454,11 +527,13 @@ def _one_run(
         f"{errors:.2f}",
         f"{stats.open_max:.0f}",
         f"{stats.open_end:.0f}",
-        f"{steal.average:.1f}",
+        f"{sum(stats.steal) / len(stats.steal):.1f}",
     )
     print(" ".join(f"{v:>15}" for v in row), flush=True)
+    print(f"#   kept P99 ms by window: {', '.join(f'{p:.0f}' for p in stats.p99)}")
     print(f"#   completion outcomes: {seen.statuses}", flush=True)
-    print(f"#   cpu, % of one core: {stats.cpu}", flush=True)
+    for cpu in stats.cpu:
+        print(f"#   cpu, % of one core: {cpu}", flush=True)
     by_class = ", ".join(f"{cls} {ms / 1000:.0f}" for cls, ms in sorted(seen.by_class.items()))
     print(f"#   engine seconds by class: {by_class}", flush=True)
     if parts := _wait_parts(stats, seen):

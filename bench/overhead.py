@@ -8,6 +8,7 @@ steal of the row, on average and in its worst 200 ms: on a shared virtual machin
 steal are not comparable.
 
     .venv/bin/python -m bench.overhead [--rates 50,100,200,300] [--seconds 10] [--warmup 150]
+        [--ingress-env LANEWAY_QUOTA_LEASE_SHARE=0 ...]
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ async def drive(
     return latencies, stages, errors, achieved
 
 
-def instant_stack(jvm_options: list[str] | None = None) -> BenchStack:
+def instant_stack(
+    jvm_options: list[str] | None = None, ingress_env: dict[str, str] | None = None
+) -> BenchStack:
     """Ingress and one completion worker whose sim engine takes no time at all."""
     worker = {
         "LANEWAY_POOL": "completion",
@@ -79,7 +82,9 @@ def instant_stack(jvm_options: list[str] | None = None) -> BenchStack:
         "LANEWAY_SIM_DECODE_MS_PER_STEP": "0",
         "LANEWAY_MAX_INFLIGHT": "256",
     }
-    return BenchStack(workers=[worker], jvm_options=jvm_options or [])
+    return BenchStack(
+        workers=[worker], jvm_options=jvm_options or [], ingress_env=ingress_env or {}
+    )
 
 
 def main() -> None:
@@ -96,15 +101,30 @@ def main() -> None:
         "C2 compiler takes a whole core in bursts for about two minutes, which is start-up, "
         "not steady state",
     )
+    parser.add_argument(
+        "--ingress-env",
+        action="append",
+        default=[],
+        metavar="LANEWAY_X=VALUE",
+        help="a setting for the ingress (repeatable), e.g. LANEWAY_QUOTA_LEASE_SHARE=0",
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    ingress_env = {}
+    for item in args.ingress_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("LANEWAY_"):
+            parser.error(f"--ingress-env {item!r}: expected LANEWAY_NAME=VALUE")
+        ingress_env[name] = value
 
-    stack = instant_stack()
+    stack = instant_stack(ingress_env=ingress_env)
     with bench_stack(stack):
         key = stack.api_key("bench")
         # uvloop: the load generator shares the cores it measures, so keep it light.
         uvloop.run(drive(stack, key, min(200.0, max(rates)), args.warmup))
         print(f"# laneway added latency (instant sim engine) — {machine()}")
+        if ingress_env:
+            print(f"# ingress settings: {' '.join(f'{k}={v}' for k, v in ingress_env.items())}")
         header = ("rate/s", "sent", "achieved/s", "errors", "P50 ms", "P99 ms", "max ms")
         # P99 of each part of the time inside laneway (the Server-Timing header)
         parts = ("laneway", "admit", "enqueue", "worker")

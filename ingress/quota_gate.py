@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
+from laneway.metrics import team_label
 from quota import Admitted, LocalLimiter, QuotaEnforcer, QuotaPolicy, Team
 
 __all__ = ["QUOTA_FALLBACK", "QuotaGate"]
@@ -88,13 +89,14 @@ class QuotaGate:
         if not self.degraded:
             try:
                 if chunk >= tokens:
-                    return await self._from_lease(team, tokens, chunk)
-                admitted = await self.enforcer.reserve(team, "interactive", request_id, tokens)
+                    admitted = await self._from_lease(team, tokens, chunk)
+                else:
+                    admitted = await self.enforcer.reserve(team, "interactive", request_id, tokens)
             except (RedisError, OSError) as exc:
                 self._redis_down(exc)
             else:
                 self._redis_up()
-                QUOTA_REMAINING.labels(team.name, "interactive").set(admitted.remaining)
+                QUOTA_REMAINING.labels(team_label(team.name), "interactive").set(admitted.remaining)
                 return admitted
         capacity = self.policy.budget_tokens(team, "interactive")
         remaining = self.local.reserve(team.name, tokens, capacity)
@@ -103,18 +105,20 @@ class QuotaGate:
     async def _from_lease(self, team: Team, tokens: int, chunk: int) -> Admitted:
         lease = self._leases.setdefault(team.name, _Lease())
         async with lease.refill:  # one refill at a time: the others wait and spend from it
-            if lease.tokens < tokens:
+            # Smaller requests may spend from the lease while a refill is in flight: loop.
+            while lease.tokens < tokens:
+                if self.degraded:  # a refill before this one found Redis gone
+                    raise OSError("Redis unreachable: a lease refill just failed")
                 need = tokens - lease.tokens
                 got = await self.enforcer.lease(team, need=need, want=need + chunk)
                 lease.tokens += got.taken
                 lease.remaining, lease.capacity = got.remaining, got.capacity
-                QUOTA_REMAINING.labels(team.name, "interactive").set(got.remaining)
             return self._spend(team, lease, tokens)
 
     def _spend(self, team: Team, lease: _Lease, tokens: int) -> Admitted:
         lease.tokens -= tokens
         lease.used = time.monotonic()
-        QUOTA_LEASED.labels(team.name).set(lease.tokens)
+        QUOTA_LEASED.labels(team_label(team.name)).set(lease.tokens)
         # What the pool had at the last lease plus what this replica still holds: other
         # replicas' use since then is not in it.
         remaining = lease.remaining + lease.tokens
@@ -123,20 +127,29 @@ class QuotaGate:
             "interactive", int(remaining), int(lease.capacity), max(0.0, reset), leased=tokens
         )
 
-    async def release(self, team: Team, request_id: str, admitted: Admitted | None) -> None:
-        """Give back what ``admit`` took for a request that never reached Kafka."""
+    async def release(
+        self, team: Team, request_id: str, admitted: Admitted | None, *, accepted_ts: float
+    ) -> None:
+        """Give back what ``admit`` took for a request whose produce to Kafka failed.
+
+        The produce may have stored the request all the same (a timeout): a request admitted
+        from a lease is then settled in Redis, whose mark makes the worker's own settle a
+        no-op, instead of going back to the lease and being refunded a second time.
+        """
         if not self.enabled or admitted is None:
             return
         lease = self._leases.get(team.name)
+        if not self.degraded:
+            try:
+                await self.enforcer.settle(
+                    team.name, request_id, 0, leased=admitted.leased, accepted_ts=accepted_ts
+                )
+            except (RedisError, OSError) as exc:
+                self._redis_down(exc)
+            else:
+                return
         if admitted.leased and lease is not None:
-            lease.tokens += admitted.leased
-            return
-        if self.degraded:
-            return
-        try:
-            await self.enforcer.release(team.name, request_id)
-        except (RedisError, OSError) as exc:
-            self._redis_down(exc)
+            lease.tokens += admitted.leased  # Redis is away: keep the tokens here
 
     async def return_idle(self, *, idle_s: float | None = None) -> int:
         """Give unused leases idle for ``idle_s`` (default: ``lease_idle_s``) back to their
@@ -148,14 +161,17 @@ class QuotaGate:
             if lease.tokens <= 0 or now - lease.used < idle_s or lease.refill.locked():
                 continue
             tokens, lease.tokens = lease.tokens, 0
+            QUOTA_LEASED.labels(team_label(team)).set(0)
             try:
                 await self.enforcer.give_back(team, tokens)
             except (RedisError, OSError) as exc:
-                lease.tokens += tokens  # kept; the next round tries again
+                # Lost rather than kept: the script may have run before the error, and
+                # tokens counted twice would be budget nobody granted.
+                log.warning("%d leased tokens of team %r not given back: %s", tokens, team, exc)
                 self._redis_down(exc)
                 break
+            self._redis_up()
             returned += tokens
-            QUOTA_LEASED.labels(team).set(lease.tokens)
         return returned
 
     async def run_returns(self) -> None:

@@ -124,7 +124,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
         try:
             await state.admission.produce(env)
         except KafkaError as exc:
-            await state.quota.release(caller.team, env.id, admitted)
+            await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
             raise ServiceUnavailable(
                 f"Kafka did not accept the request ({exc}); retry shortly"
             ) from exc

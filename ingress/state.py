@@ -73,6 +73,8 @@ class IngressState:
     async def stop(self) -> None:
         await self.prober.stop()
         self._lease_returns.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._lease_returns
         self._tail.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._tail
@@ -80,8 +82,7 @@ class IngressState:
         await self.replies.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
-        with contextlib.suppress(RedisError, OSError):
-            await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
+        await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
         await self.producer.stop()
         await self.redis.aclose()
 

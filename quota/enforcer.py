@@ -8,7 +8,7 @@ replicas: concurrent admissions overshoot by at most one reservation.
 
 An ingress may also take a *lease*: a share of a team's interactive pool moved to it in one
 script, from which it admits requests locally without a round trip each. The pool loses the
-tokens when they are leased, so leases never overspend; what they cost is precision at the
+tokens when they are leased, as it does reserved ones; what leases cost is precision at the
 edge (a replica may refuse a request while another holds unused lease) and a lease's unused
 tokens for as long as a crashed replica would have held them. Requests admitted from a lease
 carry the amount in their envelope and are settled against the pool like reservations.
