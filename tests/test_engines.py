@@ -93,6 +93,23 @@ async def test_sim_steps_do_not_wait_for_a_slow_consumer() -> None:
     assert info.value.engine_ms >= 8 * 20.0
 
 
+async def test_sim_sequences_share_the_batch_steps() -> None:
+    # One step of a continuous batch gives every running sequence its next token: a
+    # sequence that joins later gets its tokens at the same moments as the others.
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0))
+    early = engine.generate(EngineRequest(id="a", route="m", prompt="def a():", max_tokens=64))
+    first = await anext(early)
+    await asyncio.sleep(0.007)  # the second request arrives in the middle of a step
+    late = await anext(
+        engine.generate(EngineRequest(id="b", route="m", prompt="def b():", max_tokens=64))
+    )
+    assert first.ended is not None
+    assert late.ended is not None
+    steps_apart = (late.ended - first.ended) / 0.02
+    assert steps_apart >= 1
+    assert steps_apart == pytest.approx(round(steps_apart), abs=1e-6)
+
+
 async def test_sim_batch_slots_queue_the_rest() -> None:
     engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0, batch_slots=2))
     requests = [EngineRequest(id=str(i), route="m", prompt=f"p{i}", max_tokens=2) for i in range(3)]

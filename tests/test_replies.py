@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
@@ -84,6 +85,41 @@ async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_repl
         assert "".join(r.text for r in _drain(channel)) == "abcde"
     finally:
         await redis.delete(stream)
+        await redis.aclose()
+
+
+async def test_chunks_that_come_together_share_one_round_trip(services: Services) -> None:
+    # One engine step gives every running sequence a token: their chunks go out together.
+    redis = aioredis.Redis.from_url(services.redis_url)
+    streams = [f"c{uuid.uuid4().hex[:8]}:reply:test" for _ in range(2)]
+    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
+    pipelines = 0
+    pipeline = redis.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return pipeline(*args, **kwargs)
+
+    redis.pipeline = counted  # type: ignore[method-assign]
+    try:
+        writers = [ChunkStream(outbox, streams[i % 2], f"r-{i}") for i in range(6)]
+        for i, chunks in enumerate(writers):
+            chunks.add(f"token {i}")
+        for _ in range(200):
+            if all(chunks.sent for chunks in writers):
+                break
+            await asyncio.sleep(0.01)
+        closed = [await chunks.close() for chunks in writers]
+        assert closed == [(1, 7, "")] * 6
+        assert pipelines == 1
+        for i, stream in enumerate(streams):
+            written = [decode(Reply, f[b"d"]) for _, f in await redis.xrange(stream)]
+            assert [(r.id, r.text) for r in written] == [
+                (f"r-{k}", f"token {k}") for k in range(i, 6, 2)
+            ]
+    finally:
+        await redis.delete(*streams)
         await redis.aclose()
 
 

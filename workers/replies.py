@@ -50,6 +50,9 @@ class Outbox:
         self.capture = capture
         self.captured: dict[str, Reply] = {}
         self._redis_down_until = 0.0
+        # Chunks waiting for the next Redis round trip, and the task that makes it.
+        self._queued: list[tuple[str, Reply, asyncio.Future[bool]]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     def _redis_usable(self) -> bool:
         return time.monotonic() >= self._redis_down_until
@@ -64,16 +67,43 @@ class Outbox:
         await self.producer.send_and_wait(self.topics.replies, reply.to_json(), key=stream.encode())
 
     async def reply(self, stream: str, reply: Reply) -> None:
+        """A chunk for the ingress that holds the connection.
+
+        Chunks that come together share one Redis round trip: one engine step gives every
+        running sequence its next token at once, and a round trip per token and request is
+        what a streaming worker would otherwise spend most of its time on.
+        """
         if self._redis_usable():
-            try:
-                await self.redis.xadd(
-                    stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
-                )
-            except (RedisError, OSError) as exc:
-                self._redis_failed(exc)
-            else:
+            sent: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._queued.append((stream, reply, sent))
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush(), name="reply-chunks")
+            if await sent:
                 return
         await self._reply_via_kafka(stream, reply)
+
+    async def _flush(self) -> None:
+        """Write every queued chunk in one pipeline; those queued meanwhile go in the next."""
+        while self._queued:
+            batch, self._queued = self._queued, []
+            sent = False  # unless the pipeline ran, each writer sends through Kafka instead
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for stream, reply, _ in batch:
+                        pipe.xadd(
+                            stream,
+                            {"d": reply.to_json()},
+                            maxlen=REPLY_STREAM_MAXLEN,
+                            approximate=True,
+                        )
+                    await pipe.execute()
+                sent = True
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+            finally:
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_result(sent)
 
     async def finish(
         self, env: RequestEnvelope, final: Reply, usage: UsageEvent

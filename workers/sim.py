@@ -3,10 +3,11 @@
 It is a simulation and says so (``is_simulation``). Costs are modelled, not measured:
 prefill costs ``prefill_ms_per_token`` for each token not found in the prefix cache, each
 decode step costs ``decode_ms_per_step``, at most ``batch_slots`` sequences decode at once
-(the rest wait, as in a full continuous batch), and the prefix cache is an LRU of
-``block_tokens``-token blocks keyed by the hash of everything before them. Text is
-deterministic: the same prompt yields the same completion, so a re-run after a crash
-repeats what the client already saw.
+(the rest wait, as in a full continuous batch), every running sequence gets its token of a
+step at the same moment (one batch step for all, a new one joining at the next step), and
+the prefix cache is an LRU of ``block_tokens``-token blocks keyed by the hash of everything
+before them. Text is deterministic: the same prompt yields the same completion, so a re-run
+after a crash repeats what the client already saw.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import random
 import time
 from collections import OrderedDict
@@ -83,6 +85,11 @@ class SimEngine:
         self._hits = 0
         self._rng = random.Random(self.profile.seed)
         self._kv_used = 0
+        self._epoch = time.monotonic()  # step boundaries fall at _epoch + k × step
+
+    def _next_step(self, now: float, step_s: float) -> float:
+        """The first step boundary at or after ``now``: where a sequence joins the batch."""
+        return self._epoch + math.ceil((now - self._epoch) / step_s) * step_s
 
     async def start(self) -> None:
         return None
@@ -202,8 +209,9 @@ class SimEngine:
         step_s = profile.decode_ms_per_step / 1000
         # Steps run on the engine's own clock: a GPU does not wait for the worker to write out
         # the previous token. A consumer that falls behind finds the next steps already done;
-        # each delta says when its step ended (``due``), however late it is read.
-        began = due = time.monotonic()
+        # each delta says when its step ended (``due``), however late it is read. All running
+        # sequences share the step boundaries, as they share the steps of a continuous batch.
+        began = due = self._next_step(time.monotonic(), step_s) if step_s > 0 else time.monotonic()
         for i, word in enumerate(words):
             if (aborted_at := self._aborted.get(request.id)) is not None:
                 # An abort takes effect between steps: the step under way when it came runs
