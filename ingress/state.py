@@ -40,6 +40,10 @@ class IngressState:
         self.reply_stream = self.keys.reply_stream(settings.instance_id)
         self.redis: aioredis.Redis = make_redis(settings)
         self.producer: AIOKafkaProducer = make_producer(settings)
+        # Tombstones have a producer (a connection) of their own: a Kafka client keeps one
+        # produce request in flight per broker, so on a shared producer a storm of tombstones
+        # would queue the requests of the keystrokes that users still wait for.
+        self.cancel_producer: AIOKafkaProducer = make_producer(settings)
         self.replies = ReplyRouter(self.redis, self.reply_stream)
         self.callers = CallerResolver(self.redis, self.keys)
         self.admission = Admission(settings, self.producer)
@@ -64,6 +68,7 @@ class IngressState:
 
     async def start(self) -> None:
         await self.producer.start()
+        await self.cancel_producer.start()
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
@@ -84,6 +89,7 @@ class IngressState:
             await asyncio.wait(self._background, timeout=5)
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
         await self.producer.stop()
+        await self.cancel_producer.stop()
         await self.redis.aclose()
 
     async def send_cancel(self, request_id: str, team: str, *, reason: str) -> None:
@@ -94,7 +100,7 @@ class IngressState:
         )
         raw = record.to_json()
         self._in_background(self._publish_early(raw))  # never waits on a Redis outage
-        await self.producer.send_and_wait(self.topics.cancel, raw, key=request_id.encode())
+        await self.cancel_producer.send_and_wait(self.topics.cancel, raw, key=request_id.encode())
 
     async def _publish_early(self, raw: bytes) -> None:
         try:
