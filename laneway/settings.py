@@ -178,6 +178,13 @@ class WorkerSettings(CommonSettings):
     shield: bool = Field(
         True, description="drop stale work before it runs (off only to measure the baseline)"
     )
+    cancel_fetch_wait_ms: int = Field(
+        100,
+        ge=0,
+        le=1000,
+        description="the cancel topic is fetched in batches this far apart at most (running "
+        "workers get tombstones from Redis at once; the topic is the record and the fallback)",
+    )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")

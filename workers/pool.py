@@ -90,7 +90,15 @@ class PoolWorker:
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
-        self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
+        # The topic's tombstones come in batches: every worker of every pool reads all of
+        # them, and a fetch per tombstone costs the broker and each worker a round trip, while
+        # the Redis channel has brought the same tombstone a moment after it was sent.
+        self.cancels: AIOKafkaConsumer = make_consumer(
+            settings,
+            self.topics.cancel,
+            fetch_min_bytes=64 * 1024,
+            fetch_max_wait_ms=settings.cancel_fetch_wait_ms,
+        )
         self.quota: QuotaEnforcer | None = None
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
