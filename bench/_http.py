@@ -35,7 +35,7 @@ class HttpPool:
             except BaseException:
                 writer.close()
                 raise
-            self._idle.append((reader, writer))
+            self._keep(reader, writer, response_headers)
             return status, response_headers, data
 
     @contextlib.asynccontextmanager
@@ -66,9 +66,18 @@ class HttpPool:
                 writer.close()
                 raise
             if ended:
-                self._idle.append((reader, writer))
+                self._keep(reader, writer, response_headers)
             else:
                 writer.close()
+
+    def _keep(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: dict[str, str]
+    ) -> None:
+        """Back to the pool, unless the server said it closes the connection."""
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
 
     async def _send(
         self, path: str, body: object, headers: dict[str, str] | None

@@ -68,7 +68,11 @@ class IngressState:
 
     async def start(self) -> None:
         await self.producer.start()
-        await self.cancel_producer.start()
+        try:
+            await self.cancel_producer.start()
+        except BaseException:
+            await self.producer.stop()
+            raise
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
@@ -88,8 +92,10 @@ class IngressState:
         if self._background:
             await asyncio.wait(self._background, timeout=5)
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
-        await self.producer.stop()
-        await self.cancel_producer.stop()
+        try:
+            await self.producer.stop()
+        finally:
+            await self.cancel_producer.stop()
         await self.redis.aclose()
 
     async def send_cancel(self, request_id: str, team: str, *, reason: str) -> None:

@@ -182,8 +182,9 @@ class WorkerSettings(CommonSettings):
         100,
         ge=0,
         le=1000,
-        description="the cancel topic is fetched in batches this far apart at most (running "
-        "workers get tombstones from Redis at once; the topic is the record and the fallback)",
+        description="once caught up, the cancel topic is read in batches this far apart "
+        "(running workers get tombstones from Redis at once; the topic is the record and the "
+        "fallback; 0: a fetch per tombstone)",
     )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")

@@ -110,6 +110,18 @@ async def test_sim_sequences_share_the_batch_steps() -> None:
     assert steps_apart == pytest.approx(round(steps_apart), abs=1e-6)
 
 
+async def test_sim_abort_while_waiting_to_join_the_batch_costs_nothing() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=50.0))
+    await asyncio.sleep(0.001)  # off a step boundary: the request waits for the next one
+    stream = engine.generate(EngineRequest(id="j", route="m", prompt="def j():", max_tokens=64))
+    first = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.01)  # it is waiting to join (about 49 ms to go)
+    await engine.abort("j")
+    with pytest.raises(Aborted) as info:
+        await first
+    assert info.value.engine_ms == 0.0
+
+
 async def test_sim_batch_slots_queue_the_rest() -> None:
     engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=20.0, batch_slots=2))
     requests = [EngineRequest(id=str(i), route="m", prompt=f"p{i}", max_tokens=2) for i in range(3)]

@@ -90,15 +90,7 @@ class PoolWorker:
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
-        # The topic's tombstones come in batches: every worker of every pool reads all of
-        # them, and a fetch per tombstone costs the broker and each worker a round trip, while
-        # the Redis channel has brought the same tombstone a moment after it was sent.
-        self.cancels: AIOKafkaConsumer = make_consumer(
-            settings,
-            self.topics.cancel,
-            fetch_min_bytes=64 * 1024,
-            fetch_max_wait_ms=settings.cancel_fetch_wait_ms,
-        )
+        self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
         self.quota: QuotaEnforcer | None = None
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
@@ -321,12 +313,28 @@ class PoolWorker:
                 log.warning("offset commit failed (will retry): %s", exc)
 
     async def _cancel_loop(self) -> None:
+        # Once caught up, the topic is read in batches: every worker of every pool reads all
+        # tombstones, and a fetch for each would cost the broker and each worker a round
+        # trip, while the Redis channel has brought the same tombstone a moment after it was
+        # sent. A lone tombstone still comes at once (the fetch is a long poll).
+        pause = self.settings.cancel_fetch_wait_ms / 1000
         while True:
             batches = await self.cancels.getmany(timeout_ms=1000)
             for records in batches.values():
                 for record in records:
                     await self._on_cancel(record.value, record.topic, f"@{record.offset}")
             self.shield.expire(time.time())
+            if pause and batches and await self._caught_up(self.cancels, list(batches)):
+                await asyncio.sleep(pause)
+
+    @staticmethod
+    async def _caught_up(consumer: AIOKafkaConsumer, partitions: list[TopicPartition]) -> bool:
+        """Nothing left to fetch on ``partitions`` as of the last fetch (a replay is not)."""
+        for tp in partitions:
+            high = consumer.highwater(tp)
+            if high is not None and await consumer.position(tp) < high:
+                return False
+        return True
 
     async def _early_cancel_loop(self) -> None:
         """Tombstones the ingress also publishes on Redis: they reach a running request a

@@ -88,6 +88,8 @@ class Outbox:
             batch, self._queued = self._queued, []
             sent = False  # unless the pipeline ran, each writer sends through Kafka instead
             try:
+                if not self._redis_usable():
+                    continue  # the batch before this one found Redis gone
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for stream, reply, _ in batch:
                         pipe.xadd(
@@ -100,6 +102,11 @@ class Outbox:
                 sent = True
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
+            except BaseException:
+                # Cancelled (shutdown): nobody is left to write what was queued meanwhile.
+                batch += self._queued
+                self._queued = []
+                raise
             finally:
                 for _, _, done in batch:
                     if not done.done():

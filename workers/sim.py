@@ -212,6 +212,8 @@ class SimEngine:
         # each delta says when its step ended (``due``), however late it is read. All running
         # sequences share the step boundaries, as they share the steps of a continuous batch.
         began = due = self._next_step(time.monotonic(), step_s) if step_s > 0 else time.monotonic()
+        # Waiting to join the batch costs no engine time, and an abort meanwhile costs none.
+        await asyncio.sleep(max(0.0, began - time.monotonic()))
         for i, word in enumerate(words):
             if (aborted_at := self._aborted.get(request.id)) is not None:
                 # An abort takes effect between steps: the step under way when it came runs
