@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections import Counter
 
 import uvloop
 
@@ -32,26 +33,28 @@ from bench._stack import (
 
 async def drive(
     stack: BenchStack, key: str, rate: float, seconds: float
-) -> tuple[list[float], dict[str, list[float]], int, float]:
-    """Open-loop load: request i is sent at start + i/rate whatever the earlier ones do."""
+) -> tuple[list[float], dict[str, list[float]], Counter[str], float]:
+    """Open-loop load: request i is sent at start + i/rate whatever the earlier ones do.
+
+    Errors are counted by kind: an HTTP status with the start of its error message, or the
+    exception the connection ended in."""
     latencies: list[float] = []
     stages: dict[str, list[float]] = {}
-    errors = 0
+    errors: Counter[str] = Counter()
     http = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
 
     async def one(i: int) -> None:
-        nonlocal errors
         started = time.perf_counter()
         body = {"model": "laneway-code", "prompt": f"def f{i}(x):\n    return", "max_tokens": 16}
         try:
-            status, headers, _ = await http.post(
+            status, headers, data = await http.post(
                 "/v1/completions", body, {"X-Laneway-Session": f"s{i % 64}"}
             )
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            errors += 1
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            errors[type(exc).__name__] += 1
             return
         if status != 200:
-            errors += 1
+            errors[f"{status} {data[:120].decode(errors='replace')}"] += 1
             return
         latencies.append((time.perf_counter() - started) * 1000)
         for part in headers["server-timing"].split(", "):
@@ -133,9 +136,10 @@ def main() -> None:
         best = 0.0
         for rate in rates:
             with CpuWatch(stack) as cpu, StealWatch() as steal:
-                latencies, stages, errors, achieved = uvloop.run(
+                latencies, stages, failed, achieved = uvloop.run(
                     drive(stack, key, rate, args.seconds)
                 )
+            errors = sum(failed.values())
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             row = (
                 rate,
@@ -152,6 +156,8 @@ def main() -> None:
             )
             print(" ".join(f"{v:>10.1f}" for v in row), flush=True)
             print(f"#   cpu, % of one core: {cpu.shares}", flush=True)
+            for kind, count in failed.most_common():
+                print(f"#   error x{count}: {kind}", flush=True)
             if p99 < 50 and errors == 0:
                 best = max(best, rate)
         print(f"highest rate with P99 < 50 ms and no errors: {best:.0f}/s")
