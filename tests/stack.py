@@ -236,10 +236,25 @@ async def _stops(name: str, stopping: Coroutine[Any, Any, None], within_s: float
     done, _ = await asyncio.wait({stop}, timeout=within_s)
     if not done:
         for task in asyncio.all_tasks():  # the stuck stop's stack among them
-            task.print_stack(file=sys.stderr)
+            print(_await_chain(task), file=sys.stderr)
         stop.cancel()
         raise AssertionError(f"{name} did not stop within {within_s:.0f} s")
     stop.result()
+
+
+def _await_chain(task: asyncio.Task[Any]) -> str:
+    """A task and everything it awaits, down to the innermost future: ``print_stack`` shows
+    a coroutine task's outermost frame only, which does not say where it is stuck."""
+    lines = [f"{task!r} awaits:"]
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+        if frame is None:
+            lines.append(f"    {awaited!r}")
+            break
+        lines.append(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+    return "\n".join(lines)
 
 
 def long_prompt(
