@@ -82,10 +82,10 @@ class QuotaGate:
         """Reserve interactive budget; raises ``QuotaExceeded`` when the team is over it."""
         if not self.enabled:
             return None
-        chunk = int(self.policy.budget_tokens(team, "interactive") * self.lease_share)
         lease = self._leases.get(team.name)
         if lease is not None and lease.tokens >= tokens:
             return self._spend(team, lease, tokens)  # no Redis at all, even while it is down
+        chunk = int(self.policy.budget_tokens(team, "interactive") * self.lease_share)
         if not self.degraded:
             try:
                 if chunk >= tokens:

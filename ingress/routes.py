@@ -110,11 +110,14 @@ async def _serve(request: Request, model: type[B]) -> Response:
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     clock = _Stages()
     decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
-    if decision.route != env.route:
-        env = env.model_copy(update={"route": decision.route})
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
+    update: dict[str, Any] = {}
+    if decision.route != env.route:
+        update["route"] = decision.route
     if admitted is not None and admitted.leased:
-        env = env.model_copy(update={"quota_leased": admitted.leased})
+        update["quota_leased"] = admitted.leased
+    if update:
+        env = env.model_copy(update=update)
     clock.stage("admit")
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)

@@ -41,9 +41,9 @@ _USED_TTL_S = 48 * 3600
 _SETTLED_MARK_S = 900
 _SETTLED_SLOT_S = 300  # marks are grouped by the five minutes the request was accepted in
 
-# KEYS: 1 bucket, 2 reservations, 3 factor, 4 lender bucket (batch borrowing interactive)
-# ARGV: 1 base tokens/h, 2 now, 3 amount, 4 request id, 5 pool, 6 borrow 0|1,
-#       7 lender base tokens/h, 8 reserve share, 9 lender pool, 10 bucket ttl, 11 resv ttl
+# The token bucket every script shares: load (refilled to now), save, credit (refill, then
+# add what a settle or a returned lease gives back; a bucket that expired is full anyway),
+# and the wait until ``amount`` fits (-1: it never will).
 _BUCKET = """
 local function load(key, cap, now)
   local v = redis.call('HMGET', key, 'tokens', 'ts')
@@ -55,8 +55,23 @@ local function save(key, tokens, now, cap, ttl)
   redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now), 'cap', tostring(cap))
   redis.call('EXPIRE', key, ttl)
 end
+local function credit(key, amount, now)
+  local v = redis.call('HMGET', key, 'tokens', 'ts', 'cap')
+  local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  if tokens == nil then return end
+  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
+  tokens = math.min(cap, tokens + amount)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
+end
+local function retry_after(amount, tokens, cap)
+  if amount <= cap and cap > 0 then return (amount - tokens) * 3600 / cap end
+  return -1
+end
 """
 
+# KEYS: 1 bucket, 2 reservations, 3 factor, 4 lender bucket (batch borrowing interactive)
+# ARGV: 1 base tokens/h, 2 now, 3 amount, 4 request id, 5 pool, 6 borrow 0|1,
+#       7 lender base tokens/h, 8 reserve share, 9 lender pool, 10 bucket ttl, 11 resv ttl
 _RESERVE = (
     _BUCKET
     + """
@@ -86,8 +101,7 @@ if ARGV[6] == '1' then
     return {1, tostring(tokens), '0', tostring(cap), ARGV[9]}
   end
 end
-local retry = -1
-if amount <= cap and cap > 0 then retry = (amount - tokens) * 3600 / cap end
+local retry = retry_after(amount, tokens, cap)
 return {0, tostring(tokens), tostring(retry), tostring(cap), ARGV[5]}
 """
 )
@@ -105,9 +119,7 @@ local now, need, want = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local cap = tonumber(ARGV[1]) * factor
 local tokens = load(KEYS[1], cap, now)
 if tokens < need then
-  local retry = -1
-  if need <= cap and cap > 0 then retry = (need - tokens) * 3600 / cap end
-  return {0, tostring(tokens), tostring(retry), tostring(cap)}
+  return {0, tostring(tokens), tostring(retry_after(need, tokens, cap)), tostring(cap)}
 end
 local take = math.max(need, math.floor(math.min(want, tokens)))
 save(KEYS[1], tokens - take, now, cap, tonumber(ARGV[5]))
@@ -116,23 +128,21 @@ return {1, tostring(tokens - take), tostring(take), tostring(cap)}
 )
 
 # Unused lease back to the pool. KEYS: 1 bucket; ARGV: 1 tokens, 2 now
-_GIVE_BACK = """
-local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts', 'cap')
-local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
-local amount, now = tonumber(ARGV[1]), tonumber(ARGV[2])
-if tokens ~= nil then
-  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
-  tokens = math.min(cap, tokens + amount)
-  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-end
+_GIVE_BACK = (
+    _BUCKET
+    + """
+credit(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
 return 1
 """
+)
 
 # KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
 #       6 settled marks (request ids admitted from a lease and settled already)
 # ARGV: 1 request id, 2 actual tokens, 3 now, 4 used ttl, 5 leased tokens (0: none),
 #       6 marks ttl
-_SETTLE = """
+_SETTLE = (
+    _BUCKET
+    + """
 local held = redis.call('HGET', KEYS[1], ARGV[1])
 local pool, amount
 if held then
@@ -148,13 +158,7 @@ end
 local actual, now = tonumber(ARGV[2]), tonumber(ARGV[3])
 local bucket, used = KEYS[2], KEYS[4]
 if pool == 'batch' then bucket, used = KEYS[3], KEYS[5] end
-local v = redis.call('HMGET', bucket, 'tokens', 'ts', 'cap')
-local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
-if tokens ~= nil then
-  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
-  tokens = math.min(cap, tokens + amount - actual)
-  redis.call('HSET', bucket, 'tokens', tostring(tokens), 'ts', tostring(now))
-end
+credit(bucket, amount - actual, now)
 if held then redis.call('HDEL', KEYS[1], ARGV[1]) end
 if actual > 0 then
   redis.call('INCRBY', used, actual)
@@ -162,6 +166,7 @@ if actual > 0 then
 end
 return {1, pool, tostring(amount)}
 """
+)
 
 
 def _text(value: bytes | str) -> str:

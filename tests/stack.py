@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 class Services:
     bootstrap: str
     redis_url: str
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def wait_for(predicate: Callable[[], bool], within_s: float, what: str) -> None:

@@ -19,19 +19,13 @@ from laneway.devstack import (
     create_topics,
     port_in_use,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+from tests.stack import free_port
 
 
 def _free_port_pair() -> int:
     """A port whose successor is free too (the broker's controller listens on port + 1)."""
     for _ in range(50):
-        port = _free_port()
+        port = free_port()
         if port < 65535 and not port_in_use(port + 1):
             return port
     raise RuntimeError("no two adjacent free ports")
@@ -54,11 +48,11 @@ def test_cache_dir_follows_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 def test_port_in_use(occupied_port: int) -> None:
     assert port_in_use(occupied_port)
-    assert not port_in_use(_free_port())
+    assert not port_in_use(free_port())
 
 
 def test_redis_server_serves_and_stops_twice(tmp_path: Path) -> None:
-    server = RedisServer(port=_free_port(), data_dir=tmp_path / "redis")
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis")
     with server:
         client = redis.Redis.from_url(server.url)
         try:
@@ -80,7 +74,7 @@ def test_redis_refuses_taken_port(occupied_port: int, tmp_path: Path) -> None:
 
 
 def test_redis_names_leftover_from_earlier_run(tmp_path: Path) -> None:
-    leftover = RedisServer(port=_free_port(), data_dir=tmp_path)
+    leftover = RedisServer(port=free_port(), data_dir=tmp_path)
     with leftover:
         assert leftover.running
         fresh = RedisServer(port=leftover.port, data_dir=tmp_path)

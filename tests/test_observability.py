@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -14,7 +13,7 @@ from laneway import metrics as shared_metrics
 from laneway.settings import CommonSettings
 from streams.records import HourlyRollup, LatencySummary
 from streams.report import cost_report, render
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, free_port, wait_for
 
 
 def _families(text: str) -> dict[str, set[frozenset[str]]]:
@@ -63,14 +62,8 @@ def test_team_labels_stay_bounded() -> None:
     assert len(seen) <= shared_metrics.MAX_TEAM_LABELS + 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
-    port = _free_port()
+    port = free_port()
     proc = stack.spawn(
         "workers",
         LANEWAY_POOL="chat",

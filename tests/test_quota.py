@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
 from laneway.schema import BatchRequest, Reply, RequestEnvelope, UsageEvent
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, wait_for
+from tests.stack import LiveStack, Services, free_port, wait_for
 from workers import metrics
 from workers.replies import Outbox
 
@@ -122,8 +122,7 @@ async def test_lease_arithmetic(enforcer: Any) -> None:
     # Settling twice (a re-run after a crash) changes nothing.
     assert not (await quota.settle("delta", "l-1", 40, now=now, leased=120, accepted_ts=now)).found
     await quota.give_back("delta", 30, now=now)  # the unused rest of the first lease
-    bucket = "tokens"
-    tokens = await redis.hget(quota.keys.quota_bucket("delta", "interactive"), bucket)
+    tokens = await redis.hget(quota.keys.quota_bucket("delta", "interactive"), "tokens")
     assert float(tokens) == pytest.approx(80 + 150 + 30, abs=1)
     pool = (await quota.snapshot(team))["pools"]["interactive"]
     assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40, 0)
@@ -171,12 +170,6 @@ async def test_batch_borrows_only_above_the_reserve(enforcer: Any) -> None:
 
 
 # --- whole path ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_worker_settles_even_after_redis_lost_its_scripts(enforcer: Any) -> None:
@@ -272,7 +265,7 @@ async def test_ingress_admits_from_a_lease_and_gives_back_the_rest(stack: LiveSt
     assert remaining[0] - remaining[-1] > 19 * 10  # each request is counted locally
     # Settled to the real count by the worker, and the idle rest goes back to the pool:
     # then the pool lacks exactly what was used (plus a sliver of refill).
-    await wait_for_budget_used_by(gate.enforcer, team, spent)
+    await wait_for_budget_used(lambda: gate.enforcer.snapshot(team), spent)
     assert await gate.return_idle() == 0  # used a moment ago: not idle for 60 s yet
     held = gate._leases[team.name].tokens
     assert held > 0
@@ -283,16 +276,6 @@ async def test_ingress_admits_from_a_lease_and_gives_back_the_rest(stack: LiveSt
     assert 100_000 - spent <= pool["remaining_tokens"] <= 100_000 - spent + refill + 1
 
 
-async def wait_for_budget_used_by(admin: QuotaEnforcer, team: Team, tokens: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        pool = (await admin.snapshot(team))["pools"]["interactive"]
-        if pool["used_tokens_this_hour"] >= tokens:
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError("usage never settled")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("lease_share", "unused"), [(0, 2), (0.1, 3)], ids=["exact", "leases"])
 async def test_two_ingress_processes_never_overspend(
@@ -300,7 +283,7 @@ async def test_two_ingress_processes_never_overspend(
 ) -> None:
     key = await stack.api_key("shared", size=1, complexity=0.02)  # 1,000 tokens an hour
     # No worker: reservations stay open, so every admission spends from the bucket.
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [
         _spawn_ingress(
             stack,
@@ -398,7 +381,7 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
 async def test_redis_outage_keeps_interactive_and_pauses_batch(
     services: Services, tmp_path: Path, prefix: str
 ) -> None:
-    port = _free_port()
+    port = free_port()
     server = RedisServer(port=port, data_dir=tmp_path / "redis")
     server.start()
     stack = LiveStack(Services(services.bootstrap, server.url), prefix)
@@ -473,7 +456,7 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     )
     assert done.status_code == 200
     spent = done.json()["usage"]["total_tokens"]
-    await wait_for_budget_used(admin, spent)
+    await wait_for_budget_used(lambda: _json(admin.get("/admin/teams/docs")), spent)
     snapshot = (await admin.get("/admin/teams/docs")).json()
     assert snapshot["tier"] == "lo"
     assert snapshot["factor"] == 1.0
@@ -483,11 +466,17 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     assert (await admin.get("/admin/teams/nobody")).status_code == 404
 
 
-async def wait_for_budget_used(admin: httpx.AsyncClient, tokens: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        pool = (await admin.get("/admin/teams/docs")).json()["pools"]["interactive"]
-        if pool["used_tokens_this_hour"] >= tokens:
-            return
+async def wait_for_budget_used(
+    snapshot: Callable[[], Awaitable[dict[str, Any]]], tokens: int, within_s: float = 10
+) -> None:
+    """Until the team snapshot says the workers settled ``tokens`` of its interactive pool."""
+    deadline = time.monotonic() + within_s
+    while (await snapshot())["pools"]["interactive"]["used_tokens_this_hour"] < tokens:
+        if time.monotonic() > deadline:
+            raise TimeoutError("usage never settled")
         await asyncio.sleep(0.05)
-    raise TimeoutError("usage never settled")
+
+
+async def _json(response: Awaitable[httpx.Response]) -> dict[str, Any]:
+    body: dict[str, Any] = (await response).json()
+    return body

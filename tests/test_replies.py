@@ -4,7 +4,6 @@ each character once, however a re-run cuts the same text into chunks."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from typing import Any
 
@@ -14,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
 from laneway.schema import Reply, decode
-from tests.stack import Services
+from tests.stack import Services, free_port
 from workers.replies import ChunkStream, Outbox
 
 
@@ -128,7 +127,7 @@ async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply
 ) -> None:
     # Redis is not listening and the replies topic does not exist (the broker creates none on
     # its own): the write fails on both paths.
-    redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{_free_port()}/0")
+    redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
     producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, request_timeout_ms=1000)
     await producer.start()
     outbox = Outbox(redis, producer, Topics(f"missing{uuid.uuid4().hex[:8]}"))
@@ -144,9 +143,3 @@ async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply
     finally:
         await producer.stop()
         await redis.aclose()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -235,14 +236,8 @@ class PoolWorker:
 
     async def lag(self, partitions: list[TopicPartition] | None = None) -> int:
         """Records fetched by nobody yet on ``partitions`` (default: all assigned)."""
-        backlog = 0
-        for tp in self.consumer.assignment() if partitions is None else partitions:
-            high = self.consumer.highwater(tp)
-            if high is None:
-                continue
-            with contextlib.suppress(KafkaError, AssertionError):
-                backlog += max(0, high - await self.consumer.position(tp))
-        return backlog
+        assigned = self.consumer.assignment() if partitions is None else partitions
+        return await _backlog(self.consumer, assigned)
 
     async def _prioritise_bands(self) -> None:
         assigned = self.consumer.assignment()
@@ -324,17 +319,9 @@ class PoolWorker:
                 for record in records:
                     await self._on_cancel(record.value, record.topic, f"@{record.offset}")
             self.shield.expire(time.time())
-            if pause and batches and await self._caught_up(self.cancels, list(batches)):
+            # Caught up: nothing left behind the records just read (a replay is not).
+            if pause and batches and not await _backlog(self.cancels, batches):
                 await asyncio.sleep(pause)
-
-    @staticmethod
-    async def _caught_up(consumer: AIOKafkaConsumer, partitions: list[TopicPartition]) -> bool:
-        """Nothing left to fetch on ``partitions`` as of the last fetch (a replay is not)."""
-        for tp in partitions:
-            high = consumer.highwater(tp)
-            if high is not None and await consumer.position(tp) < high:
-                return False
-        return True
 
     async def _early_cancel_loop(self) -> None:
         """Tombstones the ingress also publishes on Redis: they reach a running request a
@@ -412,3 +399,15 @@ class PoolWorker:
 
     async def _after_heartbeat(self) -> None:
         """Periodic hook for subclasses (the batch lane checks interactive backlog here)."""
+
+
+async def _backlog(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition]) -> int:
+    """Records on ``partitions`` past the consumer's position, as of its last fetch."""
+    backlog = 0
+    for tp in partitions:
+        high = consumer.highwater(tp)
+        if high is None:
+            continue
+        with contextlib.suppress(KafkaError, AssertionError):
+            backlog += max(0, high - await consumer.position(tp))
+    return backlog
