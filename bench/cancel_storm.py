@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -504,6 +505,8 @@ def main() -> None:
                 results = uvloop.run(_session(stack, key, args, scenario.fleet, runs))
             for name in runs:
                 _report(scenario, name, *results[name])
+            if shield:
+                _compare(results["no storm"], results["shield on"])
 
 
 def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) -> None:
@@ -551,6 +554,51 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
             f"would be {100 * (seen.stale + seen.in_flight) / total:.1f}",
             flush=True,
         )
+
+
+def _compare(base: tuple[RunStats, EngineTime], storm: tuple[RunStats, EngineTime]) -> None:
+    """The storm's P99 against its baseline's, with how sure the difference is.
+
+    A P99 of a few hundred completions rests on its few largest, so two runs of the same
+    load differ by tens of milliseconds by chance. A bootstrap (resampling each run's
+    completions with replacement) gives the 95 % interval of the difference: when it holds
+    0, the storm is not told apart from no storm at this sample size.
+    """
+
+    def waits(run: tuple[RunStats, EngineTime]) -> list[float]:
+        stats, seen = run
+        return [ms - seen.by_id[rid] for rid, ms in stats.kept.items() if rid in seen.by_id]
+
+    for what, a, b in (
+        ("kept P99", list(base[0].kept.values()), list(storm[0].kept.values())),
+        ("P99 wait", waits(base), waits(storm)),
+    ):
+        if not a or not b:
+            continue
+        low, high = bootstrap_interval(a, b, lambda v: percentile(v, 99))
+        diff = percentile(b, 99) - percentile(a, 99)
+        verdict = "worse" if low > 0 else "better" if high < 0 else "not told apart"
+        print(
+            f"#   shield on - no storm, {what}: {diff:+.0f} ms, 95 % interval "
+            f"{low:+.0f} .. {high:+.0f} ({len(a)} and {len(b)} completions): {verdict}",
+            flush=True,
+        )
+
+
+def bootstrap_interval(
+    a: list[float],
+    b: list[float],
+    statistic: Callable[[list[float]], float],
+    rounds: int = 2000,
+    seed: int = 1,
+) -> tuple[float, float]:
+    """95 % interval of ``statistic(b) - statistic(a)`` by resampling each with replacement."""
+    rng = random.Random(seed)
+    diffs = sorted(
+        statistic(rng.choices(b, k=len(b))) - statistic(rng.choices(a, k=len(a)))
+        for _ in range(rounds)
+    )
+    return diffs[int(0.025 * rounds)], diffs[int(0.975 * rounds) - 1]
 
 
 def _wait_parts(stats: RunStats, seen: EngineTime) -> str:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -36,7 +37,8 @@ class ReplyChannel:
     def __init__(self, request_id: str, team: str) -> None:
         self.request_id = request_id
         self.team = team
-        self._queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._ready: deque[Reply] = deque()
+        self._arrival: asyncio.Future[None] | None = None  # set by the next reply
         self._seen = 0  # characters of text passed on
         self._next = 0  # message number expected next (workers without offsets)
 
@@ -48,7 +50,7 @@ class ReplyChannel:
                 reply = reply.model_copy(update={"text": ""})
             self._next = reply.n + 1
             self._seen += len(reply.text)
-            self._queue.put_nowait(reply)
+            self._put(reply)
             return
         end = reply.at + len(reply.text)
         if reply.at < self._seen:
@@ -58,10 +60,32 @@ class ReplyChannel:
             reply = reply.model_copy(update={"text": fresh, "at": self._seen})
         self._seen = max(self._seen, end)
         self._next = reply.n + 1
-        self._queue.put_nowait(reply)
+        self._put(reply)
+
+    def _put(self, reply: Reply) -> None:
+        self._ready.append(reply)
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+
+    def take(self) -> Reply | None:
+        """The next reply, if one is waiting."""
+        return self._ready.popleft() if self._ready else None
+
+    def arrival(self) -> asyncio.Future[None]:
+        """A future that is done once a reply waits (at once if one does). A bare future,
+        not a task: the request's handler waits on it beside its client's disconnect, and
+        cancels it when it stops waiting, so nothing is left behind."""
+        future = asyncio.get_running_loop().create_future()
+        if self._ready:
+            future.set_result(None)
+        self._arrival = future
+        return future
 
     async def get(self, wait_s: float) -> Reply:
-        return await asyncio.wait_for(self._queue.get(), wait_s)
+        """The next reply; TimeoutError after ``wait_s``."""
+        if not self._ready:
+            await asyncio.wait_for(self.arrival(), wait_s)
+        return self._ready.popleft()
 
 
 class ReplyRouter:

@@ -82,18 +82,25 @@ async def _wait_disconnect(request: Request) -> None:
 async def _next_reply(
     state: IngressState, channel: ReplyChannel, disconnect: asyncio.Future[None]
 ) -> Reply:
-    get = asyncio.ensure_future(channel.get(state.settings.reply_timeout_s))
-    waiting: set[asyncio.Future[Any]] = {get, disconnect}
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if get not in done:
-        get.cancel()
-        raise _ClientGone
+    reply = channel.take()
+    if reply is not None:
+        return reply  # chunks that came together: no waiting
+    arrival = channel.arrival()
     try:
-        return get.result()
-    except TimeoutError:
-        raise Expired(
-            f"no reply within {state.settings.reply_timeout_s}s (LANEWAY_REPLY_TIMEOUT_S)"
-        ) from None
+        # Cancelled too when the client's disconnect stops the streaming response.
+        await asyncio.wait(
+            {arrival, disconnect},
+            timeout=state.settings.reply_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    finally:
+        arrival.cancel()
+    reply = channel.take()
+    if reply is not None:
+        return reply
+    if disconnect.done():
+        raise _ClientGone
+    raise Expired(f"no reply within {state.settings.reply_timeout_s}s (LANEWAY_REPLY_TIMEOUT_S)")
 
 
 async def _serve(request: Request, model: type[B]) -> Response:

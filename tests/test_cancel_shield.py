@@ -13,7 +13,7 @@ import pytest
 
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import LiveStack, long_prompt, wait_for
+from tests.stack import LiveStack, _await_chain, long_prompt, wait_for
 from workers.shield import CancelShield
 
 STEP_MS = 20.0
@@ -235,11 +235,28 @@ async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack)
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
     await wait_for(lambda: ingress.state.replies.open_channels == 0, 10, "handlers to let go")
+    # Nothing of the two requests is left in the ingress's loop: no handler, and no task
+    # still waiting for their replies (until LANEWAY_REPLY_TIMEOUT_S, 300 s).
+    await wait_for(lambda: not _waiting_for_replies(), 5, "no task to wait for replies")
     events = await stack.read_topic(stack.topics.usage, count=2)
     by_id = {e["id"]: e for e in events}
     assert by_id[request_id]["status"] == "cancelled"
     assert by_id[request_id]["completion_tokens"] < 128
     assert all(e["status"] == "cancelled" for e in events)
+
+
+def _waiting_for_replies() -> list[str]:
+    """The tasks in this loop (the ingress runs in the test's) that serve a request or wait
+    for a reply."""
+    chains = [_await_chain(task) for task in asyncio.all_tasks()]
+    return [
+        chain
+        for chain in chains
+        if any(
+            "ingress/routes.py:" in line or (line.endswith(" in get") and "ingress/" in line)
+            for line in chain.splitlines()
+        )
+    ]
 
 
 def test_shield_memory_is_bounded() -> None:

@@ -19,8 +19,8 @@ from workers.replies import ChunkStream, Outbox
 
 def _drain(channel: ReplyChannel) -> list[Reply]:
     out = []
-    while not channel._queue.empty():
-        out.append(channel._queue.get_nowait())
+    while (reply := channel.take()) is not None:
+        out.append(reply)
     return out
 
 
