@@ -534,7 +534,8 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
         f"{sum(stats.steal) / len(stats.steal):.1f}",
     )
     print(" ".join(f"{v:>15}" for v in row), flush=True)
-    print(f"#   kept P99 ms by window: {', '.join(f'{p:.0f}' for p in stats.p99)}")
+    windows = ", ".join(f"{p:.0f} ({s:.1f} %)" for p, s in zip(stats.p99, stats.steal, strict=True))
+    print(f"#   kept P99 ms (steal) by window: {windows}")
     print(f"#   completion outcomes: {seen.statuses}", flush=True)
     for cpu in stats.cpu:
         print(f"#   cpu, % of one core: {cpu}", flush=True)

@@ -26,12 +26,20 @@ __all__ = ["ReplyChannel", "ReplyRouter"]
 log = logging.getLogger(__name__)
 
 
+# A message that comes ahead of text not yet here waits this long for that text: a worker
+# whose replies switched between Redis and Kafka (Redis went away, or came back) sends on two
+# paths that keep no order between them.
+GAP_WAIT_S = 2.0
+
+
 class ReplyChannel:
     """The replies of one request, in order, repeats dropped.
 
     A worker that crashed mid-request is replaced and runs it again from the start; each
     message's text offset ``at`` lets the channel pass on only text the client has not
-    received (message numbers ``n`` for a worker that sends no offsets).
+    received (message numbers ``n`` for a worker that sends no offsets). A message whose
+    text starts beyond what has been passed on is held until the text before it arrives,
+    or for ``GAP_WAIT_S`` at most.
     """
 
     def __init__(self, request_id: str, team: str) -> None:
@@ -41,6 +49,8 @@ class ReplyChannel:
         self._arrival: asyncio.Future[None] | None = None  # set by the next reply
         self._seen = 0  # characters of text passed on
         self._next = 0  # message number expected next (workers without offsets)
+        self._held: dict[int, Reply] = {}  # messages ahead of a gap, by offset
+        self._gap_timer: asyncio.TimerHandle | None = None
 
     def feed(self, reply: Reply) -> None:
         if reply.at is None:
@@ -52,15 +62,58 @@ class ReplyChannel:
             self._seen += len(reply.text)
             self._put(reply)
             return
-        end = reply.at + len(reply.text)
-        if reply.at < self._seen:
+        if reply.at > self._seen:
+            self._held[reply.at] = reply
+            if self._gap_timer is None:
+                loop = asyncio.get_running_loop()
+                self._gap_timer = loop.call_later(GAP_WAIT_S, self._skip_gap)
+            return
+        self._pass_on(reply)
+        self._release_held()
+
+    def _pass_on(self, reply: Reply) -> None:
+        """A message that starts within the text passed on: its new part, if any."""
+        at = reply.at or 0
+        end = at + len(reply.text)
+        if at < self._seen:
             if end <= self._seen and not reply.done:
                 return  # a re-run repeating text already passed on
-            fresh = reply.text[self._seen - reply.at :] if end > self._seen else ""
+            fresh = reply.text[self._seen - at :] if end > self._seen else ""
             reply = reply.model_copy(update={"text": fresh, "at": self._seen})
         self._seen = max(self._seen, end)
         self._next = reply.n + 1
         self._put(reply)
+
+    def _release_held(self) -> None:
+        """Pass on the held messages the text has now reached."""
+        while self._held and (at := min(self._held)) <= self._seen:
+            self._pass_on(self._held.pop(at))
+        if not self._held and self._gap_timer is not None:
+            self._gap_timer.cancel()
+            self._gap_timer = None
+
+    def _skip_gap(self) -> None:
+        """The text before the held messages never came: pass them on, with the hole."""
+        self._gap_timer = None
+        if not self._held:
+            return
+        at = min(self._held)
+        log.warning(
+            "reply text %d..%d of %s never arrived; passing on what came after it",
+            self._seen,
+            at,
+            self.request_id,
+            extra={"request_id": self.request_id},
+        )
+        self._seen = at
+        self._release_held()
+
+    def close(self) -> None:
+        """The request is over: nothing more is held for it."""
+        self._held.clear()
+        if self._gap_timer is not None:
+            self._gap_timer.cancel()
+            self._gap_timer = None
 
     def _put(self, reply: Reply) -> None:
         self._ready.append(reply)
@@ -105,7 +158,9 @@ class ReplyRouter:
         return channel
 
     def close(self, request_id: str) -> None:
-        self._channels.pop(request_id, None)
+        channel = self._channels.pop(request_id, None)
+        if channel is not None:
+            channel.close()
 
     def owner(self, request_id: str) -> str | None:
         """The team of a request waiting here, or None when this instance does not hold it."""

@@ -4,15 +4,18 @@ each character once, however a re-run cuts the same text into chunks."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
+import ingress.replies as replies_module
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
-from laneway.schema import Reply, decode
+from laneway.schema import Reply, RequestEnvelope, UsageEvent, decode
 from tests.stack import Services, free_port
 from workers.replies import ChunkStream, Outbox
 
@@ -55,6 +58,31 @@ def test_channel_goes_by_message_numbers_for_a_worker_without_offsets() -> None:
     channel.feed(Reply(id="r-4", n=0, text="def "))  # its re-run after a crash
     channel.feed(Reply(id="r-4", n=3, text="", done=True, status="ok"))
     assert "".join(r.text for r in _drain(channel)) == "def main():"
+
+
+async def test_channel_holds_text_that_came_ahead_of_a_gap() -> None:
+    # Redis came back: the next chunk went through Redis and overtook the last one that
+    # went through Kafka.
+    channel = ReplyChannel("r-5", "team-a")
+    channel.feed(Reply(id="r-5", n=0, at=0, text="def "))
+    channel.feed(Reply(id="r-5", n=2, at=8, text="():", done=True, status="ok"))
+    assert [r.text for r in _drain(channel)] == ["def "]
+    channel.feed(Reply(id="r-5", n=1, at=4, text="main"))
+    replies = _drain(channel)
+    assert [r.text for r in replies] == ["main", "():"]
+    assert replies[-1].done
+
+
+async def test_channel_passes_on_after_a_gap_that_never_fills(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replies_module, "GAP_WAIT_S", 0.05)
+    channel = ReplyChannel("r-6", "team-a")
+    channel.feed(Reply(id="r-6", n=0, at=0, text="def "))
+    channel.feed(Reply(id="r-6", n=2, at=8, text="():", done=True, status="ok"))
+    assert [r.text for r in _drain(channel)] == ["def "]
+    final = await channel.get(1.0)  # not held for good: the request does not hang
+    assert (final.text, final.done) == ("():", True)
 
 
 async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
@@ -119,6 +147,71 @@ async def test_chunks_that_come_together_share_one_round_trip(services: Services
             ]
     finally:
         await redis.delete(*streams)
+        await redis.aclose()
+
+
+async def test_final_replies_that_come_together_share_one_round_trip(services: Services) -> None:
+    # Requests that end on the same engine step: their final replies (and, with quotas, their
+    # settlements) go to the ingress in one pipeline, behind the chunks queued before them.
+    redis = aioredis.Redis.from_url(services.redis_url)
+    stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
+    outbox = Outbox(redis, None, Topics("c"), capture=True)  # type: ignore[arg-type]
+    pipelines = 0
+    pipeline = redis.pipeline
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return pipeline(*args, **kwargs)
+
+    redis.pipeline = counted  # type: ignore[method-assign]
+    now = time.time()
+    envs = [
+        RequestEnvelope(
+            id=f"r-{i}",
+            team="team-a",
+            cls="completion",
+            band="hi",
+            kind="completion",
+            model="laneway-code",
+            route="laneway-code",
+            prompt="def main():",
+            max_tokens=8,
+            affinity="s:doc",
+            reply_to=stream,
+            accepted_ts=now,
+            deadline_ts=now + 30,
+        )
+        for i in range(4)
+    ]
+    try:
+        chunk = asyncio.create_task(outbox.reply(stream, Reply(id="r-0", n=0, at=0, text="x")))
+        await asyncio.gather(
+            *(
+                outbox.finish(
+                    env,
+                    Reply(id=env.id, n=1, at=1, text="y", done=True, status="ok"),
+                    UsageEvent(
+                        id=env.id,
+                        team=env.team,
+                        cls=env.cls,
+                        model=env.model,
+                        route=env.route,
+                        status="ok",
+                    ),
+                )
+                for env in envs
+            )
+        )
+        await chunk
+        assert pipelines == 1
+        written = [decode(Reply, f[b"d"]) for _, f in await redis.xrange(stream)]
+        assert [(r.id, r.done) for r in written] == [("r-0", False)] + [
+            (env.id, True) for env in envs
+        ]
+        assert set(outbox.captured) == {env.id for env in envs}
+    finally:
+        await redis.delete(stream)
         await redis.aclose()
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError, RedisError
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
@@ -24,6 +27,9 @@ from workers import metrics
 __all__ = ["ChunkStream", "Outbox"]
 
 log = logging.getLogger(__name__)
+
+# Queues a group of commands on a pipeline and says how many.
+_Commands = Callable[[Pipeline], int]
 
 # After a Redis failure, replies go through Kafka for this long before Redis is tried again,
 # so the chunks of one request do not alternate between two paths.
@@ -50,8 +56,8 @@ class Outbox:
         self.capture = capture
         self.captured: dict[str, Reply] = {}
         self._redis_down_until = 0.0
-        # Chunks waiting for the next Redis round trip, and the task that makes it.
-        self._queued: list[tuple[str, Reply, asyncio.Future[bool]]] = []
+        # Writes waiting for the next Redis round trip, and the task that makes it.
+        self._queued: list[tuple[_Commands, asyncio.Future[list[Any] | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     def _redis_usable(self) -> bool:
@@ -74,32 +80,42 @@ class Outbox:
         what a streaming worker would otherwise spend most of its time on.
         """
         if self._redis_usable():
-            sent: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._queued.append((stream, reply, sent))
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.create_task(self._flush(), name="reply-chunks")
-            if await sent:
-                return
+
+            def queue(pipe: Pipeline) -> int:
+                pipe.xadd(
+                    stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
+                )
+                return 1
+
+            results = await self._round_trip(queue)
+            if results is not None:
+                if not isinstance(results[0], Exception):
+                    return
+                self._redis_failed(results[0])
         await self._reply_via_kafka(stream, reply)
 
+    async def _round_trip(self, queue: _Commands) -> list[Any] | None:
+        """Commands that share the next Redis pipeline with all that is queued meanwhile
+        (chunks, final replies, settlements of other requests); their results, or None when
+        Redis was not reached."""
+        done: asyncio.Future[list[Any] | None] = asyncio.get_running_loop().create_future()
+        self._queued.append((queue, done))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush(), name="redis-writes")
+        return await done
+
     async def _flush(self) -> None:
-        """Write every queued chunk in one pipeline; those queued meanwhile go in the next."""
+        """Send everything queued in one pipeline; what is queued meanwhile goes in the next."""
         while self._queued:
             batch, self._queued = self._queued, []
-            sent = False  # unless the pipeline ran, each writer sends through Kafka instead
+            counts: list[int] = []
+            results: list[Any] | None = None  # None: each writer falls back to Kafka
             try:
                 if not self._redis_usable():
                     continue  # the batch before this one found Redis gone
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for stream, reply, _ in batch:
-                        pipe.xadd(
-                            stream,
-                            {"d": reply.to_json()},
-                            maxlen=REPLY_STREAM_MAXLEN,
-                            approximate=True,
-                        )
-                    await pipe.execute()
-                sent = True
+                    counts = [queue(pipe) for queue, _ in batch]
+                    results = await pipe.execute(raise_on_error=False)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             except BaseException:
@@ -108,9 +124,12 @@ class Outbox:
                 self._queued = []
                 raise
             finally:
-                for _, _, done in batch:
+                start = 0
+                for i, (_, done) in enumerate(batch):
+                    count = counts[i] if i < len(counts) else 0
                     if not done.done():
-                        done.set_result(sent)
+                        done.set_result(None if results is None else results[start : start + count])
+                    start += count
 
     async def finish(
         self, env: RequestEnvelope, final: Reply, usage: UsageEvent
@@ -134,26 +153,29 @@ class Outbox:
         """Final reply and settlement in one round trip."""
         actual = usage.prompt_tokens + usage.completion_tokens
         if self._redis_usable():
+
+            def queue(pipe: Pipeline) -> int:
+                if env.reply_to is not None:
+                    pipe.xadd(
+                        env.reply_to,
+                        {"d": final.to_json()},
+                        maxlen=REPLY_STREAM_MAXLEN,
+                        approximate=True,
+                    )
+                if self.quota is not None:
+                    self.quota.queue_settle(
+                        pipe,
+                        env.team,
+                        env.id,
+                        actual,
+                        leased=env.quota_leased,
+                        accepted_ts=env.accepted_ts,
+                    )
+                return (env.reply_to is not None) + (self.quota is not None)
+
+            results = await self._round_trip(queue)
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    if env.reply_to is not None:
-                        pipe.xadd(
-                            env.reply_to,
-                            {"d": final.to_json()},
-                            maxlen=REPLY_STREAM_MAXLEN,
-                            approximate=True,
-                        )
-                    if self.quota is not None:
-                        self.quota.queue_settle(
-                            pipe,
-                            env.team,
-                            env.id,
-                            actual,
-                            leased=env.quota_leased,
-                            accepted_ts=env.accepted_ts,
-                        )
-                    results = await pipe.execute(raise_on_error=False)
-                for result in results:
+                for result in results if results is not None else ():
                     if isinstance(result, NoScriptError) and self.quota is not None:
                         # Redis restarted and lost its scripts; settle is idempotent.
                         await self.quota.settle(
@@ -168,7 +190,8 @@ class Outbox:
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             else:
-                return
+                if results is not None:
+                    return
         if env.reply_to is not None:
             await self._reply_via_kafka(env.reply_to, final)
         log.warning(
