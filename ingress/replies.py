@@ -63,10 +63,10 @@ class ReplyChannel:
             self._put(reply)
             return
         if reply.at > self._seen:
-            self._held[reply.at] = reply
+            if reply.done or reply.at not in self._held:  # a re-run's repeat keeps the first
+                self._held[reply.at] = reply
             if self._gap_timer is None:
-                loop = asyncio.get_running_loop()
-                self._gap_timer = loop.call_later(GAP_WAIT_S, self._skip_gap)
+                self._wait_for_gap()
             return
         self._pass_on(reply)
         self._release_held()
@@ -84,13 +84,22 @@ class ReplyChannel:
         self._next = reply.n + 1
         self._put(reply)
 
+    def _wait_for_gap(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._gap_timer = loop.call_later(GAP_WAIT_S, self._skip_gap)
+
     def _release_held(self) -> None:
-        """Pass on the held messages the text has now reached."""
+        """Pass on the held messages the text has now reached; a gap still open after them
+        gets a wait of its own."""
+        released = False
         while self._held and (at := min(self._held)) <= self._seen:
             self._pass_on(self._held.pop(at))
-        if not self._held and self._gap_timer is not None:
+            released = True
+        if self._gap_timer is not None and (released or not self._held):
             self._gap_timer.cancel()
             self._gap_timer = None
+            if self._held:
+                self._wait_for_gap()
 
     def _skip_gap(self) -> None:
         """The text before the held messages never came: pass them on, with the hole."""

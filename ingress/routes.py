@@ -82,6 +82,8 @@ async def _wait_disconnect(request: Request) -> None:
 async def _next_reply(
     state: IngressState, channel: ReplyChannel, disconnect: asyncio.Future[None]
 ) -> Reply:
+    if disconnect.done():
+        raise _ClientGone
     reply = channel.take()
     if reply is not None:
         return reply  # chunks that came together: no waiting

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from ingress import create_app
 from laneway.apikeys import create_key
 from laneway.devstack import create_topics
+from laneway.schema import RequestEnvelope
 from laneway.settings import IngressSettings, WorkerSettings
 from quota.teams import Team, set_team
 from workers.factory import create_worker
@@ -48,6 +50,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def envelope(**fields: Any) -> RequestEnvelope:
+    """A completion's envelope as the ingress would make it; ``fields`` override."""
+    now = time.time()
+    values: dict[str, Any] = {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "team": "team-a",
+        "cls": "completion",
+        "band": "hi",
+        "kind": "completion",
+        "model": "laneway-code",
+        "route": "laneway-code",
+        "prompt": "def main():",
+        "max_tokens": 64,
+        "affinity": "s:doc",
+        "reply_to": None,
+        "accepted_ts": now,
+        "deadline_ts": now + 30,
+    }
+    return RequestEnvelope(**{**values, **fields})
 
 
 async def wait_for(predicate: Callable[[], bool], within_s: float, what: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +19,7 @@ from ingress.breaker import BreakerGate
 from laneway.constants import RedisKeys
 from laneway.errors import ServiceUnavailable
 from laneway.schema import RequestEnvelope
-from tests.stack import LiveStack
+from tests.stack import LiveStack, envelope
 from tests.test_streams_process import StreamsProcess, wait_until
 
 ROUTES = {"laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"}}
@@ -68,21 +67,12 @@ class Webhook:
 
 
 def _envelope(i: int) -> RequestEnvelope:
-    now = time.time()
-    return RequestEnvelope(
-        id=f"cmpl-{uuid.uuid4().hex[:12]}",
-        team="team-a",
-        cls="completion",
-        band="hi",
-        kind="completion",
-        model="laneway-code",
-        route="laneway-code",
+    # One partition, one worker: failures drawn in order.
+    return envelope(
         prompt=f"def f{i}():",
         max_tokens=2,
-        affinity="p:one-partition",  # one partition, one worker: failures drawn in order
-        reply_to=None,
-        accepted_ts=now,
-        deadline_ts=now + 120,
+        affinity="p:one-partition",
+        deadline_ts=time.time() + 120,
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import LiveStack, _await_chain, long_prompt, wait_for
+from tests.stack import LiveStack, _await_chain, envelope, long_prompt, wait_for
 from workers.shield import CancelShield
 
 STEP_MS = 20.0
@@ -22,24 +21,7 @@ RACE_STEP_MS = 100.0
 
 
 def _envelope(stack: LiveStack, **fields: Any) -> RequestEnvelope:
-    now = time.time()
-    values: dict[str, Any] = {
-        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
-        "team": "team-a",
-        "cls": "completion",
-        "band": "hi",
-        "kind": "completion",
-        "model": "laneway-code",
-        "route": "laneway-code",
-        "prompt": "def main():",
-        "max_tokens": 64,
-        "affinity": "s:doc",
-        "reply_to": f"{stack.prefix}:reply:test",
-        "accepted_ts": now,
-        "deadline_ts": now + 30,
-    }
-    values.update(fields)
-    return RequestEnvelope(**values)
+    return envelope(**{"reply_to": f"{stack.prefix}:reply:test", **fields})
 
 
 async def _send(stack: LiveStack, *records: RequestEnvelope | CancelRecord) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 
@@ -140,3 +141,18 @@ async def test_sigkill_mid_stream_loses_nothing(stack: LiveStack) -> None:
     ok = [e for e in events if e["status"] == "ok"]
     assert len(ok) == 2
     assert request_id in {e["id"] for e in ok}
+
+
+async def test_worker_stops_when_a_loop_swallows_its_cancellation(stack: LiveStack) -> None:
+    # A library can swallow a cancellation (redis-py has turned one into a timeout error), and
+    # a loop that catches the error goes on; the worker's stop (its SIGTERM) must still end.
+    worker = await stack.start_worker("completion")
+
+    async def stubborn() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)
+        await asyncio.sleep(3600)
+
+    worker._loops.append(asyncio.create_task(stubborn(), name="stubborn"))
+    await asyncio.wait_for(worker.stop(), 20)
+    assert all(loop.done() for loop in worker._loops)

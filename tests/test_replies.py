@@ -4,7 +4,6 @@ each character once, however a re-run cuts the same text into chunks."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any
 
@@ -15,9 +14,22 @@ from aiokafka import AIOKafkaProducer
 import ingress.replies as replies_module
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
-from laneway.schema import Reply, RequestEnvelope, UsageEvent, decode
-from tests.stack import Services, free_port
+from laneway.schema import Reply, UsageEvent, decode
+from tests.stack import Services, envelope, free_port
 from workers.replies import ChunkStream, Outbox
+
+
+class _Pipelines:
+    """Counts the pipelines a Redis client opens."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.count = 0
+        self._open = redis.pipeline
+        redis.pipeline = self._counted  # type: ignore[method-assign]
+
+    def _counted(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        return self._open(*args, **kwargs)
 
 
 def _drain(channel: ReplyChannel) -> list[Reply]:
@@ -85,6 +97,21 @@ async def test_channel_passes_on_after_a_gap_that_never_fills(
     assert (final.text, final.done) == ("():", True)
 
 
+async def test_channel_gives_each_gap_its_own_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replies_module, "GAP_WAIT_S", 0.2)
+    channel = ReplyChannel("r-7", "team-a")
+    channel.feed(Reply(id="r-7", n=0, at=0, text="a"))
+    channel.feed(Reply(id="r-7", n=2, at=2, text="c"))  # "b" missing
+    channel.feed(Reply(id="r-7", n=4, at=4, text="e", done=True, status="ok"))  # "d" too
+    await asyncio.sleep(0.15)
+    channel.feed(Reply(id="r-7", n=1, at=1, text="b"))  # the first gap fills
+    assert [r.text for r in _drain(channel)] == ["a", "b", "c"]
+    await asyncio.sleep(0.1)  # past the first gap's wait, within the second's
+    assert _drain(channel) == []
+    final = await channel.get(1.0)
+    assert (final.text, final.done) == ("e", True)
+
+
 async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
     services: Services,
 ) -> None:
@@ -120,15 +147,7 @@ async def test_chunks_that_come_together_share_one_round_trip(services: Services
     redis = aioredis.Redis.from_url(services.redis_url)
     streams = [f"c{uuid.uuid4().hex[:8]}:reply:test" for _ in range(2)]
     outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
-    pipelines = 0
-    pipeline = redis.pipeline
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal pipelines
-        pipelines += 1
-        return pipeline(*args, **kwargs)
-
-    redis.pipeline = counted  # type: ignore[method-assign]
+    pipelines = _Pipelines(redis)
     try:
         writers = [ChunkStream(outbox, streams[i % 2], f"r-{i}") for i in range(6)]
         for i, chunks in enumerate(writers):
@@ -139,7 +158,7 @@ async def test_chunks_that_come_together_share_one_round_trip(services: Services
             await asyncio.sleep(0.01)
         closed = [await chunks.close() for chunks in writers]
         assert closed == [(1, 7, "")] * 6
-        assert pipelines == 1
+        assert pipelines.count == 1
         for i, stream in enumerate(streams):
             written = [decode(Reply, f[b"d"]) for _, f in await redis.xrange(stream)]
             assert [(r.id, r.text) for r in written] == [
@@ -156,34 +175,8 @@ async def test_final_replies_that_come_together_share_one_round_trip(services: S
     redis = aioredis.Redis.from_url(services.redis_url)
     stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
     outbox = Outbox(redis, None, Topics("c"), capture=True)  # type: ignore[arg-type]
-    pipelines = 0
-    pipeline = redis.pipeline
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal pipelines
-        pipelines += 1
-        return pipeline(*args, **kwargs)
-
-    redis.pipeline = counted  # type: ignore[method-assign]
-    now = time.time()
-    envs = [
-        RequestEnvelope(
-            id=f"r-{i}",
-            team="team-a",
-            cls="completion",
-            band="hi",
-            kind="completion",
-            model="laneway-code",
-            route="laneway-code",
-            prompt="def main():",
-            max_tokens=8,
-            affinity="s:doc",
-            reply_to=stream,
-            accepted_ts=now,
-            deadline_ts=now + 30,
-        )
-        for i in range(4)
-    ]
+    pipelines = _Pipelines(redis)
+    envs = [envelope(id=f"r-{i}", max_tokens=8, reply_to=stream) for i in range(4)]
     try:
         chunk = asyncio.create_task(outbox.reply(stream, Reply(id="r-0", n=0, at=0, text="x")))
         await asyncio.gather(
@@ -204,12 +197,41 @@ async def test_final_replies_that_come_together_share_one_round_trip(services: S
             )
         )
         await chunk
-        assert pipelines == 1
+        assert pipelines.count == 1
         written = [decode(Reply, f[b"d"]) for _, f in await redis.xrange(stream)]
         assert [(r.id, r.done) for r in written] == [("r-0", False)] + [
             (env.id, True) for env in envs
         ]
         assert set(outbox.captured) == {env.id for env in envs}
+    finally:
+        await redis.delete(stream)
+        await redis.aclose()
+
+
+async def test_a_writer_whose_commands_fail_to_queue_fails_alone(services: Services) -> None:
+    redis = aioredis.Redis.from_url(services.redis_url)
+    stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
+    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
+    pipelines = _Pipelines(redis)
+
+    def good(pipe: Any) -> None:
+        pipe.xadd(stream, {"d": b"x"})
+
+    def bad(pipe: Any) -> None:
+        pipe.xadd(stream, {"d": b"y"})
+        raise TypeError("not a reply")
+
+    try:
+        first, middle, last = await asyncio.gather(
+            outbox._round_trip(good),
+            outbox._round_trip(bad),
+            outbox._round_trip(good),
+            return_exceptions=True,
+        )
+        assert isinstance(middle, TypeError)
+        assert [len(r) for r in (first, last)] == [1, 1]  # type: ignore[arg-type]
+        assert pipelines.count == 1
+        assert [f[b"d"] for _, f in await redis.xrange(stream)] == [b"x", b"x"]
     finally:
         await redis.delete(stream)
         await redis.aclose()

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import orjson
@@ -156,12 +156,8 @@ class PoolWorker:
         if self._inflight:
             log.info("draining %d in-flight requests (grace %.1fs)", len(self._inflight), grace)
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        for loop in self._loops:
-            loop.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+            await _cancel(pending)
+        await _cancel(self._loops)
         with contextlib.suppress(KafkaError):
             await self.commit()
         await self.consumer.stop()
@@ -384,7 +380,9 @@ class PoolWorker:
                     pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
                     pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
                     await pipe.execute()
-            except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
+            except Exception as exc:  # a missed beat must never stop the worker
+                if _being_cancelled():
+                    raise asyncio.CancelledError from exc  # a library turned it into an error
                 log.warning("heartbeat to Redis failed: %s", exc)
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -411,3 +409,28 @@ async def _backlog(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartiti
         with contextlib.suppress(KafkaError, AssertionError):
             backlog += max(0, high - await consumer.position(tp))
     return backlog
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _cancel(tasks: Collection[asyncio.Task[Any]], ask_again_s: float = 2.0) -> None:
+    """Cancel ``tasks`` and wait until they are done, asking again every ``ask_again_s``.
+
+    A library may swallow a cancellation: redis-py has, when it lands as a timeout inside it
+    expires, turning it into a timeout error. A loop that catches that error goes on, and a
+    single cancel would leave the worker's stop (and its SIGTERM) waiting for good.
+    """
+    pending = {task for task in tasks if not task.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=ask_again_s)
+        for task in pending:
+            log.warning("%s went on after it was cancelled; cancelling it again", task.get_name())
+            task.cancel()
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved (each loop logs its own failure)

@@ -28,8 +28,8 @@ __all__ = ["ChunkStream", "Outbox"]
 
 log = logging.getLogger(__name__)
 
-# Queues a group of commands on a pipeline and says how many.
-_Commands = Callable[[Pipeline], int]
+# Queues one writer's commands on the shared pipeline.
+_Commands = Callable[[Pipeline], None]
 
 # After a Redis failure, replies go through Kafka for this long before Redis is tried again,
 # so the chunks of one request do not alternate between two paths.
@@ -81,11 +81,10 @@ class Outbox:
         """
         if self._redis_usable():
 
-            def queue(pipe: Pipeline) -> int:
+            def queue(pipe: Pipeline) -> None:
                 pipe.xadd(
                     stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
                 )
-                return 1
 
             results = await self._round_trip(queue)
             if results is not None:
@@ -108,13 +107,21 @@ class Outbox:
         """Send everything queued in one pipeline; what is queued meanwhile goes in the next."""
         while self._queued:
             batch, self._queued = self._queued, []
-            counts: list[int] = []
+            counts: list[int] = []  # commands each writer queued
             results: list[Any] | None = None  # None: each writer falls back to Kafka
             try:
                 if not self._redis_usable():
                     continue  # the batch before this one found Redis gone
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    counts = [queue(pipe) for queue, _ in batch]
+                    for queue, done in batch:
+                        before = len(pipe.command_stack)
+                        try:
+                            queue(pipe)
+                        except Exception as exc:  # noqa: BLE001 - that writer's own error
+                            del pipe.command_stack[before:]
+                            if not done.done():
+                                done.set_exception(exc)
+                        counts.append(len(pipe.command_stack) - before)
                     results = await pipe.execute(raise_on_error=False)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
@@ -128,7 +135,11 @@ class Outbox:
                 for i, (_, done) in enumerate(batch):
                     count = counts[i] if i < len(counts) else 0
                     if not done.done():
-                        done.set_result(None if results is None else results[start : start + count])
+                        # Not reached, or queued while the batch was being cancelled: None.
+                        mine = None
+                        if results is not None and i < len(counts):
+                            mine = results[start : start + count]
+                        done.set_result(mine)
                     start += count
 
     async def finish(
@@ -154,7 +165,7 @@ class Outbox:
         actual = usage.prompt_tokens + usage.completion_tokens
         if self._redis_usable():
 
-            def queue(pipe: Pipeline) -> int:
+            def queue(pipe: Pipeline) -> None:
                 if env.reply_to is not None:
                     pipe.xadd(
                         env.reply_to,
@@ -171,7 +182,6 @@ class Outbox:
                         leased=env.quota_leased,
                         accepted_ts=env.accepted_ts,
                     )
-                return (env.reply_to is not None) + (self.quota is not None)
 
             results = await self._round_trip(queue)
             try:
