@@ -21,9 +21,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from laneway.constants import RedisKeys, Topics
 from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
-from laneway.schema import BatchRequest, Reply, RequestEnvelope, UsageEvent
+from laneway.schema import BatchRequest, Reply, UsageEvent
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, free_port, wait_for
+from tests.stack import LiveStack, Services, envelope, free_port, wait_for
 from workers import metrics
 from workers.replies import Outbox
 
@@ -174,40 +174,37 @@ async def test_batch_borrows_only_above_the_reserve(enforcer: Any) -> None:
 
 async def test_worker_settles_even_after_redis_lost_its_scripts(enforcer: Any) -> None:
     """The worker sends its settle as a bare EVALSHA beside the final reply; a Redis that
-    restarted without its script cache answers NOSCRIPT, and the settle must still land."""
+    restarted without its script cache answers NOSCRIPT, and the settle must still land, for
+    each of the requests whose writes shared the pipeline."""
     quota, redis, keys = enforcer
     team = Team("alpha", size=1)
-    await quota.reserve(team, "interactive", "r-1", 300)
+    ids = ("r-1", "r-2")
+    for rid in ids:
+        await quota.reserve(team, "interactive", rid, 300)
     await redis.script_flush()
     outbox = Outbox(redis, None, Topics(keys.prefix), quota)  # type: ignore[arg-type]
-    env = RequestEnvelope(
-        id="r-1",
-        team="alpha",
-        cls="completion",
-        kind="completion",
-        model="m",
-        route="m",
-        max_tokens=200,
-        affinity="p:x",
-        reply_to=f"{keys.prefix}:reply:test",
-        accepted_ts=time.time(),
-    )
-    final = Reply(id="r-1", n=0, text="hi", done=True, status="ok")
-    usage = UsageEvent(
-        id="r-1",
-        team="alpha",
-        cls="completion",
-        model="m",
-        route="m",
-        status="ok",
-        prompt_tokens=100,
-        completion_tokens=20,
-    )
-    await outbox._final_redis_writes(env, final, usage)
+    stream = f"{keys.prefix}:reply:test"
+
+    async def finish(rid: str, tokens: int) -> None:
+        env = envelope(id=rid, team="alpha", max_tokens=200, reply_to=stream)
+        final = Reply(id=rid, n=0, text="hi", done=True, status="ok")
+        usage = UsageEvent(
+            id=rid,
+            team="alpha",
+            cls="completion",
+            model="m",
+            route="m",
+            status="ok",
+            prompt_tokens=100,
+            completion_tokens=tokens,
+        )
+        await outbox._final_redis_writes(env, final, usage)
+
+    await asyncio.gather(finish("r-1", 20), finish("r-2", 30))
     pool = (await quota.snapshot(team))["pools"]["interactive"]
     assert pool["reservations"] == 0
-    assert pool["used_tokens_this_hour"] == 120
-    assert await redis.xlen(env.reply_to) == 1  # the reply went out once, through Redis
+    assert pool["used_tokens_this_hour"] == 250
+    assert await redis.xlen(stream) == 2  # each reply went out once, through Redis
 
 
 def _spawn_ingress(stack: LiveStack, port: int, **env: str) -> subprocess.Popen[bytes]:
