@@ -267,13 +267,13 @@ async def _stops(name: str, stopping: Coroutine[Any, Any, None], within_s: float
     done, _ = await asyncio.wait({stop}, timeout=within_s)
     if not done:
         for task in asyncio.all_tasks():  # the stuck stop's stack among them
-            print(_await_chain(task), file=sys.stderr)
+            print(await_chain(task), file=sys.stderr)
         stop.cancel()
         raise AssertionError(f"{name} did not stop within {within_s:.0f} s")
     stop.result()
 
 
-def _await_chain(task: asyncio.Task[Any]) -> str:
+def await_chain(task: asyncio.Task[Any]) -> str:
     """A task and everything it awaits, down to the innermost future: ``print_stack`` shows
     a coroutine task's outermost frame only, which does not say where it is stuck."""
     lines = [f"{task!r} awaits:"]

@@ -12,7 +12,7 @@ import pytest
 
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import LiveStack, _await_chain, envelope, long_prompt, wait_for
+from tests.stack import LiveStack, await_chain, envelope, long_prompt, wait_for
 from workers.shield import CancelShield
 
 STEP_MS = 20.0
@@ -230,7 +230,7 @@ async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack)
 def _waiting_for_replies() -> list[str]:
     """The tasks in this loop (the ingress runs in the test's) that serve a request or wait
     for a reply."""
-    chains = [_await_chain(task) for task in asyncio.all_tasks()]
+    chains = [await_chain(task) for task in asyncio.all_tasks()]
     return [
         chain
         for chain in chains
