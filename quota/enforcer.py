@@ -375,10 +375,6 @@ class QuotaEnforcer:
             keys=[self.keys.quota_bucket(team, "interactive")], args=[tokens, now]
         )
 
-    async def release(self, team: str, request_id: str, *, now: float | None = None) -> Settled:
-        """Give a reservation back whole (dropped, cancelled, expired, failed to enqueue)."""
-        return await self.settle(team, request_id, 0, now=now)
-
     async def snapshot(self, team: Team) -> dict[str, object]:
         """Budget, remaining, reservations, usage this hour and the factor (admin API)."""
         now = time.time()

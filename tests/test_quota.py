@@ -82,8 +82,8 @@ async def test_reserve_and_settle_arithmetic(enforcer: Any) -> None:
     # cancelled and expired: everything back.
     assert (await quota.settle("alpha", "ok-1", 120, now=now)).reserved == 300
     await quota.settle("alpha", "err-1", 50, now=now)
-    await quota.release("alpha", "cancel-1", now=now)
-    await quota.release("alpha", "exp-1", now=now)
+    await quota.settle("alpha", "cancel-1", 0, now=now)
+    await quota.settle("alpha", "exp-1", 0, now=now)
     snap = await quota.snapshot(team)
     pool = snap["pools"]["interactive"]
     assert pool["reservations"] == 0

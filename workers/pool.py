@@ -380,9 +380,7 @@ class PoolWorker:
                     pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
                     pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
                     await pipe.execute()
-            except Exception as exc:  # a missed beat must never stop the worker
-                if _being_cancelled():
-                    raise asyncio.CancelledError from exc  # a library turned it into an error
+            except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
                 log.warning("heartbeat to Redis failed: %s", exc)
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -409,11 +407,6 @@ async def _backlog(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartiti
         with contextlib.suppress(KafkaError, AssertionError):
             backlog += max(0, high - await consumer.position(tp))
     return backlog
-
-
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def _cancel(tasks: Collection[asyncio.Task[Any]], ask_again_s: float = 2.0) -> None:
