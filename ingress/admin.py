@@ -1,4 +1,5 @@
-"""Admin API: set a team's size, complexity and tier; read its budget, usage and factor."""
+"""Admin API: set a team's record (size, complexity, tier, supersession policy); read its
+budget, usage and factor."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class TeamBody(BaseModel):
     size: int = Field(ge=1)
     complexity: float = Field(1.0, gt=0, le=10)
     tier: str = Field("hi", pattern="^(hi|lo)$")
+    supersede_grace_tokens: int = Field(0, ge=0)
 
 
 def _authorise(request: Request) -> IngressState:
@@ -43,7 +45,11 @@ async def put_team(team: str, request: Request) -> Response:
     state = _authorise(request)
     body = parse_body(TeamBody, await request.body())
     record = Team(
-        team, size=body.size, complexity=body.complexity, tier="lo" if body.tier == "lo" else "hi"
+        team,
+        size=body.size,
+        complexity=body.complexity,
+        tier="lo" if body.tier == "lo" else "hi",
+        supersede_grace_tokens=body.supersede_grace_tokens,
     )
     await set_team(state.redis, state.keys, record)
     return JSONResponse(await state.quota.enforcer.snapshot(record))

@@ -97,6 +97,7 @@ class Admission:
             reply_to=reply_to,
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,
+            supersede_grace_tokens=caller.team.supersede_grace_tokens,
         )
 
     async def produce(self, env: RequestEnvelope) -> None:

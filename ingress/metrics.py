@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["CLIENT_GONE", "LATENCY", "OPEN_REQUESTS", "RESPONSES"]
+__all__ = ["CLIENT_GONE", "LATENCY", "OPEN_REQUESTS", "RESPONSES", "TOMBSTONES"]
 
 RESPONSES = Counter(
     "laneway_ingress_responses_total", "HTTP responses by class and status code", ["cls", "code"]
@@ -21,3 +21,9 @@ LATENCY = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
 )
 OPEN_REQUESTS = Gauge("laneway_ingress_open_requests", "Requests waiting on replies")
+TOMBSTONES = Counter(
+    "laneway_ingress_tombstones_total",
+    "Cancel tombstones of gone clients: sent, or left out as a newer keystroke of the same "
+    "session superseded the request",
+    ["outcome"],
+)

@@ -134,7 +134,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     handed_over = False
     try:
         try:
-            await state.admission.produce(env)
+            await state.produce(env)
         except KafkaError as exc:
             await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
             raise ServiceUnavailable(
@@ -161,7 +161,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
         state.client_gone(env)
         return Response(status_code=499)
     except Expired:
-        state.publish_cancel(env, reason="disconnect")
+        state.cancels.add(env)
         raise
     finally:
         if not handed_over:
@@ -310,7 +310,7 @@ async def cancel_request(request_id: str, request: Request) -> Response:
         raise NotFound(
             f"no request {request_id!r} of team {caller.team.name!r}", param="request_id"
         )
-    await state.send_cancel(request_id, caller.team.name, reason="api")
+    await state.send_cancel(request_id, caller.team.name)
     # Held here: known to be live. Held by another replica: the worker checks the team.
     body = {
         "id": request_id,

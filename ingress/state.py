@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -18,6 +17,7 @@ from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
 from ingress.breaker import BreakerGate
+from ingress.cancels import CancelOutbox
 from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
@@ -44,6 +44,13 @@ class IngressState:
         # produce request in flight per broker, so on a shared producer a storm of tombstones
         # would queue the requests of the keystrokes that users still wait for.
         self.cancel_producer: AIOKafkaProducer = make_producer(settings)
+        self.cancels = CancelOutbox(
+            self.cancel_producer,
+            self.redis,
+            self.topics,
+            self.keys,
+            hold_s=settings.cancel_hold_ms / 1000,
+        )
         self.replies = ReplyRouter(self.redis, self.reply_stream)
         self.callers = CallerResolver(self.redis, self.keys)
         self.admission = Admission(settings, self.producer)
@@ -64,7 +71,6 @@ class IngressState:
         self._tail: asyncio.Task[None]
         self._lease_returns: asyncio.Task[None]
         self.started_at = time.time()
-        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.producer.start()
@@ -73,6 +79,7 @@ class IngressState:
         except BaseException:
             await self.producer.stop()
             raise
+        self.cancels.start()
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
@@ -89,45 +96,23 @@ class IngressState:
             await self._tail
         await self._reply_fallback.stop()
         await self.replies.stop()
-        if self._background:
-            await asyncio.wait(self._background, timeout=5)
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
+        await self.cancels.stop()
         try:
             await self.producer.stop()
         finally:
             await self.cancel_producer.stop()
         await self.redis.aclose()
 
-    async def send_cancel(self, request_id: str, team: str, *, reason: str) -> None:
-        """Publish a tombstone: on the compacted topic (the record every worker replays),
-        and on a Redis channel too, which reaches running workers a Kafka hop sooner."""
-        record = CancelRecord(
-            id=request_id, team=team, reason="api" if reason == "api" else "disconnect"
-        )
-        raw = record.to_json()
-        self._in_background(self._publish_early(raw))  # never waits on a Redis outage
-        await self.cancel_producer.send_and_wait(self.topics.cancel, raw, key=request_id.encode())
+    async def send_cancel(self, request_id: str, team: str) -> None:
+        """``DELETE``: publish a tombstone and wait until the broker stored it."""
+        await self.cancels.send_now(CancelRecord(id=request_id, team=team, reason="api"))
 
-    async def _publish_early(self, raw: bytes) -> None:
-        try:
-            await self.redis.publish(self.keys.cancels(), raw)
-        except (RedisError, OSError) as exc:
-            log.debug("cancel not published on Redis (the topic still carries it): %s", exc)
-
-    def publish_cancel(self, env: RequestEnvelope, *, reason: str) -> None:
-        """Fire-and-forget cancel from a handler that is itself being torn down."""
-        self._in_background(self._cancel_quietly(env, reason))
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _cancel_quietly(self, env: RequestEnvelope, reason: str) -> None:
-        try:
-            await self.send_cancel(env.id, env.team, reason=reason)
-        except KafkaError as exc:
-            log.warning("cancel of %s not published: %s", env.id, exc, extra={"request_id": env.id})
+    async def produce(self, env: RequestEnvelope) -> None:
+        """Store ``env`` on its lane (raises the broker's error); from then on it supersedes
+        its session's older keystrokes."""
+        await self.admission.produce(env)
+        self.cancels.accepted(env)
 
     def client_gone(self, env: RequestEnvelope) -> None:
         """The client went away: count it as 499 and tell the worker to drop or abort."""
@@ -138,7 +123,7 @@ class IngressState:
             env.id,
             extra={"request_id": env.id, "team": env.team, "cls": env.cls},
         )
-        self.publish_cancel(env, reason="disconnect")
+        self.cancels.add(env)
 
     async def readiness(self) -> dict[str, dict[str, Any]]:
         checks: dict[str, dict[str, Any]] = {}

@@ -57,7 +57,13 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def cmd_teams_set(args: argparse.Namespace) -> int:
-    team = Team(args.team, size=args.size, complexity=args.complexity, tier=args.tier)
+    team = Team(
+        args.team,
+        size=args.size,
+        complexity=args.complexity,
+        tier=args.tier,
+        supersede_grace_tokens=args.supersede_grace_tokens,
+    )
 
     async def store(settings: CommonSettings) -> int:
         redis = make_redis(settings)
@@ -65,7 +71,10 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
             await set_team(redis, settings.keys, team)
         finally:
             await redis.aclose()
-        print(f"team {team.name}: size {team.size}, complexity {team.complexity}, tier {team.tier}")
+        print(
+            f"team {team.name}: size {team.size}, complexity {team.complexity}, "
+            f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens"
+        )
         return 0
 
     return _run_redis(store)
@@ -253,11 +262,21 @@ def _parser() -> argparse.ArgumentParser:
     teams = sub.add_parser("teams", help="team records").add_subparsers(
         dest="teams_command", required=True
     )
-    tset = teams.add_parser("set", help="set a team's size, complexity factor and tier")
+    tset = teams.add_parser(
+        "set", help="set a team's size, complexity factor, tier and supersession policy"
+    )
     tset.add_argument("team")
     tset.add_argument("--size", type=int, required=True)
     tset.add_argument("--complexity", type=float, default=1.0)
     tset.add_argument("--tier", choices=["hi", "lo"], default="hi")
+    tset.add_argument(
+        "--supersede-grace-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a superseded completion that already streamed N tokens may finish "
+        "(default 0: dropped at once)",
+    )
     tset.set_defaults(func=cmd_teams_set)
 
     batch = sub.add_parser("batch", help="batch jobs (OpenAI Batch format)").add_subparsers(

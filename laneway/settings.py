@@ -126,6 +126,13 @@ class IngressSettings(CommonSettings):
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    cancel_hold_ms: int = Field(
+        25,
+        ge=0,
+        le=1000,
+        description="a gone client's tombstone waits this long for a newer keystroke of its "
+        "session, which makes it needless (0: sent at once)",
+    )
     breaker_routes: dict[str, dict[str, str]] = Field(
         default_factory=lambda: {
             "laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"},

@@ -407,6 +407,7 @@ class QuotaEnforcer:
             "size": team.size,
             "complexity": team.complexity,
             "tier": team.tier,
+            "supersede_grace_tokens": team.supersede_grace_tokens,
             "factor": factor,
             "pools": pools,
         }

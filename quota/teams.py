@@ -1,4 +1,4 @@
-"""Team records: size, complexity factor and priority tier, kept in Redis."""
+"""Team records: size, complexity factor, priority tier and supersession policy, in Redis."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class Team:
     size: int = 1
     complexity: float = 1.0
     tier: Band = "hi"
+    # A superseded completion that already streamed this many tokens may finish (0: drop at
+    # once, the default: the newer keystroke made it stale).
+    supersede_grace_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -30,6 +33,11 @@ class Team:
             )
         if self.tier not in ("hi", "lo"):
             raise BadRequest(f"tier {self.tier!r} must be 'hi' or 'lo'", param="tier")
+        if self.supersede_grace_tokens < 0:
+            raise BadRequest(
+                f"supersede_grace_tokens {self.supersede_grace_tokens} must be 0 or more",
+                param="supersede_grace_tokens",
+            )
 
 
 def _text(value: bytes | str) -> str:
@@ -39,7 +47,12 @@ def _text(value: bytes | str) -> str:
 async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
     await redis.hset(
         keys.team(team.name),
-        mapping={"size": team.size, "complexity": team.complexity, "tier": team.tier},
+        mapping={
+            "size": team.size,
+            "complexity": team.complexity,
+            "tier": team.tier,
+            "supersede_grace_tokens": team.supersede_grace_tokens,
+        },
     )
     await redis.sadd(keys.teams(), team.name)
 
@@ -56,4 +69,5 @@ async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:
         size=int(fields.get("size", 1)),
         complexity=float(fields.get("complexity", 1.0)),
         tier="lo" if tier == "lo" else "hi",
+        supersede_grace_tokens=int(fields.get("supersede_grace_tokens", 0)),
     )

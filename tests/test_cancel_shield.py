@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
@@ -310,3 +312,127 @@ def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
     burst = [(15.0, "chunk", 15.0), (40.0, "cancel", 0.0)]
     burst += [(46.0, "chunk", 30.0, 30.0), (46.5, "chunk", 45.0, 45.0)]
     assert run("f", *burst) == pytest.approx(5.0)
+
+
+def _tombstones_left_out() -> float:
+    return (
+        REGISTRY.get_sample_value("laneway_ingress_tombstones_total", {"outcome": "superseded"})
+        or 0.0
+    )
+
+
+async def _first_data(lines: AsyncIterator[str], count: int = 1) -> None:
+    """Read on until ``count`` SSE data lines came."""
+    seen = 0
+    async for line in lines:
+        if line.startswith("data: "):
+            seen += 1
+            if seen == count:
+                return
+
+
+async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
+    stack: LiveStack,
+) -> None:
+    """An IDE fires the next keystroke and closes the previous one's connection: the newer
+    seq already tells the worker to drop the old request, so no tombstone is sent for it."""
+    # A long hold, so that a slow machine cannot turn this into the other case.
+    ingress = await stack.start_ingress(cancel_hold_ms=1000)
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
+    left_out = _tombstones_left_out()
+    async with http.stream(
+        "POST", "/v1/completions", json=body, headers=_keystroke("doc-7", 1)
+    ) as response:
+        old_id = response.headers["x-laneway-request-id"]
+        await _first_data(response.aiter_lines())
+        newer = asyncio.create_task(
+            http.post(
+                "/v1/completions",
+                json={**body, "stream": False, "max_tokens": 4},
+                headers=_keystroke("doc-7", 2),
+            )
+        )
+    new_id = (await newer).json()["id"]
+    usage = await _usage(stack, old_id, new_id)
+    # Dropped by the newer keystroke, not by a tombstone (the Redis one would be sooner).
+    assert usage[old_id]["status"] == "superseded"
+    assert usage[old_id]["completion_tokens"] < 128
+    assert usage[new_id]["status"] == "ok"
+    await wait_for(lambda: ingress.state.cancels.held == 0, 10, "the hold to end")
+    assert _tombstones_left_out() == left_out + 1
+    sent = await stack.read_topic(
+        stack.topics.cancel, count=1, within_s=2, where=lambda r: r["id"] == old_id
+    )
+    assert sent == []
+
+
+@pytest.mark.parametrize("case", ["no newer keystroke", "team lets it finish"])
+async def test_a_gone_keystrokes_tombstone_goes_out_when_nothing_supersedes_it(
+    stack: LiveStack, case: str
+) -> None:
+    ingress = await stack.start_ingress(cancel_hold_ms=300)
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    grace = 1 if case == "team lets it finish" else 0
+    http = stack.http(ingress, await stack.api_key("team-a", supersede_grace_tokens=grace))
+    body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
+    async with http.stream(
+        "POST", "/v1/completions", json=body, headers=_keystroke("doc-8", 1)
+    ) as response:
+        old_id = response.headers["x-laneway-request-id"]
+        await _first_data(response.aiter_lines())
+        if grace:
+            newer = await http.post(
+                "/v1/completions",
+                json={**body, "stream": False, "max_tokens": 4},
+                headers=_keystroke("doc-8", 2),
+            )
+            assert newer.status_code == 200
+    tombstones = await stack.read_topic(
+        stack.topics.cancel, count=1, where=lambda r: r["id"] == old_id
+    )
+    assert [(t["team"], t["reason"]) for t in tombstones] == [("team-a", "disconnect")]
+    event = (await _usage(stack, old_id))[old_id]
+    assert event["status"] == "cancelled"
+    assert event["completion_tokens"] < 128
+
+
+async def test_team_policy_lets_a_superseded_completion_that_streamed_enough_finish(
+    stack: LiveStack,
+) -> None:
+    """Per team: a superseded completion that already streamed N tokens finishes (the user
+    may be reading it); one that streamed fewer is dropped."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    body = {"model": "laneway-code", "prompt": long_prompt(40), "max_tokens": 40, "stream": True}
+    outcomes = {}
+    for team, grace in (("team-g", 3), ("team-h", 1000)):
+        http = stack.http(ingress, await stack.api_key(team, supersede_grace_tokens=grace))
+        session = f"doc-{team}"
+        async with http.stream(
+            "POST", "/v1/completions", json=body, headers=_keystroke(session, 1)
+        ) as response:
+            old_id = response.headers["x-laneway-request-id"]
+            lines = response.aiter_lines()
+            await _first_data(lines, count=5)
+            newer = await http.post(
+                "/v1/completions",
+                json={**body, "stream": False, "max_tokens": 4},
+                headers=_keystroke(session, 2),
+            )
+            assert newer.status_code == 200
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        outcomes[team] = ((await _usage(stack, old_id))[old_id], rest)
+    finished, rest = outcomes["team-g"]
+    assert finished["status"] == "ok"
+    assert "error" not in orjson.loads(rest[-2][6:])
+    dropped, rest = outcomes["team-h"]
+    assert dropped["status"] == "superseded"
+    assert dropped["completion_tokens"] < 40
+    assert orjson.loads(rest[-2][6:])["error"]["code"] == "superseded"
+
+
+def _keystroke(session: str, seq: int) -> dict[str, str]:
+    return {"X-Laneway-Session": session, "X-Laneway-Seq": str(seq)}
