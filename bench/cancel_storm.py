@@ -77,6 +77,11 @@ DOCUMENT_MAX_TOKENS = 128
 # shield the typists' stale work is 15-20 % of all engine time, the issue's baseline for
 # mixed deployments (with all 32 slots busy it is about 12 %).
 BATCH_LINES_AT_ONCE = 24
+# Windows at or under this average steal (%) are compared on their own as well: on a shared
+# host, a window the hypervisor slowed says more about the host than about the storm.
+QUIET_STEAL = 1.0
+# The fewest kept completions on each side for that comparison (two windows' worth).
+QUIET_MIN = 300
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ class RunStats:
     cpu: list[str] = field(default_factory=list)  # per window: share of a core per process
     steal: list[float] = field(default_factory=list)  # per window, %
     p99: list[float] = field(default_factory=list)  # per window: P99 of the kept latencies
+    # ids of the kept completions of windows whose average steal was at most QUIET_STEAL
+    quiet: set[str] = field(default_factory=set)
 
     def merge(self, other: RunStats) -> None:
         self.sent += other.sent
@@ -127,6 +134,7 @@ class RunStats:
         self.cpu += other.cpu
         self.steal += other.steal
         self.p99 += other.p99
+        self.quiet |= other.quiet
 
 
 @dataclass
@@ -395,6 +403,8 @@ async def _window(
     stats.cpu.append(cpu.shares)
     stats.steal.append(steal.average)
     stats.p99.append(percentile(list(stats.kept.values()), 99))
+    if steal.average <= QUIET_STEAL:
+        stats.quiet = set(stats.kept)
     stats.chat_turns, stats.chat_errors = chat.turns - turns, chat.errors - chat_errors
     stop.set()
     await watcher
@@ -567,27 +577,42 @@ def _compare(base: tuple[RunStats, EngineTime], storm: tuple[RunStats, EngineTim
     A P99 of a few hundred completions rests on its few largest, so two runs of the same
     load differ by tens of milliseconds by chance. A bootstrap (resampling each run's
     completions with replacement) gives the 95 % interval of the difference: when it holds
-    0, the storm is not told apart from no storm at this sample size.
+    0, the storm is not told apart from no storm at this sample size. The same comparison
+    over the quiet windows alone (average steal at most QUIET_STEAL) follows, when both
+    runs have enough of them.
     """
 
-    def waits(run: tuple[RunStats, EngineTime]) -> list[float]:
-        stats, seen = run
-        return [ms - seen.by_id[rid] for rid, ms in stats.kept.items() if rid in seen.by_id]
+    def kept(run: tuple[RunStats, EngineTime], quiet: bool) -> list[float]:
+        stats, _ = run
+        return [ms for rid, ms in stats.kept.items() if not quiet or rid in stats.quiet]
 
-    for what, a, b in (
-        ("kept P99", list(base[0].kept.values()), list(storm[0].kept.values())),
-        ("P99 wait", waits(base), waits(storm)),
-    ):
-        if not a or not b:
-            continue
-        low, high = bootstrap_interval(a, b, lambda v: percentile(v, 99))
-        diff = percentile(b, 99) - percentile(a, 99)
-        verdict = "worse" if low > 0 else "better" if high < 0 else "not told apart"
-        print(
-            f"#   shield on - no storm, {what}: {diff:+.0f} ms, 95 % interval "
-            f"{low:+.0f} .. {high:+.0f} ({len(a)} and {len(b)} completions): {verdict}",
-            flush=True,
-        )
+    def waits(run: tuple[RunStats, EngineTime], quiet: bool) -> list[float]:
+        stats, seen = run
+        return [
+            ms - seen.by_id[rid]
+            for rid, ms in stats.kept.items()
+            if rid in seen.by_id and (not quiet or rid in stats.quiet)
+        ]
+
+    for quiet in (False, True):
+        where = f", windows under {QUIET_STEAL:.0f} % steal" if quiet else ""
+        for what, a, b in (
+            ("kept P99", kept(base, quiet), kept(storm, quiet)),
+            ("P99 wait", waits(base, quiet), waits(storm, quiet)),
+        ):
+            if quiet and min(len(a), len(b)) < QUIET_MIN:
+                print(f"#   {what}{where}: too few ({len(a)} and {len(b)} completions)")
+                continue
+            if not a or not b:
+                continue
+            low, high = bootstrap_interval(a, b, lambda v: percentile(v, 99))
+            diff = percentile(b, 99) - percentile(a, 99)
+            verdict = "worse" if low > 0 else "better" if high < 0 else "not told apart"
+            print(
+                f"#   shield on - no storm, {what}{where}: {diff:+.0f} ms, 95 % interval "
+                f"{low:+.0f} .. {high:+.0f} ({len(a)} and {len(b)} completions): {verdict}",
+                flush=True,
+            )
 
 
 def bootstrap_interval(

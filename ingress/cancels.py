@@ -71,6 +71,7 @@ class CancelOutbox:
         self._held: list[_Held] = []
         self._newest: OrderedDict[Lane, tuple[int, float]] = OrderedDict()
         self._wake = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -81,12 +82,14 @@ class CancelOutbox:
         self._task = asyncio.create_task(self._run(), name="cancel-outbox")
 
     async def stop(self) -> None:
-        """Sends everything still held (a stopping ingress accepts no newer keystroke)."""
+        """Sends everything still held (a stopping ingress accepts no newer keystroke); a
+        flush under way finishes first, so no tombstone is dropped half sent."""
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._flush(everything=True)
+            await self._task
+        else:
+            await self._flush(everything=True)
 
     def accepted(self, env: RequestEnvelope) -> None:
         """The broker stored ``env``: it supersedes older seqs of its session on its lane."""
@@ -106,13 +109,13 @@ class CancelOutbox:
         all when a newer keystroke of its session on its lane was accepted by then."""
         record = CancelRecord(id=env.id, team=env.team, reason="disconnect")
         now = time.monotonic()
-        may_be_superseded = (
+        # Only a newer seq with no grace makes the worker drop it at once.
+        if (
             self._hold_s > 0
             and env.session is not None
             and env.seq is not None
             and env.supersede_grace_tokens == 0
-        )
-        if may_be_superseded and env.session is not None and env.seq is not None:
+        ):
             lane = (self._topics.request(env.cls, env.band), env.session)
             self._held.append(_Held(record, lane, env.seq, now + self._hold_s))
         else:
@@ -137,10 +140,10 @@ class CancelOutbox:
         return newest is not None and newest[0] > held.seq
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
-            while self._held:
+            while self._held and not self._stopping:
                 wait = min(h.due for h in self._held) - time.monotonic()
                 if wait > 0:
                     # A tombstone that may not wait (due now) wakes this early.
@@ -151,6 +154,7 @@ class CancelOutbox:
                     await self._flush()
                 except Exception:  # keep sending the next ones
                     log.exception("cancels not published")
+        await self._flush(everything=True)
 
     async def _flush(self, *, everything: bool = False) -> None:
         now = time.monotonic()

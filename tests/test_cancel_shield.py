@@ -12,6 +12,7 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
+from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
 from tests.stack import LiveStack, await_chain, envelope, long_prompt, wait_for
@@ -366,6 +367,22 @@ async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
         stack.topics.cancel, count=1, within_s=2, where=lambda r: r["id"] == old_id
     )
     assert sent == []
+
+
+async def test_tombstones_still_held_go_out_when_the_ingress_stops(stack: LiveStack) -> None:
+    outbox = CancelOutbox(
+        await stack.producer(), stack.redis, stack.topics, RedisKeys(stack.prefix), hold_s=60
+    )
+    outbox.start()
+    env = _envelope(stack, session="doc-5", seq=1, affinity="s:doc-5")
+    outbox.add(env)
+    await asyncio.sleep(0.05)
+    assert outbox.held == 1  # waiting (a minute) for a newer keystroke
+    await outbox.stop()
+    tombstones = await stack.read_topic(
+        stack.topics.cancel, count=1, where=lambda r: r["id"] == env.id
+    )
+    assert [(t["team"], t["reason"]) for t in tombstones] == [(env.team, "disconnect")]
 
 
 @pytest.mark.parametrize("case", ["no newer keystroke", "team lets it finish"])
