@@ -439,13 +439,17 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     admin = stack.http(ingress, "root-secret")
     assert (await stack.http(ingress, "wrong").get("/admin/teams/docs")).status_code == 401
     created = await admin.put(
-        "/admin/teams/docs", json={"size": 2, "complexity": 0.5, "tier": "lo"}
+        "/admin/teams/docs",
+        json={"size": 2, "complexity": 0.5, "tier": "lo", "supersede_grace_tokens": 8},
     )
     assert created.status_code == 200, created.text
     assert created.json()["pools"]["interactive"]["budget_tokens_per_hour"] == 2 * 50 * 0.5 * 1000
     bad = await admin.put("/admin/teams/docs", json={"size": 0})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "size"
+    bad = await admin.put("/admin/teams/docs", json={"size": 2, "supersede_grace_tokens": -1})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "supersede_grace_tokens"
 
     user = stack.http(ingress, await stack.api_key("docs"))
     done = await user.post(
@@ -456,6 +460,7 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     await wait_for_budget_used(lambda: _json(admin.get("/admin/teams/docs")), spent)
     snapshot = (await admin.get("/admin/teams/docs")).json()
     assert snapshot["tier"] == "lo"
+    assert snapshot["supersede_grace_tokens"] == 8
     assert snapshot["factor"] == 1.0
     pool = snapshot["pools"]["interactive"]
     assert pool["used_tokens_this_hour"] == spent
