@@ -1,18 +1,24 @@
-"""Tombstones out of the ingress: sent together, and left out where a newer keystroke
-already does their work.
+"""Tombstones out of the ingress: on Redis at once, and on Kafka unless a newer keystroke
+already stands in for them.
+
+A tombstone travels two ways. The Redis channel reaches the running workers at once, so it
+aborts a request wherever it runs, whatever the worker's backlog. The record on the
+compacted ``laneway.cancel`` topic is for the workers that were not listening: one that
+starts, or takes a partition over, replays it. Every tombstone is published on Redis at once.
 
 In a cancel storm nearly every tombstone is for a keystroke that the next keystroke of the
-same session supersedes: the worker that runs the session (one session lives on one
-partition of one lane) drops the older request as soon as it fetches the newer one, so the
-tombstone would only cost a Kafka produce, a Redis publish and a wake-up of every worker.
-A tombstone for a disconnect that a newer keystroke may still supersede (the request has a
-session and a seq, and its team drops superseded work at once) is therefore held for
-``LANEWAY_CANCEL_HOLD_MS``; if this ingress accepts a newer seq of the session on the same
-lane in that time, the tombstone is left out. Any other tombstone goes out at once.
-Tombstones that go out together share one Redis round trip and one Kafka produce request.
+same session supersedes. The newer request is stored after the older one on the same
+partition of the same request topic (the same *lane*), so any worker that later reads the
+older one from Kafka reads the newer one right behind it and drops the older. For such a
+keystroke the Kafka record is needless: a gone client's tombstone whose request has a
+session and a seq (and a team that drops superseded work at once) waits up to
+``LANEWAY_CANCEL_HOLD_MS`` for this ingress to store a newer seq of the session on the same
+lane, and its Kafka record is left out if one is (``laneway_ingress_tombstones_total``). It
+goes out after all when the Redis publish failed: then the record is the only way.
 
-Leaving one out is safe only because the newer request is already stored in Kafka when it
-counts: a newer seq is noted only once the broker has acknowledged it.
+Tombstones due together share one Redis pipeline and are queued on the producer together,
+which batches them. Sends run in tasks of their own, so a slow broker or Redis delays no
+later tombstone.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
@@ -38,9 +46,11 @@ __all__ = ["CancelOutbox"]
 log = logging.getLogger(__name__)
 
 # A newer keystroke is remembered this long (and at most this many sessions): forgetting one
-# early only means a tombstone that could have been left out is sent.
+# early only means a Kafka record that could have been left out is sent.
 _NEWEST_TTL_S = 60.0
 _NEWEST_MAX = 50_000
+# How long a stopping ingress waits for tombstones still being sent.
+_STOP_WAIT_S = 5.0
 
 Lane = tuple[str, str]  # (request topic, session)
 
@@ -48,9 +58,10 @@ Lane = tuple[str, str]  # (request topic, session)
 @dataclass(slots=True)
 class _Held:
     record: CancelRecord
-    lane: Lane | None  # set when a newer seq on this lane makes the tombstone needless
+    lane: Lane | None  # set when a newer seq on this lane makes the Kafka record needless
     seq: int
-    due: float  # monotonic time it goes out at the latest
+    due: float  # monotonic time its Kafka record goes out at the latest
+    on_redis: asyncio.Future[bool]  # whether the Redis publish went out
 
 
 class CancelOutbox:
@@ -68,28 +79,34 @@ class CancelOutbox:
         self._topics = topics
         self._keys = keys
         self._hold_s = hold_s
+        self._early: list[tuple[CancelRecord, asyncio.Future[bool]]] = []
         self._held: list[_Held] = []
         self._newest: OrderedDict[Lane, tuple[int, float]] = OrderedDict()
+        self._sending: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     @property
     def held(self) -> int:
+        """Tombstones whose Kafka record waits (for a newer keystroke, or to go out)."""
         return len(self._held)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="cancel-outbox")
 
     async def stop(self) -> None:
-        """Sends everything still held (a stopping ingress accepts no newer keystroke); a
-        flush under way finishes first, so no tombstone is dropped half sent."""
+        """Sends everything still held (a stopping ingress accepts no newer keystroke) and
+        waits up to 5 s for the sends under way."""
         self._stopping = True
         self._wake.set()
         if self._task is not None:
             await self._task
-        else:
-            await self._flush(everything=True)
+        self._flush(everything=True)
+        if self._sending:
+            _, late = await asyncio.wait(self._sending, timeout=_STOP_WAIT_S)
+            if late:
+                log.warning("%d tombstone sends still under way at stop", len(late))
 
     def accepted(self, env: RequestEnvelope) -> None:
         """The broker stored ``env``: it supersedes older seqs of its session on its lane."""
@@ -105,11 +122,13 @@ class CancelOutbox:
             self._newest.popitem(last=False)
 
     def add(self, env: RequestEnvelope) -> None:
-        """The client of ``env`` went away: its tombstone goes out within the hold, or not at
-        all when a newer keystroke of its session on its lane was accepted by then."""
+        """The client of ``env`` went away: its tombstone goes on Redis at once, and on Kafka
+        within the hold unless a newer keystroke of its session on its lane was stored."""
         record = CancelRecord(id=env.id, team=env.team, reason="disconnect")
+        on_redis: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._early.append((record, on_redis))
         now = time.monotonic()
-        # Only a newer seq with no grace makes the worker drop it at once.
+        # Only a newer seq with no grace makes a worker drop the request at once.
         if (
             self._hold_s > 0
             and env.session is not None
@@ -117,79 +136,77 @@ class CancelOutbox:
             and env.supersede_grace_tokens == 0
         ):
             lane = (self._topics.request(env.cls, env.band), env.session)
-            self._held.append(_Held(record, lane, env.seq, now + self._hold_s))
+            self._held.append(_Held(record, lane, env.seq, now + self._hold_s, on_redis))
         else:
-            self._held.append(_Held(record, None, 0, now))
+            self._held.append(_Held(record, None, 0, now, on_redis))
+        if self._stopping:  # too late for the loop; stop() sends what it finds
+            log.warning("tombstone of %s added while stopping", env.id)
         self._wake.set()
 
     async def send_now(self, record: CancelRecord) -> None:
         """Send one tombstone and wait until the broker stored it (``DELETE``); raises the
-        broker's error."""
-        early = asyncio.ensure_future(self._publish_early([record]))
-        try:
-            await self._producer.send_and_wait(
-                self._topics.cancel, record.to_json(), key=record.id.encode()
-            )
-        finally:
-            await early
+        broker's error. The Redis publish does not hold it up."""
+        self._in_background(self._publish_early([record], []))
+        await self._producer.send_and_wait(
+            self._topics.cancel, record.to_json(), key=record.id.encode()
+        )
 
-    def _superseded(self, held: _Held) -> bool:
+    def _needless(self, held: _Held) -> bool:
+        """A newer keystroke stands in for its Kafka record, and Redis carried it."""
         if held.lane is None:
+            return False
+        if not held.on_redis.done() or not held.on_redis.result():
             return False
         newest = self._newest.get(held.lane)
         return newest is not None and newest[0] > held.seq
 
     async def _run(self) -> None:
+        """Flush whenever something may have come due: a new tombstone, a Redis publish that
+        ended, or the end of a hold."""
         while not self._stopping:
-            await self._wake.wait()
+            try:
+                self._flush()
+            except Exception:  # never let the loop die: later tombstones still need it
+                log.exception("cancel outbox flush failed")
+            now = time.monotonic()
+            holds = [h.due - now for h in self._held if h.due > now]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(holds) if holds else None)
             self._wake.clear()
-            while self._held and not self._stopping:
-                wait = min(h.due for h in self._held) - time.monotonic()
-                if wait > 0:
-                    # A tombstone that may not wait (due now) wakes this early.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    self._wake.clear()
-                try:
-                    await self._flush()
-                except Exception:  # keep sending the next ones
-                    log.exception("cancels not published")
-        await self._flush(everything=True)
 
-    async def _flush(self, *, everything: bool = False) -> None:
+    def _flush(self, *, everything: bool = False) -> None:
+        """Start the sends that are due, each batch in a task of its own."""
+        if self._early:
+            early, self._early = self._early, []
+            self._in_background(self._publish_early([r for r, _ in early], [f for _, f in early]))
         now = time.monotonic()
         going: list[CancelRecord] = []
         kept: list[_Held] = []
         for held in self._held:
-            if self._superseded(held):
-                metrics.TOMBSTONES.labels("superseded").inc()
-            elif everything or held.due <= now:
+            if everything:
                 going.append(held.record)
-            else:
+            elif held.due > now:
                 kept.append(held)
+            elif held.lane is not None and not held.on_redis.done():
+                kept.append(held)  # whether Redis carried it decides, in a moment
+            elif self._needless(held):
+                metrics.TOMBSTONES.labels("superseded").inc()
+            else:
+                going.append(held.record)
         self._held = kept
         self._forget(now)
-        if not going:
-            return
-        metrics.TOMBSTONES.labels("sent").inc(len(going))
-        early = asyncio.ensure_future(self._publish_early(going))
-        try:
-            outcomes = await self._store(going)
-        finally:
-            await early
-        for record, outcome in zip(going, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                log.warning(
-                    "cancel of %s not published: %s",
-                    record.id,
-                    outcome,
-                    extra={"request_id": record.id},
-                )
+        if going:
+            self._in_background(self._store(going))
 
-    async def _store(self, records: list[CancelRecord]) -> list[object]:
-        """Produce them all (one request, as the producer batches what is queued together);
-        each record's outcome, an exception where the broker did not store it."""
-        stored: list[asyncio.Future[object]] = []
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _store(self, records: list[CancelRecord]) -> None:
+        """Queue them all on the producer (which batches what is queued together), then wait
+        for the broker; a record it did not store is logged."""
+        stored: list[asyncio.Future[Any]] = []
         for record in records:
             try:
                 stored.append(
@@ -198,21 +215,41 @@ class CancelOutbox:
                     )
                 )
             except KafkaError as exc:
-                failed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+                failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
                 failed.set_exception(exc)
                 stored.append(failed)
-        return list(await asyncio.gather(*stored, return_exceptions=True))
+        outcomes = await asyncio.gather(*stored, return_exceptions=True)
+        for record, outcome in zip(records, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                metrics.TOMBSTONES.labels("failed").inc()
+                log.warning(
+                    "cancel of %s not published: %s",
+                    record.id,
+                    outcome,
+                    extra={"request_id": record.id},
+                )
+            else:
+                metrics.TOMBSTONES.labels("sent").inc()
 
-    async def _publish_early(self, records: list[CancelRecord]) -> None:
-        """On a Redis channel too, which reaches running workers a Kafka hop sooner; never
-        waits on a Redis outage (the topic still carries the tombstones)."""
+    async def _publish_early(
+        self, records: list[CancelRecord], done: list[asyncio.Future[bool]]
+    ) -> None:
+        """Publish on the Redis channel; never raises (the topic still carries them)."""
+        ok = True
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for record in records:
                     pipe.publish(self._keys.cancels(), record.to_json())
                 await pipe.execute()
         except (RedisError, OSError) as exc:
+            ok = False
             log.debug("cancels not published on Redis (the topic still carries them): %s", exc)
+        finally:
+            for future in done:
+                if not future.done():
+                    future.set_result(ok)
+            if done:
+                self._wake.set()
 
     def _forget(self, now: float) -> None:
         while self._newest:

@@ -88,6 +88,7 @@ class IngressState:
 
     async def stop(self) -> None:
         await self.prober.stop()
+        await self.cancels.stop()  # while Kafka and Redis are still there
         self._lease_returns.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._lease_returns
@@ -97,7 +98,6 @@ class IngressState:
         await self._reply_fallback.stop()
         await self.replies.stop()
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
-        await self.cancels.stop()
         try:
             await self.producer.stop()
         finally:

@@ -130,8 +130,9 @@ class IngressSettings(CommonSettings):
         25,
         ge=0,
         le=1000,
-        description="a gone client's tombstone waits this long for a newer keystroke of its "
-        "session, which makes it needless (0: sent at once)",
+        description="a gone client's tombstone (with a session and seq) waits this long before "
+        "its Kafka record is written; none is if this ingress stores a newer seq of the session "
+        "on the same topic meanwhile (Redis gets it at once either way; 0: no wait)",
     )
     breaker_routes: dict[str, dict[str, str]] = Field(
         default_factory=lambda: {

@@ -10,12 +10,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import LiveStack, await_chain, envelope, long_prompt, wait_for
+from tests.stack import LiveStack, await_chain, envelope, free_port, long_prompt, wait_for
 from workers.shield import CancelShield
 
 STEP_MS = 20.0
@@ -335,17 +336,23 @@ async def _first_data(lines: AsyncIterator[str], count: int = 1) -> None:
 async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
     stack: LiveStack,
 ) -> None:
-    """An IDE fires the next keystroke and closes the previous one's connection: the newer
-    seq already tells the worker to drop the old request, so no tombstone is sent for it."""
+    """An IDE fires the next keystroke and closes the previous one's connection: the
+    tombstone reaches the running workers on Redis, and on Kafka the newer keystroke, stored
+    right behind the old one, stands in for it, so no record is written for it."""
     # A long hold, so that a slow machine cannot turn this into the other case.
     ingress = await stack.start_ingress(cancel_hold_ms=1000)
     await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
     http = stack.http(ingress, await stack.api_key("team-a"))
     body = {"model": "laneway-code", "prompt": long_prompt(60), "max_tokens": 128, "stream": True}
     left_out = _tombstones_left_out()
-    async with http.stream(
-        "POST", "/v1/completions", json=body, headers=_keystroke("doc-7", 1)
-    ) as response:
+    channel = RedisKeys(stack.prefix).cancels()
+    async with (
+        stack.redis.pubsub(ignore_subscribe_messages=True) as pubsub,
+        http.stream(
+            "POST", "/v1/completions", json=body, headers=_keystroke("doc-7", 1)
+        ) as response,
+    ):
+        await pubsub.subscribe(channel)
         old_id = response.headers["x-laneway-request-id"]
         await _first_data(response.aiter_lines())
         newer = asyncio.create_task(
@@ -355,10 +362,12 @@ async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
                 headers=_keystroke("doc-7", 2),
             )
         )
-    new_id = (await newer).json()["id"]
+        new_id = (await newer).json()["id"]
+        published = await _next_message(pubsub)
+    assert orjson.loads(published["data"])["id"] == old_id
     usage = await _usage(stack, old_id, new_id)
-    # Dropped by the newer keystroke, not by a tombstone (the Redis one would be sooner).
-    assert usage[old_id]["status"] == "superseded"
+    # Whichever came first, the Redis tombstone or the newer keystroke, stopped it.
+    assert usage[old_id]["status"] in ("cancelled", "superseded")
     assert usage[old_id]["completion_tokens"] < 128
     assert usage[new_id]["status"] == "ok"
     await wait_for(lambda: ingress.state.cancels.held == 0, 10, "the hold to end")
@@ -367,6 +376,49 @@ async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
         stack.topics.cancel, count=1, within_s=2, where=lambda r: r["id"] == old_id
     )
     assert sent == []
+
+
+async def _next_message(pubsub: Any, within_s: float = 5) -> dict[str, Any]:
+    deadline = time.monotonic() + within_s
+    # None while it reads past the subscription's own confirmation, or until then
+    while (message := await pubsub.get_message(timeout=1)) is None:
+        assert time.monotonic() < deadline, "nothing on the Redis channel"
+    return dict(message)
+
+
+@pytest.mark.parametrize("redis_up", [True, False])
+async def test_a_superseded_keystrokes_kafka_record_is_left_out_only_when_redis_carried_it(
+    stack: LiveStack, redis_up: bool
+) -> None:
+    """The topic is the record of last resort: with Redis down, the tombstone of a keystroke
+    that a newer one supersedes is written after all."""
+    redis = stack.redis if redis_up else aioredis.Redis(port=free_port(), socket_timeout=1)
+    outbox = CancelOutbox(
+        await stack.producer(), redis, stack.topics, RedisKeys(stack.prefix), hold_s=0.2
+    )
+    outbox.start()
+    try:
+        old = _envelope(stack, session="doc-6", seq=1, affinity="s:doc-6")
+        outbox.accepted(_envelope(stack, session="doc-6", seq=2, affinity="s:doc-6"))
+        outbox.add(old)
+        await wait_for(lambda: outbox.held == 0, 10, "the hold to end")
+        # A marker sent after it, so the read below knows what to wait for.
+        marker = CancelRecord(id="marker-" + old.id, team=old.team)
+        await outbox.send_now(marker)
+        # Across partitions there is no order: with Redis up, give the old one time to show.
+        records = await stack.read_topic(
+            stack.topics.cancel,
+            count=2,
+            within_s=3 if redis_up else 20,
+            where=lambda r: r["id"] in (old.id, marker.id),
+        )
+    finally:
+        await outbox.stop()
+        if not redis_up:
+            await redis.aclose()
+    assert sorted(r["id"] for r in records) == sorted(
+        [marker.id] if redis_up else [old.id, marker.id]
+    )
 
 
 async def test_tombstones_still_held_go_out_when_the_ingress_stops(stack: LiveStack) -> None:
