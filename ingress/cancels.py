@@ -139,7 +139,7 @@ class CancelOutbox:
             self._held.append(_Held(record, lane, env.seq, now + self._hold_s, on_redis))
         else:
             self._held.append(_Held(record, None, 0, now, on_redis))
-        if self._stopping:  # too late for the loop; stop() sends what it finds
+        if self._stopping:  # the loop is gone: only a stop() still under way sends it
             log.warning("tombstone of %s added while stopping", env.id)
         self._wake.set()
 

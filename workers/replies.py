@@ -80,13 +80,7 @@ class Outbox:
         what a streaming worker would otherwise spend most of its time on.
         """
         if self._redis_usable():
-
-            def queue(pipe: Pipeline) -> None:
-                pipe.xadd(
-                    stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True
-                )
-
-            results = await self._round_trip(queue)
+            results = await self._round_trip(lambda pipe: _queue_reply(pipe, stream, reply))
             if results is not None:
                 if not isinstance(results[0], Exception):
                     return
@@ -167,12 +161,7 @@ class Outbox:
 
             def queue(pipe: Pipeline) -> None:
                 if env.reply_to is not None:
-                    pipe.xadd(
-                        env.reply_to,
-                        {"d": final.to_json()},
-                        maxlen=REPLY_STREAM_MAXLEN,
-                        approximate=True,
-                    )
+                    _queue_reply(pipe, env.reply_to, final)
                 if self.quota is not None:
                     self.quota.queue_settle(
                         pipe,
@@ -184,29 +173,33 @@ class Outbox:
                     )
 
             results = await self._round_trip(queue)
-            try:
-                for result in results if results is not None else ():
-                    if isinstance(result, NoScriptError) and self.quota is not None:
-                        # Redis restarted and lost its scripts; settle is idempotent.
-                        await self.quota.settle(
-                            env.team,
-                            env.id,
-                            actual,
-                            leased=env.quota_leased,
-                            accepted_ts=env.accepted_ts,
-                        )
-                    elif isinstance(result, Exception):
-                        raise result
-            except (RedisError, OSError) as exc:
-                self._redis_failed(exc)
-            else:
-                if results is not None:
+            if results is not None:  # None: Redis not reached
+                try:
+                    for result in results:
+                        if isinstance(result, NoScriptError) and self.quota is not None:
+                            # Redis restarted and lost its scripts; settle is idempotent.
+                            await self.quota.settle(
+                                env.team,
+                                env.id,
+                                actual,
+                                leased=env.quota_leased,
+                                accepted_ts=env.accepted_ts,
+                            )
+                        elif isinstance(result, Exception):
+                            raise result
+                except (RedisError, OSError) as exc:
+                    self._redis_failed(exc)
+                else:
                     return
         if env.reply_to is not None:
             await self._reply_via_kafka(env.reply_to, final)
         log.warning(
             "quota not settled for %s (Redis unreachable)", env.id, extra={"request_id": env.id}
         )
+
+
+def _queue_reply(pipe: Pipeline, stream: str, reply: Reply) -> None:
+    pipe.xadd(stream, {"d": reply.to_json()}, maxlen=REPLY_STREAM_MAXLEN, approximate=True)
 
 
 class ChunkStream:
