@@ -87,6 +87,9 @@ class StreamsApp:
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
         )
         self._levels_restored = False
+        # Faust stops the timers last; from the first step of a stop on they do nothing, so no
+        # table write can come after the final changelog flush.
+        self._stopping = False
 
     async def _consume(self, stream: Any) -> None:
         async for event in stream.events():
@@ -94,13 +97,17 @@ class StreamsApp:
             self.processor.handle(event.value, message.partition, message.offset)
 
     async def _send(self, topic: str, key: bytes, value: bytes) -> None:
-        await self._outputs[topic].send(key=key, value=value)
+        """Produce one record and return once the broker has it."""
+        delivery = await self._outputs[topic].send(key=key, value=value, force=True)
+        await delivery
 
     def _ready(self) -> bool:
-        """Tables are complete: recovered from their changelogs and not rebalancing."""
+        """Tables are complete (recovered from their changelogs, not rebalancing) and the app
+        is not stopping."""
         recovery = self.app.tables.recovery
         return bool(
-            recovery.completed.is_set()
+            not self._stopping
+            and recovery.completed.is_set()
             and not self.app.rebalancing
             and not getattr(self.app, "in_recovery", False)
         )
@@ -130,6 +137,7 @@ class StreamsApp:
 
     async def stop(self) -> None:
         """Stop consuming, flush table changelogs, commit offsets, close the clients."""
+        self._stopping = True
         await self.app.stop()
         await self.webhook.aclose()
         await self.redis.aclose()

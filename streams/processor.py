@@ -9,6 +9,7 @@ levels, from Redis) when the process starts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
 from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
 from streams.metrics import EVENTS
-from streams.records import BreakerTransition
+from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
 from streams.settings import StreamsSettings
 from streams.tables import (
@@ -204,20 +205,28 @@ class UsageProcessor:
             self._pending.update(
                 key for key, value in self.rollups.items() if value["emitted"] < value["rev"]
             )
-        published = 0
+        due: list[tuple[str, HourlyRollup]] = []
         for key in sorted(self._pending):
             value = self.rollups.data.get(key)
             if value is None:
                 self._pending.discard(key)
+            elif self._due(value, now):
+                due.append((key, to_record(value, now=now)))
+        # The agent keeps folding while the records are on their way, so each hour is marked
+        # with the revision its record carries, not the table's, and stays pending if it grew.
+        # Marked only once delivered: a crash in between publishes the hour again, never loses it.
+        await asyncio.gather(
+            *(self.send(self.hourly_topic, r.team.encode(), r.to_json()) for _, r in due)
+        )
+        for key, record in due:
+            value = self.rollups.data.get(key)
+            if value is None:
                 continue
-            if not self._due(value, now):
-                continue
-            record = to_record(value, now=now)
-            await self.send(self.hourly_topic, record.team.encode(), record.to_json())
-            value["emitted"] = value["rev"]
+            value["emitted"] = max(value["emitted"], record.revision)
             put_outside_stream(self.rollups, key, value, int(value["p"]))
-            self._pending.discard(key)
-            published += 1
+            if value["emitted"] >= value["rev"]:
+                self._pending.discard(key)
+        published = len(due)
         oldest = hour_of(now) - RETENTION_HOURS
         for key, value in list(self.rollups.items()):
             if value["hour"] < oldest and key not in self._pending:

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 __all__ = ["ChangelogTable", "SendRecord"]
 
-# Produce one record: (topic, key, value).
+# Produce one record: (topic, key, value); returns once the broker has it.
 SendRecord = Callable[[str, bytes, bytes], Awaitable[None]]
 
 

@@ -228,6 +228,32 @@ class LiveStack:
             await consumer.stop()
         return found
 
+    async def read_all(self, topic: str, *, within_s: float = 20.0) -> list[dict[str, Any]]:
+        """Every JSON record ``topic`` holds now: read up to the end offsets the broker reports
+        at the start, however long the fetches take (up to ``within_s``)."""
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=self.services.bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
+        await consumer.start()  # waits for the topic's metadata; no group: every partition
+        found: list[dict[str, Any]] = []
+        try:
+            ends = await consumer.end_offsets(list(consumer.assignment()))
+            if not ends:
+                raise LookupError(f"topic {topic} has no partitions")
+            deadline = time.monotonic() + within_s
+            while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{topic}: not read to its end within {within_s}s")
+                batches = await consumer.getmany(timeout_ms=200)
+                found.extend(orjson.loads(r.value) for rs in batches.values() for r in rs)
+        finally:
+            await consumer.stop()
+        return found
+
     def process_env(self, **extra: str) -> dict[str, str]:
         """Environment of a laneway subprocess on this stack's broker, Redis and prefixes."""
         environ = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}

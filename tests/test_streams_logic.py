@@ -3,9 +3,12 @@ and replays after a crash that must not count twice."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import MutableMapping
 from typing import Any
 
+import orjson
 import pytest
 
 from quota.teams import Team
@@ -137,3 +140,41 @@ async def test_replayed_offsets_are_not_counted_twice() -> None:
     assert sum(n for n, _ in outcome["b"].values()) == 10
     assert processor.counters.replayed == 6
     assert processor.counters.malformed == 1
+
+
+async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next() -> None:
+    """The agent runs while a timer awaits the hourly record's delivery: what it folds then
+    is in no record yet, so the hour stays pending and goes out again with it."""
+    hour_start = (int(time.time()) // 3600 - 3) * 3600
+    now = [float(hour_start + 7200)]
+    rollups = _Table()
+    sent: list[dict[str, Any]] = []
+    late = [usage_event(ts=hour_start + 60.0 + i) for i in range(3)]
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+        for offset, event in enumerate(late, start=5):
+            processor.handle(event.to_json(), 0, offset)  # the agent, mid-delivery
+        late.clear()
+        await asyncio.sleep(0)
+
+    processor = UsageProcessor(
+        StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
+        rollups=rollups,
+        outcomes=_Table(),
+        announcer=None,  # type: ignore[arg-type]
+        redis=None,  # type: ignore[arg-type]
+        keys=None,  # type: ignore[arg-type]
+        send=send,
+        clock=lambda: now[0],
+    )
+    for offset in range(5):
+        processor.handle(usage_event(ts=hour_start + offset).to_json(), 0, offset)
+    now[0] += 2  # the partition went quiet: the idle rule closes the hour
+    assert await processor.publish_rollups() == 1
+    now[0] += 2
+    assert await processor.publish_rollups() == 1
+    assert await processor.publish_rollups() == 0
+    assert [(r["requests"], r["revision"]) for r in sent] == [(5, 5), (8, 8)]
+    (rollup,) = rollups.values()
+    assert rollup["emitted"] == rollup["rev"] == 8
