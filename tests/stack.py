@@ -197,6 +197,16 @@ class LiveStack:
         self._clients.append(producer)
         return producer
 
+    def _reader(self, topic: str) -> AIOKafkaConsumer:
+        """A consumer of every partition of ``topic`` from its start, outside any group."""
+        return AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=self.services.bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
+
     async def read_topic(
         self,
         topic: str,
@@ -206,13 +216,7 @@ class LiveStack:
         where: Callable[[dict[str, Any]], bool] | None = None,
     ) -> list[dict[str, Any]]:
         """The first ``count`` JSON records of ``topic`` (matching ``where``), from the start."""
-        consumer = AIOKafkaConsumer(
-            topic,
-            bootstrap_servers=self.services.bootstrap,
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
-            isolation_level="read_committed",
-        )
+        consumer = self._reader(topic)
         await consumer.start()
         found: list[dict[str, Any]] = []
         try:
@@ -231,13 +235,7 @@ class LiveStack:
     async def read_all(self, topic: str, *, within_s: float = 20.0) -> list[dict[str, Any]]:
         """Every JSON record ``topic`` holds now: read up to the end offsets the broker reports
         at the start, however long the fetches take (up to ``within_s``)."""
-        consumer = AIOKafkaConsumer(
-            topic,
-            bootstrap_servers=self.services.bootstrap,
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
-            isolation_level="read_committed",
-        )
+        consumer = self._reader(topic)
         await consumer.start()  # waits for the topic's metadata; no group: every partition
         found: list[dict[str, Any]] = []
         try:
