@@ -110,9 +110,9 @@ class CancelOutbox:
 
     def accepted(self, env: RequestEnvelope) -> None:
         """The broker stored ``env``: it supersedes older seqs of its session on its lane."""
-        if env.session is None or env.seq is None:
+        lane = self._lane(env)
+        if lane is None or env.seq is None:
             return
-        lane = (self._topics.request(env.cls, env.band), env.session)
         known = self._newest.get(lane)
         if known is not None and known[0] >= env.seq:
             return
@@ -128,14 +128,14 @@ class CancelOutbox:
         on_redis: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._early.append((record, on_redis))
         now = time.monotonic()
+        lane = self._lane(env)
         # Only a newer seq with no grace makes a worker drop the request at once.
         if (
             self._hold_s > 0
-            and env.session is not None
+            and lane is not None
             and env.seq is not None
             and env.supersede_grace_tokens == 0
         ):
-            lane = (self._topics.request(env.cls, env.band), env.session)
             self._held.append(_Held(record, lane, env.seq, now + self._hold_s, on_redis))
         else:
             self._held.append(_Held(record, None, 0, now, on_redis))
@@ -150,6 +150,12 @@ class CancelOutbox:
         await self._producer.send_and_wait(
             self._topics.cancel, record.to_json(), key=record.id.encode()
         )
+
+    def _lane(self, env: RequestEnvelope) -> Lane | None:
+        """The (request topic, session) whose later keystrokes supersede ``env``."""
+        if env.session is None:
+            return None
+        return (self._topics.request(env.cls, env.band), env.session)
 
     def _needless(self, held: _Held) -> bool:
         """A newer keystroke stands in for its Kafka record, and Redis carried it."""
