@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -236,6 +237,68 @@ def steal_percent(before: list[int], after: list[int]) -> float:
     spent = [b - a for a, b in zip(before, after, strict=True)]
     total = sum(spent)
     return 100 * spent[7] / total if total else 0.0
+
+
+# The broker's threads that show in a latency tail, by the start of their names: the JIT
+# compilers, the request-handling data plane, and ZGC's (ZWorker, ZDriver, ...).
+BROKER_THREADS = (
+    ("C2 Compiler", "C2 JIT"),
+    ("C1 Compiler", "C1 JIT"),
+    ("data-plane", "data plane"),
+    ("Z", "ZGC"),
+)
+
+
+def thread_seconds(pid: int) -> dict[tuple[str, str], float]:
+    """CPU seconds used so far by each thread of ``pid``, keyed by (thread id, group of
+    ``BROKER_THREADS``, or "other")."""
+    used: dict[tuple[str, str], float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return used  # the process ended
+    for task in tasks:
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        group = next(
+            (label for prefix, label in BROKER_THREADS if name.startswith(prefix)), "other"
+        )
+        used[task.name, group] = stat_cpu_seconds(raw)
+    return used
+
+
+def group_seconds(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> defaultdict[str, float]:
+    """CPU seconds per group between two ``thread_seconds``. The JVM starts and ends threads
+    as it needs them; a thread that ended in between loses its last part (an undercount)."""
+    spent: defaultdict[str, float] = defaultdict(float)
+    for (tid, group), seconds in after.items():
+        spent[group] += seconds - before.get((tid, group), 0.0)
+    return spent
+
+
+def bunches(
+    sent_s: list[float], latencies: list[float], over_ms: float, gap_s: float = 0.05
+) -> list[int]:
+    """Sizes of the bunches in which requests slower than ``over_ms`` came, largest first: a
+    slow request sent within ``gap_s`` of the previous slow one joins its bunch. Many small
+    bunches are requests slowed one by one; a few large ones are stalls (a collector cycle,
+    a compiler burst, the hypervisor), each slowing every request that crossed it."""
+    sizes: list[int] = []
+    last = -1.0
+    for sent, latency in sorted(zip(sent_s, latencies, strict=True)):
+        if latency <= over_ms:
+            continue
+        if sizes and sent - last < gap_s:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+        last = sent
+    return sorted(sizes, reverse=True)
 
 
 class CpuWatch:

@@ -407,6 +407,12 @@ class KafkaBroker(_ServerProcess):
             # ZGC: sub-millisecond pauses. With the parallel collector, 25-40 ms young pauses
             # every ~20 s set the P99 of every request that crosses the broker (bench/overhead).
             "-XX:+UseZGC",
+            # No proactive cycles: by default ZGC also collects whenever it guesses the cost is
+            # under 1 % of throughput, which at 200 requests/s meant a cycle every ~10 s, each
+            # taking most of a core for 100-200 ms (the largest bunches of slow requests in
+            # bench/overhead). Without them it collects when the heap fills: every ~45 s at
+            # 768 MB, each cycle costing the same (it depends on the live set, ~90 MB).
+            "-XX:-ZProactive",
             "-XX:+ExitOnOutOfMemoryError",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
