@@ -3,8 +3,8 @@
 Drives the same load as bench/overhead.py (non-streamed completions, instant sim engine) at a
 fixed rate from the moment the stack is ready, and prints for every window the latency P50/P99,
 the CPU steal, and the broker's CPU by thread group (the C2 and C1 compiler threads, the
-request-handling data plane, the ZGC collector's threads, the rest), as a share of one core. Extra JVM flags for the broker
-show what a flag changes:
+request-handling data plane, the ZGC collector's threads, the rest), as a share of one core.
+Extra JVM flags for the broker show what a flag changes:
 
     .venv/bin/python -m bench.broker_jit [--rate 200] [--window 15] [--windows 12]
     .venv/bin/python -m bench.broker_jit --jvm-option=-XX:TieredStopAtLevel=1
