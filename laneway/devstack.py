@@ -408,9 +408,9 @@ class KafkaBroker(_ServerProcess):
             # every ~20 s set the P99 of every request that crosses the broker (bench/overhead).
             "-XX:+UseZGC",
             # No proactive cycles: by default ZGC also collects whenever it guesses the cost is
-            # under 1 % of throughput, which at 200 requests/s meant a cycle every ~10 s, each
-            # taking most of a core for 100-200 ms (the largest bunches of slow requests in
-            # bench/overhead). Without them it collects when the heap fills: every ~45 s at
+            # under 1 % of throughput, which at 200 requests/s meant a cycle every 7-11 s, each
+            # taking 80-240 ms of a core (the largest bunches of slow requests in
+            # bench/overhead). Without them it collects when the heap fills: every ~40 s at
             # 768 MB, each cycle costing the same (it depends on the live set, ~90 MB).
             "-XX:-ZProactive",
             "-XX:+ExitOnOutOfMemoryError",
