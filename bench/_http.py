@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import orjson
@@ -40,13 +41,18 @@ class HttpPool:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self, path: str, body: object, headers: dict[str, str] | None = None
+        self,
+        path: str,
+        body: object,
+        headers: dict[str, str] | None = None,
+        dials: list[float] | None = None,
     ) -> AsyncIterator[tuple[int, dict[str, str], AsyncIterator[bytes]]]:
         """POST, then the response body line by line (an SSE stream). Leaving the block
         before the body ended, or on an error or a cancellation, closes the connection, as a
-        client that walks away does."""
+        client that walks away does. When no pooled connection was free and a new one was
+        opened, the time that took (ms) is appended to ``dials``."""
         async with self._limit:
-            reader, writer, status, response_headers = await self._send(path, body, headers)
+            reader, writer, status, response_headers = await self._send(path, body, headers, dials)
             ended = False
 
             async def lines() -> AsyncIterator[bytes]:
@@ -80,10 +86,14 @@ class HttpPool:
             self._idle.append((reader, writer))
 
     async def _send(
-        self, path: str, body: object, headers: dict[str, str] | None
+        self,
+        path: str,
+        body: object,
+        headers: dict[str, str] | None,
+        dials: list[float] | None = None,
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, dict[str, str]]:
-        """Write the request on a pooled connection (or a new one) and read the status line
-        and headers."""
+        """Write the request on a pooled connection (or a new one, its dial time appended to
+        ``dials``) and read the status line and headers."""
         payload = orjson.dumps(body)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         request = (
@@ -94,7 +104,10 @@ class HttpPool:
             if self._idle and attempt == 1:
                 reader, writer = self._idle.pop()
             else:
+                dialling = time.perf_counter()
                 reader, writer = await asyncio.open_connection(self.host, self.port)
+                if dials is not None:
+                    dials.append((time.perf_counter() - dialling) * 1000)
             try:
                 writer.write(request)
                 status_line = await reader.readline()

@@ -162,8 +162,10 @@ async def _completion(
     ids: list[str],
     timings: dict[str, float],
 ) -> float | None:
-    """Latency of a completed stream, or None when it ended in an error."""
-    started = time.perf_counter()
+    """Latency of a completed stream, or None when it ended in an error. ``timings`` gets
+    the ingress's Server-Timing parts, the client's connect time, and the wall clock times
+    the request was sent and its stream ended (for the parts outside the stack)."""
+    started, started_at = time.perf_counter(), time.time()
     body = {
         "model": "laneway-code",
         "prompt": text,
@@ -174,17 +176,21 @@ async def _completion(
     headers = {"X-Laneway-Session": session, "X-Laneway-Seq": str(seq)}
     elapsed: float | None = None
     failed = False
-    async with http.stream("/v1/completions", body, headers) as (status, response, lines):
+    dials: list[float] = []
+    async with http.stream("/v1/completions", body, headers, dials) as (status, response, lines):
         failed = status != 200
         if not failed:
             ids.append(response["x-laneway-request-id"])
             timings.update(_server_timing(response.get("server-timing", "")))
+            timings["connect"] = sum(dials)
+            timings["sent_at"] = started_at + timings["connect"] / 1000
         async for line in lines:
             # Read to the end of the body, so the connection can serve the next keystroke.
             if line.startswith(b'data: {"error"'):
                 failed = True
             elif line == b"data: [DONE]":
                 elapsed = (time.perf_counter() - started) * 1000
+                timings["done_at"] = time.time()
     return None if failed else elapsed
 
 
@@ -317,14 +323,15 @@ class EngineTime:
     statuses: dict[str, int] = field(default_factory=dict)
     by_class: dict[str, float] = field(default_factory=dict)
     by_id: dict[str, float] = field(default_factory=dict)  # completions only
-    # completions only: (queue_ms, total_ms) as the worker measured them from acceptance
-    times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # completions only: (queue_ms, total_ms) as the worker measured them from acceptance, and
+    # the wall clock time the worker ended it
+    times: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def add(self, event: dict[str, Any], abandoned: bool) -> None:
         self.total += event["engine_ms"]
         if event["class"] == "completion":
             self.by_id[event["id"]] = event["engine_ms"]
-            self.times[event["id"]] = (event["queue_ms"], event["total_ms"])
+            self.times[event["id"]] = (event["queue_ms"], event["total_ms"], event["ts"])
         self.by_class[event["class"]] = self.by_class.get(event["class"], 0.0) + event["engine_ms"]
         self.stale += event["stale_engine_ms"]
         if event["stale_engine_ms"]:
@@ -632,28 +639,36 @@ def bootstrap_interval(
 
 
 def _wait_parts(stats: RunStats, seen: EngineTime) -> str:
-    """Where a kept completion's wait went: before its engine started (ingress, Kafka,
-    worker fetch), at the worker beside the engine's own time, and after the worker's last
-    word (reply to the ingress, HTTP to the client, and the client's request before the
-    ingress accepted it)."""
+    """Where a kept completion's wait went: the client opening a connection (when none of
+    its pool was free: in a storm, the one of the request it abandoned was closed), its
+    request until the ingress accepted it, before its engine started (ingress, Kafka, worker
+    fetch), at the worker beside the engine's own time, and after the worker's last word
+    (reply to the ingress, HTTP to the client). The two parts outside the stack compare the
+    client's wall clock with the worker's, on the same machine."""
     parts: dict[str, list[float]] = {
+        "connect": [],
+        "to ingress": [],
         "admit": [],
         "enqueue": [],
         "to worker": [],
         "worker": [],
-        "delivery": [],
+        "back": [],
     }
-    for rid, latency in stats.kept.items():
+    for rid in stats.kept:
         if rid not in seen.times:
             continue
-        queue, total = seen.times[rid]
+        queue, total, ended_at = seen.times[rid]
         timing = stats.timing.get(rid, {})
         admit, enqueue = timing.get("admit", 0.0), timing.get("enqueue", 0.0)
+        parts["connect"].append(timing.get("connect", 0.0))
+        if "sent_at" in timing and "done_at" in timing:
+            accepted_at = ended_at - total / 1000
+            parts["to ingress"].append((accepted_at - timing["sent_at"]) * 1000)
+            parts["back"].append((timing["done_at"] - ended_at) * 1000)
         parts["admit"].append(admit)
         parts["enqueue"].append(enqueue)
         parts["to worker"].append(queue - admit - enqueue)
         parts["worker"].append(total - queue - seen.by_id[rid])
-        parts["delivery"].append(latency - total)
     return ", ".join(
         f"{name} {percentile(v, 50):.0f}/{percentile(v, 99):.0f}" for name, v in parts.items() if v
     )
