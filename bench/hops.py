@@ -8,7 +8,8 @@ at ``--interval`` (5 ms: one request at 200/s), so it starts from an idle event 
 as a lone request does. Printed per operation: CPU of the client per operation (the pacing
 wake-up, measured first, is subtracted from the others) and wall time P50/P99.
 
-The last rows price the HTTP framework in-process (no sockets): the same trivial handler as
+A row prices a wake-up from a blocking sleep with no event loop at all, so the loop's own
+share of the first row shows. The last rows price the HTTP framework in-process (no sockets): the same trivial handler as
 a FastAPI route and as a plain Starlette route in a FastAPI app, as the ingress mounts its
 completion routes.
 
@@ -172,12 +173,23 @@ async def framework(app: FastAPI, calls: int) -> float:
     return (time.process_time() - cpu) / calls * 1e6
 
 
+def thread_wake(ops: int, interval: float) -> float:
+    """CPU µs of one wake-up from a blocking ``time.sleep``: no event loop, no epoll, only
+    the kernel's timer and scheduler, and on a virtual machine the exits they cost."""
+    cpu = time.process_time()
+    for _ in range(ops):
+        time.sleep(interval)
+    return (time.process_time() - cpu) / ops * 1e6
+
+
 def report(rows: list[tuple[str, float, list[float]]], ops: int, interval_ms: float) -> None:
     print(f"# one hop at a time, every {interval_ms:g} ms, {ops} each — {machine()}")
     print(f"{'operation':<36} {'CPU us/op':>10} {'wall P50 us':>12} {'wall P99 us':>12}")
     for name, cpu, walls in rows:
         p50, p99 = percentile(walls, 50), percentile(walls, 99)
         print(f"{name:<36} {cpu:>10.0f} {p50:>12.0f} {p99:>12.0f}")
+    cpu = thread_wake(ops, interval_ms / 1000)
+    print(f"{'sleep wake-up, no event loop':<36} {cpu:>10.0f} {'-':>12} {'-':>12}")
     for name, app in (
         ("FastAPI route, in-process", _fastapi_route()),
         ("Starlette route in FastAPI, in-proc.", _starlette_route()),
