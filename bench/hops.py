@@ -9,9 +9,9 @@ as a lone request does. Printed per operation: CPU of the client per operation (
 wake-up, measured first, is subtracted from the others) and wall time P50/P99.
 
 A row prices a wake-up from a blocking sleep with no event loop at all, so the loop's own
-share of the first row shows. The last rows price the HTTP framework in-process (no sockets): the same trivial handler as
-a FastAPI route and as a plain Starlette route in a FastAPI app, as the ingress mounts its
-completion routes.
+share of the first row shows. The last rows price the HTTP framework in-process (no
+sockets): the same trivial handler as a FastAPI route and as a plain Starlette route in a
+FastAPI app, as the ingress mounts its completion routes.
 
     .venv/bin/python -m bench.hops [--ops 2000] [--interval-ms 5]
 """
