@@ -640,7 +640,7 @@ def bootstrap_interval(
 
 def _wait_parts(stats: RunStats, seen: EngineTime) -> str:
     """Where a kept completion's wait went: the client opening a connection (when none of
-    its pool was free: in a storm, the one of the request it abandoned was closed), its
+    its pool was free: in a storm, the previous keystroke's is still streaming), its
     request until the ingress accepted it, before its engine started (ingress, Kafka, worker
     fetch), at the worker beside the engine's own time, and after the worker's last word
     (reply to the ingress, HTTP to the client). The two parts outside the stack compare the
