@@ -28,7 +28,7 @@ Engine time is counted from the usage events that end inside a run's window (a s
 background is counted as much at the window's start as it is left out at its end).
 
     .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--rounds 4]
-        [--warmup 20] [--scenario both]
+        [--warmup 20] [--scenario both] [--stream-interval 1]
 """
 
 from __future__ import annotations
@@ -89,13 +89,14 @@ class Scenario:
     name: str
     fleet: bool  # chat users and a batch job beside the typists
 
-    def workers(self, shield: bool) -> list[dict[str, str]]:
+    def workers(self, shield: bool, stream_interval: int = 1) -> list[dict[str, str]]:
         completion = {"LANEWAY_POOL": "completion", "LANEWAY_SHIELD": str(shield).lower()}
         pools = [completion]
         if self.fleet:
             batch = {"LANEWAY_POOL": "batch", "LANEWAY_MAX_INFLIGHT": str(BATCH_LINES_AT_ONCE)}
             pools += [{"LANEWAY_POOL": "chat"}, batch]
-        return [{**COSTS, **pool} for pool in pools]
+        costs = {**COSTS, "LANEWAY_STREAM_INTERVAL": str(stream_interval)}
+        return [{**costs, **pool} for pool in pools]
 
 
 SCENARIOS = {"storm": Scenario("storm", fleet=False), "fleet": Scenario("fleet", fleet=True)}
@@ -478,10 +479,23 @@ def main() -> None:
         default="both",
         help="the typists alone (storm), on a mixed fleet (fleet), or both (default)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the workers' LANEWAY_STREAM_INTERVAL: tokens a streamed chunk gathers (default 1)",
+    )
     args = parser.parse_args()
-    if args.typists < 1 or args.seconds <= 0 or args.rounds < 1 or args.warmup < 0:
+    if (
+        args.typists < 1
+        or args.seconds <= 0
+        or args.rounds < 1
+        or args.warmup < 0
+        or args.stream_interval < 1
+    ):
         parser.error(
-            "--typists and --rounds must be at least 1, --seconds positive, --warmup not negative"
+            "--typists, --rounds and --stream-interval must be at least 1, --seconds positive, "
+            "--warmup not negative"
         )
 
     print(f"# cancel storm — {machine()}")
@@ -489,7 +503,8 @@ def main() -> None:
     print(
         f"# 32 slots; {args.typists} typists, prompts ~1k tokens, max_tokens {MAX_TOKENS}; "
         f"each run is {args.rounds} windows of {args.seconds:.0f} s, after {args.warmup:.0f} s "
-        "of warm-up; no storm and shield on alternate (ABBA) on one stack"
+        "of warm-up; no storm and shield on alternate (ABBA) on one stack; stream interval "
+        f"{args.stream_interval} token(s)"
     )
     if args.scenario != "storm":
         print(
@@ -520,7 +535,7 @@ def main() -> None:
         # The same stack (shield on) serves the storm and its baseline, window by window,
         # so both meet the same broker, the same JIT state and the same host speed.
         for shield, runs in ((True, ("no storm", "shield on")), (False, ("shield off",))):
-            stack = BenchStack(workers=scenario.workers(shield))
+            stack = BenchStack(workers=scenario.workers(shield, args.stream_interval))
             with bench_stack(stack):
                 key = stack.api_key("typists")
                 results = uvloop.run(_session(stack, key, args, scenario.fleet, runs))

@@ -194,6 +194,13 @@ class WorkerSettings(CommonSettings):
         "(running workers get tombstones from Redis at once; the topic is the record and the "
         "fallback; 0: a fetch per tombstone)",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="streamed replies: tokens gathered per chunk after the first, which goes "
+        "at once (as vLLM's --stream-interval; higher: less CPU per token, coarser stream)",
+    )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")

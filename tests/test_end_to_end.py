@@ -126,6 +126,36 @@ async def test_chat_streamed_and_not(served: tuple[LiveStack, openai.AsyncOpenAI
     assert [e["status"] for e in events] == ["ok", "ok"]
 
 
+async def test_a_stream_interval_sends_fewer_larger_chunks_and_the_same_text(
+    stack: LiveStack,
+) -> None:
+    # Decode steps 5 ms apart: at interval 1 nearly every token would be a chunk of its own.
+    ingress = await stack.start_ingress()
+    await stack.start_worker("chat", stream_interval=8, sim_decode_ms_per_step=5.0)
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    messages = [{"role": "user", "content": "summarise this module"}]
+    whole = await client.chat.completions.create(
+        model="laneway-chat", messages=messages, max_tokens=24
+    )  # type: ignore[arg-type]
+    assert whole.usage is not None
+    tokens = whole.usage.completion_tokens
+    assert tokens > 8  # enough for the interval to show
+    stream = await client.chat.completions.create(
+        model="laneway-chat", messages=messages, max_tokens=24, stream=True
+    )  # type: ignore[arg-type]
+    deltas = [
+        choice.delta.content
+        async for chunk in stream
+        for choice in chunk.choices
+        if choice.delta.content
+    ]
+    assert "".join(deltas) == whole.choices[0].message.content
+    # The first token at once, then a chunk per 8 tokens, the rest with the end.
+    assert len(deltas) <= 2 + (tokens - 1) // 8 < tokens, deltas
+
+
 async def test_models_lists_served_models(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
     _, client = served
     models = await client.models.list()

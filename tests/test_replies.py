@@ -142,6 +142,38 @@ async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_repl
         await redis.aclose()
 
 
+async def test_chunk_stream_with_an_interval_sends_the_first_text_at_once_then_every_n_tokens(
+    services: Services,
+) -> None:
+    redis = aioredis.Redis.from_url(services.redis_url)
+    stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
+    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
+
+    async def written(count: int) -> list[tuple[int, int, str]]:
+        for _ in range(200):
+            if chunks.count >= count:
+                break
+            await asyncio.sleep(0.01)
+        replies = [decode(Reply, fields[b"d"]) for _, fields in await redis.xrange(stream)]
+        return [(r.n, r.at, r.text) for r in replies]
+
+    try:
+        chunks = ChunkStream(outbox, stream, "r-4", interval=3)
+        chunks.add("a", 1)
+        assert await written(1) == [(0, 0, "a")]  # the first token does not wait
+        chunks.add("b", 2)
+        chunks.add("c", 3)
+        await asyncio.sleep(0.05)
+        assert chunks.count == 1  # two tokens since the last message: held
+        chunks.add("de", 4)  # the third since the last message
+        assert await written(2) == [(0, 0, "a"), (1, 1, "bcde")]
+        chunks.add("f", 5)
+        assert await chunks.close() == (2, 5, "f")  # the rest rides on the final reply
+    finally:
+        await redis.delete(stream)
+        await redis.aclose()
+
+
 async def test_chunks_that_come_together_share_one_round_trip(services: Services) -> None:
     # One engine step gives every running sequence a token: their chunks go out together.
     redis = aioredis.Redis.from_url(services.redis_url)

@@ -38,6 +38,7 @@ class RequestExecutor:
         worker_id: str,
         admit: Callable[[RequestEnvelope], Awaitable[None]] | None = None,
         price_of: Callable[[str], Price] | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.shield = shield
@@ -45,6 +46,7 @@ class RequestExecutor:
         self.worker_id = worker_id
         self.admit = admit
         self.price_of = price_of or (lambda _route: Price())
+        self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
         self.deliveries: dict[str, asyncio.Future[object]] = {}
 
@@ -71,7 +73,9 @@ class RequestExecutor:
 
         self.shield.started(env)
         chunks = (
-            ChunkStream(self.outbox, env.reply_to, env.id) if env.stream and env.reply_to else None
+            ChunkStream(self.outbox, env.reply_to, env.id, self.stream_interval)
+            if env.stream and env.reply_to
+            else None
         )
         text_parts: list[str] = []
         ttft_ms: float | None = None
@@ -89,7 +93,7 @@ class RequestExecutor:
                     ttft_ms = (time.time() - env.accepted_ts) * 1000
                 self.shield.progress(env.id, completion, engine_ms, delta.ended)
                 if chunks is not None and delta.text:
-                    chunks.add(delta.text)
+                    chunks.add(delta.text, completion)
                 else:
                     text_parts.append(delta.text)
         except Dropped as dropped:

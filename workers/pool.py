@@ -102,6 +102,7 @@ class PoolWorker:
             self.outbox,
             worker_id=settings.worker_id,
             price_of=settings.price_of,
+            stream_interval=settings.stream_interval,
         )
 
     @property
