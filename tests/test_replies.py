@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -112,66 +113,69 @@ async def test_channel_gives_each_gap_its_own_wait(monkeypatch: pytest.MonkeyPat
     assert (final.text, final.done) == ("e", True)
 
 
-async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
-    services: Services,
-) -> None:
-    redis = aioredis.Redis.from_url(services.redis_url)
-    stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
-    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
-    try:
-        chunks = ChunkStream(outbox, stream, "r-3")
-        chunks.add("ab")
-        chunks.add("c")  # both before the writer ran: one message
-        for _ in range(200):
-            if chunks.sent:
-                break
-            await asyncio.sleep(0.01)
-        chunks.add("d")
-        chunks.add("e")
-        count, offset, rest = await chunks.close()
-        assert (count, offset, rest) == (1, 3, "de")
-        written = [decode(Reply, fields[b"d"]) for _, fields in await redis.xrange(stream)]
-        assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "abc")]
-        final = Reply(id="r-3", n=count, at=offset, text=rest, done=True, status="ok")
-        channel = ReplyChannel("r-3", "team-a")
-        for reply in [*written, final]:
-            channel.feed(reply)
-        assert "".join(r.text for r in _drain(channel)) == "abcde"
-    finally:
-        await redis.delete(stream)
-        await redis.aclose()
+class _ReplyStream:
+    """A reply stream of its own on the real Redis, written through an Outbox (Redis path)."""
 
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self.name = f"c{uuid.uuid4().hex[:8]}:reply:test"
+        self.outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]
 
-async def test_chunk_stream_with_an_interval_sends_the_first_text_at_once_then_every_n_tokens(
-    services: Services,
-) -> None:
-    redis = aioredis.Redis.from_url(services.redis_url)
-    stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
-    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
-
-    async def written(count: int) -> list[tuple[int, int, str]]:
+    async def written(self, chunks: ChunkStream, count: int = 1) -> list[Reply]:
+        """The messages in the stream once ``chunks`` has written ``count`` (2 s at most)."""
         for _ in range(200):
             if chunks.count >= count:
                 break
             await asyncio.sleep(0.01)
-        replies = [decode(Reply, fields[b"d"]) for _, fields in await redis.xrange(stream)]
-        return [(r.n, r.at, r.text) for r in replies]
+        return [decode(Reply, fields[b"d"]) for _, fields in await self.redis.xrange(self.name)]
 
+
+@pytest.fixture
+async def reply_stream(services: Services) -> AsyncIterator[_ReplyStream]:
+    redis = aioredis.Redis.from_url(services.redis_url)
+    stream = _ReplyStream(redis)
     try:
-        chunks = ChunkStream(outbox, stream, "r-4", interval=3)
-        chunks.add("a", 1)
-        assert await written(1) == [(0, 0, "a")]  # the first token does not wait
-        chunks.add("b", 2)
-        chunks.add("c", 3)
-        await asyncio.sleep(0.05)
-        assert chunks.count == 1  # two tokens since the last message: held
-        chunks.add("de", 4)  # the third since the last message
-        assert await written(2) == [(0, 0, "a"), (1, 1, "bcde")]
-        chunks.add("f", 5)
-        assert await chunks.close() == (2, 5, "f")  # the rest rides on the final reply
+        yield stream
     finally:
-        await redis.delete(stream)
+        await redis.delete(stream.name)
         await redis.aclose()
+
+
+async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
+    reply_stream: _ReplyStream,
+) -> None:
+    chunks = ChunkStream(reply_stream.outbox, reply_stream.name, "r-3")
+    chunks.add("ab")
+    chunks.add("c")  # both before the writer ran: one message
+    written = await reply_stream.written(chunks)
+    chunks.add("d")
+    chunks.add("e")
+    count, offset, rest = await chunks.close()
+    assert (count, offset, rest) == (1, 3, "de")
+    assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "abc")]
+    final = Reply(id="r-3", n=count, at=offset, text=rest, done=True, status="ok")
+    channel = ReplyChannel("r-3", "team-a")
+    for reply in [*written, final]:
+        channel.feed(reply)
+    assert "".join(r.text for r in _drain(channel)) == "abcde"
+
+
+async def test_chunk_stream_with_an_interval_sends_the_first_text_at_once_then_every_n_tokens(
+    reply_stream: _ReplyStream,
+) -> None:
+    chunks = ChunkStream(reply_stream.outbox, reply_stream.name, "r-4", interval=3)
+    chunks.add("a", 1)
+    written = await reply_stream.written(chunks, 1)
+    assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "a")]  # the first does not wait
+    chunks.add("b", 2)
+    chunks.add("c", 3)
+    await asyncio.sleep(0.05)
+    assert chunks.count == 1  # two tokens since the last message: held
+    chunks.add("de", 4)  # the third since the last message
+    written = await reply_stream.written(chunks, 2)
+    assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "a"), (1, 1, "bcde")]
+    chunks.add("f", 5)
+    assert await chunks.close() == (2, 5, "f")  # the rest rides on the final reply
 
 
 async def test_chunks_that_come_together_share_one_round_trip(services: Services) -> None:
