@@ -82,6 +82,8 @@ BATCH_LINES_AT_ONCE = 24
 QUIET_STEAL = 1.0
 # The fewest kept completions on each side for that comparison (two windows' worth).
 QUIET_MIN = 300
+# The load generator's loop-lag probe sleeps this long, over and over.
+LAG_TICK_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class RunStats:
     p99: list[float] = field(default_factory=list)  # per window: P99 of the kept latencies
     # ids of the kept completions of windows whose average steal was at most QUIET_STEAL
     quiet: set[str] = field(default_factory=set)
+    lag: list[float] = field(default_factory=list)  # the load generator's loop lag, ms
 
     def merge(self, other: RunStats) -> None:
         self.sent += other.sent
@@ -136,6 +139,7 @@ class RunStats:
         self.steal += other.steal
         self.p99 += other.p99
         self.quiet |= other.quiet
+        self.lag += other.lag
 
 
 @dataclass
@@ -401,6 +405,7 @@ async def _window(
     since_ms = int(time.time() * 1000)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_open(stack.base_url, stats, stop))
+    lag = asyncio.create_task(_loop_lag(stats.lag, stop))
     deadline = time.monotonic() + seconds
     with CpuWatch(stack) as cpu, StealWatch() as steal:
         await asyncio.gather(
@@ -415,9 +420,21 @@ async def _window(
         stats.quiet = set(stats.kept)
     stats.chat_turns, stats.chat_errors = chat.turns - turns, chat.errors - chat_errors
     stop.set()
-    await watcher
+    await asyncio.gather(watcher, lag)
     await asyncio.sleep(1)  # the worker's usage producer lingers before it sends
     return stats, await _engine_time(stack, since_ms, until_ms, stats.abandoned)
+
+
+async def _loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late the load generator's own event loop wakes from a short sleep, in ms.
+
+    A kept completion's latency is read on this loop, so its lag is in every measured wait:
+    this tells the client's share of a storm's extra milliseconds from laneway's."""
+    while not stop.is_set():
+        # perf_counter: uvloop's loop.time() moves in whole milliseconds.
+        due = time.perf_counter() + LAG_TICK_S
+        await asyncio.sleep(LAG_TICK_S)
+        lags.append((time.perf_counter() - due) * 1000)
 
 
 async def _session(
@@ -579,6 +596,12 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
     print(f"#   engine seconds by class: {by_class}", flush=True)
     if parts := _wait_parts(stats, seen):
         print(f"#   kept wait, P50/P99 ms: {parts}", flush=True)
+    lags = stats.lag
+    print(
+        f"#   load generator's loop lag, P50/P99/max ms: {percentile(lags, 50):.1f}/"
+        f"{percentile(lags, 99):.1f}/{max(lags, default=0.0):.1f}",
+        flush=True,
+    )
     if scenario.fleet:
         print(f"#   chat turns {stats.chat_turns}, chat errors {stats.chat_errors}", flush=True)
     if news := seen.news_ms:
