@@ -8,7 +8,8 @@ simulation of a GPU, with realistic costs) counts engine time per request.
 
 Three runs: no storm (kept completions only, the baseline latency), storm with the cancel
 shield, storm without it. Printed per run: share of engine time spent on stale requests,
-P50/P99 of kept completions, HTTP error rate, open requests at the ingress.
+P50/P99 of kept completions, HTTP error rate, open requests at the ingress, and the load
+generator's own loop lag (how much of a kept completion's measured wait is the client's).
 
 The storm and its baseline are compared on the same stack, window by window (no storm,
 storm, storm, no storm, ...: ``--rounds``), after a warm-up: a comparison across two stacks
