@@ -597,10 +597,9 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
     print(f"#   engine seconds by class: {by_class}", flush=True)
     if parts := _wait_parts(stats, seen):
         print(f"#   kept wait, P50/P99 ms: {parts}", flush=True)
-    lags = stats.lag
     print(
-        f"#   load generator's loop lag, P50/P99/max ms: {percentile(lags, 50):.1f}/"
-        f"{percentile(lags, 99):.1f}/{max(lags, default=0.0):.1f}",
+        f"#   load generator's loop lag, P50/P99/max ms: {percentile(stats.lag, 50):.1f}/"
+        f"{percentile(stats.lag, 99):.1f}/{max(stats.lag, default=0.0):.1f}",
         flush=True,
     )
     if scenario.fleet:

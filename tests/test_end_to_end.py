@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.stack import LiveStack
+from tests.stack import Ingress, LiveStack
 
 USAGE_FIELDS = {
     "id",
@@ -25,15 +25,20 @@ USAGE_FIELDS = {
 }
 
 
+async def _openai_client(stack: LiveStack, ingress: Ingress) -> openai.AsyncOpenAI:
+    """An unmodified OpenAI client on ``ingress`` with a key of team-a, closed with the stack."""
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    return client
+
+
 @pytest.fixture
 async def served(stack: LiveStack) -> tuple[LiveStack, openai.AsyncOpenAI]:
     ingress = await stack.start_ingress()
     await stack.start_worker("completion")
     await stack.start_worker("chat")
-    key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)  # closed with the stack
-    return stack, client
+    return stack, await _openai_client(stack, ingress)
 
 
 async def test_completion_not_streamed(served: tuple[LiveStack, openai.AsyncOpenAI]) -> None:
@@ -132,9 +137,7 @@ async def test_a_stream_interval_sends_fewer_larger_chunks_and_the_same_text(
     # Decode steps 5 ms apart: at interval 1 nearly every token would be a chunk of its own.
     ingress = await stack.start_ingress()
     await stack.start_worker("chat", stream_interval=8, sim_decode_ms_per_step=5.0)
-    key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = await _openai_client(stack, ingress)
     messages = [{"role": "user", "content": "summarise this module"}]
     whole = await client.chat.completions.create(
         model="laneway-chat", messages=messages, max_tokens=24
