@@ -28,8 +28,11 @@ Two scenarios, each with the three runs:
 Engine time is counted from the usage events that end inside a run's window (a steady
 background is counted as much at the window's start as it is left out at its end).
 
+``--null-test`` calibrates that comparison: the storm's windows carry no storm either, so the
+two runs differ by chance alone, and an interval that leaves out zero there is a false alarm.
+
     .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--rounds 4]
-        [--warmup 20] [--scenario both] [--stream-interval 1]
+        [--warmup 20] [--scenario both] [--stream-interval 1] [--null-test]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import httpx
@@ -81,8 +85,9 @@ BATCH_LINES_AT_ONCE = 24
 # Windows at or under this average steal (%) are compared on their own as well: on a shared
 # host, a window the hypervisor slowed says more about the host than about the storm.
 QUIET_STEAL = 1.0
-# The fewest kept completions on each side for that comparison (two windows' worth).
+# The fewest kept completions, and windows, on each side for that comparison.
 QUIET_MIN = 300
+QUIET_MIN_WINDOWS = 2
 # The load generator's loop-lag probe sleeps this long, over and over.
 LAG_TICK_S = 0.01
 
@@ -121,8 +126,7 @@ class RunStats:
     cpu: list[str] = field(default_factory=list)  # per window: share of a core per process
     steal: list[float] = field(default_factory=list)  # per window, %
     p99: list[float] = field(default_factory=list)  # per window: P99 of the kept latencies
-    # ids of the kept completions of windows whose average steal was at most QUIET_STEAL
-    quiet: set[str] = field(default_factory=set)
+    windows: list[list[str]] = field(default_factory=list)  # per window: its kept ids
     lag: list[float] = field(default_factory=list)  # the load generator's loop lag, ms
 
     def merge(self, other: RunStats) -> None:
@@ -139,7 +143,7 @@ class RunStats:
         self.cpu += other.cpu
         self.steal += other.steal
         self.p99 += other.p99
-        self.quiet |= other.quiet
+        self.windows += other.windows
         self.lag += other.lag
 
 
@@ -417,8 +421,7 @@ async def _window(
     stats.cpu.append(cpu.shares)
     stats.steal.append(steal.average)
     stats.p99.append(percentile(list(stats.kept.values()), 99))
-    if steal.average <= QUIET_STEAL:
-        stats.quiet = set(stats.kept)
+    stats.windows.append(list(stats.kept))
     stats.chat_turns, stats.chat_errors = chat.turns - turns, chat.errors - chat_errors
     stop.set()
     await asyncio.gather(watcher, lag)
@@ -439,7 +442,12 @@ async def _loop_lag(lags: list[float], stop: asyncio.Event) -> None:
 
 
 async def _session(
-    stack: BenchStack, key: str, args: argparse.Namespace, fleet: bool, runs: tuple[str, ...]
+    stack: BenchStack,
+    key: str,
+    args: argparse.Namespace,
+    fleet: bool,
+    runs: tuple[str, ...],
+    storms: frozenset[str],
 ) -> dict[str, tuple[RunStats, EngineTime]]:
     """The runs of one stack, ``args.rounds`` windows each, interleaved after a warm-up."""
     chat, stop = ChatCount(), asyncio.Event()
@@ -466,7 +474,7 @@ async def _session(
         # ABBA: the order turns every round, so a drift (the JIT, the host) favours neither.
         for name in runs if round_ % 2 == 0 else runs[::-1]:
             stats, seen = await _window(
-                stack, key, args.typists, args.seconds, name != "no storm", chat
+                stack, key, args.typists, args.seconds, name in storms, chat
             )
             results[name][0].merge(stats)
             results[name][1].merge(seen)
@@ -503,6 +511,12 @@ def main() -> None:
         default=1,
         help="the workers' LANEWAY_STREAM_INTERVAL: tokens a streamed chunk gathers (default 1)",
     )
+    parser.add_argument(
+        "--null-test",
+        action="store_true",
+        help="no storm in either run of the shared stack (and no run without the shield): "
+        "how far the comparison strays when nothing differs",
+    )
     args = parser.parse_args()
     if (
         args.typists < 1
@@ -524,6 +538,8 @@ def main() -> None:
         "of warm-up; no storm and shield on alternate (ABBA) on one stack; stream interval "
         f"{args.stream_interval} token(s)"
     )
+    if args.null_test:
+        print("# null test: the second run is no storm as well; any difference is chance")
     if args.scenario != "storm":
         print(
             f"# fleet: + {CHAT_USERS} chat users (~{CHAT_CONTEXT_CHARS // 4000}k-token "
@@ -552,15 +568,19 @@ def main() -> None:
     for scenario in chosen:
         # The same stack (shield on) serves the storm and its baseline, window by window,
         # so both meet the same broker, the same JIT state and the same host speed.
-        for shield, runs in ((True, ("no storm", "shield on")), (False, ("shield off",))):
+        plan = [(True, ("no storm", "shield on")), (False, ("shield off",))]
+        if args.null_test:
+            plan = [(True, ("no storm", "no storm again"))]
+        storms = frozenset({"shield on", "shield off"})
+        for shield, runs in plan:
             stack = BenchStack(workers=scenario.workers(shield, args.stream_interval))
             with bench_stack(stack):
                 key = stack.api_key("typists")
-                results = uvloop.run(_session(stack, key, args, scenario.fleet, runs))
+                results = uvloop.run(_session(stack, key, args, scenario.fleet, runs, storms))
             for name in runs:
                 _report(scenario, name, *results[name])
             if shield:
-                _compare(results["no storm"], results["shield on"])
+                _compare(results[runs[0]], results[runs[1]], f"{runs[1]} - {runs[0]}")
 
 
 def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) -> None:
@@ -616,63 +636,85 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
         )
 
 
-def _compare(base: tuple[RunStats, EngineTime], storm: tuple[RunStats, EngineTime]) -> None:
+def _compare(
+    base: tuple[RunStats, EngineTime], storm: tuple[RunStats, EngineTime], label: str
+) -> None:
     """The storm's P99 against its baseline's, with how sure the difference is.
 
     A P99 of a few hundred completions rests on its few largest, so two runs of the same
-    load differ by tens of milliseconds by chance. A bootstrap (resampling each run's
-    completions with replacement) gives the 95 % interval of the difference: when it holds
-    0, the storm is not told apart from no storm at this sample size. The same comparison
-    over the quiet windows alone (average steal at most QUIET_STEAL) follows, when both
-    runs have enough of them.
+    load differ by tens of milliseconds by chance. A bootstrap gives the 95 % interval of
+    the difference: when it holds 0, the storm is not told apart from no storm at this
+    sample size. The same comparison over the quiet windows alone (average steal at most
+    QUIET_STEAL) follows, when both runs have enough of them.
     """
 
-    def kept(run: tuple[RunStats, EngineTime], quiet: bool) -> list[float]:
-        stats, _ = run
-        return [ms for rid, ms in stats.kept.items() if not quiet or rid in stats.quiet]
+    def kept(stats: RunStats, seen: EngineTime, rid: str) -> float | None:
+        return stats.kept[rid]
 
-    def waits(run: tuple[RunStats, EngineTime], quiet: bool) -> list[float]:
+    def wait(stats: RunStats, seen: EngineTime, rid: str) -> float | None:
+        return stats.kept[rid] - seen.by_id[rid] if rid in seen.by_id else None
+
+    def windows(
+        run: tuple[RunStats, EngineTime],
+        value: Callable[[RunStats, EngineTime, str], float | None],
+        quiet: bool,
+    ) -> list[list[float]]:
         stats, seen = run
-        return [
-            ms - seen.by_id[rid]
-            for rid, ms in stats.kept.items()
-            if rid in seen.by_id and (not quiet or rid in stats.quiet)
-        ]
+        chosen = []
+        for ids, steal in zip(stats.windows, stats.steal, strict=True):
+            if quiet and steal > QUIET_STEAL:
+                continue
+            values = [v for rid in ids if (v := value(stats, seen, rid)) is not None]
+            if values:
+                chosen.append(values)
+        return chosen
 
     for quiet in (False, True):
         where = f", windows under {QUIET_STEAL:.0f} % steal" if quiet else ""
-        for what, a, b in (
-            ("kept P99", kept(base, quiet), kept(storm, quiet)),
-            ("P99 wait", waits(base, quiet), waits(storm, quiet)),
-        ):
-            if quiet and min(len(a), len(b)) < QUIET_MIN:
-                print(f"#   {what}{where}: too few ({len(a)} and {len(b)} completions)")
+        for what, value in (("kept P99", kept), ("P99 wait", wait)):
+            a, b = windows(base, value, quiet), windows(storm, value, quiet)
+            n_a, n_b = sum(map(len, a)), sum(map(len, b))
+            if quiet and (min(n_a, n_b) < QUIET_MIN or min(len(a), len(b)) < QUIET_MIN_WINDOWS):
+                print(
+                    f"#   {what}{where}: too few ({n_a} and {n_b} completions, "
+                    f"{len(a)} and {len(b)} windows)"
+                )
                 continue
             if not a or not b:
                 continue
             low, high = bootstrap_interval(a, b, lambda v: percentile(v, 99))
-            diff = percentile(b, 99) - percentile(a, 99)
+            diff = percentile([*chain(*b)], 99) - percentile([*chain(*a)], 99)
             verdict = "worse" if low > 0 else "better" if high < 0 else "not told apart"
             print(
-                f"#   shield on - no storm, {what}{where}: {diff:+.0f} ms, 95 % interval "
-                f"{low:+.0f} .. {high:+.0f} ({len(a)} and {len(b)} completions): {verdict}",
+                f"#   {label}, {what}{where}: {diff:+.0f} ms, 95 % interval "
+                f"{low:+.0f} .. {high:+.0f} ({n_a} and {n_b} completions in {len(a)} and "
+                f"{len(b)} windows): {verdict}",
                 flush=True,
             )
 
 
 def bootstrap_interval(
-    a: list[float],
-    b: list[float],
+    a: list[list[float]],
+    b: list[list[float]],
     statistic: Callable[[list[float]], float],
     rounds: int = 2000,
     seed: int = 1,
 ) -> tuple[float, float]:
-    """95 % interval of ``statistic(b) - statistic(a)`` by resampling each with replacement."""
+    """95 % interval of ``statistic(b) - statistic(a)``, each given as its windows' values.
+
+    Two stages: each round draws a run's windows with replacement, then the values within
+    each drawn window. The completions of one window share its host's speed (its steal, the
+    broker's collector), so resampling completions alone would read one window's luck as a
+    difference between the runs: a null test (``--null-test``) of two identical runs came
+    out "better" at -6 ms (-11 .. -0) that way.
+    """
     rng = random.Random(seed)
-    diffs = sorted(
-        statistic(rng.choices(b, k=len(b))) - statistic(rng.choices(a, k=len(a)))
-        for _ in range(rounds)
-    )
+
+    def draw(windows: list[list[float]]) -> list[float]:
+        picked = rng.choices(windows, k=len(windows))
+        return [v for window in picked for v in rng.choices(window, k=len(window))]
+
+    diffs = sorted(statistic(draw(b)) - statistic(draw(a)) for _ in range(rounds))
     return diffs[int(0.025 * rounds)], diffs[int(0.975 * rounds) - 1]
 
 
