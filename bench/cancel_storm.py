@@ -28,8 +28,9 @@ Two scenarios, each with the three runs:
 Engine time is counted from the usage events that end inside a run's window (a steady
 background is counted as much at the window's start as it is left out at its end).
 
-``--null-test`` calibrates that comparison: the storm's windows carry no storm either, so the
-two runs differ by chance alone, and an interval that leaves out zero there is a false alarm.
+``--null-test`` checks the storm-against-baseline comparison itself: the storm's windows carry
+no storm either, so the two runs differ by chance alone, and an interval that leaves out zero
+there is a false alarm.
 
     .venv/bin/python -m bench.cancel_storm [--typists 10] [--seconds 30] [--rounds 4]
         [--warmup 20] [--scenario both] [--stream-interval 1] [--null-test]
@@ -642,10 +643,11 @@ def _compare(
     """The storm's P99 against its baseline's, with how sure the difference is.
 
     A P99 of a few hundred completions rests on its few largest, so two runs of the same
-    load differ by tens of milliseconds by chance. A bootstrap gives the 95 % interval of
-    the difference: when it holds 0, the storm is not told apart from no storm at this
-    sample size. The same comparison over the quiet windows alone (average steal at most
-    QUIET_STEAL) follows, when both runs have enough of them.
+    load differ by tens of milliseconds by chance. A bootstrap over windows, then the
+    completions within them, gives the 95 % interval of the difference: when it holds 0,
+    the storm is not told apart from no storm at this sample size. The same comparison over
+    the quiet windows alone (average steal at most QUIET_STEAL) follows, when both runs have
+    enough of them.
     """
 
     def kept(stats: RunStats, seen: EngineTime, rid: str) -> float | None:
