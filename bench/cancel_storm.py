@@ -536,7 +536,8 @@ def main() -> None:
     print(
         f"# 32 slots; {args.typists} typists, prompts ~1k tokens, max_tokens {MAX_TOKENS}; "
         f"each run is {args.rounds} windows of {args.seconds:.0f} s, after {args.warmup:.0f} s "
-        "of warm-up; no storm and shield on alternate (ABBA) on one stack; stream interval "
+        f"of warm-up; {'the two runs' if args.null_test else 'no storm and shield on'} "
+        "alternate (ABBA) on one stack; stream interval "
         f"{args.stream_interval} token(s)"
     )
     if args.null_test:
@@ -708,7 +709,9 @@ def bootstrap_interval(
     each drawn window. The completions of one window share its host's speed (its steal, the
     broker's collector), so resampling completions alone would read one window's luck as a
     difference between the runs: a null test (``--null-test``) of two identical runs came
-    out "better" at -6 ms (-11 .. -0) that way.
+    out "better" at -6 ms (-11 .. -0) that way. With four windows a run it is still
+    approximate, and a little narrow (a run offers few distinct draws of its windows); with
+    one window a run it amounts to resampling completions alone.
     """
     rng = random.Random(seed)
 
