@@ -126,7 +126,6 @@ class RunStats:
     chat_errors: int = 0
     cpu: list[str] = field(default_factory=list)  # per window: share of a core per process
     steal: list[float] = field(default_factory=list)  # per window, %
-    p99: list[float] = field(default_factory=list)  # per window: P99 of the kept latencies
     windows: list[list[str]] = field(default_factory=list)  # per window: its kept ids
     lag: list[float] = field(default_factory=list)  # the load generator's loop lag, ms
 
@@ -143,7 +142,6 @@ class RunStats:
         self.chat_errors += other.chat_errors
         self.cpu += other.cpu
         self.steal += other.steal
-        self.p99 += other.p99
         self.windows += other.windows
         self.lag += other.lag
 
@@ -421,7 +419,6 @@ async def _window(
     until_ms = int(time.time() * 1000)
     stats.cpu.append(cpu.shares)
     stats.steal.append(steal.average)
-    stats.p99.append(percentile(list(stats.kept.values()), 99))
     stats.windows.append(list(stats.kept))
     stats.chat_turns, stats.chat_errors = chat.turns - turns, chat.errors - chat_errors
     stop.set()
@@ -610,7 +607,10 @@ def _report(scenario: Scenario, name: str, stats: RunStats, seen: EngineTime) ->
         f"{sum(stats.steal) / len(stats.steal):.1f}",
     )
     print(" ".join(f"{v:>15}" for v in row), flush=True)
-    windows = ", ".join(f"{p:.0f} ({s:.1f} %)" for p, s in zip(stats.p99, stats.steal, strict=True))
+    windows = ", ".join(
+        f"{percentile([stats.kept[rid] for rid in ids], 99):.0f} ({steal:.1f} %)"
+        for ids, steal in zip(stats.windows, stats.steal, strict=True)
+    )
     print(f"#   kept P99 ms (steal) by window: {windows}")
     print(f"#   completion outcomes: {seen.statuses}", flush=True)
     for cpu in stats.cpu:
