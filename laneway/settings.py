@@ -173,7 +173,12 @@ class WorkerSettings(CommonSettings):
         "at once); default <pool>-<host>-<pid>",
     )
     engine: EngineName = Field("auto", description="auto, sim, openai or vllm (auto: by machine)")
-    max_inflight: int = Field(64, gt=0, description="requests run at once by this worker")
+    max_inflight: int = Field(
+        64,
+        gt=0,
+        description="requests a worker holds at once: waiting in its dispatch queue (where "
+        "the shield can still drop them) or on the engine, which gets only what it can start",
+    )
     batch_memory_high: float = Field(
         0.95,
         gt=0,
@@ -209,6 +214,20 @@ class WorkerSettings(CommonSettings):
     upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
     upstream_api_key: SecretStr = Field(SecretStr(""), description="bearer key of the upstream")
     upstream_model: str = Field("", description="model name upstream; default: the route")
+    upstream_slots: int = Field(
+        0,
+        ge=0,
+        description="engine=openai: requests the upstream runs at once; 0: learned (from its "
+        "queue on /metrics where it publishes one, else from its first-byte times)",
+    )
+    upstream_metrics_url: str = Field(
+        "auto",
+        description="engine=openai: the upstream's Prometheus metrics (vLLM, SGLang), read "
+        "for its queue length; 'auto': /metrics on the upstream's host; '': none",
+    )
+    upstream_read_timeout_s: float = Field(
+        120.0, gt=0, description="engine=openai: longest silence of an upstream stream"
+    )
 
     sim_prefill_ms_per_token: float = Field(0.05, ge=0, description="sim: prefill cost")
     sim_decode_ms_per_step: float = Field(15.0, ge=0, description="sim: one decode step")

@@ -164,10 +164,13 @@ class LiveStack:
         self,
         pool: str = "completion",
         *,
-        engine: Engine | None = None,
+        engine: Engine | str | None = None,
         wait_assigned: bool = True,
         **overrides: Any,
     ) -> PoolWorker:
+        """A worker of ``pool``; ``engine`` is an engine object or the engine setting."""
+        if isinstance(engine, str):
+            overrides["engine"], engine = engine, None
         settings = self.worker_settings(pool, **overrides)
         worker = create_worker(settings, engine or choose_engine(settings)[0])
         await worker.start()

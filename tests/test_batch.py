@@ -144,7 +144,9 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
 
 
 async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> None:
-    ingress = await stack.start_ingress()
+    # The burst waits its turn in the completion worker's queue for seconds: a deadline
+    # that lets every completion start.
+    ingress = await stack.start_ingress(completion_deadline_ms=30_000)
     await stack.start_worker("completion", sim_batch_slots=1, sim_decode_ms_per_step=30.0)
     batch = await stack.start_worker("batch", sim_decode_ms_per_step=5.0)
     http = stack.http(ingress, await stack.api_key("ide", size=100))

@@ -170,6 +170,7 @@ async def test_openai_engine_streams_from_a_real_server(stack: LiveStack) -> Non
     await stack.start_worker("chat")
     key = await stack.api_key("upstream-team")
     engine = OpenAICompatibleEngine(upstream.base_url + "/v1", api_key=key)
+    await engine.start()
     try:
         sim = SimEngine()
         request = EngineRequest(id="u1", route="laneway-code", prompt="def f():", max_tokens=12)

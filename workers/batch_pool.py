@@ -21,8 +21,8 @@ from redis.exceptions import RedisError
 from laneway.cache import TtlCache
 from laneway.clients import make_producer
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
-from laneway.schema import BatchRequest, RequestEnvelope, decode
+from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
+from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from laneway.settings import WorkerSettings
 from quota import Team, get_team
 from workers import metrics
@@ -34,6 +34,7 @@ from workers.batch import (
     error_result,
     result_records,
 )
+from workers.dispatch import Work
 from workers.pool import PoolWorker
 from workers.types import Engine
 
@@ -50,8 +51,6 @@ class BatchPoolWorker(PoolWorker):
     def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
         super().__init__(settings, engine)
         self.outbox.capture = True
-        if self.quota is not None:
-            self.executor.admit = self._admit
         self.ledger = BatchLedger()
         self.intake = BatchIntake(settings, self.redis, self.keys)
         # A stable transactional id fences a zombie instance after a restart.
@@ -100,9 +99,10 @@ class BatchPoolWorker(PoolWorker):
                 self._lines[env.id] = (tp.topic, key, record.value)
                 return env
 
-    async def _execute(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
+    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent:
+        tp, offset, env = work.tp, work.offset, work.env
         try:
-            usage = await self.executor.run(env)
+            usage = await super()._execute(work, dropped)
         finally:
             line = self._lines.pop(env.id)
         final = self.outbox.captured.pop(env.id)
@@ -113,14 +113,19 @@ class BatchPoolWorker(PoolWorker):
             metrics.BATCH_REQUEUED.inc()
             usage_record = (self.topics.usage, env.team.encode(), usage.to_json())
             self.ledger.add(tp, offset, [line, usage_record])
-            return
+            return usage
         self.ledger.add(tp, offset, result_records(self.topics, batch_result(env, final), usage))
+        return usage
+
+    async def _before_queue(self, work: Work) -> None:
+        if self.quota is not None:
+            await self._admit(work.env)
 
     async def _admit(self, env: RequestEnvelope) -> None:
         """Reserve from the team's batch pool, waiting (never failing) until it refills.
 
-        While it waits the line holds its in-flight slot, so a throttled job stops fetching
-        more work instead of failing lines; with Redis unreachable, batch pauses.
+        It waits before the line is queued, holding no engine slot: a throttled job stops
+        fetching more work instead of failing lines; with Redis unreachable, batch pauses.
         """
         assert self.quota is not None
         amount = env.prompt_tokens + env.max_tokens

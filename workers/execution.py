@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from laneway.errors import Dropped, EngineError
@@ -14,7 +15,7 @@ from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
 from workers.replies import ChunkStream
-from workers.types import EngineRequest
+from workers.types import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
     from workers.replies import Outbox
@@ -24,6 +25,19 @@ if TYPE_CHECKING:
 __all__ = ["RequestExecutor"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Totals:
+    """What the engine has reported of one request so far."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    engine_ms: float = 0.0
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+    began: bool = False
 
 
 class RequestExecutor:
@@ -36,15 +50,17 @@ class RequestExecutor:
         outbox: Outbox,
         *,
         worker_id: str,
-        admit: Callable[[RequestEnvelope], Awaitable[None]] | None = None,
+        pool: str = "",
         price_of: Callable[[str], Price] | None = None,
         stream_interval: int = 1,
+        on_first_output: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.shield = shield
         self.outbox = outbox
         self.worker_id = worker_id
-        self.admit = admit
+        self.pool = pool
+        self.on_first_output = on_first_output  # the engine started it: room may have changed
         self.price_of = price_of or (lambda _route: Price())
         self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
@@ -56,20 +72,25 @@ class RequestExecutor:
         if delivery is not None:
             await delivery
 
+    async def drop(self, env: RequestEnvelope, reason: Dropped) -> UsageEvent:
+        """Finish a request that never reached the engine, with the reason."""
+        queue_ms = max(0.0, (time.time() - env.accepted_ts) * 1000)
+        log.info(
+            "dropped %s before execution: %s",
+            env.id,
+            reason,
+            extra={"request_id": env.id, "team": env.team},
+        )
+        return await self._finish(env, reason.status, queue_ms=queue_ms, error=str(reason))  # type: ignore[arg-type]
+
     async def run(self, env: RequestEnvelope) -> UsageEvent:
-        if self.admit is not None:
-            await self.admit(env)
+        """Run ``env`` on the engine now (the worker dispatches it when the engine has room);
+        ``queue_ms`` is its wait from acceptance to this moment."""
         start = time.time()
         queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
         verdict = self.shield.verdict(env, start)
         if verdict is not None:
-            log.info(
-                "dropped %s before execution: %s",
-                env.id,
-                verdict,
-                extra={"request_id": env.id, "team": env.team},
-            )
-            return await self._finish(env, verdict.status, queue_ms=queue_ms, error=str(verdict))  # type: ignore[arg-type]
+            return await self.drop(env, verdict)
 
         self.shield.started(env)
         chunks = (
@@ -78,29 +99,18 @@ class RequestExecutor:
             else None
         )
         text_parts: list[str] = []
-        ttft_ms: float | None = None
-        prompt_tokens = cached = completion = 0
-        engine_ms = 0.0
-        finish: str | None = None
+        got = _Totals()
         status: Outcome = "ok"
         error: str | None = None
         try:
             async for delta in self.engine.generate(self._engine_request(env)):
-                prompt_tokens, cached = delta.prompt_tokens, delta.cached_tokens
-                completion, engine_ms = delta.completion_tokens, delta.engine_ms
-                finish = delta.finish_reason or finish
-                if delta.text and ttft_ms is None:
-                    ttft_ms = (time.time() - env.accepted_ts) * 1000
-                self.shield.progress(env.id, completion, engine_ms, delta.ended)
+                self._fold(env, got, delta)
                 if chunks is not None and delta.text:
-                    chunks.add(delta.text, completion)
+                    chunks.add(delta.text, got.completion_tokens)
                 else:
                     text_parts.append(delta.text)
         except Dropped as dropped:
-            stale = self.shield.stale_reason(env.id)
-            status = stale.status if stale is not None else dropped.status  # type: ignore[assignment]
-            engine_ms = max(engine_ms, dropped.engine_ms)
-            error = str(stale or dropped)
+            status, error = self._dropped(env, got, dropped)
         except EngineError as exc:
             log.warning(
                 "engine error on %s: %s",
@@ -114,7 +124,7 @@ class RequestExecutor:
                 chunks.cancel()
             raise
         finally:
-            stale_ms, news_ms = self.shield.waste(env.id, engine_ms)
+            stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
             self.shield.finished(env.id)
         n = at = 0
         if chunks is not None:
@@ -128,19 +138,49 @@ class RequestExecutor:
             at=at,
             text="".join(text_parts),
             queue_ms=queue_ms,
-            ttft_ms=ttft_ms,
-            engine_ms=engine_ms,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached,
-            completion_tokens=completion,
-            finish_reason=finish,
+            ttft_ms=got.ttft_ms,
+            engine_ms=got.engine_ms,
+            prompt_tokens=got.prompt_tokens,
+            cached_tokens=got.cached_tokens,
+            completion_tokens=got.completion_tokens,
+            finish_reason=got.finish_reason,
             error=error,
             stale_engine_ms=stale_ms,
             stale_news_ms=news_ms,
         )
 
+    def _fold(self, env: RequestEnvelope, got: _Totals, delta: EngineDelta) -> None:
+        got.prompt_tokens, got.cached_tokens = delta.prompt_tokens, delta.cached_tokens
+        got.completion_tokens, got.engine_ms = delta.completion_tokens, delta.engine_ms
+        got.finish_reason = delta.finish_reason or got.finish_reason
+        if not got.began:
+            got.began = True
+            self._first_output(env)
+        if delta.text and got.ttft_ms is None:
+            got.ttft_ms = (time.time() - env.accepted_ts) * 1000
+        self.shield.progress(env.id, got.completion_tokens, got.engine_ms, delta.ended)
+
+    def _dropped(self, env: RequestEnvelope, got: _Totals, dropped: Dropped) -> tuple[Outcome, str]:
+        """A running request that left the engine early: its outcome and why."""
+        took = self.shield.abort_latency(env.id)
+        if took is not None:
+            metrics.ABORT_SECONDS.labels(self.pool).observe(took)
+        stale = self.shield.stale_reason(env.id)
+        status = stale.status if stale is not None else dropped.status
+        got.engine_ms = max(got.engine_ms, dropped.engine_ms)
+        return status, str(stale or dropped)  # type: ignore[return-value]
+
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    def _first_output(self, env: RequestEnvelope) -> None:
+        """The engine's first output: the request began there. Began after it turned stale
+        (the news came before the engine started it) is a late start: work the shield
+        should have saved."""
+        if self.shield.stale_reason(env.id) is not None:
+            metrics.LATE_STARTS.labels(self.pool).inc()
+        if self.on_first_output is not None:
+            self.on_first_output()
 
     def _engine_request(self, env: RequestEnvelope) -> EngineRequest:
         return EngineRequest(
@@ -154,6 +194,7 @@ class RequestExecutor:
             top_p=env.top_p,
             stop=env.stop,
             priority=0 if env.band == "hi" else 1,
+            deadline_ts=env.deadline_ts,
         )
 
     async def _finish(

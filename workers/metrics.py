@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "ABORT_SECONDS",
+    "DISPATCH_QUEUE",
+    "ENGINE_CAPACITY",
+    "ENGINE_INFLIGHT",
     "ENGINE_MS",
     "INFLIGHT",
+    "LATE_STARTS",
     "MALFORMED",
     "OUTCOMES",
     "STALE_ENGINE_MS",
@@ -32,7 +37,33 @@ STALE_ENGINE_MS = Counter(
     "Engine milliseconds spent on requests after they turned stale (cancelled or superseded)",
     ["team", "cls", "status"],
 )
-INFLIGHT = Gauge("laneway_worker_inflight", "Requests running on this worker", ["pool"])
+INFLIGHT = Gauge(
+    "laneway_worker_inflight",
+    "Requests held by this worker: waiting in its dispatch queue, on the engine or reporting",
+    ["pool"],
+)
+DISPATCH_QUEUE = Gauge(
+    "laneway_dispatch_queue", "Requests waiting in the worker's queue for the engine", ["pool"]
+)
+ENGINE_INFLIGHT = Gauge(
+    "laneway_engine_inflight", "Requests this worker has on its engine now", ["pool"]
+)
+ENGINE_CAPACITY = Gauge(
+    "laneway_engine_capacity",
+    "Requests the engine can start at once: configured, its own limit, or learned (upstream)",
+    ["pool"],
+)
+LATE_STARTS = Counter(
+    "laneway_late_starts_total",
+    "Requests whose engine work began after they had turned stale (work the shield missed)",
+    ["pool"],
+)
+ABORT_SECONDS = Histogram(
+    "laneway_abort_seconds",
+    "From the news that a running request turned stale to its engine work stopping",
+    ["pool"],
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
 REDIS_FALLBACK = Counter(
     "laneway_worker_redis_fallback_total",
     "Times a worker found Redis unreachable and sent replies through Kafka",

@@ -1,10 +1,11 @@
-"""A worker of one pool: the Kafka fetch loop, in-flight bookkeeping, commits and shutdown.
+"""A worker of one pool: the Kafka fetch loop, dispatch to the engine, commits and shutdown.
 
-The fetch loop never waits on generation: each record becomes a task, up to
-``max_inflight`` at once. Offsets are committed only below the lowest unfinished record of
-each partition, so a crash re-runs (never loses) what was accepted into the pool's topics.
-The ``hi`` band is drained before ``lo``: while ``hi`` partitions have a backlog, the ``lo``
-partitions are paused.
+The fetch loop never waits on generation: fetched records wait in the worker's dispatch
+queue (``workers.dispatch``), up to ``max_inflight`` held at once, and go to the engine only
+as it has room, the shield asked at that moment. Offsets are committed only below the lowest
+unfinished record of each partition, so a crash re-runs (never loses) what was accepted into
+the pool's topics. The ``hi`` band is drained before ``lo``: while ``hi`` partitions have a
+backlog, the ``lo`` partitions are paused, and waiting ``hi`` work starts first.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S
-from laneway.errors import MalformedMessage
+from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.metrics import CONSUMER_LAG
-from laneway.schema import CancelRecord, RequestEnvelope, decode
+from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
 from laneway.settings import WorkerSettings
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
+from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
 from workers.offsets import OffsetTracker
 from workers.replies import Outbox
@@ -63,11 +65,18 @@ class PoolWorker:
         self.keys = settings.keys
         self.shield = CancelShield(enabled=settings.shield)
         self.offsets = OffsetTracker()
-        # Every fetched record until its offset may be committed; _busy of them hold an
-        # engine slot (max_inflight bounds those).
+        self.queue = DispatchQueue()
+        self.dispatcher = Dispatcher(
+            self.queue,
+            capacity=engine.capacity,
+            verdict=self.shield.verdict,
+            start=self._start,
+            drop=self._drop,
+        )
+        # Started or dropped work until its offset may be finished; with the queue, what
+        # this worker holds (max_inflight bounds it).
         self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
-        self._busy = 0
-        self._slot_free = asyncio.Event()
+        self._room = asyncio.Event()
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._started = False
@@ -101,19 +110,27 @@ class PoolWorker:
             self.shield,
             self.outbox,
             worker_id=settings.worker_id,
+            pool=settings.pool,
             price_of=settings.price_of,
             stream_interval=settings.stream_interval,
+            on_first_output=self.dispatcher.wake,
         )
 
     @property
     def pool(self) -> str:
         return self.settings.pool
 
+    @property
+    def held(self) -> int:
+        """Requests fetched and not finished: waiting for the engine, on it, or reporting."""
+        return len(self.queue) + len(self._inflight)
+
     async def start(self) -> None:
         if self._started:
             return
         self._started = True
         await self.engine.start()
+        self.engine.watch_capacity(self.dispatcher.wake)
         self._digest = self.engine.model_digest()
         await self.producer.start()
         await self.cancels.start()
@@ -123,6 +140,7 @@ class PoolWorker:
         await self.consumer.start()
         self._loops = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self.dispatcher.run(), name="dispatch"),
             asyncio.create_task(self._commit_loop(), name="commit"),
             asyncio.create_task(self._cancel_loop(), name="cancels"),
             asyncio.create_task(self._early_cancel_loop(), name="early-cancels"),
@@ -144,21 +162,25 @@ class PoolWorker:
         await self.stop()
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stop fetching, let in-flight work finish within the grace period, commit, close.
+        """Stop fetching and dispatching, let what runs finish within the grace period,
+        commit, close.
 
-        Work still running after the grace period is cancelled without committing its
-        offset, so the partition's next owner runs it again.
+        Work still waiting is left to the partition's next owner; work still running after
+        the grace period is cancelled without committing its offset, so it is run again.
         """
         if self._stopped or not self._started:
             return
         self._stopped = True
         self._stopping.set()
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        loops, self._loops = self._loops, []
+        dispatch = [task for task in loops if task.get_name() == "dispatch"]
+        await _cancel(dispatch)
         if self._inflight:
             log.info("draining %d in-flight requests (grace %.1fs)", len(self._inflight), grace)
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
             await _cancel(pending)
-        await _cancel(self._loops)
+        await _cancel([task for task in loops if task not in dispatch])
         with contextlib.suppress(KafkaError):
             await self.commit()
         await self.consumer.stop()
@@ -187,10 +209,10 @@ class PoolWorker:
 
     async def _fetch(self) -> None:
         while not self._stopping.is_set():
-            room = self.settings.max_inflight - self._busy
+            room = self.settings.max_inflight - self.held
             if room <= 0:
-                self._slot_free.clear()
-                await self._slot_free.wait()
+                self._room.clear()
+                await self._room.wait()
                 continue
             await self._prioritise_bands()
             batches = await self.consumer.getmany(timeout_ms=200, max_records=room)
@@ -198,7 +220,7 @@ class PoolWorker:
                 # Not started: leave them uncommitted for the next owner.
                 return
             ordered = sorted(batches.items(), key=lambda item: item[0].topic.endswith(".lo"))
-            accepted: list[tuple[TopicPartition, int, RequestEnvelope]] = []
+            accepted: list[Work] = []
             for tp, records in ordered:
                 for record in records:
                     self.offsets.begin(tp, record.offset)
@@ -206,13 +228,16 @@ class PoolWorker:
                     if env is None:
                         self.offsets.finish(tp, record.offset)
                         continue
-                    accepted.append((tp, record.offset, env))
-            # Observe the whole batch first: a keystroke is superseded by one fetched with it.
-            for tp, offset, env in accepted:
-                task = asyncio.create_task(self._run(tp, offset, env), name=f"req-{env.id}")
-                self._inflight[task] = env
-                self._busy += 1
-            metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
+                    accepted.append(Work(tp, record.offset, env))
+            # Observe the whole batch before any of it may start: a keystroke is superseded
+            # by one fetched with it.
+            for work in accepted:
+                await self._before_queue(work)
+                self.queue.push(work)
+                self.dispatcher.wake()
+
+    async def _before_queue(self, work: Work) -> None:
+        """Wait until ``work`` may queue for the engine (batch: until its budget allows)."""
 
     async def _accept(
         self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
@@ -225,6 +250,13 @@ class PoolWorker:
             return None
         for rid in self.shield.observe(env):
             await self.executor.abort(rid)
+        if self.shield.enabled:
+            for work in self.queue.superseded(env):
+                reason = self.shield.verdict(work.env)
+                if reason is not None:
+                    self._drop(work, reason)
+                else:  # within its team's supersede grace: it may still run
+                    self.queue.push(work)
         return env
 
     def _skip(self, tp: TopicPartition, offset: int, exc: Exception) -> None:
@@ -249,18 +281,38 @@ class PoolWorker:
         elif paused:
             self.consumer.resume(*[tp for tp in lo if tp in paused])
 
-    async def _execute(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
-        await self.executor.run(env)
+    # --- dispatch ------------------------------------------------------------------------
 
-    async def _run(self, tp: TopicPartition, offset: int, env: RequestEnvelope) -> None:
+    def _start(self, work: Work) -> None:
+        self._track(self._run(work), work, f"req-{work.env.id}")
+
+    def _drop(self, work: Work, reason: Dropped) -> None:
+        self._track(self._report_drop(work, reason), work, f"drop-{work.env.id}")
+
+    def _track(self, coro: Any, work: Work, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._inflight[task] = work.env
+        task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task[None]) -> None:
+        self._inflight.pop(task, None)
+        self._room.set()
+
+    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent:
+        """Run the work on the engine, or report it ``dropped`` before it got there."""
+        if dropped is not None:
+            return await self.executor.drop(work.env, dropped)
+        return await self.executor.run(work.env)
+
+    async def _run(self, work: Work) -> None:
+        env = work.env
         try:
             try:
-                await self._execute(tp, offset, env)
+                await self._execute(work)
             finally:
-                # The engine is done with it: its slot takes the next record while the usage
+                # The engine is done with it: its slot takes the next work while the usage
                 # event is still on its way to the broker.
-                self._busy -= 1
-                self._slot_free.set()
+                self.dispatcher.done()
             await self.executor.delivered(env.id)
         except asyncio.CancelledError:
             # Shutdown past the grace period: leave the offset pending so it is re-run.
@@ -273,10 +325,21 @@ class PoolWorker:
                 env.id,
                 extra={"request_id": env.id, "team": env.team},
             )
-        finally:
-            self._inflight.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            metrics.INFLIGHT.labels(self.pool).set(len(self._inflight))
-        self.offsets.finish(tp, offset)
+        self.offsets.finish(work.tp, work.offset)
+
+    async def _report_drop(self, work: Work, reason: Dropped) -> None:
+        try:
+            await self._execute(work, reason)
+            await self.executor.delivered(work.env.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "dropped request %s could not be reported",
+                work.env.id,
+                extra={"request_id": work.env.id, "team": work.env.team},
+            )
+        self.offsets.finish(work.tp, work.offset)
 
     # --- commits, cancels, heartbeats -----------------------------------------------------
 
@@ -292,7 +355,9 @@ class PoolWorker:
         self.offsets.mark_committed(offsets)
 
     def _forget(self, partitions: set[TopicPartition]) -> None:
-        """Partitions taken away by a rebalance: their next owner re-runs what is pending."""
+        """Partitions taken away by a rebalance: their next owner re-runs what is pending
+        (waiting work included: it leaves the queue unstarted)."""
+        self.queue.forget(partitions)
         self.offsets.forget(partitions)
 
     async def _commit_loop(self) -> None:
@@ -344,6 +409,11 @@ class PoolWorker:
             metrics.MALFORMED.labels(self.pool, source).inc()
             log.warning("skipped cancel record on %s%s: %s", source, at, exc)
             return
+        waiting = self.queue.get(cancel.id) if self.shield.enabled else None
+        if waiting is not None and waiting.env.team == cancel.team:
+            self.queue.remove(cancel.id)
+            self._drop(waiting, Cancelled("cancelled before it started"))
+            return
         rid = self.shield.cancel(cancel)
         if rid is not None:
             await self.executor.abort(rid)
@@ -358,8 +428,11 @@ class PoolWorker:
                 "pool": self.pool,
                 "engine": self.engine.name,
                 "simulation": self.engine.is_simulation,
-                "inflight": len(self._inflight),
-                "backlog": await self._record_lag() + stats.waiting,
+                "inflight": self.held,
+                "dispatch_queue": len(self.queue),
+                "engine_inflight": self.dispatcher.running,
+                "capacity": self.engine.capacity(),
+                "backlog": await self._record_lag() + len(self.queue) + stats.waiting,
                 "cancels_held": len(self.shield),
                 "running": stats.running,
                 "waiting": stats.waiting,
@@ -383,6 +456,10 @@ class PoolWorker:
                     await pipe.execute()
             except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
                 log.warning("heartbeat to Redis failed: %s", exc)
+            metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
+            metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
+            metrics.ENGINE_CAPACITY.labels(self.pool).set(self.engine.capacity())
+            metrics.INFLIGHT.labels(self.pool).set(self.held)
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from laneway.errors import ConfigError
 from laneway.settings import WorkerSettings
@@ -48,11 +49,22 @@ def sim_profile(settings: WorkerSettings) -> SimProfile:
     )
 
 
+def upstream_metrics_url(settings: WorkerSettings) -> str:
+    """Where the upstream's metrics are: 'auto' is /metrics on its host."""
+    if settings.upstream_metrics_url != "auto":
+        return settings.upstream_metrics_url
+    parts = urlsplit(settings.upstream_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+
+
 def _openai(settings: WorkerSettings) -> Engine:
     return OpenAICompatibleEngine(
         settings.upstream_url,
         api_key=settings.upstream_api_key.get_secret_value(),
         model=settings.upstream_model,
+        slots=settings.upstream_slots,
+        metrics_url=upstream_metrics_url(settings),
+        read_timeout_s=settings.upstream_read_timeout_s,
     )
 
 

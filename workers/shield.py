@@ -181,6 +181,14 @@ class CancelShield:
         if run is not None:
             run.advance(tokens, engine_ms, self._clock() if ended is None else ended)
 
+    def abort_latency(self, request_id: str) -> float | None:
+        """Seconds from the news of a running request's staleness to now (its engine
+        stopped), or None when it did not turn stale."""
+        run = self._running.get(request_id)
+        if run is None or run.stale is None:
+            return None
+        return max(0.0, self._clock() - run.stale_at)
+
     def stale_reason(self, request_id: str) -> Dropped | None:
         run = self._running.get(request_id)
         return run.stale if run is not None else None

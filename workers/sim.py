@@ -19,7 +19,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from laneway.errors import Aborted, EngineError
@@ -99,6 +99,12 @@ class SimEngine:
 
     async def abort(self, request_id: str) -> None:
         self._aborted.setdefault(request_id, time.monotonic())
+
+    def capacity(self) -> int:
+        return self.profile.batch_slots
+
+    def watch_capacity(self, on_room: Callable[[], None]) -> None:
+        return None  # its batch slots never change
 
     def stats(self) -> EngineStats:
         # KV usage is memory held by running sequences. Cached blocks no sequence holds are

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +23,8 @@ class EngineRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     priority: int = 0  # lower runs first (vLLM's convention)
+    # Epoch seconds by which it must have started (an upstream's first byte), or None.
+    deadline_ts: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,15 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def capacity(self) -> int:
+        """Requests it can start at once now; the worker hands it no more and keeps the rest
+        in its own queue, where the shield can still drop them."""
+        ...
+
+    def watch_capacity(self, on_room: Callable[[], None]) -> None:
+        """Call ``on_room`` when ``capacity()`` may have risen with no request ending."""
+        ...
 
     def model_digest(self) -> str:
         """Digest of the served model's config and weight manifest (integrity check)."""

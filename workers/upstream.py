@@ -1,54 +1,134 @@
 """The ``openai`` engine: any OpenAI-compatible server (vLLM serve, SGLang, llama.cpp, TGI).
 
-Requests stream over HTTP; an abort closes the stream, which every such server treats as a
-cancel. Engine time is wall time from the request to its last chunk.
+Requests stream over HTTP. An abort takes effect at once: the request's connection is
+closed whether it waits for its response, for its first byte or between tokens, and every
+such server cancels a request whose connection closed (vLLM's own queue included). The
+worker hands the server only what it can start (``capacity``): ``LANEWAY_UPSTREAM_SLOTS``
+when set, else learned (``workers.learned_slots``), helped by the server's own queue length
+where it publishes one (vLLM's ``/metrics``).
+
+Engine time is honest about what laneway can see: it runs from the upstream's first byte
+(the request started there) to its last chunk. Time before that is the upstream's own
+queue and prefill; laneway's dispatch queue is ``queue_ms`` in the usage event.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
-from laneway.errors import Aborted, EngineError
+from laneway.errors import Aborted, EngineError, Expired
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
+from workers.learned_slots import LearnedSlots
 from workers.types import EngineDelta, EngineRequest, EngineStats
 
 __all__ = ["OpenAICompatibleEngine"]
+
+log = logging.getLogger(__name__)
+
+# The queue length that vLLM and SGLang publish on /metrics.
+_WAITING = re.compile(
+    rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs)(?:\{[^}]*\})? (\S+)", re.M
+)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One request on the upstream, for ``abort`` to close."""
+
+    headers: asyncio.Future[aiohttp.ClientResponse] | None = None
+    response: aiohttp.ClientResponse | None = None
+    aborted: bool = False
+    expired: bool = False  # no first byte by the request's deadline: it never started
+    timer: asyncio.TimerHandle | None = None
+
+    def dropped(self, request_id: str, engine_ms: float) -> Aborted | Expired:
+        if self.expired:
+            return Expired(f"request {request_id}: no first byte from the upstream by its deadline")
+        return Aborted(f"request {request_id} aborted upstream", engine_ms=engine_ms)
 
 
 class OpenAICompatibleEngine:
     name = "openai"
     is_simulation = False
 
-    def __init__(self, base_url: str, *, api_key: str = "", model: str = "") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str = "",
+        model: str = "",
+        slots: int = 0,
+        metrics_url: str = "",
+        metrics_interval_s: float = 1.0,
+        read_timeout_s: float = 120.0,
+        learned: LearnedSlots | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
-        self._aborted: set[str] = set()
-        self._running = 0
+        self.slots = slots  # 0: learned
+        self.learned = learned or LearnedSlots()
+        self.metrics_url = metrics_url
+        self.metrics_interval_s = metrics_interval_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._read_timeout_s = read_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._calls: dict[str, _Call] = {}
+        self._early_aborts: set[str] = set()
+        self._upstream_waiting = 0
+        self._poller: asyncio.Task[None] | None = None
+        self._on_room: Callable[[], None] | None = None
 
     async def start(self) -> None:
-        return None
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            headers=self._headers,
+            # No pool limit: the dispatcher bounds what is in flight. A closed (aborted)
+            # connection is simply not reused.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self._read_timeout_s),
+            json_serialize=lambda value: orjson.dumps(value).decode(),
+        )
+        if not self.slots and self.metrics_url:
+            self._poller = asyncio.create_task(self._poll_metrics(), name="upstream-metrics")
 
     async def stop(self) -> None:
-        await self._client.aclose()
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def capacity(self) -> int:
+        return self.slots or self.learned.capacity()
+
+    def watch_capacity(self, on_room: Callable[[], None]) -> None:
+        self._on_room = on_room
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        call = self._calls.get(request_id)
+        if call is None:
+            self._early_aborts.add(request_id)  # its generate has not begun yet
+            return
+        _close(call)
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self._running)
+        # running: ours on the upstream; waiting: the upstream's own queue where it says.
+        return EngineStats(running=len(self._calls), waiting=self._upstream_waiting)
 
     def model_digest(self) -> str:
         # The weights live upstream: the digest pins which server and model name we use.
@@ -74,61 +154,194 @@ class OpenAICompatibleEngine:
         return "/completions", body
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self._session is None:
+            raise EngineError("openai engine is not started (or already stopped)")
         path, body = self._body(request)
-        started = time.perf_counter()
-        prompt_tokens = estimate_tokens(request.prompt)
-        completion_tokens = 0
-        cached = 0
-        finish: str | None = None
-        self._running += 1
+        call = self._open(request)
+        reading = _Reading(estimate_tokens(request.prompt))
         try:
-            async with self._client.stream("POST", path, content=orjson.dumps(body)) as resp:
-                if resp.status_code != 200:
-                    detail = (await resp.aread())[:300].decode(errors="replace")
-                    raise EngineError(
-                        f"upstream {self.base_url}{path}: {resp.status_code} {detail}"
-                    )
-                async for line in resp.aiter_lines():
-                    if request.id in self._aborted:
-                        raise Aborted(f"request {request.id} aborted upstream")
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = orjson.loads(data)
-                    usage = chunk.get("usage") or {}
-                    if usage:
-                        prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = int(details.get("cached_tokens") or 0)
-                        completion_tokens = usage.get("completion_tokens", completion_tokens)
-                    text = ""
-                    for choice in chunk.get("choices") or []:
-                        text += (
-                            (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                        )
-                        finish = choice.get("finish_reason") or finish
-                    if text and not usage:
-                        completion_tokens += 1
-                    if text or usage:
-                        yield EngineDelta(
-                            text=text,
-                            prompt_tokens=prompt_tokens,
-                            cached_tokens=cached,
-                            completion_tokens=completion_tokens,
-                            engine_ms=(time.perf_counter() - started) * 1000,
-                        )
-            yield EngineDelta(
-                text="",
-                prompt_tokens=prompt_tokens,
-                cached_tokens=cached,
-                completion_tokens=completion_tokens,
-                engine_ms=(time.perf_counter() - started) * 1000,
-                finish_reason=finish or "stop",
-            )
-        except httpx.HTTPError as exc:
+            if call.aborted:
+                raise Aborted(f"request {request.id} aborted before it was sent")
+            response = await self._send(call, request.id, path, body)
+            async for line in response.content:
+                if reading.started is None:
+                    self._began(request.id, call, reading)
+                delta = reading.line(line)
+                if delta is not None:
+                    yield delta
+                elif reading.done:
+                    break
+            if call.aborted:
+                raise call.dropped(request.id, reading.ms())
+            yield reading.final()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if call.aborted:
+                raise call.dropped(request.id, reading.ms()) from None
             raise EngineError(f"upstream {self.base_url}{path}: {exc!r}") from exc
         finally:
-            self._running -= 1
-            self._aborted.discard(request.id)
+            self._end(request.id, call)
+
+    def _open(self, request: EngineRequest) -> _Call:
+        call = _Call()
+        self._calls[request.id] = call
+        if request.id in self._early_aborts:
+            self._early_aborts.discard(request.id)
+            call.aborted = True
+        self.learned.sent(request.id, estimate_tokens(request.prompt))
+        if request.deadline_ts is not None:
+            # Not started upstream by its deadline (queued there, or the upstream hangs): it
+            # is dropped as expired, as it would be in laneway's own queue.
+            call.timer = asyncio.get_running_loop().call_later(
+                max(0.0, request.deadline_ts - time.time()), _expire, call
+            )
+        return call
+
+    def _began(self, request_id: str, call: _Call, reading: _Reading) -> None:
+        """The upstream's first byte: the request started there."""
+        reading.started = time.perf_counter()
+        if call.timer is not None:
+            call.timer.cancel()
+        self.learned.first_byte(request_id)
+        self._room()
+
+    def _end(self, request_id: str, call: _Call) -> None:
+        if call.timer is not None:
+            call.timer.cancel()
+        if call.response is not None:
+            # Read to its end, the connection is kept for the next request; else closed.
+            call.response.release()
+        del self._calls[request_id]
+        self.learned.done(request_id)
+        self._room()
+
+    async def _send(
+        self, call: _Call, request_id: str, path: str, body: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers; an abort meanwhile closes the connection."""
+        session = self._session
+        if session is None:
+            raise EngineError("openai engine is not started (or already stopped)")
+
+        async def post() -> aiohttp.ClientResponse:
+            return await session.post(self.base_url + path, data=orjson.dumps(body), headers=_JSON)
+
+        call.headers = asyncio.ensure_future(post())
+        try:
+            response = call.response = await call.headers
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if call.aborted and (current is None or not current.cancelling()):
+                raise call.dropped(request_id, 0.0) from None
+            call.headers.cancel()
+            raise
+        finally:
+            call.headers = None
+        if response.status != 200:
+            detail = (await response.read())[:300].decode(errors="replace")
+            raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
+        return response
+
+    def _room(self) -> None:
+        if self._on_room is not None:
+            self._on_room()
+
+    async def _poll_metrics(self) -> None:
+        """The upstream's own queue length, every ``metrics_interval_s``."""
+        assert self._session is not None
+        while True:
+            try:
+                async with self._session.get(self.metrics_url) as response:
+                    text = await response.read()
+                    status = response.status
+                waiting = _WAITING.search(text)
+                if status == 404 or (status == 200 and waiting is None):
+                    log.info(
+                        "upstream publishes no queue length at %s; its capacity is learned "
+                        "from first-byte times alone",
+                        self.metrics_url,
+                    )
+                    return
+                if waiting is not None:
+                    self._upstream_waiting = int(float(waiting.group(1)))
+                    self.learned.upstream_load(self._upstream_waiting)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.debug("upstream metrics at %s unreadable: %s", self.metrics_url, exc)
+            await asyncio.sleep(self.metrics_interval_s)
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _expire(call: _Call) -> None:
+    call.expired = True
+    _close(call)
+
+
+def _close(call: _Call) -> None:
+    """Stop a request now: its connection closes, which the upstream reads as a cancel."""
+    call.aborted = True
+    if call.response is not None:
+        call.response.close()
+    elif call.headers is not None:
+        call.headers.cancel()
+
+
+class _Reading:
+    """Totals of one streamed response, folded in chunk by chunk."""
+
+    __slots__ = ("cached", "completion_tokens", "done", "finish", "prompt_tokens", "started")
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.done = False  # [DONE] was read
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached = 0
+        self.finish: str | None = None
+        self.started: float | None = None  # perf_counter at the first byte
+
+    def ms(self) -> float:
+        return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
+
+    def line(self, line: bytes) -> EngineDelta | None:
+        """One line of the event stream: the delta it brings, if any."""
+        if not line.startswith(b"data:"):
+            return None
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return None
+        return self.chunk(orjson.loads(data))
+
+    def chunk(self, chunk: dict[str, Any]) -> EngineDelta | None:
+        usage = chunk.get("usage")
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached = int(details.get("cached_tokens") or 0)
+            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+        text = ""
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta")
+            text += (delta.get("content") if delta else choice.get("text")) or ""
+            self.finish = choice.get("finish_reason") or self.finish
+        if text and not usage:
+            self.completion_tokens += 1
+        if not (text or usage):
+            return None
+        return EngineDelta(
+            text=text,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached,
+            completion_tokens=self.completion_tokens,
+            engine_ms=self.ms(),
+        )
+
+    def final(self) -> EngineDelta:
+        return EngineDelta(
+            text="",
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached,
+            completion_tokens=self.completion_tokens,
+            engine_ms=self.ms(),
+            finish_reason=self.finish or "stop",
+        )

@@ -18,7 +18,7 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,9 @@ from workers.types import EngineDelta, EngineRequest, EngineStats
 __all__ = ["VllmEngine"]
 
 log = logging.getLogger(__name__)
+
+# vLLM's max_num_seqs when neither its config nor the profile says (its GPU default).
+_VLLM_DEFAULT_MAX_NUM_SEQS = 256
 
 
 def _vllm(module: str) -> Any:
@@ -53,6 +56,7 @@ class _SchedulerStatsRecorder:
 
     def __init__(self) -> None:
         self.stats = EngineStats()
+        self.on_room: Callable[[], None] | None = None
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> _SchedulerStatsRecorder:
         return self
@@ -67,6 +71,7 @@ class _SchedulerStatsRecorder:
         if scheduler_stats is None:
             return
         prefix = scheduler_stats.prefix_cache_stats
+        was_waiting = self.stats.waiting
         self.stats = EngineStats(
             running=int(scheduler_stats.num_running_reqs),
             waiting=int(scheduler_stats.num_waiting_reqs),
@@ -74,6 +79,8 @@ class _SchedulerStatsRecorder:
             prefix_cache_queries=self.stats.prefix_cache_queries + int(prefix.queries),
             prefix_cache_hits=self.stats.prefix_cache_hits + int(prefix.hits),
         )
+        if was_waiting and not self.stats.waiting and self.on_room is not None:
+            self.on_room()
 
     def log_engine_initialized(self) -> None:
         return None
@@ -137,6 +144,7 @@ class VllmEngine:
         self._stats = _SchedulerStatsRecorder()
         self._running: dict[str, _Running] = {}
         self._chat_template = False
+        self._max_num_seqs = _VLLM_DEFAULT_MAX_NUM_SEQS
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -171,6 +179,9 @@ class VllmEngine:
             stat_loggers=[self._stats.factory],
         )
         self._chat_template = bool(getattr(self._llm.renderer.tokenizer, "chat_template", None))
+        scheduler = getattr(getattr(self._llm, "vllm_config", None), "scheduler_config", None)
+        limit = getattr(scheduler, "max_num_seqs", None) or profile.engine_args.get("max_num_seqs")
+        self._max_num_seqs = int(limit or _VLLM_DEFAULT_MAX_NUM_SEQS)
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
@@ -189,6 +200,16 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         return self._stats.stats
+
+    def capacity(self) -> int:
+        """vLLM's own sequence limit; none more while anything waits in its queue (for KV
+        memory): work waiting there is out of the shield's reach."""
+        if self._stats.stats.waiting > 0:
+            return len(self._running)
+        return self._max_num_seqs
+
+    def watch_capacity(self, on_room: Callable[[], None]) -> None:
+        self._stats.on_room = on_room
 
     def model_digest(self) -> str:
         load_format = self.settings.vllm_load_format

@@ -1,0 +1,252 @@
+"""A stand-in for a separate OpenAI-compatible inference server that logs its own work.
+
+``python -m bench.upstream_server --port P --slots 8 --token-ms 15 --log work.jsonl``
+
+It behaves as vLLM's OpenAI server does where laneway's shield is concerned: at most
+``--slots`` requests decode at once and the rest wait in its own queue (first come, first
+served), a token takes ``--token-ms`` for every running request, and a client that
+disconnects cancels its request whether it is still queued or already running. It is not a
+model: the text is made-up words, ``max_tokens`` of them.
+
+Each request it received writes one JSON line to ``--log`` when it ends: ``recv``, ``start``
+(a slot was free: the work began, or null), ``end``, ``tokens``, ``outcome`` (``done``,
+``gone_queued``, ``gone_running``), ``stream`` and ``prompt`` (the prompt or the last chat
+message), with times from ``time.time()``. Benches and tests judge laneway by this log, which
+laneway does not write. ``--metrics`` serves vLLM's ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting`` on ``/metrics`` (as vLLM does; without it, it is a server that
+publishes no queue length); ``/stats`` has the same two counts as JSON, always.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import orjson
+from aiohttp import web
+
+_WORDS = ("alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma ", "kappa ", "theta ")
+
+
+@dataclass
+class Upstream:
+    slots: int
+    token_ms: float
+    prefill_ms: float = 0.0
+    log: TextIO | None = None
+    running: int = 0
+    waiting: int = 0
+    _slots: asyncio.Semaphore = field(init=False)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self._slots = asyncio.Semaphore(self.slots)
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.write(orjson.dumps(entry).decode() + "\n")
+            self.log.flush()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, entry: dict[str, Any]) -> AsyncIterator[None]:
+        """Wait for a decode slot (cancelled, the request never starts) and hold it."""
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        except asyncio.CancelledError:
+            entry["outcome"] = "gone_queued"
+            raise
+        finally:
+            self.waiting -= 1
+        entry["start"] = time.time()
+        self.running += 1
+        try:
+            yield
+        except (asyncio.CancelledError, ConnectionError):
+            entry["outcome"] = "gone_running"
+            raise
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+    async def tokens(self, count: int, entry: dict[str, Any]) -> AsyncIterator[str]:
+        """``count`` words, one per token time (prefill first), counted into ``entry``."""
+        if self.prefill_ms:
+            await asyncio.sleep(self.prefill_ms / 1000)
+        for i in range(count):
+            if self.token_ms:
+                await asyncio.sleep(self.token_ms / 1000)
+            entry["tokens"] = i + 1
+            yield _WORDS[i % len(_WORDS)]
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        messages = body.get("messages") or [{}]
+        return str(messages[-1].get("content", ""))
+    return str(body.get("prompt", ""))
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    upstream: Upstream = request.app["upstream"]
+    body = orjson.loads(await request.read())
+    chat = request.path.endswith("/chat/completions")
+    stream = bool(body.get("stream"))
+    count = int(body.get("max_tokens") or 16)
+    rid = f"up-{next(upstream._ids)}"
+    entry: dict[str, Any] = {
+        "id": rid,
+        "recv": time.time(),
+        "start": None,
+        "end": None,
+        "tokens": 0,
+        "outcome": "done",
+        "stream": stream,
+        "prompt": _prompt(body),
+    }
+    try:
+        async with upstream.slot(entry):
+            if stream:
+                return await _stream(request, upstream, rid, chat, count, entry)
+            text = "".join([word async for word in upstream.tokens(count, entry)])
+            return web.json_response(_body(rid, chat, text, entry), dumps=_dumps)
+    finally:
+        entry["end"] = time.time()
+        upstream.record(entry)
+
+
+async def _stream(
+    request: web.Request,
+    upstream: Upstream,
+    rid: str,
+    chat: bool,
+    count: int,
+    entry: dict[str, Any],
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    async for word in upstream.tokens(count, entry):
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+        if chat:
+            choice["delta"] = {"content": word}
+        else:
+            choice["text"] = word
+        chunk = {"id": rid, "object": "chunk", "choices": [choice]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    last = {
+        "id": rid,
+        "object": "chunk",
+        "choices": [{"index": 0, "finish_reason": "length", "delta": {}, "text": ""}],
+        "usage": _usage(entry),
+    }
+    await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _usage(entry: dict[str, Any]) -> dict[str, int]:
+    prompt = max(1, len(entry["prompt"]) // 4)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": entry["tokens"],
+        "total_tokens": prompt + entry["tokens"],
+    }
+
+
+def _body(rid: str, chat: bool, text: str, entry: dict[str, Any]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "completion", "choices": [choice], "usage": _usage(entry)}
+
+
+def _dumps(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    upstream: Upstream = request.app["upstream"]
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{model_name="up"}} {upstream.running}.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{model_name="up"}} {upstream.waiting}.0\n'
+    )
+    return web.Response(text=text)
+
+
+async def _stats(request: web.Request) -> web.Response:
+    upstream: Upstream = request.app["upstream"]
+    return web.json_response({"running": upstream.running, "waiting": upstream.waiting})
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "up", "object": "model"}]})
+
+
+def make_app(upstream: Upstream, *, metrics: bool) -> web.Application:
+    app = web.Application()
+    app["upstream"] = upstream
+    app.router.add_post("/v1/completions", _generate)
+    app.router.add_post("/v1/chat/completions", _generate)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/stats", _stats)  # for benches and tests, with or without --metrics
+    if metrics:
+        app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def serve(args: argparse.Namespace) -> None:
+    # A line per request, flushed as it ends: blocking writes are the log's whole point.
+    log = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115, ASYNC230
+    upstream = Upstream(args.slots, args.token_ms, args.prefill_ms, log)
+    # handler_cancellation: a client that goes away cancels its handler, queued or running,
+    # as vLLM's server aborts a request whose connection closed.
+    runner = web.AppRunner(
+        make_app(upstream, metrics=args.metrics), handler_cancellation=True, access_log=None
+    )
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", args.port).start()
+    print(f"upstream listening on 127.0.0.1:{args.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    if log is not None:
+        log.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.upstream_server", description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=8, help="requests decoded at once")
+    parser.add_argument("--token-ms", type=float, default=15.0, help="time per token")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first")
+    parser.add_argument("--log", default="", help="JSON lines, one per request, when it ends")
+    parser.add_argument("--metrics", action="store_true", help="serve vLLM-style /metrics")
+    args = parser.parse_args(argv)
+    if args.slots < 1:
+        parser.error(f"--slots must be at least 1, got {args.slots}")
+    try:
+        import uvloop  # noqa: PLC0415 - optional accelerator
+
+        runner_factory = uvloop.new_event_loop
+    except ImportError:
+        runner_factory = None
+    with asyncio.Runner(loop_factory=runner_factory) as runner:
+        runner.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

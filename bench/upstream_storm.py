@@ -1,0 +1,383 @@
+"""The cancel shield in front of a separate OpenAI-compatible server, judged by its own log.
+
+A typing storm: ``--typists`` typists each type bursts of keystrokes (40–200 ms apart); each
+keystroke is a completion (max_tokens 48, streamed or not) on the typist's session
+(``X-Laneway-Session`` / ``X-Laneway-Seq``), and the previous one is abandoned by closing its
+connection. A burst's last keystroke is *kept*: its client waits for the answer. The
+upstream (``bench.upstream_server``, a process of its own) has ``--slots`` decode slots and
+``--token-ms`` per token, cancels on disconnect as vLLM does, and logs every request it
+received: when its work started and stopped.
+
+The same storm runs straight against the upstream (``direct``) and through laneway
+(``laneway``: ingress, Kafka, a completion worker with the openai engine, all processes), in
+one run, window by window (direct, laneway, direct, laneway, ...; ``--rounds``), streamed and
+not. Judged from the upstream's log, per path:
+
+- waste: the share of the upstream's slot time spent on prompts after their client had left;
+- late starts: abandoned prompts whose work started upstream after their client had left;
+- upstream requests per keystroke (laneway drops superseded keystrokes before they are sent);
+- kept P50 / P99: the client's time from sending a kept keystroke to its whole answer;
+- stop after leaving: for prompts running upstream when their client left, how long the
+  upstream went on with them (what the waste is made of).
+
+Targets: laneway's waste ≤ direct's; late starts ≤ 1 % of abandoned prompts; kept P50 within
+10 % of direct's.
+
+    .venv/bin/python -m bench.upstream_storm [--typists 12] [--seconds 20] [--rounds 2]
+        [--slots 8] [--token-ms 15] [--upstream-metrics] [--mode both|stream|plain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import uvloop
+
+from bench._http import HttpPool
+from bench._stack import ROOT, BenchStack, bench_stack, machine, percentile
+from laneway.devstack import stop_processes
+
+MAX_TOKENS = 48
+PROMPT_CHARS = 400
+UPSTREAM_PORT = 31890
+_LETTERS = "abcdefghijklmnopqrstuvwxyz     \n"
+
+
+@dataclass
+class Window:
+    """What the clients of one window did: every keystroke, by its marker."""
+
+    path: str
+    stream: bool
+    started: float = 0.0
+    ended: float = 0.0
+    sent: int = 0
+    left: dict[str, float] = field(default_factory=dict)  # marker → when its client left
+    kept: dict[str, float] = field(default_factory=dict)  # marker → latency ms
+    errors: int = 0
+
+
+@dataclass
+class Verdict:
+    keystrokes: int
+    upstream_requests: int
+    slot_s: float
+    waste_s: float
+    abandoned: int
+    late_starts: int
+    kept: list[float]
+    errors: int
+    stops: list[float] = field(default_factory=list)  # ms from a client's leaving to the stop
+
+    def merge(self, other: Verdict) -> None:
+        self.keystrokes += other.keystrokes
+        self.upstream_requests += other.upstream_requests
+        self.slot_s += other.slot_s
+        self.waste_s += other.waste_s
+        self.abandoned += other.abandoned
+        self.late_starts += other.late_starts
+        self.kept += other.kept
+        self.errors += other.errors
+        self.stops += other.stops
+
+    @property
+    def waste(self) -> float:
+        return self.waste_s / self.slot_s if self.slot_s else 0.0
+
+    @property
+    def late_share(self) -> float:
+        return self.late_starts / self.abandoned if self.abandoned else 0.0
+
+
+def judge(window: Window, log: list[dict[str, Any]]) -> Verdict:
+    """The window's keystrokes as the upstream saw them."""
+    seen = [e for e in log if _marker(e["prompt"]) in window.left.keys() | window.kept.keys()]
+    slot_s = waste_s = 0.0
+    late = 0
+    stops: list[float] = []
+    for entry in seen:
+        left = window.left.get(_marker(entry["prompt"]))
+        if entry["start"] is None:
+            continue
+        slot_s += entry["end"] - entry["start"]
+        if left is not None:
+            waste_s += max(0.0, entry["end"] - max(entry["start"], left))
+            late += entry["start"] > left
+            if entry["start"] <= left <= entry["end"]:
+                stops.append((entry["end"] - left) * 1000)
+    return Verdict(
+        keystrokes=window.sent,
+        upstream_requests=len(seen),
+        slot_s=slot_s,
+        waste_s=waste_s,
+        abandoned=len(window.left),
+        late_starts=late,
+        kept=list(window.kept.values()),
+        errors=window.errors,
+        stops=stops,
+    )
+
+
+def _marker(prompt: str) -> str:
+    return prompt.split("\n", 1)[0]
+
+
+async def _keystroke(
+    http: HttpPool, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> float | None:
+    """Latency of the whole answer (ms), or None when it failed."""
+    started = time.perf_counter()
+    if not body["stream"]:
+        status, _, _ = await http.post(path, body, headers)
+        return (time.perf_counter() - started) * 1000 if status == 200 else None
+    done = failed = False
+    async with http.stream(path, body, headers) as (status, _, lines):
+        async for line in lines:
+            done = done or line == b"data: [DONE]"
+            failed = failed or line.startswith(b'data: {"error"')
+    ok = status == 200 and done and not failed
+    return (time.perf_counter() - started) * 1000 if ok else None
+
+
+async def _typist(
+    number: int, http: HttpPool, path: str, window: Window, deadline: float, model: str
+) -> None:
+    rng = random.Random(number * 7919 + int(window.started))
+    document = "".join(rng.choice(_LETTERS) for _ in range(PROMPT_CHARS))
+    session = f"typist-{number}-{int(window.started * 1000)}"
+    seq = 0
+    await asyncio.sleep(rng.uniform(0, 0.5))
+    while time.monotonic() < deadline:
+        previous: tuple[str, asyncio.Task[float | None]] | None = None
+        burst = rng.randint(3, 8)
+        for keystroke in range(burst):
+            seq += 1
+            document += rng.choice("abcdefgh")
+            marker = f"#{session}:{seq}"
+            body = {
+                "model": model,
+                "prompt": f"{marker}\n{document}",
+                "max_tokens": MAX_TOKENS,
+                "stream": window.stream,
+            }
+            headers = {"X-Laneway-Session": session, "X-Laneway-Seq": str(seq)}
+            window.sent += 1
+            task = asyncio.create_task(_keystroke(http, path, body, headers))
+            if previous is not None:
+                await _abandon(*previous, window)
+            if keystroke < burst - 1:
+                previous = (marker, task)
+                await asyncio.sleep(rng.uniform(0.04, 0.2))
+                continue
+            try:
+                latency = await task
+            except (OSError, ValueError, asyncio.IncompleteReadError):
+                latency = None
+            if latency is None:
+                window.errors += 1
+            else:
+                window.kept[marker] = latency
+        await asyncio.sleep(rng.uniform(0.3, 1.0))
+
+
+async def _abandon(marker: str, task: asyncio.Task[float | None], window: Window) -> None:
+    """The typist moved on: close the old request's connection (if it is still open)."""
+    window.left[marker] = time.time()
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _drain(upstream_port: int) -> None:
+    """Until the upstream runs nothing: a window's stragglers never count in the next."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            stats = (await client.get(f"http://127.0.0.1:{upstream_port}/stats")).json()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def run_window(
+    path: str, stream: bool, host_port: int, key: str, args: argparse.Namespace
+) -> Window:
+    window = Window(path, stream, started=time.time())
+    headers = {"Authorization": f"Bearer {key}"} if path == "laneway" else {}
+    http = HttpPool("127.0.0.1", host_port, headers)
+    model = "laneway-code" if path == "laneway" else "up"
+    deadline = time.monotonic() + args.seconds
+    try:
+        await asyncio.gather(
+            *(
+                _typist(i, http, "/v1/completions", window, deadline, model)
+                for i in range(args.typists)
+            )
+        )
+    finally:
+        await http.close()
+    window.ended = time.time()
+    await asyncio.sleep(1.0)  # tombstones and late closes reach the upstream
+    await _drain(UPSTREAM_PORT)
+    return window
+
+
+def _read_log(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _row(name: str, verdict: Verdict, spread: str) -> str:
+    kept = verdict.kept
+    p50 = percentile(kept, 50) if kept else float("nan")
+    p99 = percentile(kept, 99) if kept else float("nan")
+    stops = verdict.stops
+    stop = f"{percentile(stops, 50):.1f} / {percentile(stops, 99):.1f}" if stops else "-"
+    return (
+        f"| {name} | {verdict.keystrokes} | "
+        f"{verdict.upstream_requests / max(1, verdict.keystrokes):.2f} | "
+        f"{verdict.waste * 100:.1f} % | {verdict.late_starts} of {verdict.abandoned} "
+        f"({verdict.late_share * 100:.1f} %) | {len(kept)} | {p50:.0f} | {p99:.0f} | "
+        f"{verdict.errors} | {stop} | {spread} |"
+    )
+
+
+def report(results: dict[tuple[str, bool], list[Verdict]]) -> None:
+    print(
+        "| path, answers | keystrokes | upstream requests / keystroke | waste | late starts | "
+        "kept | kept P50 ms | kept P99 ms | kept errors | stop after leaving P50 / P99 ms | "
+        "waste, P50 per round |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    totals: dict[tuple[str, bool], Verdict] = {}
+    for (path, stream), verdicts in results.items():
+        total = Verdict(0, 0, 0.0, 0.0, 0, 0, [], 0)
+        for verdict in verdicts:
+            total.merge(verdict)
+        totals[(path, stream)] = total
+        spread = "; ".join(
+            f"{v.waste * 100:.1f} %, {percentile(v.kept, 50):.0f} ms" if v.kept else "-"
+            for v in verdicts
+        )
+        print(_row(f"{path}, {'streamed' if stream else 'not streamed'}", total, spread))
+    print()
+    for stream in sorted({s for _, s in totals}, reverse=True):
+        direct, laneway = totals.get(("direct", stream)), totals.get(("laneway", stream))
+        if direct is None or laneway is None or not direct.kept or not laneway.kept:
+            continue
+        ratio = percentile(laneway.kept, 50) / percentile(direct.kept, 50)
+        name = "streamed" if stream else "not streamed"
+        print(
+            f"{name}: waste laneway {laneway.waste * 100:.1f} % vs direct "
+            f"{direct.waste * 100:.1f} % ({'met' if laneway.waste <= direct.waste else 'MISSED'}); "
+            f"late starts {laneway.late_share * 100:.2f} % "
+            f"({'met' if laneway.late_share <= 0.01 else 'MISSED'}); "
+            f"kept P50 laneway/direct {ratio:.2f} ({'met' if ratio <= 1.10 else 'MISSED'})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.upstream_storm", description=__doc__)
+    parser.add_argument("--typists", type=int, default=12)
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of a window")
+    parser.add_argument("--rounds", type=int, default=2, help="direct/laneway pairs per mode")
+    parser.add_argument("--slots", type=int, default=8, help="the upstream's decode slots")
+    parser.add_argument("--token-ms", type=float, default=15.0)
+    parser.add_argument(
+        "--upstream-metrics",
+        action="store_true",
+        help="the upstream publishes its queue on /metrics, as vLLM does",
+    )
+    parser.add_argument("--mode", choices=["both", "stream", "plain"], default="both")
+    args = parser.parse_args()
+    streams = {"both": [True, False], "stream": [True], "plain": [False]}[args.mode]
+
+    log = Path(tempfile.mkdtemp(prefix="laneway-upstream-")) / "upstream.jsonl"
+    stack = BenchStack(
+        workers=[
+            {
+                "LANEWAY_POOL": "completion",
+                "LANEWAY_ENGINE": "openai",
+                "LANEWAY_UPSTREAM_URL": f"http://127.0.0.1:{UPSTREAM_PORT}/v1",
+                "LANEWAY_UPSTREAM_MODEL": "up",
+            }
+        ]
+    )
+    upstream_argv = [
+        sys.executable,
+        "-m",
+        "bench.upstream_server",
+        f"--port={UPSTREAM_PORT}",
+        f"--slots={args.slots}",
+        f"--token-ms={args.token_ms}",
+        f"--log={log}",
+    ] + (["--metrics"] if args.upstream_metrics else [])
+    print(f"# {machine()}")
+    print(
+        f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; upstream "
+        f"{args.slots} slots, {args.token_ms:g} ms/token, max_tokens {MAX_TOKENS}, "
+        f"metrics {'on' if args.upstream_metrics else 'off'}"
+    )
+    results: dict[tuple[str, bool], list[Verdict]] = {}
+    upstream = subprocess.Popen(upstream_argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+    stack.pids["upstream"] = upstream.pid
+    try:
+        _wait_listening(UPSTREAM_PORT)
+        with bench_stack(stack):
+            results = _run(stack, args, streams, log)
+    finally:
+        stop_processes([upstream])
+    report(results)
+
+
+def _wait_listening(port: int, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1)
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+        else:
+            return
+
+
+def _run(
+    stack: BenchStack, args: argparse.Namespace, streams: list[bool], log: Path
+) -> dict[tuple[str, bool], list[Verdict]]:
+    key = stack.api_key("storm")
+
+    async def windows() -> list[Window]:
+        done = []
+        for round_ in range(args.rounds):
+            for stream in streams:
+                for path in ("direct", "laneway"):
+                    port = UPSTREAM_PORT if path == "direct" else stack.ingress_port
+                    window = await run_window(path, stream, port, key, args)
+                    print(
+                        f"# round {round_ + 1} {path} stream={stream}: {window.sent} "
+                        f"keystrokes, {len(window.kept)} kept",
+                        flush=True,
+                    )
+                    done.append(window)
+        return done
+
+    results: dict[tuple[str, bool], list[Verdict]] = {}
+    for window in uvloop.run(windows()):
+        verdict = judge(window, _read_log(log))
+        results.setdefault((window.path, window.stream), []).append(verdict)
+    return results
+
+
+if __name__ == "__main__":
+    main()

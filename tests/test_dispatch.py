@@ -1,0 +1,189 @@
+"""The dispatch queue and the learned upstream capacity, in memory with an injected clock."""
+
+from __future__ import annotations
+
+import time
+
+from aiokafka import TopicPartition
+
+from laneway.errors import Dropped, Superseded
+from tests.stack import envelope
+from workers.dispatch import Dispatcher, DispatchQueue, Work
+from workers.learned_slots import LearnedSlots
+
+TP = TopicPartition("t.req.completion.hi", 0)
+
+
+def _work(offset: int = 0, **fields: object) -> Work:
+    return Work(TP, offset, envelope(**fields))
+
+
+def test_hi_band_first_then_earliest_deadline() -> None:
+    now = time.time()
+    queue = DispatchQueue()
+    late_hi = _work(0, band="hi", deadline_ts=now + 9)
+    lo = _work(1, band="lo", deadline_ts=now + 1)
+    early_hi = _work(2, band="hi", deadline_ts=now + 2)
+    no_deadline = _work(3, band="hi", deadline_ts=None)
+    for work in (late_hi, lo, early_hi, no_deadline):
+        queue.push(work)
+    assert [queue.pop() for _ in range(4)] == [early_hi, late_hi, no_deadline, lo]
+    assert queue.pop() is None
+
+
+def test_removed_work_is_never_popped() -> None:
+    queue = DispatchQueue()
+    first, second = _work(0), _work(1)
+    queue.push(first)
+    queue.push(second)
+    assert queue.remove(first.env.id) is first
+    assert len(queue) == 1
+    assert queue.pop() is second
+    assert queue.pop() is None
+
+
+def test_a_newer_keystroke_takes_its_older_ones_out_and_no_one_elses() -> None:
+    queue = DispatchQueue()
+    old = _work(0, session="doc", seq=1)
+    other_team = _work(1, session="doc", seq=1, team="team-b")
+    other_doc = _work(2, session="notes", seq=1)
+    for work in (old, other_team, other_doc):
+        queue.push(work)
+    newer = envelope(session="doc", seq=2)
+    assert queue.superseded(newer) == [old]
+    assert {w.env.id for w in queue} == {other_team.env.id, other_doc.env.id}
+
+
+def test_expired_work_leaves_by_its_deadline() -> None:
+    now = time.time()
+    queue = DispatchQueue()
+    soon = _work(0, deadline_ts=now + 1)
+    later = _work(1, deadline_ts=now + 5)
+    queue.push(soon)
+    queue.push(later)
+    assert queue.next_deadline() == soon.env.deadline_ts
+    assert queue.expired(now + 2) == [soon]
+    assert queue.next_deadline() == later.env.deadline_ts
+    assert [w.env.id for w in queue] == [later.env.id]
+
+
+def test_dispatcher_starts_no_more_than_capacity_and_asks_the_shield_at_start() -> None:
+    queue = DispatchQueue()
+    started: list[Work] = []
+    dropped: list[tuple[Work, Dropped]] = []
+    stale = {"stale-one"}
+    dispatcher = Dispatcher(
+        queue,
+        capacity=lambda: 2,
+        verdict=lambda env, _now: Superseded("newer seq") if env.id in stale else None,
+        start=started.append,
+        drop=lambda work, reason: dropped.append((work, reason)),
+    )
+    works = [_work(i) for i in range(3)] + [_work(3, id="stale-one")]
+    for work in works:
+        queue.push(work)
+    dispatcher.dispatch()
+    assert started == works[:2]
+    assert len(queue) == 2
+    dispatcher.done()
+    dispatcher.dispatch()
+    assert started == works[:3]
+    dispatcher.done()
+    dispatcher.dispatch()  # the last one turned stale while it waited: dropped, never started
+    assert started == works[:3]
+    assert [(w.env.id, type(r)) for w, r in dropped] == [("stale-one", Superseded)]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += ms / 1000
+
+
+class _Upstream:
+    """A server running ``slots`` requests at once, 10 ms to a first byte and 300 ms a
+    request, driven by ``LearnedSlots`` with always more work waiting than it can take."""
+
+    def __init__(self, slots: LearnedSlots, clock: _Clock, upstream_slots: int) -> None:
+        self.learned, self.clock, self.slots = slots, clock, upstream_slots
+        self.running: dict[str, float] = {}  # on the upstream: id → when it ends
+        self.queued: list[str] = []  # sent, waiting upstream
+        self.sent = 0
+        self.waited = 0  # requests that waited upstream
+
+    def serve(self, rounds: int) -> None:
+        for _ in range(rounds):
+            while self.learned.in_flight < self.learned.capacity():
+                rid = f"r{self.sent}"
+                self.sent += 1
+                self.learned.sent(rid, 100)
+                self.queued.append(rid)
+            self.clock.advance(10)
+            for rid, ends in list(self.running.items()):
+                if ends <= self.clock.now:
+                    del self.running[rid]
+                    self.learned.done(rid)
+            self.waited += max(0, len(self.queued) - (self.slots - len(self.running)))
+            while self.queued and len(self.running) < self.slots:
+                rid = self.queued.pop(0)
+                self.running[rid] = self.clock.now + 0.3
+                self.learned.first_byte(rid)
+
+
+def test_learned_slots_find_the_upstreams_capacity_and_hold_to_it() -> None:
+    clock = _Clock()
+    slots = LearnedSlots(initial=2, probe_s=10.0, stall_floor_ms=20.0, clock=clock)
+    upstream = _Upstream(slots, clock, upstream_slots=6)
+    upstream.serve(300)  # 3 s
+    assert slots.learned
+    assert slots.limit == 6
+    stalls, waited = slots.stalls, upstream.waited
+    upstream.serve(3000)  # 30 s
+    # A probe past the capacity every 10 s: each stalled and the limit went back, and each
+    # cost one request at most one request's time (30 rounds) in the upstream's queue.
+    assert slots.limit == 6
+    assert slots.stalls <= stalls + 3
+    assert upstream.waited - waited <= 3 * 30
+
+
+def test_learned_slots_follow_a_server_that_grows() -> None:
+    clock = _Clock()
+    slots = LearnedSlots(initial=2, probe_s=1.0, stall_floor_ms=20.0, clock=clock)
+    upstream = _Upstream(slots, clock, upstream_slots=4)
+    upstream.serve(300)
+    assert slots.limit == 4
+    upstream.slots = 7
+    upstream.serve(1000)  # a probe a second finds the room
+    assert slots.limit == 7
+
+
+def test_no_more_is_sent_while_a_request_stalls_upstream() -> None:
+    clock = _Clock()
+    slots = LearnedSlots(initial=4, stall_floor_ms=20.0, clock=clock)
+    for i in range(10):  # learn what an unqueued first byte takes
+        slots.sent(f"w{i}", 100)
+        clock.advance(5)
+        slots.first_byte(f"w{i}")
+        slots.done(f"w{i}")
+    slots.sent("a", 100)
+    slots.sent("b", 100)
+    clock.advance(5)
+    slots.first_byte("a")
+    clock.advance(200)  # "b" has waited far past any first byte seen
+    assert slots.capacity() == 2  # what is out already: nothing more
+    assert slots.limit == 1
+    slots.first_byte("b")
+    assert slots.capacity() == slots.limit
+
+
+def test_upstream_metrics_showing_a_queue_cut_the_limit() -> None:
+    slots = LearnedSlots(initial=8, clock=_Clock())
+    for i in range(8):
+        slots.sent(f"r{i}", 10)
+    slots.upstream_load(waiting=3)
+    assert slots.limit == 5

@@ -1,0 +1,257 @@
+"""The shield in front of a separate OpenAI-compatible server, judged by that server's log.
+
+The upstream (``bench.upstream_server``) is a process of its own with a fixed number of decode
+slots and a per-token time; it cancels a request whose connection closes, queued or running,
+as vLLM's server does, and logs what it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import Ingress, LiveStack, wait_for
+from tests.upstream_process import UpstreamProcess
+from workers.pool import PoolWorker
+from workers.upstream import OpenAICompatibleEngine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def upstreams(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    started: list[UpstreamProcess] = []
+
+    async def start(**options: Any) -> UpstreamProcess:
+        upstream = UpstreamProcess(tmp_path / f"upstream-{len(started)}.jsonl", **options)
+        started.append(upstream)
+        await upstream.ready()
+        return upstream
+
+    yield start
+    for upstream in started:
+        upstream.stop()
+
+
+async def _serving(
+    stack: LiveStack, upstream: UpstreamProcess, pool: str = "completion", **options: Any
+) -> PoolWorker:
+    return await stack.start_worker(
+        pool, engine="openai", upstream_url=upstream.url, upstream_model="up", **options
+    )
+
+
+def _completion(prompt: str, max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    return {"model": "laneway-code", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+
+
+async def _idle(worker: PoolWorker, upstream: UpstreamProcess) -> None:
+    """Nothing waits in the worker or runs on the upstream: every request the upstream ever
+    received has ended, so its log is complete."""
+    await wait_for(
+        lambda: not len(worker.queue) and not worker.dispatcher.running, 20, "an idle worker"
+    )
+    await upstream.until(lambda running, waiting: running == waiting == 0, "an idle upstream")
+
+
+async def _occupy(http: httpx.AsyncClient, upstream: UpstreamProcess, prompt: str) -> Any:
+    """A long request that holds the upstream's one slot; returns its task once it runs."""
+    task = asyncio.create_task(http.post("/v1/completions", json=_completion(prompt, 40)))
+    await upstream.until(lambda running, _: running > 0, f"{prompt} to run upstream")
+    return task
+
+
+async def test_a_request_cancelled_while_it_waits_in_laneway_never_starts_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
+    ingress = await stack.start_ingress()
+    worker = await _serving(stack, upstream, upstream_slots=1)
+    http = stack.http(ingress, await stack.api_key())
+    occupant = await _occupy(http, upstream, "occupant")
+    gone = asyncio.create_task(http.post("/v1/completions", json=_completion("never-run", 8)))
+    await wait_for(lambda: len(worker.queue) == 1, 10, "the second request to wait in laneway")
+    gone.cancel()  # the client goes away: a tombstone
+    await wait_for(lambda: len(worker.queue) == 0, 10, "the tombstone to drop it")
+    assert (await occupant).status_code == 200
+    await _idle(worker, upstream)
+    assert upstream.entry("never-run") is None
+    assert upstream.entry("occupant")["outcome"] == "done"
+    usage = await stack.read_topic(stack.topics.usage, count=2, within_s=20)
+    dropped = next(u for u in usage if u["status"] != "ok")
+    assert (dropped["status"], dropped["engine_ms"]) == ("cancelled", 0)
+
+
+async def test_a_request_cancelled_while_queued_upstream_is_taken_off_its_queue(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """Told the upstream runs more than it does, the worker sends work that queues there;
+    a cancel closes its connection at once and the upstream never starts it."""
+    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
+    ingress = await stack.start_ingress()
+    worker = await _serving(stack, upstream, upstream_slots=3)
+    http = stack.http(ingress, await stack.api_key())
+    occupant = await _occupy(http, upstream, "occupant")
+    gone = asyncio.create_task(http.post("/v1/completions", json=_completion("queued-up", 8)))
+    await upstream.until(lambda _, waiting: waiting > 0, "a request queued upstream")
+    gone.cancel()
+    await wait_for(lambda: upstream.entry("queued-up") is not None, 10, "the upstream's record")
+    entry = upstream.entry("queued-up")
+    assert (entry["outcome"], entry["start"]) == ("gone_queued", None)
+    assert (await occupant).status_code == 200
+    await _idle(worker, upstream)
+
+
+async def test_a_cancel_between_tokens_stops_the_upstream_within_a_token(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=150)
+    ingress = await stack.start_ingress()
+    worker = await _serving(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    received = 0
+    body = _completion("cancel-me", 60, stream=True)
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        rid = response.headers["x-laneway-request-id"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                received += 1
+            if received == 3:
+                break
+        cancelled = await http.delete(f"/v1/requests/{rid}")
+        assert cancelled.status_code == 200
+    await wait_for(lambda: upstream.entry("cancel-me") is not None, 10, "the upstream's record")
+    entry = upstream.entry("cancel-me")
+    assert entry["outcome"] == "gone_running"
+    # What it had made when the client cancelled, plus at most the token under way then and
+    # the one under way when the cancel reached it.
+    assert entry["tokens"] <= received + 2
+    await _idle(worker, upstream)
+
+
+async def test_superseded_keystrokes_never_reach_the_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
+    ingress = await stack.start_ingress()
+    worker = await _serving(stack, upstream, upstream_slots=1)
+    http = stack.http(ingress, await stack.api_key())
+    occupant = await _occupy(http, upstream, "occupant")
+    keystrokes = []
+    for seq in range(1, 6):
+        headers = {"X-Laneway-Session": "src/app.py", "X-Laneway-Seq": str(seq)}
+        body = _completion(f"keystroke-{seq}", 8)
+        keystrokes.append(
+            asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
+        )
+        await asyncio.sleep(0.02)
+    codes = [r.status_code for r in await asyncio.gather(*keystrokes)]
+    assert codes == [409, 409, 409, 409, 200]
+    assert (await occupant).status_code == 200
+    await _idle(worker, upstream)
+    reached = sorted(e["prompt"] for e in upstream.entries() if "keystroke" in e["prompt"])
+    assert reached == ["keystroke-5"]
+
+
+async def test_a_non_streamed_client_that_leaves_cancels_upstream_too(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=100, metrics=True)
+    ingress = await stack.start_ingress()
+    worker = await _serving(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    leaving = asyncio.create_task(http.post("/v1/completions", json=_completion("leaver", 60)))
+    await upstream.until(lambda running, _: running > 0, "the request to run upstream")
+    leaving.cancel()  # closes the connection: the ingress sees the disconnect
+    await wait_for(lambda: upstream.entry("leaver") is not None, 10, "the upstream's record")
+    entry = upstream.entry("leaver")
+    assert entry["outcome"] == "gone_running"
+    assert entry["tokens"] < 30  # 60 would have taken 6 s; it stopped within a few tokens
+    await _idle(worker, upstream)
+
+
+@contextlib.asynccontextmanager
+async def _hung_server() -> AsyncIterator[str]:
+    """Accepts connections and reads requests, and never answers."""
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.close()
+
+
+async def test_a_hung_upstream_stalls_neither_fetching_nor_other_pools(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    healthy = await upstreams(slots=4, token_ms=5)
+    ingress = await stack.start_ingress()
+    async with _hung_server() as hung_url:
+        await stack.start_worker(
+            "completion", engine="openai", upstream_url=hung_url, upstream_metrics_url=""
+        )
+        await _serving(stack, healthy, "chat")
+        http = stack.http(ingress, await stack.api_key())
+        deadline = {"X-Laneway-Deadline-Ms": "1000"}
+        completions = [
+            asyncio.create_task(
+                http.post("/v1/completions", json=_completion(f"c{i}", 8), headers=deadline)
+            )
+            for i in range(10)
+        ]
+        chat = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(3):
+            response = await http.post("/v1/chat/completions", json={**chat, "max_tokens": 4})
+            assert response.status_code == 200
+        # Every completion, sent or still waiting, ends at its deadline: none waits on the
+        # hung server's read timeout, and later ones are still fetched and answered.
+        codes = [r.status_code for r in await asyncio.gather(*completions)]
+        assert codes == [504] * 10
+        late = await http.post("/v1/completions", json=_completion("late", 8), headers=deadline)
+        assert late.status_code == 504
+
+
+async def test_the_worker_learns_how_much_the_upstream_runs_at_once(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """No slots configured and no metrics: the worker finds the upstream's 3 slots from its
+    first-byte times, and keeps the upstream's own queue near empty."""
+    upstream = await upstreams(slots=3, token_ms=30)
+    ingress = await _ingress_with_room(stack)
+    worker = await _serving(stack, upstream, upstream_metrics_url="")
+    http = stack.http(ingress, await stack.api_key(size=100))
+    burst = [
+        asyncio.create_task(http.post("/v1/completions", json=_completion(f"burst-{i}", 10)))
+        for i in range(36)
+    ]
+    assert {r.status_code for r in await asyncio.gather(*burst)} == {200}
+    engine = worker.engine
+    assert isinstance(engine, OpenAICompatibleEngine)
+    assert engine.learned.learned
+    assert 1 <= engine.learned.limit <= 3
+    await _idle(worker, upstream)
+    entries = [e for e in upstream.entries() if e["prompt"].startswith("burst-")]
+    assert len(entries) == 36
+    # Waiting upstream longer than two token times: only the few sent while the worker was
+    # learning (its first limit is 4, one more than the upstream runs).
+    queued_there = [e for e in entries if e["start"] - e["recv"] > 0.06]
+    assert len(queued_there) <= 5
+
+
+async def _ingress_with_room(stack: LiveStack) -> Ingress:
+    # The burst waits its turn in the worker's queue for seconds: a deadline that lets every
+    # completion start.
+    return await stack.start_ingress(completion_deadline_ms=60_000)

@@ -1,0 +1,89 @@
+"""A separate OpenAI-compatible upstream process for tests (``bench.upstream_server``).
+
+It runs in its own process and writes its own log of what it ran, so a test judges the
+shield by what the upstream did, not by what laneway says it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from tests.stack import ROOT, free_port
+
+
+class UpstreamProcess:
+    def __init__(self, log: Path, *, slots: int, token_ms: float, metrics: bool = False) -> None:
+        self.log = log
+        self.port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.upstream_server",
+            f"--port={self.port}",
+            f"--slots={slots}",
+            f"--token-ms={token_ms}",
+            f"--log={log}",
+        ]
+        if metrics:
+            argv.append("--metrics")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def ready(self, within_s: float = 20.0) -> None:
+        deadline = time.monotonic() + within_s
+        async with httpx.AsyncClient() as client:
+            while True:
+                try:
+                    await client.get(self.url + "/models")
+                except httpx.TransportError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the upstream process did not start") from None
+                    await asyncio.sleep(0.05)
+                else:
+                    return
+
+    async def queue(self) -> tuple[int, int]:
+        """(running, waiting) on the upstream now, from its own metrics."""
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"http://127.0.0.1:{self.port}/stats")).json()
+        return int(stats["running"]), int(stats["waiting"])
+
+    async def until(
+        self, holds: Callable[[int, int], bool], what: str, within_s: float = 20.0
+    ) -> None:
+        """Wait until ``holds(running, waiting)`` on the upstream."""
+        deadline = time.monotonic() + within_s
+        while not holds(*await self.queue()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
+            await asyncio.sleep(0.02)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """What the upstream ran, one entry per request that has ended."""
+        if not self.log.exists():
+            return []
+        return [orjson.loads(line) for line in self.log.read_text().splitlines() if line]
+
+    def entry(self, prompt: str) -> dict[str, Any] | None:
+        found = [e for e in self.entries() if prompt in e["prompt"]]
+        return found[-1] if found else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,165 @@
+"""How many requests an upstream server runs at once, learned from what it does with ours.
+
+An OpenAI-compatible server queues what it cannot start, out of the shield's reach. The
+worker must hand it no more than it can start, and few servers say how many that is. This
+learns it, as TCP learns a path's capacity:
+
+- A request that waits far longer for its first byte than recent ones did (a *stall*) sat
+  in the upstream's queue: the upstream was full with the requests streaming then. The limit
+  becomes that number, and nothing more is sent while a request stalls.
+- Until a first stall shows the capacity, the limit grows by one with each quick first byte
+  that came while the limit was in use (slow start). After that it probes one more only
+  every ``probe_s``, so a server that grew is found, at the price of one short wait.
+- Where the upstream publishes its queue (vLLM's ``vllm:num_requests_waiting``), a waiting
+  count above zero is a stall too, seen by everyone who shares the server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["LearnedSlots"]
+
+# First bytes remembered to judge what "far longer" is.
+_SAMPLES = 64
+# Before any first byte was seen, a stall is a wait of the floor times _COLD_FACTOR: a
+# cold server's first prefill is slow, and no stall may be read into it.
+_COLD_FACTOR = 10
+# Fewer first bytes than this: the fastest stands for an unqueued one.
+_MIN_SAMPLES = 8
+# Prefill is taken as a fixed cost plus one growing with the prompt, the fixed part worth
+# this many prompt tokens: first-byte times are compared per such unit.
+_PROMPT_UNIT = 1024
+
+
+@dataclass(slots=True)
+class _InFlight:
+    sent: float
+    prompt_tokens: int
+    peak: int  # most requests seen streaming at once while this one waited for its first byte
+    first_byte: float | None = None
+    stalled: bool = False
+
+
+class LearnedSlots:
+    """The limit of requests to have on one upstream at once (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        initial: int = 4,
+        maximum: int = 256,
+        probe_s: float = 10.0,
+        stall_floor_ms: float = 50.0,
+        stall_factor: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = max(1, min(initial, maximum))
+        self.maximum = maximum
+        self.probe_s = probe_s
+        self.stall_floor_ms = stall_floor_ms
+        self.stall_factor = stall_factor
+        self.learned = False  # a stall has shown the capacity
+        self.stalls = 0
+        self.streaming = 0  # requests of ours past their first byte
+        self._clock = clock
+        self._inflight: dict[str, _InFlight] = {}
+        self._samples: deque[float] = deque(maxlen=_SAMPLES)  # first-byte ms per unit
+        self._base_ms: float | None = None  # an unqueued first byte, per unit
+        self._next_probe = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    # --- what the engine reports ----------------------------------------------------------
+
+    def sent(self, request_id: str, prompt_tokens: int) -> None:
+        self._inflight[request_id] = _InFlight(self._clock(), prompt_tokens, self.streaming)
+
+    def first_byte(self, request_id: str) -> None:
+        run = self._inflight.get(request_id)
+        if run is None or run.first_byte is not None:
+            return
+        now = self._clock()
+        run.first_byte = now
+        self.streaming += 1
+        for other in self._inflight.values():
+            if other.first_byte is None:
+                other.peak = max(other.peak, self.streaming)
+        waited_ms = (now - run.sent) * 1000
+        if run.stalled or waited_ms > self._threshold_ms(run.prompt_tokens):
+            if not run.stalled:
+                # It started when a slot freed: the upstream was full with as many as it
+                # found streaming, itself included.
+                self._stalled(max(run.peak, self.streaming))
+            return
+        self._samples.append(waited_ms / _units(run.prompt_tokens))
+        # A low quantile: first bytes that waited in the upstream's queue are all slower, so
+        # it stays the unqueued time while most samples queued. The fastest one until there
+        # are enough for a quantile.
+        ordered = sorted(self._samples)
+        self._base_ms = ordered[len(ordered) // 5 if len(ordered) >= _MIN_SAMPLES else 0]
+        if not self.learned and len(self._inflight) >= self.limit:
+            self.limit = min(self.maximum, self.limit + 1)
+
+    def done(self, request_id: str) -> None:
+        run = self._inflight.pop(request_id, None)
+        if run is not None and run.first_byte is not None:
+            self.streaming -= 1
+
+    def upstream_load(self, waiting: int) -> None:
+        """The upstream's own queue (from its metrics): ours beyond what it runs must go."""
+        if waiting > 0 and self._inflight:
+            self._stalled(max(1, len(self._inflight) - waiting))
+
+    # --- what the worker asks -------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Requests to have on the upstream now: no more than are there while one stalls."""
+        now = self._clock()
+        if self._stalling(now):
+            return len(self._inflight)
+        if self.learned and now >= self._next_probe and len(self._inflight) >= self.limit:
+            # Asked with work waiting and the limit in use: try one more.
+            self.limit = min(self.maximum, self.limit + 1)
+            self._next_probe = now + self.probe_s
+        return self.limit
+
+    # --- judgement ------------------------------------------------------------------------
+
+    def _threshold_ms(self, prompt_tokens: int) -> float:
+        """How long a first byte may take before it counts as a stall: a multiple of an
+        unqueued first byte, scaled to this prompt (a long chat prompt's prefill is no
+        stall)."""
+        if self._base_ms is None:
+            return self.stall_floor_ms * _COLD_FACTOR
+        return max(self.stall_floor_ms, self.stall_factor * self._base_ms * _units(prompt_tokens))
+
+    def _stalling(self, now: float) -> bool:
+        """Whether a request waits for its first byte past its threshold (judged once)."""
+        stalling = False
+        for run in self._inflight.values():
+            if run.first_byte is not None:
+                continue
+            if not run.stalled and (now - run.sent) * 1000 > self._threshold_ms(run.prompt_tokens):
+                run.stalled = True
+                self._stalled(max(run.peak, self.streaming))
+            stalling = stalling or run.stalled
+        return stalling
+
+    def _stalled(self, capacity: int) -> None:
+        """The upstream was full with ``capacity`` requests of ours."""
+        capacity = max(1, min(capacity, self.maximum))
+        if not self.learned or capacity < self.limit:
+            self.stalls += 1
+            self.limit = capacity
+        self.learned = True
+        self._next_probe = self._clock() + self.probe_s
+
+
+def _units(prompt_tokens: int) -> float:
+    return 1.0 + max(0, prompt_tokens) / _PROMPT_UNIT
