@@ -1,21 +1,104 @@
-"""The OpenAI request bodies the ingress accepts, validated with errors that name the field."""
+"""The OpenAI request bodies the ingress accepts, validated with errors that name the field.
+
+Each field OpenAI defines is honoured, accepted as inert (it steers OpenAI's bookkeeping, not
+the text generated), or refused with a 400 naming it: none is silently dropped. README's
+"OpenAI compatibility" says which is which.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from laneway.errors import BadRequest
 from laneway.schema import ChatMessage
 
-__all__ = ["ChatRequest", "CompletionRequest", "parse_body", "validate_body"]
+__all__ = [
+    "BODY_NO_OPS",
+    "MESSAGE_NO_OPS",
+    "ChatRequest",
+    "CompletionRequest",
+    "parse_body",
+    "validate_body",
+]
+
+# Fields laneway does not act on, accepted only at a value that asks for nothing laneway does
+# not do anyway (null always does); any other value is refused, so no client believes it got
+# the logprobs, tool calls or extra choices it asked for. Other unknown fields are refused too.
+BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),  # chat: a flag; completions: a count, where even 0 asks for some
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "seed": (),  # workers get no seed: a repeatable answer cannot be promised
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": (),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "moderation": (),
+    "store": (False,),  # nothing is stored for retrieval
+    "service_tier": ("auto", "default"),  # priority comes from the team's tier
+}
+# What an assistant message carries when a client sends laneway's own answer back as history;
+# a name or a tool call would change the prompt, and workers see role and content only.
+MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
+    "refusal": (),
+    "annotations": ([],),
+    "tool_calls": ([],),
+    "function_call": (),
+    "audio": (),
+    "name": (),
+    "tool_call_id": (),
+}
 
 
-class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send options we do not act on.
-    model_config = ConfigDict(extra="ignore")
+def _is_no_op(value: object, allowed: Sequence[object]) -> bool:
+    # bool is an int to Python: `n: true` must not pass for 1, nor `echo: 0` for false.
+    return value is None or any(
+        value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed
+    )
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    no_ops: ClassVar[Mapping[str, tuple[object, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_and_no_ops(cls, data: object) -> object:
+        # Null reads as absent (OpenAI's description makes most fields nullable), and a field
+        # of `no_ops` at a no-op value is left out; whatever else is not a field is refused.
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None and not (key in cls.no_ops and _is_no_op(value, cls.no_ops[key]))
+        }
+
+
+class _StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool = True  # inert: laneway never pads its chunks
+
+
+class _Body(_Strict):
+    no_ops = BODY_NO_OPS
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -23,20 +106,25 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list, max_length=4)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: _StreamOptions | None = None
+    # Inert: they steer OpenAI's bookkeeping (abuse tracking, its cache, stored metadata), not
+    # the text; laneway's prefix cache needs no key (a session already lands on one worker).
     user: str | None = None
-    n: Literal[1] = 1
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # without tools there is nothing to run in parallel
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: object) -> object:
-        if value is None:
-            return []
         return [value] if isinstance(value, str) else value
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Body):
@@ -54,17 +142,23 @@ class CompletionRequest(_Body):
         return value
 
 
-class _ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _ChatMessageIn(_Strict):
+    no_ops = MESSAGE_NO_OPS
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: object) -> object:
+        for i, part in enumerate(value if isinstance(value, list) else []):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} is {part.get('type')!r}: only text parts are served")
+        return value
+
     def flat(self) -> ChatMessage:
         if isinstance(self.content, list):
-            text = "".join(
-                str(part.get("text", "")) for part in self.content if part.get("type") == "text"
-            )
+            text = "".join(part["text"] for part in self.content)
         else:
             text = self.content or ""
         return ChatMessage(role=self.role, content=text)
@@ -99,4 +193,22 @@ def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = prefix + ".".join(str(p) for p in err["loc"])
-        raise BadRequest(f"{field}: {err['msg']}", param=field) from None
+        raise BadRequest(f"{field}: {_reason(err)}", param=field) from None
+
+
+def _reason(err: ErrorDetails) -> str:
+    if err["type"] != "extra_forbidden":
+        return err["msg"].removeprefix("Value error, ")
+    loc = err["loc"]
+    allowed: tuple[object, ...] | None = None
+    if len(loc) == 1:
+        allowed = BODY_NO_OPS.get(str(loc[0]))
+    elif len(loc) == 3 and loc[0] == "messages":
+        allowed = MESSAGE_NO_OPS.get(str(loc[2]))
+    if allowed is None:
+        return "laneway does not know this field (README: OpenAI compatibility)"
+    asked = orjson.dumps(err["input"]).decode()
+    if len(asked) > 60:  # a whole tools list would bury the point
+        asked = asked[:57] + "..."
+    fine = " or ".join(orjson.dumps(v).decode() for v in (None, *allowed))
+    return f"{asked} is not supported by laneway; send {fine} or leave the field out"

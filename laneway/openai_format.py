@@ -37,7 +37,8 @@ def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
     else:
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            # OpenAI's description requires refusal (null unless the model refused).
+            "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": None,
             "finish_reason": reply.finish_reason,
         }
@@ -49,5 +50,5 @@ def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
         "model": env.model,
         "choices": [choice],
         "usage": usage_body(reply),
-        "system_fingerprint": reply.route,
+        "system_fingerprint": reply.route or env.route,
     }

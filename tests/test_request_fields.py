@@ -1,0 +1,182 @@
+"""No request field is silently dropped: each is honoured, inert, or refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+from laneway.errors import BadRequest
+from laneway.openai_api import (
+    BODY_NO_OPS,
+    MESSAGE_NO_OPS,
+    ChatRequest,
+    CompletionRequest,
+    validate_body,
+)
+from tests.stack import LiveStack
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = json.loads((ROOT / "tests" / "data" / "openai_schemas.json").read_text())["request_fields"]
+CHAT = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "laneway-code", "prompt": "def f():"}
+TOOL = {"type": "function", "function": {"name": "run", "parameters": {}}}
+
+
+def _nested(model: type[BaseModel], field: str) -> type[BaseModel]:
+    """The model of ``field``'s items (or of the field itself when optional)."""
+    annotation = model.model_fields[field].annotation
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    raise LookupError(field)
+
+
+MESSAGE = _nested(ChatRequest, "messages")
+STREAM_OPTIONS = _nested(ChatRequest, "stream_options")
+
+
+@pytest.mark.parametrize(
+    ("schema", "model", "no_ops"),
+    [
+        ("CreateCompletionRequest", CompletionRequest, BODY_NO_OPS),
+        ("CreateChatCompletionRequest", ChatRequest, BODY_NO_OPS),
+        ("ChatCompletionRequestMessage", MESSAGE, MESSAGE_NO_OPS),
+        ("ChatCompletionStreamOptions", STREAM_OPTIONS, {}),
+    ],
+)
+def test_every_field_openai_defines_is_decided_and_documented(
+    schema: str, model: type[BaseModel], no_ops: dict[str, Any]
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## OpenAI compatibility", 1)[1].split("\n## ", 1)[0]
+    for name in FIELDS[schema]:
+        assert name in model.model_fields or name in no_ops, f"{schema}.{name}: undecided"
+        assert re.search(rf"[`.]{name}[`.]", section), f"{schema}.{name}: not in README"
+
+
+REFUSED: list[tuple[dict[str, Any], str, str]] = [
+    (COMPLETION, "n", 2),
+    (COMPLETION, "best_of", 3),
+    (COMPLETION, "echo", True),
+    (COMPLETION, "logprobs", 0),  # a count for completions: even 0 asks for logprobs
+    (COMPLETION, "seed", 7),
+    (COMPLETION, "logit_bias", {"50256": -100}),
+    (COMPLETION, "presence_penalty", 0.5),
+    (COMPLETION, "top_k", 40),  # vLLM's, not OpenAI's
+    (CHAT, "n", True),  # not 1, though Python says True == 1
+    (CHAT, "logprobs", True),
+    (CHAT, "top_logprobs", 3),
+    (CHAT, "frequency_penalty", -1),
+    (CHAT, "tools", [TOOL]),
+    (CHAT, "tool_choice", "auto"),
+    (CHAT, "functions", [TOOL["function"]]),
+    (CHAT, "function_call", "auto"),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "prediction", {"type": "content", "content": "x"}),
+    (CHAT, "web_search_options", {}),
+    (CHAT, "reasoning_effort", "low"),
+    (CHAT, "verbosity", "low"),
+    (CHAT, "moderation", {"model": "omni-moderation-latest"}),
+    (CHAT, "store", True),
+    (CHAT, "service_tier", "flex"),
+    (CHAT, "suffix", "x"),  # a completions field
+]
+
+
+@pytest.mark.parametrize(("base", "field", "value"), REFUSED)
+def test_an_unsupported_value_is_refused_naming_the_field(
+    base: dict[str, Any], field: str, value: object
+) -> None:
+    model = ChatRequest if "messages" in base else CompletionRequest
+    with pytest.raises(BadRequest) as refused:
+        validate_body(model, {**base, field: value})
+    assert refused.value.param == field
+    assert refused.value.message.startswith(f"{field}: ")
+    # A batch line names the same field under its body.
+    with pytest.raises(BadRequest, match=f"^body.{field}: "):
+        validate_body(model, {**base, field: value}, prefix="body.")
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
+        ({"role": "tool", "content": "42", "tool_call_id": "call_1"}, "messages.0.tool_call_id"),
+        ({"role": "assistant", "content": None, "tool_calls": [TOOL]}, "messages.0.tool_calls"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "messages.0.content",
+        ),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content"),
+    ],
+)
+def test_a_message_laneway_cannot_render_is_refused(message: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        validate_body(ChatRequest, {**CHAT, "messages": [message]})
+    assert refused.value.param == param
+
+
+def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
+    plain = validate_body(ChatRequest, CHAT)
+    body = {
+        **CHAT,
+        "n": 1,
+        "logprobs": False,
+        "top_logprobs": 0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+        "logit_bias": {},
+        "seed": None,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "store": False,
+        "service_tier": "auto",
+        "temperature": None,  # null is absent: the default
+        "user": "u-1",
+        "safety_identifier": "s-1",
+        "metadata": {"ticket": "42"},
+        "prompt_cache_key": "repo-1",
+        "parallel_tool_calls": False,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    accepted = validate_body(ChatRequest, body)
+    assert accepted.flat_messages() == plain.flat_messages()
+    assert (accepted.temperature, accepted.top_p, accepted.stop) == (1.0, 1.0, [])
+    assert accepted.include_usage
+
+
+async def test_over_http_refusals_name_the_field_and_an_answer_can_be_sent_back(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("chat")
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    messages: list[Any] = [{"role": "user", "content": "explain this diff"}]
+    for option, value in (("n", 2), ("tools", [TOOL]), ("seed", 1)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                model="laneway-chat", messages=messages, max_tokens=8, **{option: value}
+            )
+        assert refused.value.body["param"] == option  # type: ignore[index]
+    first = await client.chat.completions.create(
+        model="laneway-chat", messages=messages, max_tokens=8
+    )
+    # The SDK sends the answer back as it came (refusal: null included): a common pattern.
+    messages += [first.choices[0].message, {"role": "user", "content": "shorter"}]
+    second = await client.chat.completions.create(
+        model="laneway-chat", messages=messages, max_tokens=8, n=1, user="u-1"
+    )
+    assert second.choices[0].message.content
