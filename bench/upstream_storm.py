@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import orjson
 import uvloop
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._http import HttpPool
 from bench._stack import ROOT, BenchStack, bench_stack, machine, percentile
@@ -51,6 +52,7 @@ from laneway.devstack import stop_processes
 MAX_TOKENS = 48
 PROMPT_CHARS = 400
 UPSTREAM_PORT = 31890
+WORKER_METRICS_PORT = 31891
 _LETTERS = "abcdefghijklmnopqrstuvwxyz     \n"
 
 
@@ -232,6 +234,28 @@ async def run_window(
     return window
 
 
+async def _stale_news(stack: BenchStack) -> list[float]:
+    """``stale_news_ms`` of every request that turned stale while running, from the usage
+    topic read to its end."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
+    await consumer.start()
+    news: list[float] = []
+    try:
+        partitions = [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    event = orjson.loads(record.value)
+                    if event.get("stale_news_ms"):
+                        news.append(event["stale_news_ms"])
+    finally:
+        await consumer.stop()
+    return news
+
+
 def _read_log(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_text().splitlines() if line]
 
@@ -309,6 +333,7 @@ def main() -> None:
                 "LANEWAY_ENGINE": "openai",
                 "LANEWAY_UPSTREAM_URL": f"http://127.0.0.1:{UPSTREAM_PORT}/v1",
                 "LANEWAY_UPSTREAM_MODEL": "up",
+                "LANEWAY_METRICS_PORT": str(WORKER_METRICS_PORT),
             }
         ]
     )
@@ -376,6 +401,31 @@ def _run(
     for window in uvloop.run(windows()):
         verdict = judge(window, _read_log(log))
         results.setdefault((window.path, window.stream), []).append(verdict)
+    metrics = httpx.get(f"http://127.0.0.1:{WORKER_METRICS_PORT}/metrics", timeout=5).text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line.startswith(("laneway_abort_seconds_", "laneway_late_starts_total"))
+    }
+    label = '{pool="completion"}'
+    aborts = values.get(f"laneway_abort_seconds_count{label}", 0.0)
+    late = values.get(f"laneway_late_starts_total{label}", 0.0)
+    if aborts:
+        mean_ms = values[f"laneway_abort_seconds_sum{label}"] / aborts * 1000
+        print(
+            f"# laneway: {aborts:.0f} aborts of running requests, mean {mean_ms:.2f} ms from the "
+            f"news at the worker to the engine stopping; late starts counted by the worker: "
+            f"{late:.0f}",
+            flush=True,
+        )
+    news = uvloop.run(_stale_news(stack))
+    if news:
+        print(
+            f"# laneway: news of staleness from the ingress to the worker (usage events' "
+            f"stale_news_ms), P50 {percentile(news, 50):.1f} ms, P99 {percentile(news, 99):.1f} "
+            f"ms, over {len(news)} requests aborted while running",
+            flush=True,
+        )
     return results
 
 
