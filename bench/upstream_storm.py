@@ -32,12 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,8 +42,8 @@ import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._http import HttpPool
-from bench._stack import ROOT, BenchStack, bench_stack, machine, percentile
-from laneway.devstack import stop_processes
+from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._upstream import Upstream, upstream_process
 
 MAX_TOKENS = 48
 PROMPT_CHARS = 400
@@ -201,7 +197,7 @@ async def _abandon(marker: str, task: asyncio.Task[float | None], window: Window
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def _drain(upstream_port: int) -> None:
+async def drain(upstream_port: int) -> None:
     """Until the upstream runs nothing: a window's stragglers never count in the next."""
     async with httpx.AsyncClient(timeout=5) as client:
         while True:
@@ -230,7 +226,7 @@ async def run_window(
         await http.close()
     window.ended = time.time()
     await asyncio.sleep(1.0)  # tombstones and late closes reach the upstream
-    await _drain(UPSTREAM_PORT)
+    await drain(UPSTREAM_PORT)
     return window
 
 
@@ -254,10 +250,6 @@ async def _stale_news(stack: BenchStack) -> list[float]:
     finally:
         await consumer.stop()
     return news
-
-
-def _read_log(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def _row(name: str, verdict: Verdict, spread: str) -> str:
@@ -325,7 +317,6 @@ def main() -> None:
     args = parser.parse_args()
     streams = {"both": [True, False], "stream": [True], "plain": [False]}[args.mode]
 
-    log = Path(tempfile.mkdtemp(prefix="laneway-upstream-")) / "upstream.jsonl"
     stack = BenchStack(
         workers=[
             {
@@ -337,48 +328,28 @@ def main() -> None:
             }
         ]
     )
-    upstream_argv = [
-        sys.executable,
-        "-m",
-        "bench.upstream_server",
-        f"--port={UPSTREAM_PORT}",
-        f"--slots={args.slots}",
-        f"--token-ms={args.token_ms}",
-        f"--log={log}",
-    ] + (["--metrics"] if args.upstream_metrics else [])
     print(f"# {machine()}")
     print(
         f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; upstream "
         f"{args.slots} slots, {args.token_ms:g} ms/token, max_tokens {MAX_TOKENS}, "
         f"metrics {'on' if args.upstream_metrics else 'off'}"
     )
-    results: dict[tuple[str, bool], list[Verdict]] = {}
-    upstream = subprocess.Popen(upstream_argv, cwd=ROOT, stdout=subprocess.DEVNULL)
-    stack.pids["upstream"] = upstream.pid
-    try:
-        _wait_listening(UPSTREAM_PORT)
-        with bench_stack(stack):
-            results = _run(stack, args, streams, log)
-    finally:
-        stop_processes([upstream])
+    with (
+        upstream_process(
+            UPSTREAM_PORT,
+            slots=args.slots,
+            token_ms=args.token_ms,
+            metrics=args.upstream_metrics,
+        ) as upstream,
+        bench_stack(stack),
+    ):
+        stack.pids["upstream"] = upstream.pid
+        results = _run(stack, args, streams, upstream)
     report(results)
 
 
-def _wait_listening(port: int, within_s: float = 20.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1)
-        except httpx.TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-        else:
-            return
-
-
 def _run(
-    stack: BenchStack, args: argparse.Namespace, streams: list[bool], log: Path
+    stack: BenchStack, args: argparse.Namespace, streams: list[bool], upstream: Upstream
 ) -> dict[tuple[str, bool], list[Verdict]]:
     key = stack.api_key("storm")
 
@@ -399,7 +370,7 @@ def _run(
 
     results: dict[tuple[str, bool], list[Verdict]] = {}
     for window in uvloop.run(windows()):
-        verdict = judge(window, _read_log(log))
+        verdict = judge(window, upstream.entries())
         results.setdefault((window.path, window.stream), []).append(verdict)
     metrics = httpx.get(f"http://127.0.0.1:{WORKER_METRICS_PORT}/metrics", timeout=5).text
     values = {

@@ -124,6 +124,11 @@ class RedisKeys:
         """Pub/sub channel that carries each cancel tombstone ahead of ``laneway.cancel``."""
         return f"{self.prefix}:cancels"
 
+    def fleet(self, engine_id: str) -> str:
+        """A shared engine's members: worker id → its share state (a hash), and the pub/sub
+        channel of the same name that carries each change as it happens."""
+        return f"{self.prefix}:fleet:{engine_id}"
+
     def probe_key(self) -> str:
         """The API key the health prober uses for its batch probes."""
         return f"{self.prefix}:probe:key"

@@ -214,6 +214,26 @@ class WorkerSettings(CommonSettings):
     upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
     upstream_api_key: SecretStr = Field(SecretStr(""), description="bearer key of the upstream")
     upstream_model: str = Field("", description="model name upstream; default: the route")
+    engine_id: str = Field(
+        "",
+        description="workers (of any pools, on any machines) with the same engine id share one "
+        "engine's slots by priority: completion, chat, then batch ('': the engine is this "
+        "worker's own)",
+    )
+    fleet_reserve_min: int = Field(
+        1,
+        ge=0,
+        description="shared engine: fewest slots batch may never take; the reserve is the "
+        "interactive classes' peak demand over LANEWAY_FLEET_PEAK_WINDOW_S when higher",
+    )
+    fleet_peak_window_s: float = Field(
+        60.0, gt=0, description="shared engine: window of the interactive peak (the reserve)"
+    )
+    upstream_priority: bool = Field(
+        False,
+        description="engine=openai: send each request's priority (vLLM's `priority` field; the "
+        "server needs --scheduling-policy priority)",
+    )
     upstream_slots: int = Field(
         0,
         ge=0,

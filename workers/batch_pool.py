@@ -60,6 +60,7 @@ class BatchPoolWorker(PoolWorker):
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
         self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
         self._requeue: set[str] = set()
+        self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
     async def start(self) -> None:
@@ -99,12 +100,19 @@ class BatchPoolWorker(PoolWorker):
                 self._lines[env.id] = (tp.topic, key, record.value)
                 return env
 
-    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent:
+    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
         tp, offset, env = work.tp, work.offset, work.env
         try:
             usage = await super()._execute(work, dropped)
-        finally:
-            line = self._lines.pop(env.id)
+        except BaseException:
+            self._lines.pop(env.id, None)
+            raise
+        if usage is None:
+            # Preempted on a shared engine: first in line again, same offset, same
+            # reservation; its result is written once, when it runs to its end.
+            self.queue.push(work, front=True)
+            return None
+        line = self._lines.pop(env.id)
         final = self.outbox.captured.pop(env.id)
         if env.id in self._requeue:
             # Aborted for memory: the line goes back to the end of its topic, in the same
@@ -116,6 +124,29 @@ class BatchPoolWorker(PoolWorker):
             return usage
         self.ledger.add(tp, offset, result_records(self.topics, batch_result(env, final), usage))
         return usage
+
+    def _after_dispatch(self) -> None:
+        super()._after_dispatch()
+        if self.fleet is not None:
+            self._preempt(self.fleet.excess() - len(self.executor.preempted))
+
+    def _preempt(self, count: int) -> None:
+        """Abort the ``count`` newest running lines: interactive work needs their slots."""
+        if count <= 0:
+            return
+        victims = [
+            work
+            for work in reversed(self.running.values())
+            if work.env.id not in self.executor.preempted
+        ][:count]
+        for work in victims:
+            self.executor.preempted.add(work.env.id)
+            metrics.FLEET_PREEMPTIONS.labels(self.settings.engine_id).inc()
+            task = asyncio.get_running_loop().create_task(self.executor.abort(work.env.id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+        if victims:
+            log.info("shared engine: %d batch lines preempted for interactive work", len(victims))
 
     async def _before_queue(self, work: Work) -> None:
         if self.quota is not None:

@@ -62,10 +62,12 @@ class DispatchQueue:
     def __iter__(self) -> Iterator[Work]:
         return iter(list(self._work.values()))
 
-    def push(self, work: Work) -> None:
+    def push(self, work: Work, *, front: bool = False) -> None:
+        """Queue ``work``; ``front``: ahead of its band's waiting work of the same deadline
+        (a preempted request, queued again)."""
         env = work.env
         deadline = env.deadline_ts if env.deadline_ts is not None else float("inf")
-        arrival = next(self._arrivals)
+        arrival = -next(self._arrivals) if front else next(self._arrivals)
         self._work[env.id] = work
         heapq.heappush(self._order, (_BAND_RANK.get(env.band, 1), deadline, arrival, env.id))
         if env.deadline_ts is not None:
@@ -141,12 +143,14 @@ class Dispatcher:
         verdict: Callable[[RequestEnvelope, float], Dropped | None],
         start: Callable[[Work], None],
         drop: Callable[[Work, Dropped], None],
+        after: Callable[[], None] = lambda: None,
     ) -> None:
         self.queue = queue
         self.capacity = capacity
         self.verdict = verdict
         self.start = start
         self.drop = drop
+        self.after = after  # after each pass: what runs and waits may have changed
         self.running = 0
         self._wake = asyncio.Event()
 
@@ -176,6 +180,7 @@ class Dispatcher:
                 continue
             self.running += 1
             self.start(work)
+        self.after()
 
     async def run(self) -> None:
         while True:

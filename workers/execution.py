@@ -27,6 +27,11 @@ __all__ = ["RequestExecutor"]
 log = logging.getLogger(__name__)
 
 
+# Engine priority (lower first, as vLLM's): completion before chat before batch, and within
+# a class the hi band before lo. It matters where pools share an engine that schedules by it.
+_PRIORITY = {"completion": 0, "chat": 2, "batch": 4}
+
+
 @dataclass(slots=True)
 class _Totals:
     """What the engine has reported of one request so far."""
@@ -65,6 +70,9 @@ class RequestExecutor:
         self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
         self.deliveries: dict[str, asyncio.Future[object]] = {}
+        # Requests aborted to run again later (a shared engine's batch, preempted): no
+        # terminal outcome, no usage event, no settlement for the attempt.
+        self.preempted: set[str] = set()
 
     async def delivered(self, request_id: str) -> None:
         """Wait until the usage event of a finished request is stored by the broker."""
@@ -83,9 +91,10 @@ class RequestExecutor:
         )
         return await self._finish(env, reason.status, queue_ms=queue_ms, error=str(reason))  # type: ignore[arg-type]
 
-    async def run(self, env: RequestEnvelope) -> UsageEvent:
+    async def run(self, env: RequestEnvelope) -> UsageEvent | None:
         """Run ``env`` on the engine now (the worker dispatches it when the engine has room);
-        ``queue_ms`` is its wait from acceptance to this moment."""
+        ``queue_ms`` is its wait from acceptance to this moment. None: it was preempted
+        (aborted to run again later) and reported nothing."""
         start = time.time()
         queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
         verdict = self.shield.verdict(env, start)
@@ -110,6 +119,13 @@ class RequestExecutor:
                 else:
                     text_parts.append(delta.text)
         except Dropped as dropped:
+            if env.id in self.preempted:
+                if chunks is not None:
+                    chunks.cancel()
+                metrics.PREEMPTED_ENGINE_MS.labels(self.pool).inc(
+                    max(got.engine_ms, dropped.engine_ms)
+                )
+                return None
             status, error = self._dropped(env, got, dropped)
         except EngineError as exc:
             log.warning(
@@ -126,6 +142,7 @@ class RequestExecutor:
         finally:
             stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
             self.shield.finished(env.id)
+            self.preempted.discard(env.id)
         n = at = 0
         if chunks is not None:
             # The rest of the text rides on the final reply.
@@ -193,7 +210,7 @@ class RequestExecutor:
             temperature=env.temperature,
             top_p=env.top_p,
             stop=env.stop,
-            priority=0 if env.band == "hi" else 1,
+            priority=_PRIORITY[env.cls] + (env.band == "lo"),
             deadline_ts=env.deadline_ts,
         )
 

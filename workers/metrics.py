@@ -10,6 +10,10 @@ __all__ = [
     "ENGINE_CAPACITY",
     "ENGINE_INFLIGHT",
     "ENGINE_MS",
+    "FLEET_BATCH_SHARE",
+    "FLEET_PREEMPTIONS",
+    "FLEET_RESERVE",
+    "FLEET_SLOTS",
     "INFLIGHT",
     "LATE_STARTS",
     "MALFORMED",
@@ -78,4 +82,25 @@ BATCH_YIELDING = Gauge(
 )
 BATCH_REQUEUED = Counter(
     "laneway_batch_requeued_total", "Batch lines aborted under engine memory pressure and re-queued"
+)
+FLEET_SLOTS = Gauge(
+    "laneway_fleet_slots",
+    "A shared engine's slots in use by class, as this worker sees them",
+    ["engine", "cls"],
+)
+FLEET_RESERVE = Gauge(
+    "laneway_fleet_reserve", "Slots of a shared engine that batch may not take", ["engine"]
+)
+FLEET_BATCH_SHARE = Gauge(
+    "laneway_fleet_batch_share", "Share of a shared engine's running work that is batch", ["engine"]
+)
+FLEET_PREEMPTIONS = Counter(
+    "laneway_fleet_preemptions_total",
+    "Batch lines aborted on a shared engine for interactive work, and queued again",
+    ["engine"],
+)
+PREEMPTED_ENGINE_MS = Counter(
+    "laneway_preempted_engine_ms_total",
+    "Engine milliseconds spent on batch attempts that were preempted (run again, not billed)",
+    ["pool"],
 )

@@ -33,6 +33,7 @@ from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
+from workers.fleet import FleetShare
 from workers.offsets import OffsetTracker
 from workers.replies import Outbox
 from workers.shield import CancelShield
@@ -68,11 +69,13 @@ class PoolWorker:
         self.queue = DispatchQueue()
         self.dispatcher = Dispatcher(
             self.queue,
-            capacity=engine.capacity,
+            capacity=self._capacity,
             verdict=self.shield.verdict,
             start=self._start,
             drop=self._drop,
+            after=self._after_dispatch,
         )
+        self.running: dict[str, Work] = {}  # on the engine, oldest first
         # Started or dropped work until its offset may be finished; with the queue, what
         # this worker holds (max_inflight bounds it).
         self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
@@ -105,6 +108,18 @@ class PoolWorker:
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
         self.outbox = Outbox(self.redis, self.producer, self.topics, self.quota)
+        self.fleet: FleetShare | None = None
+        if settings.engine_id:
+            self.fleet = FleetShare(
+                self.redis,
+                self.keys,
+                settings.engine_id,
+                settings.worker_id,
+                settings.pool,
+                reserve_min=settings.fleet_reserve_min,
+                peak_window_s=settings.fleet_peak_window_s,
+            )
+            self.fleet.on_change = self.dispatcher.wake
         self.executor = RequestExecutor(
             engine,
             self.shield,
@@ -131,6 +146,9 @@ class PoolWorker:
         self._started = True
         await self.engine.start()
         self.engine.watch_capacity(self.dispatcher.wake)
+        if self.fleet is not None:
+            self.fleet.local(0, 0, self.engine.capacity())
+            await self.fleet.start()
         self._digest = self.engine.model_digest()
         await self.producer.start()
         await self.cancels.start()
@@ -176,6 +194,8 @@ class PoolWorker:
         loops, self._loops = self._loops, []
         dispatch = [task for task in loops if task.get_name() == "dispatch"]
         await _cancel(dispatch)
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self._inflight:
             log.info("draining %d in-flight requests (grace %.1fs)", len(self._inflight), grace)
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
@@ -283,7 +303,19 @@ class PoolWorker:
 
     # --- dispatch ------------------------------------------------------------------------
 
+    def _capacity(self) -> int:
+        """Requests to have on the engine now: the engine's own capacity, or on a shared
+        engine what this worker runs plus the room its class has (``workers.fleet``)."""
+        if self.fleet is not None:
+            return self.dispatcher.running + self.fleet.room()
+        return self.engine.capacity()
+
+    def _after_dispatch(self) -> None:
+        if self.fleet is not None:
+            self.fleet.local(self.dispatcher.running, len(self.queue), self.engine.capacity())
+
     def _start(self, work: Work) -> None:
+        self.running[work.env.id] = work
         self._track(self._run(work), work, f"req-{work.env.id}")
 
     def _drop(self, work: Work, reason: Dropped) -> None:
@@ -298,8 +330,9 @@ class PoolWorker:
         self._inflight.pop(task, None)
         self._room.set()
 
-    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent:
-        """Run the work on the engine, or report it ``dropped`` before it got there."""
+    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
+        """Run the work on the engine, or report it ``dropped`` before it got there; None
+        when it left the engine to run again later (preempted)."""
         if dropped is not None:
             return await self.executor.drop(work.env, dropped)
         return await self.executor.run(work.env)
@@ -308,11 +341,14 @@ class PoolWorker:
         env = work.env
         try:
             try:
-                await self._execute(work)
+                usage = await self._execute(work)
             finally:
                 # The engine is done with it: its slot takes the next work while the usage
                 # event is still on its way to the broker.
+                self.running.pop(env.id, None)
                 self.dispatcher.done()
+            if usage is None:
+                return  # queued again: its offset stays pending
             await self.executor.delivered(env.id)
         except asyncio.CancelledError:
             # Shutdown past the grace period: leave the offset pending so it is re-run.

@@ -65,6 +65,7 @@ def _openai(settings: WorkerSettings) -> Engine:
         slots=settings.upstream_slots,
         metrics_url=upstream_metrics_url(settings),
         read_timeout_s=settings.upstream_read_timeout_s,
+        priority=settings.upstream_priority,
     )
 
 

@@ -72,6 +72,7 @@ class OpenAICompatibleEngine:
         metrics_url: str = "",
         metrics_interval_s: float = 1.0,
         read_timeout_s: float = 120.0,
+        priority: bool = False,
         learned: LearnedSlots | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -80,6 +81,7 @@ class OpenAICompatibleEngine:
         self.learned = learned or LearnedSlots()
         self.metrics_url = metrics_url
         self.metrics_interval_s = metrics_interval_s
+        self.priority = priority  # send each request's priority (vLLM's priority scheduling)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -145,6 +147,8 @@ class OpenAICompatibleEngine:
         }
         if request.stop:
             body["stop"] = request.stop
+        if self.priority:
+            body["priority"] = request.priority
         if request.messages is not None:
             body["messages"] = [m.model_dump() for m in request.messages]
             return "/chat/completions", body

@@ -1,0 +1,73 @@
+"""The separate upstream server of the benches (``bench.upstream_server``) as a process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from bench._stack import ROOT
+from laneway.devstack import stop_processes
+
+__all__ = ["Upstream", "upstream_process"]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    port: int
+    log: Path
+    pid: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every request it has ended, in the order they ended."""
+        return [orjson.loads(line) for line in self.log.read_text().splitlines() if line]
+
+    def stats(self) -> dict[str, int]:
+        """What it runs and what waits in its queue now."""
+        stats: dict[str, int] = httpx.get(f"http://127.0.0.1:{self.port}/stats", timeout=5).json()
+        return stats
+
+
+@contextmanager
+def upstream_process(
+    port: int, *, slots: int, token_ms: float, metrics: bool = False
+) -> Iterator[Upstream]:
+    """``bench.upstream_server`` on ``port``, logging to a throwaway file, until the block ends."""
+    log = Path(tempfile.mkdtemp(prefix="laneway-upstream-")) / "upstream.jsonl"
+    log.touch()
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.upstream_server",
+        f"--port={port}",
+        f"--slots={slots}",
+        f"--token-ms={token_ms}",
+        f"--log={log}",
+    ] + (["--metrics"] if metrics else [])
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the upstream on port {port} did not start") from None
+                time.sleep(0.1)
+        yield Upstream(port, log, proc.pid)
+    finally:
+        stop_processes([proc])

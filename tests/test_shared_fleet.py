@@ -1,0 +1,152 @@
+"""One upstream shared by every pool: completions never wait behind batch, chat ranks between,
+preempted batch lines finish exactly once. Judged by the upstream process's own log."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from laneway.batch import BatchClient
+from laneway.settings import CommonSettings
+from tests.stack import LiveStack, wait_for
+from tests.upstream_process import UpstreamProcess
+from workers import metrics
+from workers.pool import PoolWorker
+
+pytestmark = pytest.mark.slow
+
+TOKEN_MS = 20
+
+
+@pytest.fixture
+async def upstream(tmp_path: Path) -> AsyncIterator[UpstreamProcess]:
+    process = UpstreamProcess(tmp_path / "upstream.jsonl", slots=4, token_ms=TOKEN_MS)
+    await process.ready()
+    yield process
+    process.stop()
+
+
+async def _fleet(
+    stack: LiveStack, upstream: UpstreamProcess, slots: int, **options: Any
+) -> dict[str, PoolWorker]:
+    """A worker per pool, all on the one upstream, declared as one shared engine."""
+    shared = {
+        "engine": "openai",
+        "upstream_url": upstream.url,
+        "upstream_model": "up",
+        "upstream_slots": slots,
+        "upstream_metrics_url": "",
+        "engine_id": "gpu-fleet",
+        "fleet_peak_window_s": 2.0,
+        **options,
+    }
+    return {
+        pool: await stack.start_worker(pool, **shared) for pool in ("completion", "chat", "batch")
+    }
+
+
+def _line(i: int, max_tokens: int) -> str:
+    body = {
+        "model": "laneway-chat",
+        "messages": [{"role": "user", "content": f"doc-{i}"}],
+        "max_tokens": max_tokens,
+    }
+    line = {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return orjson.dumps(line).decode()
+
+
+async def _results(client: BatchClient, job: str, lines: int, within_s: float) -> Any:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while (status := await client.status(job)).done < lines:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"job {job}: {status.done}/{lines} after {within_s}s")
+        await asyncio.sleep(0.2)
+    return status, await client.results(job)
+
+
+async def test_completions_start_at_once_while_batch_fills_the_upstream(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _fleet(stack, upstream, slots=4)
+    key = await stack.api_key(size=1000)
+    http = stack.http(ingress, key)
+    preempted_before = metrics.FLEET_PREEMPTIONS.labels("gpu-fleet")._value.get()
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit([_line(i, 40) for i in range(24)], api_key=key)
+        # Batch takes every slot but the reserve (one): three lines of 800 ms each.
+        await upstream.until(lambda running, _: running == 3, "batch to fill its share")
+        body = {"model": "laneway-code", "max_tokens": 4}
+        burst = [
+            asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"k{i}"}))
+            for i in range(3)
+        ]
+        assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 3
+        status, results = await _results(client, job, 24, 90)
+    # Two of the three found no free slot: batch lines were preempted for them, and none of
+    # the three waited in the upstream's queue behind a batch line.
+    assert metrics.FLEET_PREEMPTIONS.labels("gpu-fleet")._value.get() >= preempted_before + 2
+    completions = [e for e in upstream.entries() if e["prompt"] in ("k0", "k1", "k2")]
+    assert len(completions) == 3
+    assert all(e["start"] - e["recv"] < 5 * TOKEN_MS / 1000 for e in completions)
+    # Every line exactly once, the preempted ones included (they ran to the end later).
+    assert (status.lines, status.done, status.ok, status.duplicates) == (24, 24, 24, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(24))
+    batch = [e for e in upstream.entries() if e["prompt"].startswith("doc-")]
+    cut = {e["prompt"] for e in batch if e["outcome"] == "gone_running"}
+    assert len(cut) >= 2
+    assert all(any(e["prompt"] == p and e["outcome"] == "done" for e in batch) for p in cut)
+    usage = await stack.read_all(stack.topics.usage)
+    batch_usage = [u for u in usage if u.get("job_id") == job]
+    assert len(batch_usage) == 24  # one event per line: a preempted attempt is not billed
+
+
+async def test_chat_ranks_between_completions_and_batch(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    workers = await _fleet(stack, upstream, slots=2, fleet_reserve_min=0)
+    key = await stack.api_key(size=1000)
+    http = stack.http(ingress, key)
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit([_line(i, 10) for i in range(12)], api_key=key)
+        await upstream.until(lambda running, _: running == 2, "batch on both slots")
+
+        def chat(name: str, max_tokens: int) -> Any:
+            body = {
+                "model": "laneway-chat",
+                "messages": [{"role": "user", "content": name}],
+                "max_tokens": max_tokens,
+            }
+            return asyncio.create_task(http.post("/v1/chat/completions", json=body))
+
+        # Batch is preempted for them; chat-1 ends first and frees one slot.
+        first = [chat("chat-1", 15), chat("chat-2", 60)]
+        await wait_for(lambda: len(workers["chat"].running) == 2, 10, "both chats on the upstream")
+        third = chat("chat-3", 10)
+        await wait_for(lambda: len(workers["chat"].queue) == 1, 10, "the third chat to wait")
+        body = {"model": "laneway-code", "prompt": "completion-1", "max_tokens": 4}
+        completion = asyncio.create_task(http.post("/v1/completions", json=body))
+        await wait_for(lambda: len(workers["completion"].queue) == 1, 10, "the completion to wait")
+        responses = await asyncio.gather(*first, third, completion)
+        assert [r.status_code for r in responses] == [200] * 4
+        status, _ = await _results(client, job, 12, 90)
+    assert (status.done, status.duplicates) == (12, 0)
+    done = {e["prompt"]: e for e in upstream.entries() if e["outcome"] == "done"}
+    # The slot chat-1 freed went to the completion, which came last; the waiting chat got
+    # the next one (the completion's); no batch line started until both had.
+    assert done["chat-1"]["end"] <= done["completion-1"]["start"] < done["chat-3"]["start"]
+    assert done["chat-3"]["start"] < done["chat-2"]["end"]
+    batch_between = [
+        e
+        for e in upstream.entries()
+        if e["prompt"].startswith("doc-")
+        and e["start"] is not None
+        and done["chat-1"]["start"] < e["start"] < done["chat-3"]["start"]
+    ]
+    assert batch_between == []
