@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -19,8 +16,9 @@ from tqdm import tqdm
 from laneway.apikeys import create_key
 from laneway.batch import BatchClient, output_line
 from laneway.clients import make_redis
-from laneway.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
+from laneway.devstack import create_topics
 from laneway.errors import BadRequest, ConfigError, LanewayError
+from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
 from laneway.schema import BatchResult
 from laneway.settings import CommonSettings, StackSettings, load_settings
@@ -29,8 +27,6 @@ from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
 
 __all__ = ["main"]
-
-log = logging.getLogger("laneway")
 
 
 def _run_redis(command: Callable[[CommonSettings], Awaitable[int]]) -> int:
@@ -173,73 +169,8 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start Redis, Kafka, the ingress and one worker per pool; Ctrl-C stops them all."""
-    settings = load_settings(StackSettings)
-    data = Path(settings.data_dir).resolve()
-    redis_server = RedisServer(port=settings.redis_port, data_dir=data / "redis")
-    broker = KafkaBroker(
-        port=settings.kafka_port,
-        data_dir=data / "kafka",
-        heap_mb=settings.kafka_heap_mb,
-        partitions=settings.partitions,
-    )
-    children: list[subprocess.Popen[bytes]] = []
-    stopping = False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    # Ctrl-C reaches every process of the terminal's group: the children stop on their own,
-    # and this loop must not take their exit for a crash.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        print(f"starting Redis on {redis_server.url}", flush=True)
-        redis_server.start()
-        print(f"starting Kafka (KRaft, single node) on {broker.bootstrap}", flush=True)
-        broker.start()
-        create_topics(broker.bootstrap, settings.topics.specs(settings.partitions))
-        env = dict(os.environ)
-        env.update(
-            LANEWAY_KAFKA_BOOTSTRAP=broker.bootstrap,
-            LANEWAY_REDIS_URL=redis_server.url,
-        )
-        for name in (
-            "LANEWAY_KAFKA_PORT",
-            "LANEWAY_REDIS_PORT",
-            "LANEWAY_PARTITIONS",
-            "LANEWAY_DATA_DIR",
-            "LANEWAY_KAFKA_HEAP_MB",
-        ):
-            env.pop(name, None)
-        ingress_env = dict(env, LANEWAY_PORT=str(settings.port))
-        children.append(subprocess.Popen([sys.executable, "-m", "ingress"], env=ingress_env))
-        for pool in ("completion", "chat", "batch"):
-            worker_env = dict(env, LANEWAY_POOL=pool, LANEWAY_WORKER_ID=f"{pool}-1")
-            worker_env.pop("LANEWAY_PORT", None)
-            children.append(subprocess.Popen([sys.executable, "-m", "workers"], env=worker_env))
-        streams_env = dict(env, LANEWAY_STREAMS_DATA_DIR=str(data / "streams"))
-        children.append(subprocess.Popen([sys.executable, "-m", "streams"], env=streams_env))
-        print(
-            f"laneway is up: OpenAI base URL http://127.0.0.1:{settings.port}/v1 "
-            f"(create a key: .venv/bin/laneway keys create --team myteam). Ctrl-C stops.",
-            flush=True,
-        )
-        while not stopping:
-            for child in children:
-                if child.poll() is not None and not stopping:
-                    raise LanewayError(
-                        f"{child.args!r} exited with {child.returncode}; stopping the stack"
-                    )
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        print("stopping laneway...", flush=True)
-        stop_processes(children)
-        broker.stop()
-        redis_server.stop()
+    """Run Redis, Kafka, the ingress, a worker per pool and the streams app, supervised."""
+    run_local_stack(load_settings(StackSettings))
     return 0
 
 

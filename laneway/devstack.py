@@ -185,6 +185,8 @@ class _ServerProcess:
         self.port = port
         self.data_dir = data_dir
         self._process: subprocess.Popen[bytes] | None = None
+        # The latest run, kept after stop() lets go of it: wait() and signals still reach it.
+        self._spawned: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._log_start = 0
 
@@ -226,6 +228,7 @@ class _ServerProcess:
         except OSError as exc:
             self.stop()
             raise ServiceError(f"could not run {argv[0]}: {exc}") from exc
+        self._spawned = self._process
         self._pid_path.write_text(str(self._process.pid))
         log.info(
             "started %s (pid %d) on port %d, log %s",
@@ -235,7 +238,8 @@ class _ServerProcess:
             self.log_path,
         )
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
+        """The last lines this server wrote since it was last started."""
         try:
             with self.log_path.open("rb") as fh:
                 fh.seek(self._log_start)
@@ -262,7 +266,7 @@ class _ServerProcess:
             if code is not None:
                 raise ServiceError(
                     f"{self.name} exited with code {code} while starting; "
-                    f"{self.log_path}:\n{self._log_tail()}"
+                    f"{self.log_path}:\n{self.log_tail()}"
                 )
             ready, last_error = self._probe()
             if ready:
@@ -270,7 +274,7 @@ class _ServerProcess:
             if time.monotonic() >= deadline:
                 raise ServiceError(
                     f"{self.name} on port {self.port} was not ready after {timeout:.0f}s "
-                    f"(last probe: {last_error}); {self.log_path}:\n{self._log_tail()}"
+                    f"(last probe: {last_error}); {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(_POLL_S)
 
@@ -284,6 +288,19 @@ class _ServerProcess:
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
+
+    def wait(self) -> int:
+        """Block until the latest run exits and return its exit code (-N: signal N)."""
+        process = self._spawned
+        if process is None:
+            raise ServiceError(f"{self.name} was never started")
+        return process.wait()
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the latest run if it still runs, stopping or not (a no-op otherwise)."""
+        process = self._spawned
+        if process is not None and process.poll() is None:
+            process.send_signal(signum)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Stop with SIGTERM, then SIGKILL after ``timeout`` seconds; safe to call twice."""
@@ -489,14 +506,16 @@ async def _metadata_brokers(bootstrap: str) -> list[Any]:
 
 
 class RedisServer(_ServerProcess):
-    """A throwaway Redis (no persistence) bound to 127.0.0.1."""
+    """A Redis bound to 127.0.0.1: throwaway, or ``persistent`` (an append-only file in
+    ``data_dir``, so API keys and team records outlive a crash and a restart)."""
 
     name = "redis"
     port_setting = "LANEWAY_REDIS_PORT"
     cmdline_marker = b"redis-server"
 
-    def __init__(self, *, port: int, data_dir: Path) -> None:
+    def __init__(self, *, port: int, data_dir: Path, persistent: bool = False) -> None:
         super().__init__(port=port, data_dir=data_dir)
+        self.persistent = persistent
         self.url = f"redis://127.0.0.1:{port}/0"
 
     def start(self, timeout: float = 20.0) -> None:
@@ -512,7 +531,9 @@ class RedisServer(_ServerProcess):
             "bind": "127.0.0.1",
             "dir": str(self.data_dir),
             "save": "",
-            "appendonly": "no",
+            # Every write is on disk within a second: a killed server loses at most that.
+            "appendonly": "yes" if self.persistent else "no",
+            "appendfsync": "everysec",
             "daemonize": "no",
             "logfile": "",  # stdout, i.e. redis.log, next to any start-up error
         }

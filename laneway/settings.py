@@ -12,7 +12,15 @@ import os
 import secrets
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from laneway.constants import RedisKeys, RequestClass, Topics
@@ -317,12 +325,51 @@ class StackSettings(CommonSettings):
     )
     redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
     partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
-    data_dir: str = Field(".run", description="where broker and Redis keep their data")
+    data_dir: str = Field(
+        ".run", description="where broker and Redis keep their data and `laneway up` its logs"
+    )
     replication_factor: int = Field(
         1, ge=1, le=7, description="`laneway topics create`: replicas of each topic"
     )
     kafka_heap_mb: int = Field(768, ge=256, description="`laneway up`: broker JVM heap")
     port: int = Field(8000, ge=0, le=65535, description="ingress port")
+    supervisor_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="`laneway up`: serve /metrics (restarts and state of every process) "
+        "here (0: off)",
+    )
+    restart_backoff_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="`laneway up`: wait before restarting a process that exited; doubles "
+        "with each further exit within LANEWAY_CRASH_WINDOW_S; jittered down by up to half",
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, gt=0, le=600, description="`laneway up`: longest wait before a restart"
+    )
+    crash_limit: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="`laneway up`: a process that exits this often within "
+        "LANEWAY_CRASH_WINDOW_S stops the stack",
+    )
+    crash_window_s: float = Field(
+        60.0, gt=0, le=86_400, description="`laneway up`: window of LANEWAY_CRASH_LIMIT"
+    )
+
+    @field_validator("restart_backoff_max_s")
+    @classmethod
+    def _backoff_max_not_below_first(cls, value: float, info: ValidationInfo) -> float:
+        first = info.data.get("restart_backoff_s")
+        if first is not None and value < first:
+            raise ValueError(
+                f"must be at least LANEWAY_RESTART_BACKOFF_S ({first}), the first wait"
+            )
+        return value
 
 
 S = TypeVar("S", bound=CommonSettings)

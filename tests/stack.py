@@ -25,7 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from ingress import create_app
 from laneway.apikeys import create_key
-from laneway.devstack import create_topics
+from laneway.devstack import create_topics, port_in_use
 from laneway.schema import RequestEnvelope
 from laneway.settings import IngressSettings, WorkerSettings
 from quota.teams import Team, set_team
@@ -50,6 +50,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port whose successor is free too (the broker's controller listens on port + 1)."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535 and not port_in_use(port + 1):
+            return port
+    raise RuntimeError("no two adjacent free ports")
 
 
 def envelope(**fields: Any) -> RequestEnvelope:

@@ -19,16 +19,7 @@ from laneway.devstack import (
     create_topics,
     port_in_use,
 )
-from tests.stack import free_port
-
-
-def _free_port_pair() -> int:
-    """A port whose successor is free too (the broker's controller listens on port + 1)."""
-    for _ in range(50):
-        port = free_port()
-        if port < 65535 and not port_in_use(port + 1):
-            return port
-    raise RuntimeError("no two adjacent free ports")
+from tests.stack import free_port, free_port_pair
 
 
 @pytest.fixture
@@ -91,7 +82,7 @@ def test_kafka_refuses_taken_port(occupied_port: int, tmp_path: Path) -> None:
 
 
 def test_kafka_refuses_taken_controller_port(tmp_path: Path) -> None:
-    port = _free_port_pair()
+    port = free_port_pair()
     with socket.socket() as controller:
         controller.bind(("127.0.0.1", port + 1))
         controller.listen()
@@ -102,7 +93,7 @@ def test_kafka_refuses_taken_controller_port(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 async def test_kafka_broker_creates_compacted_topic(tmp_path: Path) -> None:
-    broker = KafkaBroker(port=_free_port_pair(), data_dir=tmp_path / "kafka")
+    broker = KafkaBroker(port=free_port_pair(), data_dir=tmp_path / "kafka")
     # Blocking calls inside a coroutine on purpose: they must work with a loop running.
     with broker:
         specs = [("devstack.state", 2, {"cleanup.policy": "compact"})]

@@ -1,0 +1,346 @@
+"""`laneway up` as a user runs it (a subprocess on ports of its own): a process killed under
+traffic is restarted, what was accepted is served, and the ingress keeps answering.
+
+One stack serves the whole module; each test leaves it whole again. Where a test needs an
+outage that lasts (to see /readyz report it and traffic flow through it), it freezes the
+supervisor (SIGSTOP) so that nothing restarts the dead server until it is let go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from laneway.apikeys import create_key, lookup_team
+from laneway.constants import RedisKeys
+from quota.teams import Team, set_team
+from tests.stack import ROOT, free_port, free_port_pair
+
+pytestmark = pytest.mark.slow
+
+KEYS = RedisKeys("laneway")
+SERVERS = ("redis", "kafka")
+
+
+@dataclass
+class UpStack:
+    process: subprocess.Popen[bytes]
+    data: Path
+    output: Path
+    base_url: str
+    metrics_url: str
+    kafka: str
+    redis_url: str
+
+    def pid(self, name: str) -> int:
+        """The pid of a process of the stack now, from its pid file."""
+        where = self.data / name if name in SERVERS else self.data / "logs"
+        return int((where / f"{name}.pid").read_text())
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    async def restarts(self, name: str) -> float:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(self.metrics_url)).text
+        line = f'laneway_supervisor_restarts_total{{process="{name}"}} '
+        [value] = [row.removeprefix(line) for row in text.splitlines() if row.startswith(line)]
+        return float(value)
+
+    async def api_key(self, team: str) -> str:
+        redis = aioredis.Redis.from_url(self.redis_url)
+        try:
+            await set_team(redis, KEYS, Team(team, size=1000))
+            return await create_key(redis, KEYS, team)
+        finally:
+            await redis.aclose()
+
+    def http(self, key: str) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=120)
+
+    @contextlib.contextmanager
+    def frozen_supervisor(self) -> Iterator[None]:
+        """Nothing restarts a dead process of the stack inside this block."""
+        self.process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.process.send_signal(signal.SIGCONT)
+
+
+def _stack_env(data: Path, kafka_port: int, redis_port: int, port: int, metrics: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        LANEWAY_DATA_DIR=str(data),
+        LANEWAY_KAFKA_PORT=str(kafka_port),
+        LANEWAY_REDIS_PORT=str(redis_port),
+        LANEWAY_PORT=str(port),
+        LANEWAY_SUPERVISOR_PORT=str(metrics),
+        LANEWAY_KAFKA_HEAP_MB="256",
+        LANEWAY_PARTITIONS="2",
+        LANEWAY_PROBE_INTERVAL_S="0",
+        LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
+        # Slow, one at a time: requests queue up behind each other at the completion worker.
+        LANEWAY_SIM_DECODE_MS_PER_STEP="50",
+        LANEWAY_SIM_BATCH_SLOTS="1",
+        # What is tested is that queued requests are served, not the deadline policy.
+        LANEWAY_COMPLETION_DEADLINE_MS="120000",
+    )
+    return env
+
+
+def _wait_ready(stack: UpStack, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if stack.process.poll() is not None:
+            pytest.fail(f"laneway up exited with {stack.process.returncode}:\n{stack.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.get(f"{stack.base_url}/readyz", timeout=5)
+            if response.status_code == 200 and "workers.completion" in response.json()["checks"]:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"laneway up was not ready within {within_s:.0f}s:\n{stack.log()}")
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    data = tmp_path_factory.mktemp("up")
+    kafka_port, redis_port, port, metrics = free_port_pair(), free_port(), free_port(), free_port()
+    output = data / "up.out"
+    with output.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "laneway.cli", "up"],
+            env=_stack_env(data, kafka_port, redis_port, port, metrics),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    stack = UpStack(
+        process,
+        data,
+        output,
+        base_url=f"http://127.0.0.1:{port}",
+        metrics_url=f"http://127.0.0.1:{metrics}/metrics",
+        kafka=f"127.0.0.1:{kafka_port}",
+        redis_url=f"redis://127.0.0.1:{redis_port}/0",
+    )
+    try:
+        _wait_ready(stack, 120)
+        yield stack
+    finally:
+        names = ["redis", "kafka", "ingress", "streams"]
+        names += [f"worker-{pool}" for pool in ("completion", "chat", "batch")]
+        pids = {}
+        for name in names:
+            with contextlib.suppress(OSError, ValueError):
+                pids[name] = stack.pid(name)
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        code = process.wait(timeout=90)
+    assert code == 0, stack.log()
+    alive = [name for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"still running after Ctrl-C: {alive}"
+    assert len(pids) == len(names)
+
+
+@contextlib.asynccontextmanager
+async def healthz_watched(stack: UpStack) -> AsyncIterator[list[Any]]:
+    """Ask /healthz over and over while the block runs; the answers (or errors) it got."""
+    answers: list[Any] = []
+
+    async def ask() -> None:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=5) as http:
+            while True:
+                try:
+                    answers.append((await http.get("/healthz")).status_code)
+                except httpx.HTTPError as exc:
+                    answers.append(repr(exc))
+                await asyncio.sleep(0.05)
+
+    asking = asyncio.create_task(ask())
+    try:
+        yield answers
+    finally:
+        asking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asking
+
+
+async def until(check: Callable[[], Awaitable[bool]], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def _equals(value: Awaitable[float], expected: float) -> bool:
+    return await value == expected
+
+
+def _always_answered(health: list[Any]) -> None:
+    assert health, "/healthz was never asked"
+    assert set(health) == {200}, health
+
+
+def _completion(i: int | str) -> dict[str, Any]:
+    return {"model": "laneway-code", "prompt": f"def handler_{i}(request):", "max_tokens": 8}
+
+
+async def test_a_killed_completion_worker_serves_every_accepted_request(up: UpStack) -> None:
+    key = await up.api_key("team-worker")
+    before = await up.restarts("worker-completion")
+    async with up.http(key) as http, healthz_watched(up) as health:
+        sent = [
+            asyncio.create_task(http.post("/v1/completions", json=_completion(i)))
+            for i in range(12)
+        ]
+        served, _ = await asyncio.wait(sent, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+        assert served, "no completion served before the kill"
+        # The worker serves one at a time: the rest wait behind the one it is on.
+        victim = up.pid("worker-completion")
+        os.kill(victim, signal.SIGKILL)
+        # Accepted while the pool has no worker at all: they wait in Kafka for the restart.
+        sent += [
+            asyncio.create_task(http.post("/v1/completions", json=_completion(f"late_{i}")))
+            for i in range(4)
+        ]
+        responses = await asyncio.wait_for(asyncio.gather(*sent), 120)
+    assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses]
+    assert all(r.json()["choices"][0]["text"] for r in responses)
+    assert await up.restarts("worker-completion") == before + 1
+    assert up.pid("worker-completion") != victim
+    # The same worker id both times: static membership gave the restart its partitions back.
+    worker_log = (up.data / "logs" / "worker-completion.log").read_text()
+    assert worker_log.count("worker completion-1 serving pool completion") == 2
+    assert f"worker-completion (pid {victim}) exited: killed by SIGKILL" in up.log()
+    _always_answered(health)
+
+
+async def _consumed_to_the_end(
+    up: UpStack, group: str, topic: str
+) -> Callable[[], Awaitable[bool]]:
+    """A check: ``group`` has committed every record ``topic`` holds now."""
+    reader = AIOKafkaConsumer(topic, bootstrap_servers=up.kafka)
+    await reader.start()  # no group: every partition of the topic is assigned
+    try:
+        ends = await reader.end_offsets(list(reader.assignment()))
+    finally:
+        await reader.stop()
+    assert ends, f"{topic} has no partitions"
+
+    async def check() -> bool:
+        admin = AIOKafkaAdminClient(bootstrap_servers=up.kafka)
+        await admin.start()
+        try:
+            committed = await admin.list_consumer_group_offsets(group)
+        finally:
+            await admin.close()
+        # Faust commits the offset of the last record it processed, not the next one's.
+        return all(
+            committed[tp].offset >= end - 1 if tp in committed else end == 0
+            for tp, end in ends.items()
+        )
+
+    return check
+
+
+async def test_a_killed_streams_app_catches_up_on_what_it_missed(up: UpStack) -> None:
+    key = await up.api_key("team-streams")
+    before = await up.restarts("streams")
+    async with up.http(key) as http, healthz_watched(up) as health:
+        victim = up.pid("streams")
+        os.kill(victim, signal.SIGKILL)
+        # Interactive traffic does not need the streams app; its usage events wait for it.
+        for i in range(5):
+            response = await http.post("/v1/completions", json=_completion(f"streams_{i}"))
+            assert response.status_code == 200, response.text
+        await until(lambda: _equals(up.restarts("streams"), before + 1), 60, "the restart")
+        caught_up = await _consumed_to_the_end(up, "laneway-streams", "laneway.usage")
+        await until(caught_up, 90, "the restarted streams app to commit every usage event")
+    assert up.pid("streams") != victim
+    assert f"streams (pid {victim}) exited: killed by SIGKILL" in up.log()
+    _always_answered(health)
+
+
+async def _readyz(up: UpStack) -> tuple[int, dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=10) as http:
+        response = await http.get("/readyz")
+    return response.status_code, response.json()["checks"]
+
+
+async def test_interactive_traffic_flows_while_redis_is_down_and_redis_comes_back_whole(
+    up: UpStack,
+) -> None:
+    key = await up.api_key("team-redis")
+    before = await up.restarts("redis")
+    async with up.http(key) as http, healthz_watched(up) as health:
+        assert (await http.post("/v1/completions", json=_completion("warm"))).status_code == 200
+        with up.frozen_supervisor():
+            victim = up.pid("redis")
+            os.kill(victim, signal.SIGKILL)
+
+            async def redis_reported_down() -> bool:
+                return (await _readyz(up))[1]["redis"]["ok"] is False
+
+            await until(redis_reported_down, 20, "/readyz to report Redis down")
+            for i in range(5):  # the ingress's fallback: local limiter, replies through Kafka
+                response = await http.post("/v1/completions", json=_completion(f"redis_{i}"))
+                assert response.status_code == 200, response.text
+        await until(lambda: _equals(up.restarts("redis"), before + 1), 30, "the restart")
+
+        async def redis_reported_up() -> bool:
+            return (await _readyz(up))[1]["redis"]["ok"] is True
+
+        await until(redis_reported_up, 30, "/readyz to report Redis back")
+        response = await http.post("/v1/completions", json=_completion("redis_after"))
+        assert response.status_code == 200, response.text
+    # Its data is on disk: the key made before the crash is still there.
+    redis = aioredis.Redis.from_url(up.redis_url)
+    try:
+        assert await lookup_team(redis, KEYS, key) == "team-redis"
+    finally:
+        await redis.aclose()
+    assert f"redis (pid {victim}) exited: killed by SIGKILL" in up.log()
+    _always_answered(health)
+
+
+async def test_readyz_reports_kafka_down_until_it_is_restarted(up: UpStack) -> None:
+    key = await up.api_key("team-kafka")
+    before = await up.restarts("kafka")
+    async with up.http(key) as http, healthz_watched(up) as health:
+        with up.frozen_supervisor():
+            victim = up.pid("kafka")
+            os.kill(victim, signal.SIGKILL)
+
+            async def kafka_reported_down() -> bool:
+                status, checks = await _readyz(up)
+                return status == 503 and checks["kafka"]["ok"] is False
+
+            await until(kafka_reported_down, 20, "/readyz to report Kafka down")
+        await until(lambda: _equals(up.restarts("kafka"), before + 1), 60, "the restart")
+
+        async def ready() -> bool:
+            return (await _readyz(up))[0] == 200
+
+        await until(ready, 60, "/readyz to report the stack ready again")
+        response = await http.post("/v1/completions", json=_completion("kafka_after"))
+        assert response.status_code == 200, response.text
+    assert f"kafka (pid {victim}) exited: killed by SIGKILL" in up.log()
+    _always_answered(health)

@@ -1,0 +1,328 @@
+"""The supervisor of `laneway up`, driving real child processes (small Python scripts and a
+real Redis): restarts, crash loops, servers a process needs, Ctrl-C once and twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from laneway.devstack import RedisServer
+from laneway.errors import ConfigError
+from laneway.local_stack import stack_processes
+from laneway.settings import StackSettings, load_settings
+from laneway.supervised import LocalServer, ServiceProcess
+from laneway.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
+from tests.stack import free_port, wait_for
+
+FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)
+SLEEPER = "import os, time\nprint('running', os.getpid())\ntime.sleep(600)"
+
+
+def _python(
+    name: str, script: str, log_dir: Path, *, needs: Sequence[str] = (), python: str = ""
+) -> ServiceProcess:
+    argv = [python or sys.executable, "-c", script]
+    return ServiceProcess(name, argv, {"PATH": os.environ["PATH"]}, log_dir=log_dir, needs=needs)
+
+
+def _on_term(name: str, record: Path) -> str:
+    """A script that notes its SIGTERM in ``record`` and exits."""
+    return (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        f"    with open({str(record)!r}, 'a') as out: out.write({name!r} + '\\n')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready')\n"
+        "while True: time.sleep(1)\n"
+    )
+
+
+def _gone(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _sample(supervisor: Supervisor, metric: str, process: str) -> float | None:
+    return supervisor.metrics.registry.get_sample_value(metric, {"process": process})
+
+
+@contextlib.asynccontextmanager
+async def supervising(supervisor: Supervisor) -> AsyncIterator[asyncio.Task[None]]:
+    """Run the supervisor until the block ends (then stop it) and wait for its processes."""
+    run = asyncio.create_task(supervisor.run())
+    names = [p.name for p in supervisor.processes]
+    await wait_for(lambda: run.done() or all(map(supervisor.is_up, names)), 20, "all up")
+    try:
+        yield run
+    finally:
+        supervisor.request_stop()
+        await asyncio.wait_for(run, 30)
+
+
+async def test_a_killed_process_is_restarted_while_the_others_keep_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "laneway.supervisor")
+    victim, bystander = _python("victim", SLEEPER, tmp_path), _python("other", SLEEPER, tmp_path)
+    supervisor = Supervisor([victim, bystander], FAST)
+    async with supervising(supervisor):
+        await wait_for(lambda: "running" in victim.log_tail(), 10, "the first run's output")
+        first, other = victim.pid, bystander.pid
+        assert first is not None
+        assert _sample(supervisor, "laneway_supervisor_restarts_total", "victim") == 0
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: supervisor.restarts("victim") == 1, 10, "the restart")
+        await wait_for(lambda: "running" in victim.log_tail(), 10, "the new run's output")
+        assert victim.pid != first
+        assert bystander.pid == other
+        assert _sample(supervisor, "laneway_supervisor_restarts_total", "victim") == 1
+        assert _sample(supervisor, "laneway_supervisor_process_up", "victim") == 1
+        assert _sample(supervisor, "laneway_supervisor_restarts_total", "other") == 0
+    assert f"victim (pid {first}) exited: killed by SIGKILL" in caplog.text
+    assert f"restarted victim (pid {victim.pid}; restart 1)" in caplog.text
+    # Both runs are in its log; both processes are gone once the supervisor returned.
+    assert victim.log_path.read_text().count("running") == 2
+    assert _gone(victim.pid)
+    assert _gone(bystander.pid)
+    assert _sample(supervisor, "laneway_supervisor_process_up", "other") == 0
+
+
+async def test_a_process_that_keeps_crashing_stops_the_stack_and_shows_its_last_lines(
+    tmp_path: Path,
+) -> None:
+    crasher = _python("crasher", "print('boom: LANEWAY_X is wrong')\nraise SystemExit(3)", tmp_path)
+    bystander = _python("other", SLEEPER, tmp_path)
+    supervisor = Supervisor([bystander, crasher], FAST)
+    with pytest.raises(CrashLoop) as caught:
+        await asyncio.wait_for(supervisor.run(), 30)
+    message = str(caught.value)
+    assert caught.value.process == "crasher"
+    assert "crasher exited 3 times within 60s" in message
+    assert "LANEWAY_CRASH_LIMIT" in message
+    assert "the last time: exit code 3" in message
+    assert message.endswith(f"Last lines of {crasher.log_path}:\nboom: LANEWAY_X is wrong")
+    assert supervisor.restarts("crasher") == 2
+    assert _gone(bystander.pid)
+
+
+async def test_a_restart_that_cannot_start_counts_as_a_crash(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.symlink_to(sys.executable)
+    doomed = _python("doomed", SLEEPER, tmp_path, python=str(python))
+    supervisor = Supervisor([doomed], RestartPolicy(backoff_s=0.01, crash_limit=2))
+    run = asyncio.create_task(supervisor.run())
+    await wait_for(lambda: "running" in doomed.log_tail(), 20, "the first run")
+    python.unlink()
+    assert doomed.pid is not None
+    os.kill(doomed.pid, signal.SIGKILL)
+    with pytest.raises(CrashLoop, match=r"the last time: could not start again: .*No such file"):
+        await asyncio.wait_for(run, 30)
+
+
+async def test_an_exit_while_a_needed_server_was_away_is_not_held_against_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "laneway.supervisor")
+    server = _python("server", SLEEPER, tmp_path)
+    client = _python("client", SLEEPER, tmp_path, needs=["server"])
+    # Two counted exits would stop the stack: the client exits twice, one of them counted.
+    supervisor = Supervisor([server, client], dataclasses.replace(FAST, crash_limit=2))
+    async with supervising(supervisor) as run:
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        await wait_for(lambda: supervisor.restarts("server") == 1, 10, "the server back")
+        for restarts in (1, 2):
+            assert client.pid is not None
+            os.kill(client.pid, signal.SIGKILL)
+            await wait_for(
+                lambda n=restarts: supervisor.restarts("client") == n,  # type: ignore[misc]
+                10,
+                "the client's restart",
+            )
+        assert not run.done()
+    assert "(not counted as a crash: server, which it needs, went down" in caplog.text
+
+
+class _SlowStart:
+    """A process whose start takes a while, as Kafka's does; every start is recorded."""
+
+    def __init__(self, inner: ServiceProcess, starts: list[str], delay_s: float = 0.0) -> None:
+        self.inner = inner
+        self.starts = starts
+        self.delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.delay_s)
+        await self.inner.start()
+        self.starts.append(self.inner.name)
+
+
+async def test_a_restart_waits_for_the_servers_it_needs(tmp_path: Path) -> None:
+    starts: list[str] = []
+    server = _SlowStart(_python("server", SLEEPER, tmp_path), starts, delay_s=0.5)
+    client = _SlowStart(_python("client", SLEEPER, tmp_path, needs=["server"]), starts)
+    supervisor = Supervisor([server, client], FAST)  # type: ignore[list-item]
+    async with supervising(supervisor):
+        os.kill(server.pid, signal.SIGKILL)
+        await wait_for(lambda: not supervisor.is_up("server"), 10, "the server's exit seen")
+        os.kill(client.pid, signal.SIGKILL)
+        await wait_for(lambda: supervisor.restarts("client") == 1, 20, "the client's restart")
+    # Its own wait is a few ms, the server's start half a second: it waited for the server.
+    assert starts == ["server", "client", "server", "client"]
+
+
+async def test_ctrl_c_stops_services_before_the_servers_they_need(tmp_path: Path) -> None:
+    record = tmp_path / "stopped"
+    server = _python("server", _on_term("server", record), tmp_path)
+    services = [
+        _python(name, _on_term(name, record), tmp_path, needs=["server"]) for name in ("a", "b")
+    ]
+    supervisor = Supervisor([server, *services], FAST)
+    async with supervising(supervisor):
+        for process in (server, *services):
+            await wait_for(lambda p=process: "ready" in p.log_tail(), 10, "ready")  # type: ignore[misc]
+    stopped = record.read_text().split()
+    assert sorted(stopped[:2]) == ["a", "b"]
+    assert stopped[2:] == ["server"]
+    assert supervisor.restarts("server") == 0  # a stop is not a crash
+
+
+async def test_a_second_ctrl_c_kills_what_ignores_the_first(tmp_path: Path) -> None:
+    stubborn = _python(
+        "stubborn",
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored'))\n"
+        "print('ready')\n"
+        "while True: time.sleep(1)\n",
+        tmp_path,
+    )
+    supervisor = Supervisor([stubborn], FAST, grace_s=600)
+    run = asyncio.create_task(supervisor.run())
+    await wait_for(lambda: "ready" in stubborn.log_tail(), 20, "ready")
+    supervisor.request_stop()
+    await wait_for(lambda: "SIGTERM ignored" in stubborn.log_tail(), 10, "the SIGTERM")
+    assert not run.done()  # it waits up to the grace for a graceful exit
+    supervisor.request_stop()
+    await asyncio.wait_for(run, 20)  # far less than the 600 s grace
+    assert _gone(stubborn.pid)
+
+
+async def test_a_killed_redis_comes_back_with_its_data(tmp_path: Path) -> None:
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis", persistent=True)
+    supervisor = Supervisor([LocalServer(server)], FAST)
+    async with supervising(supervisor):
+        before = aioredis.Redis.from_url(server.url)
+        try:
+            await before.set("laneway:apikey:x", "team-a")
+        finally:
+            await before.aclose()
+        first = server.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        await wait_for(lambda: supervisor.restarts("redis") == 1, 20, "redis restarted")
+        second = server.pid
+        assert second != first
+        after = aioredis.Redis.from_url(server.url)
+        try:
+            assert await after.get("laneway:apikey:x") == b"team-a"
+        finally:
+            await after.aclose()
+    assert _gone(second)
+
+
+def test_restart_waits_double_with_jitter_up_to_the_max() -> None:
+    policy = RestartPolicy(backoff_s=0.5, backoff_max_s=5.0)
+    for exits, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0), (5, 5.0), (500, 5.0)]:
+        waits = [policy.delay(exits) for _ in range(200)]
+        assert all(ceiling / 2 <= w <= ceiling for w in waits), (exits, min(waits), max(waits))
+        assert len(set(waits)) > 1  # jittered
+
+
+def test_metrics_are_served_and_a_taken_port_names_the_setting() -> None:
+    metrics = SupervisorMetrics()
+    metrics.restarts.labels("worker-completion").inc()
+    port = free_port()
+    close = metrics.serve(port)
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'laneway_supervisor_restarts_total{process="worker-completion"} 1.0' in text
+        with pytest.raises(ConfigError, match=rf"port {port} is not free.*LANEWAY_SUPERVISOR_PORT"):
+            SupervisorMetrics().serve(port)
+    finally:
+        close()
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"LANEWAY_CRASH_LIMIT": "0"}, "LANEWAY_CRASH_LIMIT='0'"),
+        ({"LANEWAY_CRASH_WINDOW_S": "-1"}, "LANEWAY_CRASH_WINDOW_S='-1'"),
+        ({"LANEWAY_SUPERVISOR_PORT": "70000"}, "LANEWAY_SUPERVISOR_PORT='70000'"),
+        (
+            {"LANEWAY_RESTART_BACKOFF_S": "2", "LANEWAY_RESTART_BACKOFF_MAX_S": "1"},
+            "LANEWAY_RESTART_BACKOFF_MAX_S='1': Value error, must be at least "
+            "LANEWAY_RESTART_BACKOFF_S",
+        ),
+    ],
+)
+def test_bad_supervisor_settings_fail_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(StackSettings)
+    assert named in str(caught.value)
+
+
+def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANEWAY_SUPERVISOR_PORT", "9101")
+    monkeypatch.setenv("LANEWAY_MAX_INFLIGHT", "7")
+    processes = stack_processes(StackSettings(data_dir=str(tmp_path), port=8123))
+    assert [p.name for p in processes] == [
+        "redis",
+        "kafka",
+        "ingress",
+        "worker-completion",
+        "worker-chat",
+        "worker-batch",
+        "streams",
+    ]
+    redis, _, *services = processes
+    assert isinstance(redis, LocalServer)
+    assert redis.server.persistent  # type: ignore[attr-defined]
+    env = {p.name: p.env for p in services if isinstance(p, ServiceProcess)}
+    assert len(env) == 5
+    assert all(p.needs == ("redis", "kafka") for p in services)
+    # A restart runs under the same id: static membership gives back its partitions.
+    assert [env[f"worker-{pool}"]["LANEWAY_WORKER_ID"] for pool in ("completion", "chat")] == [
+        "completion-1",
+        "chat-1",
+    ]
+    assert env["ingress"]["LANEWAY_PORT"] == "8123"
+    assert all("LANEWAY_SUPERVISOR_PORT" not in e for e in env.values())
+    assert all("LANEWAY_PORT" not in e for name, e in env.items() if name != "ingress")
+    assert env["worker-batch"]["LANEWAY_MAX_INFLIGHT"] == "7"  # service settings pass through
