@@ -29,6 +29,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -37,7 +38,7 @@ import uvloop
 from bench._http import HttpPool
 from bench._stack import BenchStack, bench_stack, machine, percentile
 from bench._upstream import Upstream, upstream_process
-from bench.upstream_storm import drain
+from bench.upstream_storm import drain, usage_events
 from laneway.batch import BatchClient
 
 UPSTREAM_PORT = 31890
@@ -259,6 +260,31 @@ def report(phases: list[Phase]) -> None:
     print(f"batch lines/s, interactive quiet / alone: {share:.2f} ({verdict}, target ≥ 0.8)")
 
 
+def waits(phases: list[Phase], events: list[dict[str, Any]]) -> None:
+    """Where a completion's wait for its first token went, from its usage event: laneway's
+    queues (Kafka and the worker's dispatch queue: ``queue_ms``) or after dispatch."""
+    print()
+    print("| phase | queue_ms P50 / P99 | ttft_ms - queue_ms P50 / P99 |")
+    print("|---|---|---|")
+    for name in dict.fromkeys(p.name for p in phases):
+        spans = [(p.started, p.ended) for p in phases if p.name == name]
+        mine = [
+            e
+            for e in events
+            if e["class"] == "completion"
+            and e.get("ttft_ms") is not None
+            and any(a <= e["ts"] <= b for a, b in spans)
+        ]
+        if not mine:
+            continue
+        queued = [e["queue_ms"] for e in mine]
+        after = [e["ttft_ms"] - e["queue_ms"] for e in mine]
+        print(
+            f"| {name} | {percentile(queued, 50):.1f} / {percentile(queued, 99):.1f} | "
+            f"{percentile(after, 50):.1f} / {percentile(after, 99):.1f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.shared_fleet", description=__doc__)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of a window")
@@ -303,13 +329,20 @@ def main() -> None:
         key = stack.api_key("fleet")
 
         async def rounds() -> list[Phase]:
+            # A warm-up window, not counted: the broker, the connections and the workers'
+            # first requests are slow on a fresh stack.
+            warm = HttpPool("127.0.0.1", stack.ingress_port, {"Authorization": f"Bearer {key}"})
+            await _completions(warm, Phase("warm-up"), args.rate, time.monotonic() + 10)
+            await warm.close()
             phases: list[Phase] = []
             for round_ in range(args.rounds):
                 phases += await _round(stack, upstream, key, args, round_)
             return phases
 
         phases = uvloop.run(rounds())
+        events = uvloop.run(usage_events(stack))
     report(phases)
+    waits(phases, events)
 
 
 if __name__ == "__main__":

@@ -230,12 +230,11 @@ async def run_window(
     return window
 
 
-async def _stale_news(stack: BenchStack) -> list[float]:
-    """``stale_news_ms`` of every request that turned stale while running, from the usage
-    topic read to its end."""
+async def usage_events(stack: BenchStack) -> list[dict[str, Any]]:
+    """Every usage event of the stack, from the usage topic read to its end."""
     consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
     await consumer.start()
-    news: list[float] = []
+    events: list[dict[str, Any]] = []
     try:
         partitions = [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
         consumer.assign(partitions)
@@ -243,13 +242,10 @@ async def _stale_news(stack: BenchStack) -> list[float]:
         ends = await consumer.end_offsets(partitions)
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    event = orjson.loads(record.value)
-                    if event.get("stale_news_ms"):
-                        news.append(event["stale_news_ms"])
+                events += [orjson.loads(record.value) for record in records]
     finally:
         await consumer.stop()
-    return news
+    return events
 
 
 def _row(name: str, verdict: Verdict, spread: str) -> str:
@@ -389,7 +385,7 @@ def _run(
             f"{late:.0f}",
             flush=True,
         )
-    news = uvloop.run(_stale_news(stack))
+    news = [e["stale_news_ms"] for e in uvloop.run(usage_events(stack)) if e.get("stale_news_ms")]
     if news:
         print(
             f"# laneway: news of staleness from the ingress to the worker (usage events' "

@@ -1,4 +1,4 @@
-"""The dispatch queue and the learned upstream capacity, in memory with an injected clock."""
+"""The dispatch queue, the learned upstream capacity and a shared engine's shares, in memory."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import time
 
 from aiokafka import TopicPartition
 
+from laneway.constants import RedisKeys
 from laneway.errors import Dropped, Superseded
 from tests.stack import envelope
 from workers.dispatch import Dispatcher, DispatchQueue, Work
+from workers.fleet import FleetShare, Member, allocate
 from workers.learned_slots import LearnedSlots
 
 TP = TopicPartition("t.req.completion.hi", 0)
@@ -187,3 +189,47 @@ def test_upstream_metrics_showing_a_queue_cut_the_limit() -> None:
         slots.sent(f"r{i}", 10)
     slots.upstream_load(waiting=3)
     assert slots.limit == 5
+
+
+def test_shares_go_to_completions_then_chats_then_batch_beyond_the_reserve() -> None:
+    demand = {"completion": 3, "chat": 4, "batch": 20}
+    assert allocate(8, 1, demand) == {"completion": 3, "chat": 4, "batch": 1}
+    assert allocate(8, 1, {"completion": 0, "chat": 0, "batch": 20}) == {
+        "completion": 0,
+        "chat": 0,
+        "batch": 7,
+    }
+    # A reserve above what interactive work asks now still keeps batch out of it.
+    assert allocate(8, 5, {"completion": 1, "chat": 0, "batch": 20})["batch"] == 3
+    # Interactive work beyond the engine: completions first, chat gets the rest, batch none.
+    assert allocate(4, 1, {"completion": 3, "chat": 5, "batch": 9}) == {
+        "completion": 3,
+        "chat": 1,
+        "batch": 0,
+    }
+
+
+def _member(worker: str, cls: str, running: int, queued: int = 0) -> Member:
+    return Member(worker, cls, running, queued, capacity=8, ts=time.time())
+
+
+def test_batch_gives_back_what_interactive_work_needs_and_no_more() -> None:
+    fleet = FleetShare(None, RedisKeys("t"), "gpu", "batch-1", "batch", reserve_min=1)  # type: ignore[arg-type]
+    fleet.connected = True
+    fleet.members = {"c": _member("c", "completion", running=1, queued=2)}
+    fleet._mine = _member("batch-1", "batch", running=7, queued=10)
+    # 8 slots: completions ask 3, batch may keep 8 - 3 = 5 of its 7.
+    assert fleet.excess() == 2
+    assert fleet.room(5, 10) == 0
+    fleet.members = {"c": _member("c", "completion", running=0)}
+    assert fleet.room(5, 10) == 2  # all but the reserve (1)
+
+
+def test_without_a_view_batch_starts_nothing_and_interactive_runs_alone() -> None:
+    batch = FleetShare(None, RedisKeys("t"), "gpu", "b", "batch")  # type: ignore[arg-type]
+    batch._mine = _member("b", "batch", running=2)
+    assert batch.room(2, 0) == 0
+    assert batch.excess() == 2
+    completion = FleetShare(None, RedisKeys("t"), "gpu", "c", "completion")  # type: ignore[arg-type]
+    completion._mine = _member("c", "completion", running=2)
+    assert completion.room(2, 0) == 6

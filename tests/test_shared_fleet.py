@@ -90,7 +90,8 @@ async def test_completions_start_at_once_while_batch_fills_the_upstream(
         status, results = await _results(client, job, 24, 90)
     # Two of the three found no free slot: batch lines were preempted for them, and none of
     # the three waited in the upstream's queue behind a batch line.
-    assert metrics.FLEET_PREEMPTIONS.labels("gpu-fleet")._value.get() >= preempted_before + 2
+    preempted = metrics.FLEET_PREEMPTIONS.labels("gpu-fleet")._value.get() - preempted_before
+    assert 2 <= preempted <= 4  # what the burst needed, give or take a race: no thrashing
     completions = [e for e in upstream.entries() if e["prompt"] in ("k0", "k1", "k2")]
     assert len(completions) == 3
     assert all(e["start"] - e["recv"] < 5 * TOKEN_MS / 1000 for e in completions)

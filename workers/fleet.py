@@ -27,7 +27,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import orjson
 import redis.asyncio as aioredis
@@ -160,15 +160,18 @@ class FleetShare:
     def shares(self) -> dict[str, int]:
         return allocate(self.capacity(), self.reserve, self.demand())
 
-    def room(self) -> int:
-        """How many more this worker may start now: free slots, within its class's share."""
+    def room(self, running: int, queued: int) -> int:
+        """How many more this worker, running ``running`` with ``queued`` waiting now, may
+        start: free slots, within its class's share."""
+        if (running, queued) != (self._mine.running, self._mine.queued):
+            self._mine = replace(self._mine, running=running, queued=queued)
         if not self.connected and self.cls == "batch":
             return 0  # without the view, batch could take what interactive work needs
         if not self.connected:
             return max(0, self._mine.capacity - self._mine.running)
-        running = self.running()
-        free = self.capacity() - sum(running.values())
-        share = self.shares()[self.cls] - running[self.cls]
+        busy = self.running()
+        free = self.capacity() - sum(busy.values())
+        share = self.shares()[self.cls] - busy[self.cls]
         return max(0, min(free, share))
 
     def excess(self) -> int:

@@ -307,7 +307,8 @@ class PoolWorker:
         """Requests to have on the engine now: the engine's own capacity, or on a shared
         engine what this worker runs plus the room its class has (``workers.fleet``)."""
         if self.fleet is not None:
-            return self.dispatcher.running + self.fleet.room()
+            running = self.dispatcher.running
+            return running + self.fleet.room(running, len(self.queue))
         return self.engine.capacity()
 
     def _after_dispatch(self) -> None:
