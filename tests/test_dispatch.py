@@ -12,6 +12,7 @@ from tests.stack import envelope
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.fleet import FleetShare, Member, allocate
 from workers.learned_slots import LearnedSlots
+from workers.shield import CancelShield
 
 TP = TopicPartition("t.req.completion.hi", 0)
 
@@ -233,3 +234,17 @@ def test_without_a_view_batch_starts_nothing_and_interactive_runs_alone() -> Non
     completion = FleetShare(None, RedisKeys("t"), "gpu", "c", "completion")  # type: ignore[arg-type]
     completion._mine = _member("c", "completion", running=2)
     assert completion.room(2, 0) == 6
+
+
+def test_a_session_name_belongs_to_its_team() -> None:
+    shield = CancelShield()
+    mine = envelope(team="team-a", session="src/app.py", seq=5)
+    shield.started(mine)
+    theirs = envelope(team="team-b", session="src/app.py", seq=999_999_999)
+    assert shield.observe(theirs) == []  # another team's counter aborts nothing of mine
+    assert shield.verdict(envelope(team="team-a", session="src/app.py", seq=6)) is None
+    newer = envelope(team="team-a", session="src/app.py", seq=7)
+    assert shield.observe(newer) == [mine.id]
+    assert isinstance(
+        shield.verdict(envelope(team="team-a", session="src/app.py", seq=6)), Superseded
+    )

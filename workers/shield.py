@@ -20,6 +20,7 @@ from laneway.schema import CancelRecord, RequestEnvelope
 
 __all__ = ["CancelShield", "RunningRequest"]
 
+_K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
@@ -102,7 +103,9 @@ class CancelShield:
         self.ttl_s = ttl_s
         self._clock = clock
         self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._latest_seq: OrderedDict[str, int] = OrderedDict()
+        # Latest seq by (team, session): a session is a team's own name, so one team's
+        # counter never supersedes another team's keystrokes of a session of the same name.
+        self._latest_seq: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._running: dict[str, RunningRequest] = {}
         self._finished: OrderedDict[str, float] = OrderedDict()
 
@@ -115,15 +118,21 @@ class CancelShield:
         """Note a fetched request; returns running requests of its session it supersedes."""
         if env.session is None or env.seq is None:
             return []
-        previous = self._latest_seq.get(env.session)
+        session = (env.team, env.session)
+        previous = self._latest_seq.get(session)
         if previous is not None and previous >= env.seq:
             return []
-        self._latest_seq[env.session] = env.seq
-        self._latest_seq.move_to_end(env.session)
+        self._latest_seq[session] = env.seq
+        self._latest_seq.move_to_end(session)
         self._trim(self._latest_seq)
         to_abort = []
         for rid, run in self._running.items():
-            if run.session != env.session or run.seq is None or run.seq >= env.seq:
+            if (
+                run.session != env.session
+                or run.team != env.team
+                or run.seq is None
+                or run.seq >= env.seq
+            ):
                 continue
             if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
                 reason = Superseded(f"superseded by seq {env.seq} of session {env.session}")
@@ -159,7 +168,7 @@ class CancelShield:
         if cancel is not None and cancel[0] == env.team:
             return Cancelled("cancelled before it started")
         if env.session is not None and env.seq is not None:
-            latest = self._latest_seq.get(env.session)
+            latest = self._latest_seq.get((env.team, env.session))
             if latest is not None and latest > env.seq:
                 return Superseded(f"superseded by seq {latest} of session {env.session}")
         if env.deadline_ts is not None and now > env.deadline_ts:
@@ -223,6 +232,6 @@ class CancelShield:
                 break
             del self._finished[rid]
 
-    def _trim(self, entries: OrderedDict[str, _V]) -> None:
+    def _trim(self, entries: OrderedDict[_K, _V]) -> None:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
