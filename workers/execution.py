@@ -62,6 +62,7 @@ class RequestExecutor:
         stream_interval: int = 1,
         on_first_output: Callable[[], None] | None = None,
         reuse: ReuseRegistry | None = None,
+        reuse_hold_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.shield = shield
@@ -70,6 +71,9 @@ class RequestExecutor:
         self.pool = pool
         self.on_first_output = on_first_output  # the engine started it: room may have changed
         self.reuse = reuse if reuse is not None else ReuseRegistry()
+        self.reuse_hold_s = reuse_hold_s
+        self._held: dict[str, asyncio.TimerHandle] = {}  # owner id → its abort, held
+        self._aborting: set[asyncio.Task[None]] = set()
         self.price_of = price_of or (lambda _route: Price())
         self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
@@ -219,6 +223,9 @@ class RequestExecutor:
         self, env: RequestEnvelope, generation: Generation | None, got: _Totals, status: str
     ) -> bool:
         """Its engine request ended; whether others followed its generation."""
+        held = self._held.pop(env.id, None)
+        if held is not None:
+            held.cancel()
         if generation is None:
             return False
         generation.end(got.finish_reason, completed=status == "ok")
@@ -235,9 +242,11 @@ class RequestExecutor:
         got.engine_ms = max(got.engine_ms, dropped.engine_ms)
         return status, str(stale or dropped)  # type: ignore[return-value]
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, *, hold: bool = False) -> None:
         """Stop a request that turned stale. One that others follow (type-through) keeps its
-        generation running for them; a follower just leaves it."""
+        generation running for them; a follower just leaves it. ``hold``: a reusable
+        generation of a session waits up to ``reuse_hold_s`` for the session's next
+        keystroke, which may type through it (``release`` ends the wait)."""
         follower = self.reuse.follower(request_id)
         if follower is not None:
             follower.left = True
@@ -246,7 +255,37 @@ class RequestExecutor:
         generation = self.reuse.of_owner(request_id)
         if generation is not None and generation.followers:
             return
+        if hold and generation is not None and generation.session and self.reuse_hold_s > 0:
+            if request_id not in self._held:
+                self._held[request_id] = asyncio.get_running_loop().call_later(
+                    self.reuse_hold_s, self._abort_held, request_id
+                )
+            return
         await self.engine.abort(request_id)
+
+    async def release(self, env: RequestEnvelope) -> None:
+        """``env`` follows nothing: a held abort of its session's generation goes ahead."""
+        if env.session is None:
+            return
+        for rid, timer in list(self._held.items()):
+            generation = self.reuse.of_owner(rid)
+            if generation is None or (generation.team, generation.session) != (
+                env.team,
+                env.session,
+            ):
+                continue
+            timer.cancel()
+            del self._held[rid]
+            if not generation.followers:
+                await self.engine.abort(rid)
+
+    def _abort_held(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        generation = self.reuse.of_owner(request_id)
+        if generation is not None and not generation.followers and not generation.done:
+            task = asyncio.get_running_loop().create_task(self.engine.abort(request_id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
 
     async def follow(self, follower: Follower) -> UsageEvent:
         """Serve a request from a generation it did not start (``workers.followers``)."""

@@ -126,6 +126,7 @@ class PoolWorker:
             self.shield,
             self.outbox,
             reuse=ReuseRegistry(ttl_s=settings.reuse_ttl_s, max_entries=settings.reuse_max_entries),
+            reuse_hold_s=settings.reuse_hold_ms / 1000,
             worker_id=settings.worker_id,
             pool=settings.pool,
             price_of=settings.price_of,
@@ -253,6 +254,8 @@ class PoolWorker:
                     # Matched before it supersedes: the generation it types through keeps
                     # running for it instead of being aborted.
                     follower = self._reusable(env)
+                    if follower is None:
+                        await self.executor.release(env)
                     await self._observe(env)
                     if follower is not None:
                         self._follow(Work(tp, record.offset, env), follower)
@@ -500,7 +503,9 @@ class PoolWorker:
             return
         rid = self.shield.cancel(cancel)
         if rid is not None:
-            await self.executor.abort(rid)
+            # A gone keystroke's client usually sent the next keystroke a moment before: it
+            # may type through this generation, so the abort waits for it, briefly.
+            await self.executor.abort(rid, hold=True)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.pool)
