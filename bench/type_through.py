@@ -17,7 +17,7 @@ slot-seconds per kept completion with reuse than without, reused completions' TT
 20 ms.
 
     .venv/bin/python -m bench.type_through [--accept 0.3] [--typists 12] [--seconds 20]
-        [--rounds 2] [--slots 8] [--token-ms 15]
+        [--rounds 2] [--slots 8] [--token-ms 15] [--prefill-ms 0]
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def judge(
         e
         for e in usage
         if e.get("reused_from")
-        and window.started <= e["ts"] <= window.ended + 5
+        and window.path != "direct"
+        and window.started <= e["ts"] <= window.ended + 1
         and e.get("ttft_ms") is not None
     ]
     into.reused += len(reused)
@@ -239,6 +240,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--token-ms", type=float, default=15.0)
+    parser.add_argument(
+        "--prefill-ms", type=float, default=0.0, help="the upstream's time before a first token"
+    )
     args = parser.parse_args()
     if not 0 <= args.accept <= 1:
         parser.error(f"--accept {args.accept} must be within 0 and 1")
@@ -255,10 +259,13 @@ def main() -> None:
     print(f"# {machine()}")
     print(
         f"# accept {args.accept:g}; {args.typists} typists, {args.seconds:.0f} s windows, "
-        f"{args.rounds} rounds; upstream {args.slots} slots, {args.token_ms:g} ms/token"
+        f"{args.rounds} rounds; upstream {args.slots} slots, {args.token_ms:g} ms/token, "
+        f"prefill {args.prefill_ms:g} ms"
     )
     with (
-        upstream_process(UPSTREAM_PORT, slots=args.slots, token_ms=args.token_ms) as upstream,
+        upstream_process(
+            UPSTREAM_PORT, slots=args.slots, token_ms=args.token_ms, prefill_ms=args.prefill_ms
+        ) as upstream,
         bench_stack(stack),
     ):
         keys = {
