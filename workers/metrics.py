@@ -45,7 +45,7 @@ STALE_ENGINE_MS = Counter(
 )
 INFLIGHT = Gauge(
     "laneway_worker_inflight",
-    "Requests held by this worker: waiting in its dispatch queue, on the engine or reporting",
+    "Requests held by this worker: waiting in its dispatch queue or on the engine",
     ["pool"],
 )
 DISPATCH_QUEUE = Gauge(

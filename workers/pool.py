@@ -140,8 +140,9 @@ class PoolWorker:
 
     @property
     def held(self) -> int:
-        """Requests fetched and not finished: waiting for the engine, on it, or reporting."""
-        return len(self.queue) + len(self._inflight)
+        """Requests waiting for the engine or on it (``max_inflight`` bounds them); those
+        only reporting their outcome (their usage event on its way) do not count."""
+        return len(self.queue) + self.dispatcher.running
 
     async def start(self) -> None:
         if self._started:
@@ -371,6 +372,7 @@ class PoolWorker:
 
     def _drop(self, work: Work, reason: Dropped) -> None:
         self._track(self._report_drop(work, reason), work, f"drop-{work.env.id}")
+        self._room.set()
 
     def _track(self, coro: Any, work: Work, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -398,6 +400,7 @@ class PoolWorker:
                 # event is still on its way to the broker.
                 self.running.pop(env.id, None)
                 self.dispatcher.done()
+                self._room.set()
             if usage is None:
                 return  # queued again: its offset stays pending
             await self.executor.delivered(env.id)
