@@ -186,3 +186,53 @@ async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack
     assert sorted(e["id"] for e in usage if e["status"] == "ok") == sorted(
         f"batch-{job}-doc-{i}" for i in range(12)
     )
+
+
+def _spawn_batch_worker_as(stack: LiveStack, worker_id: str) -> subprocess.Popen[bytes]:
+    return stack.spawn(
+        "workers",
+        LANEWAY_POOL="batch",
+        LANEWAY_WORKER_ID=worker_id,
+        LANEWAY_ENGINE="sim",
+        LANEWAY_SIM_PREFILL_MS_PER_TOKEN="0",
+        LANEWAY_SIM_DECODE_MS_PER_STEP="5",
+        LANEWAY_MAX_INFLIGHT="16",
+        LANEWAY_COMMIT_INTERVAL_MS="100",
+        LANEWAY_SESSION_TIMEOUT_MS="6000",
+        LANEWAY_LOG_LEVEL="WARNING",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_paused_batch_worker_cannot_commit_what_its_partitions_new_owner_ran(
+    stack: LiveStack,
+) -> None:
+    """A worker frozen past its session (a long GC, a SIGSTOP) is expelled from the group and
+    its partitions go to the other; when it wakes it still holds finished lines of them. Its
+    transactions are fenced by the new owner's producers, so nothing is written twice."""
+    key = await stack.api_key("docs", size=1000)
+    first = _spawn_batch_worker_as(stack, "batch-a")
+    second = _spawn_batch_worker_as(stack, "batch-b")
+    try:
+        async with BatchClient(CommonSettings(**stack.common)) as client:
+            job = await client.submit([_line(i, max_tokens=16) for i in range(400)], api_key=key)
+            await _status_when(client, job, 40, 120)
+            first.send_signal(signal.SIGSTOP)
+            try:
+                # The second worker takes the first's partitions once its session expired,
+                # and runs to the end what the first held, finished or not.
+                await _status_when(client, job, 400, 150)
+            finally:
+                first.send_signal(signal.SIGCONT)
+            await asyncio.sleep(5)  # the woken worker's commits, had they gone through
+            status = await client.status(job)
+            results = await client.results(job)
+    finally:
+        for worker in (first, second):
+            worker.send_signal(signal.SIGCONT)
+            worker.send_signal(signal.SIGTERM)
+        for worker in (first, second):
+            worker.wait(timeout=30)
+    assert (status.lines, status.done, status.duplicates) == (400, 400, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(400))

@@ -26,3 +26,15 @@ def test_forgotten_partitions_are_not_committed() -> None:
     tracker.forget({TP})
     tracker.finish(TP, 0)
     assert tracker.committable() == {}
+
+
+def test_a_run_from_before_a_rebalance_never_finishes_the_offset_fetched_again() -> None:
+    tracker = OffsetTracker()
+    tracker.begin(TP, 5)
+    old = tracker.epoch(TP)
+    tracker.forget({TP})  # taken away while offset 5 ran
+    tracker.begin(TP, 5)  # back again: offset 5 fetched anew, and not done yet
+    tracker.finish(TP, 5, old)  # the old run ends
+    assert tracker.committable() == {TP: 5}
+    tracker.finish(TP, 5, tracker.epoch(TP))
+    assert tracker.committable() == {TP: 6}

@@ -19,7 +19,6 @@ from aiokafka.errors import KafkaError, ProducerFenced
 from redis.exceptions import RedisError
 
 from laneway.cache import TtlCache
-from laneway.clients import make_producer
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
@@ -34,6 +33,7 @@ from workers.batch import (
     error_result,
     result_records,
 )
+from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
 from workers.pool import PoolWorker
 from workers.types import Engine
@@ -53,26 +53,19 @@ class BatchPoolWorker(PoolWorker):
         self.outbox.capture = True
         self.ledger = BatchLedger()
         self.intake = BatchIntake(settings, self.redis, self.keys)
-        # A stable transactional id fences a zombie instance after a restart.
-        self.txn = make_producer(
-            settings, transactional_id=f"{settings.topic_prefix}.batch.{settings.worker_id}"
-        )
+        self.txns = PartitionTransactions(settings, self.topics.consumer_group("batch"))
+        self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
         self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
         self._requeue: set[str] = set()
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
-    async def start(self) -> None:
-        if not self._started:
-            await self.txn.start()
-        await super().start()
-
     async def stop(self, grace_s: float | None = None) -> None:
         was_running = self._started and not self._stopped
         await super().stop(grace_s)
         if was_running:
-            await self.txn.stop()
+            await self.txns.close_all()
 
     # --- intake and execution -------------------------------------------------------------
 
@@ -114,6 +107,10 @@ class BatchPoolWorker(PoolWorker):
             return None
         line = self._lines.pop(env.id)
         final = self.outbox.captured.pop(env.id)
+        if not self.offsets.current(tp, work.epoch):
+            # Its partition was taken away while it ran: the new owner runs it again, and
+            # this run's records would go out a second time if the partition came back.
+            return usage
         if env.id in self._requeue:
             # Aborted for memory: the line goes back to the end of its topic, in the same
             # transaction that commits its offset, so it runs again exactly once.
@@ -183,30 +180,52 @@ class BatchPoolWorker(PoolWorker):
     # --- exactly-once commit --------------------------------------------------------------
 
     async def commit(self, only: set[TopicPartition] | None = None) -> None:
-        """Results below the committable offsets and those offsets, in one transaction."""
-        offsets = self.offsets.committable(only)
-        if not offsets:
-            return
-        records = self.ledger.below(offsets)
+        """Per partition: the results below its committable offset and that offset, in one
+        transaction of the partition's own producer (``workers.batch_txn``)."""
+        for tp, offset in self.offsets.committable(only).items():
+            if tp in self._fenced:
+                continue
+            records = self.ledger.below({tp: offset})
+            try:
+                if not self.txns.has(tp):
+                    # Its producer did not start when the partition was assigned: start it
+                    # now (never for a partition fenced since: that would fence its owner).
+                    await self.txns.open([tp])
+                await self.txns.commit(tp, records, offset)
+            except ProducerFenced:
+                await self._lose(tp)
+                continue
+            except KafkaError as exc:
+                log.warning("batch transaction aborted (will retry): %s", exc)
+                continue
+            self.ledger.drop_below({tp: offset})
+            self.offsets.mark_committed({tp: offset})
+
+    async def _lose(self, tp: TopicPartition) -> None:
+        """Another instance owns ``tp`` now (this worker was expelled from the group while
+        alive): what it holds of the partition is the owner's to run, and it reads no more
+        of it until the group assigns it here again."""
+        log.warning("partition %s:%d fenced by its new owner", tp.topic, tp.partition)
+        self._fenced.add(tp)
+        self._forget({tp})
+        await self.txns.close([tp])
+        if tp in self.consumer.assignment():
+            self.consumer.pause(tp)
+
+    async def _assigned(self, partitions: set[TopicPartition]) -> None:
+        # Fences any instance still writing for these partitions before we run their lines.
+        self._fenced -= partitions
+        resume = [tp for tp in partitions if tp in self.consumer.paused()]
+        if resume and not self.yielding:
+            self.consumer.resume(*resume)
         try:
-            async with self.txn.transaction():
-                for topic, key, value in records:
-                    await self.txn.send(topic, value, key=key)
-                await self.txn.send_offsets_to_transaction(
-                    offsets, self.topics.consumer_group("batch")
-                )
-        except ProducerFenced:
-            log.exception(
-                "another instance took over transactional id of %s: stopping",
-                self.settings.worker_id,
-            )
-            self._stopping.set()
-            raise
+            await self.txns.open(partitions)
         except KafkaError as exc:
-            log.warning("batch transaction aborted (will retry): %s", exc)
-            return
-        self.ledger.drop_below(offsets)
-        self.offsets.mark_committed(offsets)
+            log.warning("transactional producers not started yet (the commit retries): %s", exc)
+
+    async def _revoked(self, partitions: set[TopicPartition]) -> None:
+        await super()._revoked(partitions)
+        await self.txns.close(partitions)
 
     def _forget(self, partitions: set[TopicPartition]) -> None:
         super()._forget(partitions)

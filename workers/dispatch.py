@@ -40,6 +40,7 @@ class Work:
     tp: TopicPartition
     offset: int
     env: RequestEnvelope
+    epoch: int = 0  # its partition's tenure on this worker when fetched (OffsetTracker)
     fetched: float = field(default_factory=time.monotonic)
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from aiokafka.errors import KafkaError
 
 from laneway.errors import Dropped, EngineError
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
@@ -77,16 +80,37 @@ class RequestExecutor:
         self.price_of = price_of or (lambda _route: Price())
         self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
-        self.deliveries: dict[str, asyncio.Future[object]] = {}
+        self.deliveries: dict[str, tuple[asyncio.Future[object], UsageEvent]] = {}
         # Requests aborted to run again later (a shared engine's batch, preempted): no
         # terminal outcome, no usage event, no settlement for the attempt.
         self.preempted: set[str] = set()
 
     async def delivered(self, request_id: str) -> None:
-        """Wait until the usage event of a finished request is stored by the broker."""
-        delivery = self.deliveries.pop(request_id, None)
-        if delivery is not None:
-            await delivery
+        """Wait until the usage event of a finished request is stored by the broker: sent
+        again for as long as the broker refuses it, since its offset may not move before
+        (billing, quotas and the breaker count it). A stop meanwhile leaves the offset
+        pending: the request runs again, and its usage event is counted once by id."""
+        pending = self.deliveries.pop(request_id, None)
+        if pending is None:
+            return
+        delivery, usage = pending
+        backoff = 0.2
+        while True:
+            try:
+                await delivery
+            except KafkaError as exc:
+                log.warning(
+                    "usage event of %s not stored (%s); sending it again in %.1fs",
+                    request_id,
+                    exc,
+                    backoff,
+                    extra={"request_id": request_id, "team": usage.team},
+                )
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, 10.0)
+                delivery = await self.outbox.send_usage(usage)
+            else:
+                return
 
     async def drop(self, env: RequestEnvelope, reason: Dropped) -> UsageEvent:
         """Finish a request that never reached the engine, with the reason."""
@@ -386,7 +410,7 @@ class RequestExecutor:
         )
         delivery = await self.outbox.finish(env, final, usage)
         if delivery is not None:
-            self.deliveries[env.id] = delivery
+            self.deliveries[env.id] = (delivery, usage)
         _record(env, usage, self.price_of(env.route))
         return usage
 

@@ -18,12 +18,27 @@ class OffsetTracker:
         self._pending: dict[TopicPartition, set[int]] = {}
         self._next: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, int] = {}
+        # Bumped whenever a partition is taken away: work fetched before that must not
+        # finish an offset of the partition's next tenure here (the same offsets come back
+        # when it returns, and the new fetch of one is not done because an old run ended).
+        self._epochs: dict[TopicPartition, int] = {}
+
+    def epoch(self, tp: TopicPartition) -> int:
+        """The partition's current tenure on this worker: pass it back to ``finish``."""
+        return self._epochs.get(tp, 0)
+
+    def current(self, tp: TopicPartition, epoch: int) -> bool:
+        """Work fetched in tenure ``epoch`` still belongs here."""
+        return self._epochs.get(tp, 0) == epoch
 
     def begin(self, tp: TopicPartition, offset: int) -> None:
         self._pending.setdefault(tp, set()).add(offset)
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 
-    def finish(self, tp: TopicPartition, offset: int) -> None:
+    def finish(self, tp: TopicPartition, offset: int, epoch: int | None = None) -> None:
+        """``offset`` is done with; ignored when fetched in a tenure since ended."""
+        if epoch is not None and not self.current(tp, epoch):
+            return
         pending = self._pending.get(tp)
         if pending is not None:
             pending.discard(offset)
@@ -54,3 +69,4 @@ class OffsetTracker:
             self._pending.pop(tp, None)
             self._next.pop(tp, None)
             self._committed.pop(tp, None)
+            self._epochs[tp] = self._epochs.get(tp, 0) + 1

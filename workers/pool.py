@@ -50,11 +50,11 @@ class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self.worker.commit(only=set(revoked))
-        self.worker._forget(set(revoked))
+        await self.worker._revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+        await self.worker._assigned(set(assigned))
 
 
 class PoolWorker:
@@ -258,10 +258,11 @@ class PoolWorker:
                     if follower is None:
                         await self.executor.release(env)
                     await self._observe(env)
+                    work = Work(tp, record.offset, env, self.offsets.epoch(tp))
                     if follower is not None:
-                        self._follow(Work(tp, record.offset, env), follower)
+                        self._follow(work, follower)
                         continue
-                    accepted.append(Work(tp, record.offset, env))
+                    accepted.append(work)
             # Observe the whole batch before any of it may start: a keystroke is superseded
             # by one fetched with it.
             for work in accepted:
@@ -318,7 +319,7 @@ class PoolWorker:
                 work.env.id,
                 extra={"request_id": work.env.id, "team": work.env.team},
             )
-        self.offsets.finish(work.tp, work.offset)
+        self.offsets.finish(work.tp, work.offset, work.epoch)
 
     def _skip(self, tp: TopicPartition, offset: int, exc: Exception) -> None:
         metrics.MALFORMED.labels(self.pool, tp.topic).inc()
@@ -415,7 +416,7 @@ class PoolWorker:
                 env.id,
                 extra={"request_id": env.id, "team": env.team},
             )
-        self.offsets.finish(work.tp, work.offset)
+        self.offsets.finish(work.tp, work.offset, work.epoch)
 
     async def _report_drop(self, work: Work, reason: Dropped) -> None:
         try:
@@ -429,7 +430,7 @@ class PoolWorker:
                 work.env.id,
                 extra={"request_id": work.env.id, "team": work.env.team},
             )
-        self.offsets.finish(work.tp, work.offset)
+        self.offsets.finish(work.tp, work.offset, work.epoch)
 
     # --- commits, cancels, heartbeats -----------------------------------------------------
 
@@ -443,6 +444,14 @@ class PoolWorker:
             log.info("commit skipped during a rebalance: %s", exc)
             return
         self.offsets.mark_committed(offsets)
+
+    async def _revoked(self, partitions: set[TopicPartition]) -> None:
+        """Taken away by a rebalance: commit what is done, leave the rest to the next owner."""
+        await self.commit(only=partitions)
+        self._forget(partitions)
+
+    async def _assigned(self, partitions: set[TopicPartition]) -> None:
+        """Given by a rebalance (the batch lane fences other writers of them here)."""
 
     def _forget(self, partitions: set[TopicPartition]) -> None:
         """Partitions taken away by a rebalance: their next owner re-runs what is pending

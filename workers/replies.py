@@ -147,8 +147,12 @@ class Outbox:
             await self._final_redis_writes(env, final, usage)
             return None
         await self._final_redis_writes(env, final, usage)
+        return await self.send_usage(usage)
+
+    async def send_usage(self, usage: UsageEvent) -> asyncio.Future[object]:
+        """Hand a usage event to the producer; the future says when the broker stored it."""
         delivery: asyncio.Future[object] = await self.producer.send(
-            self.topics.usage, usage.to_json(), key=env.team.encode()
+            self.topics.usage, usage.to_json(), key=usage.team.encode()
         )
         return delivery
 
