@@ -4,6 +4,8 @@ The pool's lead worker writes the signal (``ScalingDecision``, see ``workers.sca
 Redis at each heartbeat; this loop reads it and starts or stops the pool's standby worker
 processes so that as many run as it asks, within the pool's local minimum and maximum
 (``LANEWAY_LOCAL_REPLICAS``). It is what KEDA or the HPA do on Kubernetes, on one machine.
+A worker it stops is then removed from its consumer group by its id: a static member does
+not leave by itself, and its partitions would wait for the session timeout.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import logging
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
+from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from laneway.constants import RedisKeys, RequestClass
+from laneway.constants import RedisKeys, RequestClass, Topics
 from laneway.errors import MalformedMessage
+from laneway.group_members import GroupMembers
 from laneway.schema import ScalingDecision, decode
 from laneway.supervisor import Supervisor, SupervisorMetrics
 
@@ -30,6 +34,7 @@ class LocalAutoscaler:
 
     ``replicas`` maps a pool to its worker process names in start order: the first
     ``minimum[pool]`` always run, the rest are the supervisor's standby processes.
+    ``worker_ids`` names each process's worker id (its static group membership).
     """
 
     def __init__(
@@ -40,6 +45,9 @@ class LocalAutoscaler:
         replicas: Mapping[RequestClass, Sequence[str]],
         minimum: Mapping[RequestClass, int],
         *,
+        groups: GroupMembers,
+        topics: Topics,
+        worker_ids: Mapping[str, str],
         interval_s: float,
         metrics: SupervisorMetrics,
     ) -> None:
@@ -48,6 +56,9 @@ class LocalAutoscaler:
         self.keys = keys
         self.replicas = {pool: list(names) for pool, names in replicas.items()}
         self.minimum = dict(minimum)
+        self.groups = groups
+        self.topics = topics
+        self.worker_ids = dict(worker_ids)
         self.interval_s = interval_s
         self.metrics = metrics
 
@@ -77,14 +88,34 @@ class LocalAutoscaler:
                 await self.supervisor.activate(name)
         elif target < len(running):
             # The newest go first: the first ones are the pool's minimum.
+            stopped = []
             for name in list(reversed(running))[: len(running) - target]:
-                await self.supervisor.park(name)
+                if await self.supervisor.park(name):
+                    stopped.append(self.worker_ids[name])
+            if stopped:
+                await self._leave_group(pool, stopped)
         count = len(self.running(pool))
         self.metrics.replicas.labels(pool).set(count)
         if count != len(running):
             log.warning("pool %s: %d → %d worker processes (signal: %s)", pool, len(running),
                         count, desired)  # fmt: skip
         return count
+
+    async def _leave_group(self, pool: RequestClass, worker_ids: list[str]) -> None:
+        group = self.topics.consumer_group(pool)
+        try:
+            removed = await self.groups.remove(group, worker_ids)
+        except (KafkaError, OSError) as exc:
+            log.warning(
+                "%s stopped but still in %s (%s): their partitions move on after the "
+                "session timeout",
+                ", ".join(worker_ids),
+                group,
+                exc,
+            )
+            return
+        if removed:
+            log.info("removed %s from %s: partitions move on now", ", ".join(removed), group)
 
     async def _desired(self, pool: RequestClass) -> int | None:
         """The pool's signal, or None while there is none fresh (keep what runs)."""

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from laneway.autoscale import LocalAutoscaler
 from laneway.constants import POOLS, RequestClass
 from laneway.devstack import KafkaBroker, RedisServer, create_topics
+from laneway.group_members import GroupMembers
 from laneway.settings import CommonSettings, StackSettings
 from laneway.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
 from laneway.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
@@ -38,6 +39,15 @@ def pool_replicas(settings: StackSettings) -> dict[RequestClass, list[str]]:
         pool: [f"worker-{pool}"]
         + [f"worker-{pool}-{i}" for i in range(2, settings.replicas_of(pool)[1] + 1)]
         for pool in POOLS
+    }
+
+
+def worker_ids(settings: StackSettings) -> dict[str, str]:
+    """The worker id (static group membership) of each worker process: <pool>-<n>."""
+    return {
+        name: f"{pool}-{i}"
+        for pool, names in pool_replicas(settings).items()
+        for i, name in enumerate(names, start=1)
     }
 
 
@@ -65,14 +75,15 @@ def stack_processes(settings: StackSettings) -> list[Supervised]:
     env.update(LANEWAY_KAFKA_BOOTSTRAP=kafka.bootstrap, LANEWAY_REDIS_URL=redis.url)
     # (name, module run as `python -m`, its own settings)
     services = [("ingress", "ingress", {"LANEWAY_PORT": str(settings.port)})]
+    ids = worker_ids(settings)
     for pool, names in pool_replicas(settings).items():
         low, high = settings.replicas_of(pool)
-        for i, name in enumerate(names, start=1):
+        for name in names:
             # A fixed worker id: a restarted worker takes its partitions straight back
             # (static group membership) and serves what was accepted while it was down.
             worker = {
                 "LANEWAY_POOL": pool,
-                "LANEWAY_WORKER_ID": f"{pool}-{i}",
+                "LANEWAY_WORKER_ID": ids[name],
                 # The signal asks for no more than the stack will run.
                 "LANEWAY_SCALE_MIN_REPLICAS": str(low),
                 "LANEWAY_SCALE_MAX_REPLICAS": str(high),
@@ -132,6 +143,7 @@ def run_local_stack(settings: StackSettings) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(signum, supervisor.request_stop)
+        groups = GroupMembers(f"127.0.0.1:{settings.kafka_port}")
         redis = aioredis.Redis.from_url(
             f"redis://127.0.0.1:{settings.redis_port}/0", socket_timeout=5.0
         )
@@ -141,6 +153,9 @@ def run_local_stack(settings: StackSettings) -> None:
             settings.keys,
             pool_replicas(settings),
             {pool: settings.replicas_of(pool)[0] for pool in POOLS},
+            groups=groups,
+            topics=settings.topics,
+            worker_ids=worker_ids(settings),
             interval_s=settings.autoscale_interval_s,
             metrics=metrics,
         )
@@ -152,6 +167,7 @@ def run_local_stack(settings: StackSettings) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await scaling
             await redis.aclose()
+            await groups.stop()
 
     try:
         asyncio.run(supervise())

@@ -282,6 +282,8 @@ async def test_the_local_autoscaler_starts_and_stops_a_worker_by_the_signal(up: 
     assert await up.restarts("worker-chat-2") == 0, "a stopped standby worker is not restarted"
     assert "pool chat: 1 → 2 worker processes" in up.log()
     assert "pool chat: 2 → 1 worker processes" in up.log()
+    # Out of the group at once, not after the session timeout (a static member stays).
+    assert "removed chat-2 from laneway.workers.chat: partitions move on now" in up.log()
 
 
 async def _consumed_to_the_end(
