@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -94,13 +95,14 @@ class BenchStack:
         self.pids[role or module] = proc.pid
         return proc
 
-    def api_key(self, team: str, size: int = 10_000) -> str:
-        """A key for ``team``, a team big enough that quota never limits the benchmark."""
+    def api_key(self, team: str, size: int = 10_000, **policy: Any) -> str:
+        """A key for ``team``, a team big enough that quota never limits the benchmark;
+        ``policy``: other fields of its record (``type_through``, ...)."""
 
         async def make() -> str:
             redis = aioredis.Redis.from_url(self.redis_url)
             try:
-                await set_team(redis, RedisKeys(self.prefix), Team(team, size=size))
+                await set_team(redis, RedisKeys(self.prefix), Team(team, size=size, **policy))
                 return await create_key(redis, RedisKeys(self.prefix), team)
             finally:
                 await redis.aclose()

@@ -43,7 +43,7 @@ class Upstream:
 
 @contextmanager
 def upstream_process(
-    port: int, *, slots: int, token_ms: float, metrics: bool = False
+    port: int, *, slots: int, token_ms: float, prefill_ms: float = 0.0, metrics: bool = False
 ) -> Iterator[Upstream]:
     """``bench.upstream_server`` on ``port``, logging to a throwaway file, until the block ends."""
     log = Path(tempfile.mkdtemp(prefix="laneway-upstream-")) / "upstream.jsonl"
@@ -55,6 +55,7 @@ def upstream_process(
         f"--port={port}",
         f"--slots={slots}",
         f"--token-ms={token_ms}",
+        f"--prefill-ms={prefill_ms}",
         f"--log={log}",
     ] + (["--metrics"] if metrics else [])
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -27,6 +27,7 @@ class TeamBody(BaseModel):
     complexity: float = Field(1.0, gt=0, le=10)
     tier: str = Field("hi", pattern="^(hi|lo)$")
     supersede_grace_tokens: int = Field(0, ge=0)
+    type_through: bool = True
 
 
 def _authorise(request: Request) -> IngressState:
@@ -50,6 +51,7 @@ async def put_team(team: str, request: Request) -> Response:
         complexity=body.complexity,
         tier="lo" if body.tier == "lo" else "hi",
         supersede_grace_tokens=body.supersede_grace_tokens,
+        type_through=body.type_through,
     )
     await set_team(state.redis, state.keys, record)
     return JSONResponse(await state.quota.enforcer.snapshot(record))

@@ -98,6 +98,8 @@ class Admission:
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,
             supersede_grace_tokens=caller.team.supersede_grace_tokens,
+            # Completions only: a chat or batch answer is not ghost text to type through.
+            reuse=cls == "completion" and caller.team.type_through,
         )
 
     async def produce(self, env: RequestEnvelope) -> None:

@@ -60,6 +60,7 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
         complexity=args.complexity,
         tier=args.tier,
         supersede_grace_tokens=args.supersede_grace_tokens,
+        type_through=args.type_through,
     )
 
     async def store(settings: CommonSettings) -> int:
@@ -70,7 +71,8 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
             await redis.aclose()
         print(
             f"team {team.name}: size {team.size}, complexity {team.complexity}, "
-            f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens"
+            f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens, "
+            f"type-through {'on' if team.type_through else 'off'}"
         )
         return 0
 
@@ -208,6 +210,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="a superseded completion that already streamed N tokens may finish "
         "(default 0: dropped at once)",
+    )
+    tset.add_argument(
+        "--type-through",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve a keystroke that types a running or recent suggestion from it (default: on)",
     )
     tset.set_defaults(func=cmd_teams_set)
 

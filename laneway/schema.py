@@ -87,6 +87,11 @@ class RequestEnvelope(_Wire):
         description="a superseded request that already streamed this many tokens "
         "may finish (0: drop at once)",
     )
+    reuse: bool = Field(
+        False,
+        description="type-through: it may be served from its session's running or recent "
+        "generation, or an identical in-flight one of its team (its team's switch)",
+    )
 
     def text_prompt(self) -> str:
         """The prompt as plain text (chat messages rendered one per line)."""
@@ -161,6 +166,11 @@ class UsageEvent(_Wire):
     worker: str | None = None
     error: str | None = None
     job_id: str | None = None
+    reused_from: str | None = Field(
+        None,
+        description="served from this request's generation (type-through): no engine time "
+        "of its own; its completion_tokens are what it received",
+    )
 
 
 class BatchRequest(_Wire):

@@ -214,6 +214,23 @@ class WorkerSettings(CommonSettings):
         description="streamed replies: tokens gathered per chunk after the first, which goes "
         "at once (as vLLM's --stream-interval; higher: less CPU per token, coarser stream)",
     )
+    reuse_ttl_s: float = Field(
+        30.0,
+        ge=0,
+        description="type-through: a finished completion stays reusable by its session's next "
+        "keystrokes this long",
+    )
+    reuse_hold_ms: int = Field(
+        30,
+        ge=0,
+        le=1000,
+        description="type-through: a running completion whose client left waits this long for "
+        "its session's next keystroke, which may type through it, before it is aborted (0: no "
+        "wait)",
+    )
+    reuse_max_entries: int = Field(
+        2000, ge=0, description="type-through: sessions whose latest generation a worker keeps"
+    )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")

@@ -408,6 +408,7 @@ class QuotaEnforcer:
             "complexity": team.complexity,
             "tier": team.tier,
             "supersede_grace_tokens": team.supersede_grace_tokens,
+            "type_through": team.type_through,
             "factor": factor,
             "pools": pools,
         }

@@ -21,6 +21,9 @@ class Team:
     # A superseded completion that already streamed this many tokens may finish (0: drop at
     # once, the default: the newer keystroke made it stale).
     supersede_grace_tokens: int = 0
+    # Type-through: a completion may be served from the session's running or recent
+    # generation when the user typed what it suggested (workers/reuse.py).
+    type_through: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -52,6 +55,7 @@ async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
             "complexity": team.complexity,
             "tier": team.tier,
             "supersede_grace_tokens": team.supersede_grace_tokens,
+            "type_through": int(team.type_through),
         },
     )
     await redis.sadd(keys.teams(), team.name)
@@ -70,4 +74,5 @@ async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:
         complexity=float(fields.get("complexity", 1.0)),
         tier="lo" if tier == "lo" else "hi",
         supersede_grace_tokens=int(fields.get("supersede_grace_tokens", 0)),
+        type_through=fields.get("type_through", "1") != "0",
     )

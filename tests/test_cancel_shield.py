@@ -211,12 +211,14 @@ async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack)
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 break
-    # Not streamed: the client gives up before any reply.
+    # Not streamed: the client gives up before any reply. (Another prompt: the same one,
+    # sent while the first's generation still runs, would be served from it.)
+    other = {**body, "prompt": body["prompt"] + "\n", "stream": False}
     async with httpx.AsyncClient(
         base_url=ingress.base_url, headers={"Authorization": f"Bearer {key}"}
     ) as http:
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
+            await http.post("/v1/completions", json=other, timeout=0.3)
     await wait_for(lambda: ingress.state.replies.open_channels == 0, 10, "handlers to let go")
     # Nothing of the two requests is left in the ingress's loop: no handler, and no task
     # still waiting for their replies (until LANEWAY_REPLY_TIMEOUT_S, 300 s).

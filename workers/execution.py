@@ -14,7 +14,9 @@ from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
+from workers.followers import serve_follower
 from workers.replies import ChunkStream
+from workers.reuse import Follower, Generation, ReuseRegistry
 from workers.types import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
@@ -59,6 +61,8 @@ class RequestExecutor:
         price_of: Callable[[str], Price] | None = None,
         stream_interval: int = 1,
         on_first_output: Callable[[], None] | None = None,
+        reuse: ReuseRegistry | None = None,
+        reuse_hold_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self.shield = shield
@@ -66,6 +70,10 @@ class RequestExecutor:
         self.worker_id = worker_id
         self.pool = pool
         self.on_first_output = on_first_output  # the engine started it: room may have changed
+        self.reuse = reuse if reuse is not None else ReuseRegistry()
+        self.reuse_hold_s = reuse_hold_s
+        self._held: dict[str, asyncio.TimerHandle] = {}  # owner id → its abort, held
+        self._aborting: set[asyncio.Task[None]] = set()
         self.price_of = price_of or (lambda _route: Price())
         self.stream_interval = stream_interval  # tokens a streamed message gathers
         # Usage events handed to the producer and not yet acknowledged, by request id.
@@ -89,7 +97,7 @@ class RequestExecutor:
             reason,
             extra={"request_id": env.id, "team": env.team},
         )
-        return await self._finish(env, reason.status, queue_ms=queue_ms, error=str(reason))  # type: ignore[arg-type]
+        return await self.report(env, reason.status, queue_ms=queue_ms, error=str(reason))  # type: ignore[arg-type]
 
     async def run(self, env: RequestEnvelope) -> UsageEvent | None:
         """Run ``env`` on the engine now (the worker dispatches it when the engine has room);
@@ -99,6 +107,7 @@ class RequestExecutor:
         queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
         verdict = self.shield.verdict(env, start)
         if verdict is not None:
+            self._ended(env, self.reuse.of_owner(env.id), _Totals(), "dropped")
             return await self.drop(env, verdict)
 
         self.shield.started(env)
@@ -107,17 +116,25 @@ class RequestExecutor:
             if env.stream and env.reply_to
             else None
         )
+        # Reusable by later keystrokes of its session (type-through) and identical requests.
+        generation = self.reuse.of_owner(env.id)
+        if generation is None and env.reuse and env.messages is None:
+            generation = self.reuse.begin(env)
         text_parts: list[str] = []
         got = _Totals()
         status: Outcome = "ok"
         error: str | None = None
         try:
             async for delta in self.engine.generate(self._engine_request(env)):
-                self._fold(env, got, delta)
-                if chunks is not None and delta.text:
-                    chunks.add(delta.text, got.completion_tokens)
-                else:
-                    text_parts.append(delta.text)
+                self._fold(env, got, delta, generation)
+                self._pass_on(
+                    env,
+                    delta.text,
+                    got=got,
+                    generation=generation,
+                    chunks=chunks,
+                    text_parts=text_parts,
+                )
         except Dropped as dropped:
             if env.id in self.preempted:
                 if chunks is not None:
@@ -143,12 +160,14 @@ class RequestExecutor:
             stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
             self.shield.finished(env.id)
             self.preempted.discard(env.id)
+            if self._ended(env, generation, got, status):
+                stale_ms = 0.0  # what it made after its own client left, others used
         n = at = 0
         if chunks is not None:
             # The rest of the text rides on the final reply.
             n, at, rest = await chunks.close()
             text_parts.append(rest)
-        return await self._finish(
+        return await self.report(
             env,
             status,
             n=n,
@@ -166,7 +185,11 @@ class RequestExecutor:
             stale_news_ms=news_ms,
         )
 
-    def _fold(self, env: RequestEnvelope, got: _Totals, delta: EngineDelta) -> None:
+    def _fold(
+        self, env: RequestEnvelope, got: _Totals, delta: EngineDelta, generation: Generation | None
+    ) -> None:
+        if generation is not None:
+            generation.add(delta.text, delta.completion_tokens, delta.engine_ms)
         got.prompt_tokens, got.cached_tokens = delta.prompt_tokens, delta.cached_tokens
         got.completion_tokens, got.engine_ms = delta.completion_tokens, delta.engine_ms
         got.finish_reason = delta.finish_reason or got.finish_reason
@@ -176,6 +199,38 @@ class RequestExecutor:
         if delta.text and got.ttft_ms is None:
             got.ttft_ms = (time.time() - env.accepted_ts) * 1000
         self.shield.progress(env.id, got.completion_tokens, got.engine_ms, delta.ended)
+
+    def _pass_on(
+        self,
+        env: RequestEnvelope,
+        text: str,
+        *,
+        got: _Totals,
+        generation: Generation | None,
+        chunks: ChunkStream | None,
+        text_parts: list[str],
+    ) -> None:
+        """A delta's text to its client: streamed, or kept for the final reply. None once
+        its client has gone and others follow its generation: they carry the text on."""
+        if generation is not None and generation.followers and self.shield.stale_reason(env.id):
+            return
+        if chunks is not None and text:
+            chunks.add(text, got.completion_tokens)
+        else:
+            text_parts.append(text)
+
+    def _ended(
+        self, env: RequestEnvelope, generation: Generation | None, got: _Totals, status: str
+    ) -> bool:
+        """Its engine request ended; whether others followed its generation."""
+        held = self._held.pop(env.id, None)
+        if held is not None:
+            held.cancel()
+        if generation is None:
+            return False
+        generation.end(got.finish_reason, completed=status == "ok")
+        self.reuse.finished(env.id)
+        return generation.served > 0
 
     def _dropped(self, env: RequestEnvelope, got: _Totals, dropped: Dropped) -> tuple[Outcome, str]:
         """A running request that left the engine early: its outcome and why."""
@@ -187,8 +242,65 @@ class RequestExecutor:
         got.engine_ms = max(got.engine_ms, dropped.engine_ms)
         return status, str(stale or dropped)  # type: ignore[return-value]
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, *, hold: bool = False) -> None:
+        """Stop a request that turned stale. One that others follow (type-through) keeps its
+        generation running for them; a follower just leaves it. ``hold``: a reusable
+        generation of a session waits up to ``reuse_hold_s`` for the session's next
+        keystroke, which may type through it (``release`` ends the wait)."""
+        follower = self.reuse.follower(request_id)
+        if follower is not None:
+            follower.left = True
+            follower.generation.wake()
+            return
+        generation = self.reuse.of_owner(request_id)
+        if generation is not None and generation.followers:
+            return
+        if hold and generation is not None and generation.session and self.reuse_hold_s > 0:
+            if request_id not in self._held:
+                self._held[request_id] = asyncio.get_running_loop().call_later(
+                    self.reuse_hold_s, self._abort_held, request_id
+                )
+            return
         await self.engine.abort(request_id)
+
+    async def release(self, env: RequestEnvelope) -> None:
+        """``env`` follows nothing: a held abort of its session's generation goes ahead."""
+        if env.session is None:
+            return
+        for rid, timer in list(self._held.items()):
+            generation = self.reuse.of_owner(rid)
+            if generation is None or (generation.team, generation.session) != (
+                env.team,
+                env.session,
+            ):
+                continue
+            timer.cancel()
+            del self._held[rid]
+            if not generation.followers:
+                await self.engine.abort(rid)
+
+    def _abort_held(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+        generation = self.reuse.of_owner(request_id)
+        if generation is not None and not generation.followers and not generation.done:
+            task = asyncio.get_running_loop().create_task(self.engine.abort(request_id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    async def follow(self, follower: Follower) -> UsageEvent:
+        """Serve a request from a generation it did not start (``workers.followers``)."""
+        return await serve_follower(self, follower)
+
+    async def leave(self, request_id: str) -> None:
+        """A follower is done; the generation it followed stops if nobody wants it now."""
+        generation = self.reuse.leave(request_id)
+        if (
+            generation is not None
+            and not generation.done
+            and not generation.followers
+            and self.shield.stale_reason(generation.owner) is not None
+        ):
+            await self.engine.abort(generation.owner)
 
     def _first_output(self, env: RequestEnvelope) -> None:
         """The engine's first output: the request began there. Began after it turned stale
@@ -214,7 +326,7 @@ class RequestExecutor:
             deadline_ts=env.deadline_ts,
         )
 
-    async def _finish(
+    async def report(
         self,
         env: RequestEnvelope,
         status: Outcome,
@@ -232,7 +344,9 @@ class RequestExecutor:
         error: str | None = None,
         stale_engine_ms: float = 0.0,
         stale_news_ms: float = 0.0,
+        reused_from: str | None = None,
     ) -> UsageEvent:
+        """The terminal outcome of ``env``: its final reply, settlement and usage event."""
         now = time.time()
         usage = UsageEvent(
             id=env.id,
@@ -254,6 +368,7 @@ class RequestExecutor:
             worker=self.worker_id,
             error=error,
             job_id=env.job_id,
+            reused_from=reused_from,
         )
         final = Reply(
             id=env.id,

@@ -18,6 +18,8 @@ __all__ = [
     "LATE_STARTS",
     "MALFORMED",
     "OUTCOMES",
+    "REUSED",
+    "REUSE_SAVED_MS",
     "STALE_ENGINE_MS",
 ]
 
@@ -43,7 +45,7 @@ STALE_ENGINE_MS = Counter(
 )
 INFLIGHT = Gauge(
     "laneway_worker_inflight",
-    "Requests held by this worker: waiting in its dispatch queue, on the engine or reporting",
+    "Requests held by this worker: waiting in its dispatch queue or on the engine",
     ["pool"],
 )
 DISPATCH_QUEUE = Gauge(
@@ -102,5 +104,15 @@ FLEET_PREEMPTIONS = Counter(
 PREEMPTED_ENGINE_MS = Counter(
     "laneway_preempted_engine_ms_total",
     "Engine milliseconds spent on batch attempts that were preempted (run again, not billed)",
+    ["pool"],
+)
+REUSED = Counter(
+    "laneway_reused_requests_total",
+    "Requests served from another request's generation (type-through, recent, coalesced)",
+    ["pool", "kind"],
+)
+REUSE_SAVED_MS = Counter(
+    "laneway_reuse_engine_ms_saved_total",
+    "Engine milliseconds reused requests would have cost at their generation's per-token time",
     ["pool"],
 )

@@ -36,6 +36,7 @@ from workers.execution import RequestExecutor
 from workers.fleet import FleetShare
 from workers.offsets import OffsetTracker
 from workers.replies import Outbox
+from workers.reuse import Follower, ReuseRegistry
 from workers.scaling import ScalingSignal
 from workers.shield import CancelShield
 from workers.types import Engine
@@ -125,6 +126,8 @@ class PoolWorker:
             engine,
             self.shield,
             self.outbox,
+            reuse=ReuseRegistry(ttl_s=settings.reuse_ttl_s, max_entries=settings.reuse_max_entries),
+            reuse_hold_s=settings.reuse_hold_ms / 1000,
             worker_id=settings.worker_id,
             pool=settings.pool,
             price_of=settings.price_of,
@@ -138,8 +141,9 @@ class PoolWorker:
 
     @property
     def held(self) -> int:
-        """Requests fetched and not finished: waiting for the engine, on it, or reporting."""
-        return len(self.queue) + len(self._inflight)
+        """Requests waiting for the engine or on it (``max_inflight`` bounds them); those
+        only reporting their outcome (their usage event on its way) do not count."""
+        return len(self.queue) + self.dispatcher.running
 
     async def start(self) -> None:
         if self._started:
@@ -249,6 +253,15 @@ class PoolWorker:
                     if env is None:
                         self.offsets.finish(tp, record.offset)
                         continue
+                    # Matched before it supersedes: the generation it types through keeps
+                    # running for it instead of being aborted.
+                    follower = self._reusable(env)
+                    if follower is None:
+                        await self.executor.release(env)
+                    await self._observe(env)
+                    if follower is not None:
+                        self._follow(Work(tp, record.offset, env), follower)
+                        continue
                     accepted.append(Work(tp, record.offset, env))
             # Observe the whole batch before any of it may start: a keystroke is superseded
             # by one fetched with it.
@@ -269,6 +282,10 @@ class PoolWorker:
         except MalformedMessage as exc:
             self._skip(tp, record.offset, exc)
             return None
+        return env
+
+    async def _observe(self, env: RequestEnvelope) -> None:
+        """A newer keystroke: what it supersedes stops, running or waiting."""
         for rid in self.shield.observe(env):
             await self.executor.abort(rid)
         if self.shield.enabled:
@@ -278,7 +295,31 @@ class PoolWorker:
                     self._drop(work, reason)
                 else:  # within its team's supersede grace: it may still run
                     self.queue.push(work)
-        return env
+
+    def _reusable(self, env: RequestEnvelope) -> Follower | None:
+        """The generation ``env`` may be served from (type-through), if any."""
+        if not env.reuse or self.shield.verdict(env) is not None:
+            return None
+        return self.executor.reuse.match(env)
+
+    def _follow(self, work: Work, follower: Follower) -> None:
+        # Known to the shield at once: a newer keystroke or a tombstone ends it like any other.
+        self.shield.started(work.env)
+        self._track(self._serve(work, follower), work, f"reuse-{work.env.id}")
+
+    async def _serve(self, work: Work, follower: Follower) -> None:
+        try:
+            await self.executor.follow(follower)
+            await self.executor.delivered(work.env.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "reused request %s failed",
+                work.env.id,
+                extra={"request_id": work.env.id, "team": work.env.team},
+            )
+        self.offsets.finish(work.tp, work.offset)
 
     def _skip(self, tp: TopicPartition, offset: int, exc: Exception) -> None:
         metrics.MALFORMED.labels(self.pool, tp.topic).inc()
@@ -317,11 +358,22 @@ class PoolWorker:
             self.fleet.local(self.dispatcher.running, len(self.queue), self.engine.capacity())
 
     def _start(self, work: Work) -> None:
-        self.running[work.env.id] = work
-        self._track(self._run(work), work, f"req-{work.env.id}")
+        env = work.env
+        if env.reuse:
+            # An identical request started a moment ago (in this pass, say) is followed, not
+            # run again; else this one's output becomes reusable from now on.
+            follower = self._reusable(env)
+            if follower is not None:
+                self.dispatcher.done()
+                self._follow(work, follower)
+                return
+            self.executor.reuse.begin(env)
+        self.running[env.id] = work
+        self._track(self._run(work), work, f"req-{env.id}")
 
     def _drop(self, work: Work, reason: Dropped) -> None:
         self._track(self._report_drop(work, reason), work, f"drop-{work.env.id}")
+        self._room.set()
 
     def _track(self, coro: Any, work: Work, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -349,6 +401,7 @@ class PoolWorker:
                 # event is still on its way to the broker.
                 self.running.pop(env.id, None)
                 self.dispatcher.done()
+                self._room.set()
             if usage is None:
                 return  # queued again: its offset stays pending
             await self.executor.delivered(env.id)
@@ -454,7 +507,9 @@ class PoolWorker:
             return
         rid = self.shield.cancel(cancel)
         if rid is not None:
-            await self.executor.abort(rid)
+            # A gone keystroke's client usually sent the next keystroke a moment before: it
+            # may type through this generation, so the abort waits for it, briefly.
+            await self.executor.abort(rid, hold=True)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.pool)

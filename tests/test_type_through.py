@@ -1,0 +1,198 @@
+"""Type-through: a keystroke that types the running suggestion is served from it, judged by a
+separate upstream process's own log of what it ran."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import LiveStack, wait_for
+from tests.upstream_process import UpstreamProcess
+from workers.pool import PoolWorker
+
+pytestmark = pytest.mark.slow
+
+SESSION = "src/app.py"
+# What bench.upstream_server answers: these words in turn, one a token.
+WORDS = ["alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma ", "kappa ", "theta "]
+
+
+def _suggestion(tokens: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(tokens))
+
+
+@pytest.fixture
+async def upstream(tmp_path: Path) -> AsyncIterator[UpstreamProcess]:
+    process = UpstreamProcess(tmp_path / "upstream.jsonl", slots=4, token_ms=60)
+    await process.ready()
+    yield process
+    process.stop()
+
+
+async def _worker(stack: LiveStack, upstream: UpstreamProcess, **options: Any) -> PoolWorker:
+    return await stack.start_worker(
+        "completion",
+        engine="openai",
+        upstream_url=upstream.url,
+        upstream_model="up",
+        upstream_metrics_url="",
+        **options,
+    )
+
+
+def _keystroke(prompt: str, seq: int, *, stream: bool = True) -> dict[str, Any]:
+    return {
+        "json": {"model": "laneway-code", "prompt": prompt, "max_tokens": 12, "stream": stream},
+        "headers": {"X-Laneway-Session": SESSION, "X-Laneway-Seq": str(seq)},
+    }
+
+
+class _Open:
+    """Keystroke 1, streaming: read until ``words`` words of its suggestion came, then left
+    open (its line iterator held: dropping it would close the connection) until ``aclose``."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+        self.lines = response.aiter_lines()
+        self.id = response.headers["x-laneway-request-id"]
+
+    async def read_words(self, words: int) -> None:
+        seen = ""
+        while seen.count(" ") < words:
+            line = await anext(self.lines)
+            if line.startswith("data: {"):
+                seen += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+async def _first_words(http: httpx.AsyncClient, prompt: str, words: int) -> tuple[_Open, str]:
+    request = http.build_request("POST", "/v1/completions", **_keystroke(prompt, 1))
+    response = await http.send(request, stream=True)
+    assert response.status_code == 200
+    opened = _Open(response)
+    await opened.read_words(words)
+    return opened, opened.id
+
+
+def _text(response: httpx.Response) -> str:
+    return str(response.json()["choices"][0]["text"])
+
+
+async def test_typing_the_suggestion_gets_the_rest_without_a_new_engine_request(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    first, first_id = await _first_words(http, "def main():", 2)
+    # The user types the suggestion's first word; the IDE sends the new keystroke and drops
+    # the old request.
+    typed = http.post("/v1/completions", **_keystroke("def main():" + WORDS[0], 2, stream=False))
+    second = await typed
+    await first.aclose()
+    assert second.status_code == 200
+    assert _text(second) == _suggestion(12)[len(WORDS[0]) :]
+    await wait_for(lambda: upstream.entry("def main():") is not None, 10, "the generation's end")
+    prompts = [e["prompt"] for e in upstream.entries()]
+    assert prompts == ["def main():"]  # one engine request for both keystrokes
+    usage = await stack.read_topic(
+        stack.topics.usage, count=1, where=lambda u: u["id"] == second.json()["id"]
+    )
+    assert usage[0]["status"] == "ok"
+    assert usage[0]["reused_from"] == first_id
+    assert usage[0]["engine_ms"] == 0
+    assert usage[0]["completion_tokens"] == 11
+
+
+async def test_a_diverging_keystroke_supersedes_as_before(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    first, _ = await _first_words(http, "def main():", 1)
+    second = await http.post("/v1/completions", **_keystroke("def main():zz", 2, stream=False))
+    await first.aclose()
+    assert second.status_code == 200
+    assert _text(second) == _suggestion(12)
+    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    outcomes = {e["prompt"]: e["outcome"] for e in upstream.entries()}
+    assert outcomes == {"def main():": "gone_running", "def main():zz": "done"}
+
+
+async def test_another_team_never_reuses_a_generation(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    mine = stack.http(ingress, await stack.api_key("team-a"))
+    theirs = stack.http(ingress, await stack.api_key("team-b"))
+    first, _ = await _first_words(mine, "def main():", 2)
+    other = await theirs.post(
+        "/v1/completions", **_keystroke("def main():" + WORDS[0], 2, stream=False)
+    )
+    assert other.status_code == 200
+    assert _text(other) == _suggestion(12)  # its own answer, from its own engine request
+    await first.aclose()
+    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    assert sorted(e["prompt"] for e in upstream.entries()) == [
+        "def main():",
+        "def main():" + WORDS[0],
+    ]
+
+
+async def test_a_finished_suggestion_stays_reusable_and_a_restart_forgets_it(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    worker = await _worker(stack, upstream, worker_id=f"{stack.prefix}-tt")
+    http = stack.http(ingress, await stack.api_key())
+    whole = await http.post("/v1/completions", **_keystroke("class A:", 1, stream=False))
+    assert _text(whole) == _suggestion(12)
+    typed = "class A:" + WORDS[0] + WORDS[1]
+    recent = await http.post("/v1/completions", **_keystroke(typed, 2, stream=False))
+    assert _text(recent) == _suggestion(12)[len(WORDS[0] + WORDS[1]) :]
+    assert [e["prompt"] for e in upstream.entries()] == ["class A:"]
+
+    await worker.stop()
+    stack.workers.remove(worker)
+    await _worker(stack, upstream, worker_id=f"{stack.prefix}-tt")
+    typed += WORDS[2]
+    after = await http.post("/v1/completions", **_keystroke(typed, 3, stream=False))
+    # Nothing to reuse after the restart: it ran, and its answer is its own.
+    assert _text(after) == _suggestion(12)
+    await wait_for(lambda: len(upstream.entries()) == 2, 10, "the second request in the log")
+
+
+async def test_identical_requests_in_flight_share_one_generation(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    body = {"model": "laneway-code", "prompt": "import os", "max_tokens": 12}
+    both = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(2)))
+    assert [r.status_code for r in both] == [200, 200]
+    assert [_text(r) for r in both] == [_suggestion(12)] * 2
+    await wait_for(lambda: upstream.entry("import os") is not None, 10, "the log entry")
+    assert [e["prompt"] for e in upstream.entries()] == ["import os"]
+
+
+async def test_a_team_that_turned_type_through_off_gets_a_request_each(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key("strict", type_through=False))
+    whole = await http.post("/v1/completions", **_keystroke("class B:", 1, stream=False))
+    typed = "class B:" + WORDS[0]
+    again = await http.post("/v1/completions", **_keystroke(typed, 2, stream=False))
+    assert (_text(whole), _text(again)) == (_suggestion(12), _suggestion(12))
+    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")

@@ -1,0 +1,216 @@
+"""Type-through: a keystroke that types what its session's completion suggests reuses it.
+
+The worker that owns a session (same session → same partition → same worker) remembers the
+generation of its session's latest completion, running or just finished. A newer keystroke
+whose prompt is that generation's prompt plus text the generation has produced already
+(the user typed the ghost text), with the same suffix and sampling settings, is served from
+it: what was generated past the typed text goes out at once, the rest as it comes. No new
+engine request, no prefill. Two in-flight completions of one team with the same prompt,
+suffix and settings share one generation the same way (nothing typed).
+
+A generation keeps running while anyone follows it: its own request turning stale (the
+client moved on) no longer aborts it then; the last follower leaving does. Finished
+generations stay reusable for ``ttl_s`` (at most ``max_entries`` sessions), by the hash and
+length of their prompt and their text: bounded memory per worker. Nothing is shared between
+workers: after a restart nothing matches and requests simply run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from laneway.schema import RequestEnvelope
+
+__all__ = ["Follower", "Generation", "ReuseRegistry"]
+
+Settings = tuple[str, str, float, float, tuple[str, ...]]  # route, suffix hash, temp, top_p, stop
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _settings(env: RequestEnvelope) -> Settings:
+    return (env.route, _digest(env.suffix or "").hex(), env.temperature, env.top_p, tuple(env.stop))
+
+
+@dataclass(eq=False)
+class Generation:
+    """One engine request's output, as followers need it."""
+
+    owner: str  # the request that drives the engine
+    team: str
+    session: str | None
+    prompt_len: int
+    prompt_hash: bytes
+    settings: Settings
+    text: str = ""
+    ends: list[int] = field(default_factory=list)  # text length after each token's delta
+    engine_ms: float = 0.0
+    done: bool = False
+    finish_reason: str | None = None
+    followers: dict[str, Follower] = field(default_factory=dict)
+    served: int = 0  # requests that followed it, ever
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ends)
+
+    def tokens_within(self, chars: int) -> int:
+        """Tokens whose text ends at or before ``chars``."""
+        return bisect.bisect_right(self.ends, chars)
+
+    def add(self, text: str, tokens: int, engine_ms: float) -> None:
+        """A delta: ``tokens`` is the generation's token count so far."""
+        self.text += text
+        while len(self.ends) < tokens:
+            self.ends.append(len(self.text))
+        if self.ends:
+            self.ends[-1] = len(self.text)
+        self.engine_ms = engine_ms
+        self.wake()
+
+    def end(self, finish_reason: str | None, completed: bool) -> None:
+        self.done = True
+        self.finish_reason = finish_reason if completed else None
+        self.finished_at = time.monotonic()
+        self.wake()
+
+    def wake(self) -> None:
+        """Followers look again: new text, the end, or one of them left."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def typed_by(self, env: RequestEnvelope) -> int | None:
+        """How much of the text ``env`` typed (its prompt's extension), or None when it does
+        not extend this generation's prompt by text the generation produced."""
+        prompt = env.prompt
+        if len(prompt) < self.prompt_len or _settings(env) != self.settings:
+            return None
+        if _digest(prompt[: self.prompt_len]) != self.prompt_hash:
+            return None
+        typed = prompt[self.prompt_len :]
+        if not self.text.startswith(typed):
+            return None
+        if self.done and self.finish_reason is None:
+            return None  # cut short: its text is not a whole answer
+        return len(typed)
+
+
+@dataclass(eq=False)
+class Follower:
+    """A request served from a generation it did not start."""
+
+    env: RequestEnvelope
+    generation: Generation
+    start: int  # characters of the generation's text it typed itself
+    kind: str  # type-through, recent or coalesced
+    left: bool = False  # turned stale: stops at once
+
+
+class ReuseRegistry:
+    """The generations of this worker's sessions, running and recent (module docstring)."""
+
+    def __init__(self, *, ttl_s: float = 30.0, max_entries: int = 2000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._by_owner: dict[str, Generation] = {}
+        self._by_session: OrderedDict[tuple[str, str], Generation] = OrderedDict()
+        self._by_prompt: dict[tuple[str, bytes, Settings], Generation] = {}
+        self._followers: dict[str, Follower] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+    def begin(self, env: RequestEnvelope) -> Generation:
+        """``env`` starts on the engine: its output becomes reusable."""
+        generation = Generation(
+            owner=env.id,
+            team=env.team,
+            session=env.session,
+            prompt_len=len(env.prompt),
+            prompt_hash=_digest(env.prompt),
+            settings=_settings(env),
+        )
+        self._by_owner[env.id] = generation
+        self._by_prompt[(env.team, generation.prompt_hash, generation.settings)] = generation
+        if env.session is not None:
+            key = (env.team, env.session)
+            self._by_session[key] = generation
+            self._by_session.move_to_end(key)
+            self._trim()
+        return generation
+
+    def of_owner(self, request_id: str) -> Generation | None:
+        return self._by_owner.get(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """Its engine request ended: it stays reusable as a recent one (if whole)."""
+        generation = self._by_owner.pop(request_id, None)
+        if generation is None:
+            return
+        key = (generation.team, generation.prompt_hash, generation.settings)
+        if self._by_prompt.get(key) is generation:
+            del self._by_prompt[key]
+        if generation.finish_reason is None and generation.session is not None:
+            session = (generation.team, generation.session)
+            if self._by_session.get(session) is generation:
+                del self._by_session[session]
+
+    def match(self, env: RequestEnvelope, now: float | None = None) -> Follower | None:
+        """A follower of an existing generation for ``env``, or None: run it on the engine."""
+        if not env.reuse or env.messages is not None:
+            return None
+        now = time.monotonic() if now is None else now
+        if env.session is not None:
+            generation = self._by_session.get((env.team, env.session))
+            if generation is not None:
+                if generation.done and now - generation.finished_at > self.ttl_s:
+                    del self._by_session[(env.team, env.session)]
+                else:
+                    start = generation.typed_by(env)
+                    if start is not None:
+                        kind = "recent" if generation.done else "type-through"
+                        return self._follow(env, generation, start, kind)
+        running = self._by_prompt.get((env.team, _digest(env.prompt), _settings(env)))
+        if running is not None and not running.done and running.owner != env.id:
+            return self._follow(env, running, 0, "coalesced")
+        return None
+
+    def _follow(
+        self, env: RequestEnvelope, generation: Generation, start: int, kind: str
+    ) -> Follower:
+        follower = Follower(env, generation, start, kind)
+        generation.followers[env.id] = follower
+        generation.served += 1
+        self._followers[env.id] = follower
+        return follower
+
+    def follower(self, request_id: str) -> Follower | None:
+        return self._followers.get(request_id)
+
+    def leave(self, request_id: str) -> Generation | None:
+        """A follower is done (finished or stale); returns its generation."""
+        follower = self._followers.pop(request_id, None)
+        if follower is None:
+            return None
+        follower.generation.followers.pop(request_id, None)
+        return follower.generation
+
+    def expire(self, now: float | None = None) -> None:
+        """Forget finished generations past their time to live."""
+        now = time.monotonic() if now is None else now
+        for key, generation in list(self._by_session.items()):
+            if generation.done and now - generation.finished_at > self.ttl_s:
+                del self._by_session[key]
+
+    def _trim(self) -> None:
+        while len(self._by_session) > self.max_entries:
+            self._by_session.popitem(last=False)
