@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from laneway.errors import ConfigError
-from laneway.settings import WorkerSettings, load_settings
+from laneway.settings import StackSettings, WorkerSettings, load_settings
 from workers.scaling import PoolLoad, ScalingPolicy, ScalingRule, desired_replicas, pool_load
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, target_utilisation=0.5)
@@ -85,3 +85,27 @@ def test_a_maximum_below_the_minimum_is_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("LANEWAY_SCALE_MAX_REPLICAS", "2")
     with pytest.raises(ConfigError, match=r"LANEWAY_SCALE_MAX_REPLICAS='2'.*at least"):
         load_settings(WorkerSettings)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ('{"completion": [3, 1]}', r"completion: \[3, 1\] needs 1 <= min <= max"),
+        ('{"completion": [8, 9]}', r"min <= LANEWAY_PARTITIONS \(6\)"),
+        ('{"gpu": [1, 2]}', "LANEWAY_LOCAL_REPLICAS.GPU.*should be 'completion', 'chat'"),
+    ],
+)
+def test_bad_local_replicas_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, value: str, problem: str
+) -> None:
+    monkeypatch.setenv("LANEWAY_LOCAL_REPLICAS", value)
+    with pytest.raises(ConfigError, match=problem):
+        load_settings(StackSettings)
+
+
+def test_the_local_maximum_is_cut_to_the_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_LOCAL_REPLICAS", '{"chat": [1, 9]}')
+    monkeypatch.setenv("LANEWAY_PARTITIONS", "4")
+    settings = load_settings(StackSettings)
+    assert settings.replicas_of("chat") == (1, 4)
+    assert settings.replicas_of("batch") == (1, 1)  # left out: one worker
