@@ -17,6 +17,7 @@ from laneway.apikeys import create_key
 from laneway.batch import BatchClient, output_line
 from laneway.clients import make_redis
 from laneway.devstack import create_topics
+from laneway.drills import add_drill_commands
 from laneway.errors import BadRequest, ConfigError, LanewayError
 from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
@@ -244,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     tcreate.set_defaults(func=cmd_topics_create)
     add_usage_commands(sub)
     add_report_commands(sub)
+    add_drill_commands(sub)
     return parser
 
 

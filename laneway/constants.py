@@ -13,6 +13,7 @@ __all__ = [
     "POOLS",
     "REPLY_STREAM_MAXLEN",
     "REPLY_STREAM_TTL_S",
+    "SCALING_DECISION_TTL_S",
     "Band",
     "RedisKeys",
     "RequestClass",
@@ -30,6 +31,9 @@ BANDS: Final[tuple[Band, ...]] = ("hi", "lo")
 # A worker is live while its heartbeat is younger than this: three missed beats at the
 # default two-second interval, so one slow beat never flips /readyz.
 HEARTBEAT_TTL_S: Final = 6.0
+# A pool's scaling decision outlives its last heartbeat by this much: the local autoscaler
+# keeps what it runs while no decision is fresh, and a dead pool's decision is not obeyed.
+SCALING_DECISION_TTL_S: Final = 3 * HEARTBEAT_TTL_S
 # A reply stream outlives its ingress instance by this much, then Redis reclaims it; the
 # ingress refreshes it on every read loop, so a live instance never loses its stream.
 REPLY_STREAM_TTL_S: Final = 300
@@ -119,6 +123,10 @@ class RedisKeys:
 
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
+
+    def scaling(self, pool: str) -> str:
+        """A pool's latest ``ScalingDecision`` (JSON), written by the pool's lead worker."""
+        return f"{self.prefix}:scaling:{pool}"
 
     def cancels(self) -> str:
         """Pub/sub channel that carries each cancel tombstone ahead of ``laneway.cancel``."""

@@ -23,6 +23,7 @@ __all__ = [
     "Outcome",
     "Reply",
     "RequestEnvelope",
+    "ScalingDecision",
     "UsageEvent",
     "decode",
 ]
@@ -214,6 +215,28 @@ class BatchResult(_Wire):
     status: Outcome
     status_code: int
     body: dict[str, Any] | None = Field(None, description="OpenAI response or error body")
+    ts: float = Field(default_factory=time.time)
+
+
+class ScalingDecision(_Wire):
+    """A pool's desired replica count (``workers.scaling``): on ``laneway.control``, keyed by
+    ``subject``, when it changes, and in Redis (``RedisKeys.scaling``) at every heartbeat."""
+
+    v: Literal[1] = 1
+    kind: Literal["scaling"] = "scaling"
+    subject: str = Field(min_length=1, description="scaling:<pool>")
+    pool: RequestClass
+    desired: int = Field(ge=0)
+    previous: int | None = Field(None, ge=0, description="the last desired count published")
+    replicas: int = Field(ge=0, description="live workers of the pool (heartbeats)")
+    raw: int = Field(ge=0, description="desired by the load now, before the scale-down window")
+    reason: str = ""
+    lag: int = Field(0, ge=0)
+    lag_growth: float = Field(0.0, description="records per second")
+    queued: int = Field(0, ge=0)
+    running: int = Field(0, ge=0)
+    capacity: int = Field(0, ge=0)
+    kv_cache_usage: float = Field(0.0, ge=0)
     ts: float = Field(default_factory=time.time)
 
 

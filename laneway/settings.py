@@ -328,10 +328,58 @@ class WorkerSettings(CommonSettings):
         description="engine=vllm: no torch.compile or CUDA graphs (faster start, slower steps)",
     )
 
+    scale_min_replicas: int = Field(
+        1, ge=1, le=256, description="scaling signal: fewest replicas the pool's signal asks for"
+    )
+    scale_max_replicas: int = Field(
+        6,
+        ge=1,
+        le=256,
+        description="scaling signal: most replicas it asks for (members beyond the pool's "
+        "partition count would idle)",
+    )
+    scale_target_utilisation: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="scaling signal: share of the engines' capacity the pool's work (running, "
+        "queued, lag) should fill; more asks for replicas",
+    )
+    scale_growth_horizon_s: float = Field(
+        10.0,
+        ge=0,
+        description="scaling signal: lag growth is projected this far ahead (0: lag as it is)",
+    )
+    scale_kv_high: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="scaling signal: KV-cache usage above which a pool asks for replicas "
+        "whatever its queue",
+    )
+    scale_down_window_s: float = Field(
+        60.0,
+        ge=0,
+        description="scaling signal: the highest count asked for within this window is "
+        "published (no flapping down; up is at once)",
+    )
+
+    @field_validator("scale_max_replicas")
+    @classmethod
+    def _max_not_below_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("scale_min_replicas")
+        if low is not None and value < low:
+            raise ValueError(f"must be at least LANEWAY_SCALE_MIN_REPLICAS ({low})")
+        return value
+
     @field_validator("worker_id")
     @classmethod
     def _default_worker_id(cls, value: str) -> str:
         return value or f"{os.uname().nodename}-{os.getpid()}"
+
+
+def _default_local_replicas() -> dict[RequestClass, tuple[int, int]]:
+    return {"completion": (1, 3), "chat": (1, 1), "batch": (1, 1)}
 
 
 class StackSettings(CommonSettings):
@@ -377,6 +425,35 @@ class StackSettings(CommonSettings):
     crash_window_s: float = Field(
         60.0, gt=0, le=86_400, description="`laneway up`: window of LANEWAY_CRASH_LIMIT"
     )
+
+    local_replicas: dict[RequestClass, tuple[int, int]] = Field(
+        default_factory=_default_local_replicas,
+        description="`laneway up`: fewest and most worker processes per pool, started and "
+        "stopped by the pool's scaling signal (JSON {pool: [min, max]}; a pool left out: [1, 1])",
+    )
+    autoscale_interval_s: float = Field(
+        1.0, gt=0, le=60, description="`laneway up`: how often the local autoscaler looks"
+    )
+
+    @field_validator("local_replicas")
+    @classmethod
+    def _replicas_in_range(
+        cls, value: dict[RequestClass, tuple[int, int]], info: ValidationInfo
+    ) -> dict[RequestClass, tuple[int, int]]:
+        partitions = info.data.get("partitions") or 256
+        for pool, (low, high) in value.items():
+            if not 1 <= low <= high or low > partitions:
+                raise ValueError(
+                    f"{pool}: [{low}, {high}] needs 1 <= min <= max and min <= "
+                    f"LANEWAY_PARTITIONS ({partitions})"
+                )
+        return value
+
+    def replicas_of(self, pool: RequestClass) -> tuple[int, int]:
+        """(min, max) worker processes of ``pool`` under ``laneway up``; the max is cut to
+        the partition count (a member beyond it would idle)."""
+        low, high = self.local_replicas.get(pool, (1, 1))
+        return low, min(high, self.partitions)
 
     @field_validator("restart_backoff_max_s")
     @classmethod

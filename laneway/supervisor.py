@@ -6,6 +6,8 @@ backoff and jitter, while the rest keep running. A process that keeps crashing
 An exit caused by a server it needs going away (Kafka, Redis) is not held against it: it is
 restarted once that server is back. The first stop request stops everything in order
 (services, then the servers they need); a second kills what still runs at once.
+Standby processes (a pool's replicas above its minimum) start only when ``activate``d and
+stop for good when ``park``ed (the local autoscaler's two levers).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import random
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -91,6 +93,18 @@ class SupervisorMetrics:
             ["process"],
             registry=self.registry,
         )
+        self.replicas = Gauge(
+            "laneway_local_replicas",
+            "Worker processes of a pool that `laneway up` runs now (its local autoscaler)",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.desired = Gauge(
+            "laneway_local_desired_replicas",
+            "The pool's scaling signal as `laneway up` obeys it (within its min and max)",
+            ["pool"],
+            registry=self.registry,
+        )
 
     def serve(self, port: int) -> Callable[[], None]:
         """Serve ``/metrics`` on 127.0.0.1:``port``; returns the function that stops it."""
@@ -134,11 +148,16 @@ class Supervisor:
         *,
         metrics: SupervisorMetrics | None = None,
         grace_s: float = 15.0,
+        standby: Collection[str] = (),
     ) -> None:
         names = [p.name for p in processes]
         unknown = {need for p in processes for need in p.needs} - set(names)
+        unknown |= set(standby) - set(names)
         if len(set(names)) != len(names) or unknown:
-            raise ConfigError(f"processes {names} must have unique names and needs {unknown}")
+            raise ConfigError(
+                f"processes {names} must have unique names; needs or standby names that are "
+                f"none of them: {sorted(unknown)}"
+            )
         self.processes = list(processes)
         self.policy = policy
         self.metrics = metrics or SupervisorMetrics()
@@ -153,6 +172,9 @@ class Supervisor:
         self._pending_starts: set[asyncio.Future[None]] = set()
         self._stop = asyncio.Event()
         self._stop_requests = 0
+        self._parked = set(standby)
+        self._by_name = {p.name: p for p in self.processes}
+        self._watchers: list[asyncio.Task[None]] = []
         self._kill = False
         self._failure: CrashLoop | None = None
 
@@ -162,6 +184,36 @@ class Supervisor:
 
     def is_up(self, name: str) -> bool:
         return self._up[name].is_set()
+
+    def is_parked(self, name: str) -> bool:
+        return name in self._parked
+
+    async def activate(self, name: str) -> bool:
+        """Start a standby process and supervise it from now on; False when the stack is
+        stopping or it runs already."""
+        if self._stop.is_set() or name not in self._parked:
+            return False
+        self._parked.discard(name)
+        process = self._by_name[name]
+        await self._start(process)
+        self._watchers.append(asyncio.create_task(self._watch(process), name=name))
+        log.info("started %s (pid %s)", name, process.pid)
+        return True
+
+    async def park(self, name: str) -> bool:
+        """Stop a process for good (SIGTERM: it finishes what it runs); no restart follows.
+        False when it was parked already."""
+        if name in self._parked:
+            return False
+        self._parked.add(name)
+        process = self._by_name[name]
+        try:
+            await process.stop(self.grace_s)
+        except (OSError, ServiceError) as exc:
+            log.warning("stopping %s: %s", name, exc)
+        self._set_up(process, up=False)
+        log.info("stopped %s", name)
+        return True
 
     def request_stop(self) -> None:
         """First call: stop everything in order. Second call: kill what still runs, now."""
@@ -180,8 +232,7 @@ class Supervisor:
 
         Raises ``CrashLoop`` if a process kept crashing, or the error of a first start.
         """
-        watchers: list[asyncio.Task[None]] = []
-        starting = asyncio.create_task(self._start_in_order(watchers))
+        starting = asyncio.create_task(self._start_in_order())
         stopped = asyncio.create_task(self._stop.wait())
         try:
             await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -194,7 +245,7 @@ class Supervisor:
             self._stop.set()
             # Nothing may start once the shutdown begins; starts already under way are waited
             # for there.
-            tasks = (starting, stopped, *watchers)
+            tasks = (starting, stopped, *self._watchers)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,10 +253,12 @@ class Supervisor:
         if self._failure is not None:
             raise self._failure
 
-    async def _start_in_order(self, watchers: list[asyncio.Task[None]]) -> None:
+    async def _start_in_order(self) -> None:
         for process in self.processes:
+            if process.name in self._parked:
+                continue
             await self._start(process)
-            watchers.append(asyncio.create_task(self._watch(process), name=process.name))
+            self._watchers.append(asyncio.create_task(self._watch(process), name=process.name))
 
     async def _start(self, process: Supervised) -> None:
         # A start on a thread (Kafka, Redis) cannot be cancelled; the shutdown waits for it.
@@ -228,7 +281,7 @@ class Supervisor:
     async def _watch(self, process: Supervised) -> None:
         while True:
             code = await process.wait()
-            if self._stop.is_set():
+            if self._stop.is_set() or process.name in self._parked:
                 return
             self._set_up(process, up=False)
             self._went_down[process.name] = time.monotonic()
@@ -301,7 +354,7 @@ class Supervisor:
             for need in process.needs:
                 if not await self._unless_stopped(self._up[need].wait()):
                     return False
-        return not self._stop.is_set()
+        return not self._stop.is_set() and process.name not in self._parked
 
     async def _unless_stopped(self, waiting: Awaitable[object]) -> bool:
         task = asyncio.ensure_future(waiting)

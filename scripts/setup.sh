@@ -71,6 +71,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 
+# --- kubeconform: checks compose/kubernetes/ in the tests, offline -------------------------
+if ! scripts/kubeconform.sh --install; then
+    [ -z "${CI:-}" ] || die "kubeconform could not be installed (see above)"
+    say "warning: kubeconform is missing; tests/test_kubernetes.py will be skipped"
+fi
+
 # --- Kafka jars ---------------------------------------------------------------------------
 say "checking the Kafka broker jars"
 .venv/bin/python -c '

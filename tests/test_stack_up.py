@@ -102,6 +102,10 @@ def _stack_env(data: Path, kafka_port: int, redis_port: int, port: int, metrics:
         LANEWAY_SIM_BATCH_SLOTS="1",
         # What is tested is that queued requests are served, not the deadline policy.
         LANEWAY_COMPLETION_DEADLINE_MS="120000",
+        # The chat pool may grow to two workers by its scaling signal, and shrinks 3 s after
+        # its load is gone; the other pools keep one, as the tests above expect.
+        LANEWAY_LOCAL_REPLICAS='{"completion": [1, 1], "chat": [1, 2], "batch": [1, 1]}',
+        LANEWAY_SCALE_DOWN_WINDOW_S="3",
     )
     return env
 
@@ -231,6 +235,55 @@ async def test_a_killed_completion_worker_serves_every_accepted_request(up: UpSt
     assert worker_log.count("worker completion-1 serving pool completion") == 2
     assert f"worker-completion (pid {victim}) exited: killed by SIGKILL" in up.log()
     _always_answered(health)
+
+
+async def _local_replicas(up: UpStack, pool: str) -> float:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(up.metrics_url)).text
+    line = f'laneway_local_replicas{{pool="{pool}"}} '
+    [value] = [row.removeprefix(line) for row in text.splitlines() if row.startswith(line)]
+    return float(value)
+
+
+async def test_the_local_autoscaler_starts_and_stops_a_worker_by_the_signal(up: UpStack) -> None:
+    key = await up.api_key("team-surge")
+    assert await _local_replicas(up, "chat") == 1
+    assert not (up.data / "logs" / "worker-chat-2.pid").exists()
+    chat = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8}  # fmt: skip
+    async with up.http(key) as http:
+        # One sim slot, 8 decode steps of 50 ms: a queue of 24 asks for a second worker.
+        sent = [
+            asyncio.create_task(http.post("/v1/chat/completions", json=chat)) for _ in range(24)
+        ]
+
+        async def two_workers() -> bool:
+            return await _local_replicas(up, "chat") == 2
+
+        await until(two_workers, 60, "a second chat worker")
+        second = up.pid("worker-chat-2")
+        responses = await asyncio.wait_for(asyncio.gather(*sent), 120)
+    assert [r.status_code for r in responses] == [200] * 24, [r.text for r in responses]
+    worker_log = up.data / "logs" / "worker-chat-2.log"
+
+    async def joined() -> bool:
+        return "assigned ['laneway.req.chat" in worker_log.read_text()
+
+    # It joined the pool's consumer group and took partitions of its own.
+    await until(joined, 60, "the second chat worker to be assigned partitions")
+
+    async def one_worker() -> bool:
+        return await _local_replicas(up, "chat") == 1
+
+    await until(one_worker, 60, "the idle second chat worker to be stopped")
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(second, 0)
+    assert "worker chat-2 serving pool chat" in worker_log.read_text()
+    assert await up.restarts("worker-chat-2") == 0, "a stopped standby worker is not restarted"
+    assert "pool chat: 1 → 2 worker processes" in up.log()
+    assert "pool chat: 2 → 1 worker processes" in up.log()
+    # Out of the group at once, not after the session timeout (a static member stays).
+    assert "removed chat-2 from laneway.workers.chat: partitions move on now" in up.log()
 
 
 async def _consumed_to_the_end(

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from laneway.devstack import RedisServer
 from laneway.errors import ConfigError
-from laneway.local_stack import stack_processes
+from laneway.local_stack import stack_processes, standby_processes
 from laneway.settings import StackSettings, load_settings
 from laneway.supervised import LocalServer, ServiceProcess
 from laneway.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
@@ -307,15 +307,22 @@ def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
         "kafka",
         "ingress",
         "worker-completion",
+        "worker-completion-2",
+        "worker-completion-3",
         "worker-chat",
         "worker-batch",
         "streams",
     ]
+    # Above a pool's minimum, workers wait for its scaling signal (LANEWAY_LOCAL_REPLICAS).
+    settings = StackSettings(data_dir=str(tmp_path))
+    assert standby_processes(settings) == ["worker-completion-2", "worker-completion-3"]
     redis, _, *services = processes
     assert isinstance(redis, LocalServer)
     assert redis.server.persistent  # type: ignore[attr-defined]
     env = {p.name: p.env for p in services if isinstance(p, ServiceProcess)}
-    assert len(env) == 5
+    assert len(env) == 7
+    assert env["worker-completion-3"]["LANEWAY_WORKER_ID"] == "completion-3"
+    assert env["worker-completion-3"]["LANEWAY_SCALE_MAX_REPLICAS"] == "3"
     assert all(p.needs == ("redis", "kafka") for p in services)
     # A restart runs under the same id: static membership gives back its partitions.
     assert [env[f"worker-{pool}"]["LANEWAY_WORKER_ID"] for pool in ("completion", "chat")] == [
@@ -326,3 +333,32 @@ def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
     assert all("LANEWAY_SUPERVISOR_PORT" not in e for e in env.values())
     assert all("LANEWAY_PORT" not in e for name, e in env.items() if name != "ingress")
     assert env["worker-batch"]["LANEWAY_MAX_INFLIGHT"] == "7"  # service settings pass through
+
+
+async def test_a_standby_process_runs_only_between_activate_and_park(tmp_path: Path) -> None:
+    base, extra = _python("base", SLEEPER, tmp_path), _python("extra", SLEEPER, tmp_path)
+    supervisor = Supervisor([base, extra], FAST, standby=["extra"])
+    run = asyncio.create_task(supervisor.run())
+    try:
+        await wait_for(lambda: supervisor.is_up("base"), 20, "the base process")
+        assert extra.pid is None
+        assert supervisor.is_parked("extra")
+        assert await supervisor.activate("extra")
+        assert not await supervisor.activate("extra")  # runs already
+        await wait_for(lambda: "running" in extra.log_tail(), 10, "the standby's output")
+        pid = extra.pid
+        assert await supervisor.park("extra")
+        assert _gone(pid)
+        assert not supervisor.is_up("extra")
+        assert supervisor.restarts("extra") == 0  # a parked process is not restarted
+        assert not await supervisor.park("extra")
+    finally:
+        supervisor.request_stop()
+        await asyncio.wait_for(run, 30)
+    assert _gone(base.pid)
+    assert not await supervisor.activate("extra")  # nothing starts once stopped
+
+
+def test_standby_names_must_be_processes(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"standby names that are none of them: \['nobody'\]"):
+        Supervisor([_python("base", SLEEPER, tmp_path)], FAST, standby=["nobody"])

@@ -37,6 +37,7 @@ from workers.fleet import FleetShare
 from workers.offsets import OffsetTracker
 from workers.replies import Outbox
 from workers.reuse import Follower, ReuseRegistry
+from workers.scaling import ScalingSignal
 from workers.shield import CancelShield
 from workers.types import Engine
 
@@ -522,6 +523,7 @@ class PoolWorker:
     async def _heartbeat_loop(self) -> None:
         key = self.keys.workers(self.pool)
         info_key = self.keys.worker_info(self.settings.worker_id)
+        scaling = ScalingSignal(self.settings, self.redis, self.producer)
         while True:
             now = time.time()
             stats = self.engine.stats()
@@ -561,6 +563,7 @@ class PoolWorker:
             metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
             metrics.ENGINE_CAPACITY.labels(self.pool).set(self.engine.capacity())
             metrics.INFLIGHT.labels(self.pool).set(self.held)
+            await scaling.beat()
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 

@@ -1,0 +1,80 @@
+"""An open-loop load generator: requests leave at a set rate whatever the answers take, as
+typing users do not wait for the last completion before the next keystroke."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = ["OpenLoopLoad", "Outcome"]
+
+# The answer a request never got: shed by the client (too many open) or timed out.
+NO_ANSWER = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request: when it left (seconds since the drill began), how long it took, status."""
+
+    sent_at: float
+    latency_s: float
+    status: int
+
+
+class OpenLoopLoad:
+    """POSTs ``body(n)`` to ``path`` at a rate, keeping at most ``max_open`` unanswered."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        path: str,
+        body: Callable[[int], dict[str, Any]],
+        *,
+        started: float,
+        max_open: int = 256,
+    ) -> None:
+        self.http = http
+        self.path = path
+        self.body = body
+        self.started = started
+        self.outcomes: list[Outcome] = []
+        self._open: set[asyncio.Task[None]] = set()
+        self._max_open = max_open
+        self._sent = 0
+
+    async def run(self, rate: float, duration_s: float) -> None:
+        """Send at ``rate`` per second for ``duration_s`` (the answers may come later)."""
+        begin = time.monotonic()
+        n = 0
+        while (due := begin + n / rate) < begin + duration_s:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            n += 1
+            sent_at = time.monotonic() - self.started
+            if len(self._open) >= self._max_open:
+                self.outcomes.append(Outcome(sent_at, 0.0, NO_ANSWER))
+                continue
+            task = asyncio.create_task(self._one(self._sent, sent_at))
+            self._sent += 1
+            self._open.add(task)
+            task.add_done_callback(self._open.discard)
+
+    async def drain(self, within_s: float) -> None:
+        """Wait for the answers still out, up to ``within_s``."""
+        if self._open:
+            await asyncio.wait(set(self._open), timeout=within_s)
+        for task in list(self._open):
+            task.cancel()
+
+    async def _one(self, n: int, sent_at: float) -> None:
+        begin = time.monotonic()
+        try:
+            response = await self.http.post(self.path, json=self.body(n))
+            status = response.status_code
+        except httpx.HTTPError:
+            status = NO_ANSWER
+        self.outcomes.append(Outcome(sent_at, time.monotonic() - begin, status))
