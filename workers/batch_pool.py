@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Any
 
@@ -213,15 +214,30 @@ class BatchPoolWorker(PoolWorker):
             self.consumer.pause(tp)
 
     async def _assigned(self, partitions: set[TopicPartition]) -> None:
-        # Fences any instance still writing for these partitions before we run their lines.
+        """Fence any instance still writing for these partitions before running their lines:
+        they stay paused until their producers started. Not in this callback: a producer's
+        start can wait on a transaction its frozen predecessor left open, and the group's
+        rebalance would wait with it."""
         self._fenced -= partitions
-        resume = [tp for tp in partitions if tp in self.consumer.paused()]
-        if resume and not self.yielding:
-            self.consumer.resume(*resume)
-        try:
-            await self.txns.open(partitions)
-        except KafkaError as exc:
-            log.warning("transactional producers not started yet (the commit retries): %s", exc)
+        self.consumer.pause(*partitions)
+        task = asyncio.get_running_loop().create_task(self._open_then_resume(partitions))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+
+    async def _open_then_resume(self, partitions: set[TopicPartition]) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await self.txns.open(partitions)
+            except KafkaError as exc:
+                log.warning("transactional producers not started yet (retrying): %s", exc)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            break
+        ready = [tp for tp in partitions if tp in self.consumer.assignment()]
+        if ready and not self.yielding:
+            self.consumer.resume(*ready)
 
     async def _revoked(self, partitions: set[TopicPartition]) -> None:
         await super()._revoked(partitions)
@@ -266,7 +282,10 @@ class BatchPoolWorker(PoolWorker):
             self.consumer.pause(*assigned)
         else:
             log.info("interactive backlog gone: batch lane resumes")
-            self.consumer.resume(*assigned)
+            # Not a partition whose producer has not started yet, or that was fenced.
+            self.consumer.resume(
+                *[tp for tp in assigned if self.txns.has(tp) and tp not in self._fenced]
+            )
         metrics.BATCH_YIELDING.set(1 if should_yield else 0)
 
     async def _interactive_backlog(self) -> int:
