@@ -33,26 +33,34 @@ GAP_WAIT_S = 2.0
 
 
 class ReplyChannel:
-    """The replies of one request, in order, repeats dropped.
+    """The replies of one request, in order, repeats dropped, and never a silent splice.
 
     A worker that crashed mid-request is replaced and runs it again from the start; each
     message's text offset ``at`` lets the channel pass on only text the client has not
-    received (message numbers ``n`` for a worker that sends no offsets). A message whose
-    text starts beyond what has been passed on is held until the text before it arrives,
-    or for ``GAP_WAIT_S`` at most.
+    received (message numbers ``n`` for a worker that sends no offsets). The re-run must
+    repeat the text already passed on (the engines run it with the same seed); where it does
+    not, the client gets an explicit error instead of one run's beginning and another's end.
+    A message whose text starts beyond what has been passed on is held until the text before
+    it arrives, for ``gap_wait_s`` at most; then the answer ends with an error, never with a
+    quiet hole.
     """
 
-    def __init__(self, request_id: str, team: str) -> None:
+    def __init__(self, request_id: str, team: str, *, gap_wait_s: float = GAP_WAIT_S) -> None:
         self.request_id = request_id
         self.team = team
+        self.gap_wait_s = gap_wait_s
         self._ready: deque[Reply] = deque()
         self._arrival: asyncio.Future[None] | None = None  # set by the next reply
         self._seen = 0  # characters of text passed on
+        self._passed: list[str] = []  # that text, to check a re-run's repeat of it
         self._next = 0  # message number expected next (workers without offsets)
         self._held: dict[int, Reply] = {}  # messages ahead of a gap, by offset
         self._gap_timer: asyncio.TimerHandle | None = None
+        self.broken = False  # ended with an error of its own: nothing more is passed on
 
     def feed(self, reply: Reply) -> None:
+        if self.broken:
+            return
         if reply.at is None:
             if reply.n < self._next:
                 if not reply.done:
@@ -76,17 +84,32 @@ class ReplyChannel:
         at = reply.at or 0
         end = at + len(reply.text)
         if at < self._seen:
+            repeat = reply.text[: self._seen - at]
+            if repeat != "".join(self._passed)[at : at + len(repeat)]:
+                self._break(
+                    f"the answer of {self.request_id} was cut: its worker restarted, and the "
+                    f"re-run's text differs from the {self._seen} characters already sent"
+                )
+                return
             if end <= self._seen and not reply.done:
                 return  # a re-run repeating text already passed on
             fresh = reply.text[self._seen - at :] if end > self._seen else ""
             reply = reply.model_copy(update={"text": fresh, "at": self._seen})
         self._seen = max(self._seen, end)
+        self._passed.append(reply.text)
         self._next = reply.n + 1
         self._put(reply)
 
+    def _break(self, message: str) -> None:
+        """End the answer with an error the client sees."""
+        log.warning("%s", message, extra={"request_id": self.request_id})
+        self.broken = True
+        self.close()
+        self._put(Reply(id=self.request_id, n=self._next, done=True, status="error", error=message))
+
     def _wait_for_gap(self) -> None:
         loop = asyncio.get_running_loop()
-        self._gap_timer = loop.call_later(GAP_WAIT_S, self._skip_gap)
+        self._gap_timer = loop.call_later(self.gap_wait_s, self._gap_never_filled)
 
     def _release_held(self) -> None:
         """Pass on the held messages the text has now reached; a gap still open after them
@@ -101,21 +124,16 @@ class ReplyChannel:
             if self._held:
                 self._wait_for_gap()
 
-    def _skip_gap(self) -> None:
-        """The text before the held messages never came: pass them on, with the hole."""
+    def _gap_never_filled(self) -> None:
+        """The text before the held messages never came (this ingress fell behind and its
+        reply stream was trimmed, or a message was lost): the answer ends with an error."""
         self._gap_timer = None
         if not self._held:
             return
-        at = min(self._held)
-        log.warning(
-            "reply text %d..%d of %s never arrived; passing on what came after it",
-            self._seen,
-            at,
-            self.request_id,
-            extra={"request_id": self.request_id},
+        self._break(
+            f"the answer of {self.request_id} has a hole: its text {self._seen}..{min(self._held)} "
+            "never arrived"
         )
-        self._seen = at
-        self._release_held()
 
     def close(self) -> None:
         """The request is over: nothing more is held for it."""

@@ -23,6 +23,7 @@ from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
+from laneway.loops import keep_running
 from laneway.schema import CancelRecord, RequestEnvelope
 from laneway.settings import IngressSettings
 from quota import QuotaEnforcer, QuotaPolicy
@@ -82,7 +83,13 @@ class IngressState:
         self.cancels.start()
         await self.replies.start()
         await self._reply_fallback.start()
-        self._tail = asyncio.create_task(self.replies.tail_kafka(self._reply_fallback))
+        self._tail = asyncio.create_task(
+            keep_running(
+                "the reply tail on Kafka",
+                lambda: self.replies.tail_kafka(self._reply_fallback),
+            ),
+            name="reply-tail",
+        )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
         await self.prober.start()
 

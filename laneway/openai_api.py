@@ -38,7 +38,6 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
-    "seed": (),  # workers get no seed: a repeatable answer cannot be promised
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": (),
@@ -107,6 +106,9 @@ class _Body(_Strict):
     stop: list[str] = Field(default_factory=list, max_length=4)
     stream: bool = False
     stream_options: _StreamOptions | None = None
+    # Honoured where the engine samples by seed (vLLM, and upstreams that pass it on; the sim
+    # engine is deterministic anyway). Without one, each request gets a seed of its own.
+    seed: int | None = Field(None, ge=0, lt=2**63)
     # Inert: they steer OpenAI's bookkeeping (abuse tracking, its cache, stored metadata), not
     # the text; laneway's prefix cache needs no key (a session already lands on one worker).
     user: str | None = None

@@ -43,6 +43,7 @@ class RequestShape:
             temperature=body.temperature,
             top_p=body.top_p,
             stop=body.stop,
+            seed=body.seed,
             prompt_tokens=self.prompt_tokens,
             **fields,
         )

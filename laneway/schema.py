@@ -65,6 +65,9 @@ class RequestEnvelope(_Wire):
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = Field(default_factory=list)
+    seed: int | None = Field(
+        None, description="the client's sampling seed; None: the request's own"
+    )
     stream: bool = False
     session: str | None = None
     seq: int | None = None

@@ -37,6 +37,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] | None = None
+    seed: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 

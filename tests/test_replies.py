@@ -12,7 +12,6 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-import ingress.replies as replies_module
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
 from laneway.schema import Reply, UsageEvent, decode
@@ -86,21 +85,42 @@ async def test_channel_holds_text_that_came_ahead_of_a_gap() -> None:
     assert replies[-1].done
 
 
-async def test_channel_passes_on_after_a_gap_that_never_fills(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(replies_module, "GAP_WAIT_S", 0.05)
-    channel = ReplyChannel("r-6", "team-a")
+async def test_a_gap_that_never_fills_ends_the_answer_with_an_error() -> None:
+    channel = ReplyChannel("r-6", "team-a", gap_wait_s=0.05)
     channel.feed(Reply(id="r-6", n=0, at=0, text="def "))
     channel.feed(Reply(id="r-6", n=2, at=8, text="():", done=True, status="ok"))
     assert [r.text for r in _drain(channel)] == ["def "]
     final = await channel.get(1.0)  # not held for good: the request does not hang
-    assert (final.text, final.done) == ("():", True)
+    assert (final.done, final.status) == (True, "error")
+    assert "4..8 never arrived" in (final.error or "")
+    channel.feed(Reply(id="r-6", n=1, at=4, text="main"))  # too late: nothing more
+    assert _drain(channel) == []
 
 
-async def test_channel_gives_each_gap_its_own_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replies_module, "GAP_WAIT_S", 0.2)
-    channel = ReplyChannel("r-7", "team-a")
+def test_a_rerun_that_differs_from_what_was_sent_is_an_error_not_a_splice() -> None:
+    # The worker crashed after "def main"; its re-run sampled another text (temperature > 0
+    # on an engine that ignored the seed). The client must not get "def main" + the re-run's
+    # end as if it were one answer.
+    channel = ReplyChannel("r-8", "team-a")
+    channel.feed(Reply(id="r-8", n=0, at=0, text="def "))
+    channel.feed(Reply(id="r-8", n=1, at=4, text="main"))
+    channel.feed(Reply(id="r-8", n=0, at=0, text="class Foo:", done=True, status="ok"))
+    replies = _drain(channel)
+    assert [r.text for r in replies[:2]] == ["def ", "main"]
+    assert (replies[2].done, replies[2].status) == (True, "error")
+    assert "re-run's text differs" in (replies[2].error or "")
+
+
+def test_a_rerun_that_repeats_what_was_sent_goes_on_seamlessly() -> None:
+    channel = ReplyChannel("r-9", "team-a")
+    channel.feed(Reply(id="r-9", n=0, at=0, text="def "))
+    channel.feed(Reply(id="r-9", n=1, at=4, text="main"))
+    channel.feed(Reply(id="r-9", n=0, at=0, text="def main():", done=True, status="ok"))
+    assert "".join(r.text for r in _drain(channel)) == "def main():"
+
+
+async def test_channel_gives_each_gap_its_own_wait() -> None:
+    channel = ReplyChannel("r-7", "team-a", gap_wait_s=0.2)
     channel.feed(Reply(id="r-7", n=0, at=0, text="a"))
     channel.feed(Reply(id="r-7", n=2, at=2, text="c"))  # "b" missing
     channel.feed(Reply(id="r-7", n=4, at=4, text="e", done=True, status="ok"))  # "d" too
@@ -109,8 +129,8 @@ async def test_channel_gives_each_gap_its_own_wait(monkeypatch: pytest.MonkeyPat
     assert [r.text for r in _drain(channel)] == ["a", "b", "c"]
     await asyncio.sleep(0.1)  # past the first gap's wait, within the second's
     assert _drain(channel) == []
-    final = await channel.get(1.0)
-    assert (final.text, final.done) == ("e", True)
+    final = await channel.get(1.0)  # the second never filled
+    assert (final.done, final.status) == (True, "error")
 
 
 class _ReplyStream:

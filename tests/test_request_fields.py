@@ -66,7 +66,6 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     (COMPLETION, "best_of", 3),
     (COMPLETION, "echo", True),
     (COMPLETION, "logprobs", 0),  # a count for completions: even 0 asks for logprobs
-    (COMPLETION, "seed", 7),
     (COMPLETION, "logit_bias", {"50256": -100}),
     (COMPLETION, "presence_penalty", 0.5),
     (COMPLETION, "top_k", 40),  # vLLM's, not OpenAI's
@@ -135,7 +134,6 @@ def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
         "presence_penalty": 0.0,
         "frequency_penalty": 0,
         "logit_bias": {},
-        "seed": None,
         "tools": [],
         "tool_choice": "none",
         "response_format": {"type": "text"},
@@ -165,7 +163,7 @@ async def test_over_http_refusals_name_the_field_and_an_answer_can_be_sent_back(
     client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
     stack._clients.append(client)
     messages: list[Any] = [{"role": "user", "content": "explain this diff"}]
-    for option, value in (("n", 2), ("tools", [TOOL]), ("seed", 1)):
+    for option, value in (("n", 2), ("tools", [TOOL]), ("top_logprobs", 1)):
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(
                 model="laneway-chat", messages=messages, max_tokens=8, **{option: value}

@@ -348,6 +348,7 @@ class RequestExecutor:
             stop=env.stop,
             priority=_PRIORITY[env.cls] + (env.band == "lo"),
             deadline_ts=env.deadline_ts,
+            client_seed=env.seed,
         )
 
     async def report(

@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.constants import HEARTBEAT_TTL_S
 from laneway.errors import Cancelled, Dropped, MalformedMessage
+from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
 from laneway.settings import WorkerSettings
@@ -164,10 +165,14 @@ class PoolWorker:
         self._loops = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
             asyncio.create_task(self.dispatcher.run(), name="dispatch"),
-            asyncio.create_task(self._commit_loop(), name="commit"),
-            asyncio.create_task(self._cancel_loop(), name="cancels"),
+            asyncio.create_task(keep_running("the commit loop", self._commit_loop), name="commit"),
+            asyncio.create_task(
+                keep_running("the cancel topic", self._cancel_loop), name="cancels"
+            ),
             asyncio.create_task(self._early_cancel_loop(), name="early-cancels"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(
+                keep_running("the heartbeat", self._heartbeat_loop), name="heartbeat"
+            ),
         ]
         log.info(
             "worker %s serving pool %s with engine %s%s",

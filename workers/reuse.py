@@ -28,7 +28,8 @@ from laneway.schema import RequestEnvelope
 
 __all__ = ["Follower", "Generation", "ReuseRegistry"]
 
-Settings = tuple[str, str, float, float, tuple[str, ...]]  # route, suffix hash, temp, top_p, stop
+# route, suffix hash, temperature, top_p, stop, the client's seed
+Settings = tuple[str, str, float, float, tuple[str, ...], int | None]
 
 
 def _digest(text: str) -> bytes:
@@ -36,7 +37,8 @@ def _digest(text: str) -> bytes:
 
 
 def _settings(env: RequestEnvelope) -> Settings:
-    return (env.route, _digest(env.suffix or "").hex(), env.temperature, env.top_p, tuple(env.stop))
+    suffix = _digest(env.suffix or "").hex()
+    return (env.route, suffix, env.temperature, env.top_p, tuple(env.stop), env.seed)
 
 
 @dataclass(eq=False)

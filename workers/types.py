@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,17 @@ class EngineRequest:
     priority: int = 0  # lower runs first (vLLM's convention)
     # Epoch seconds by which it must have started (an upstream's first byte), or None.
     deadline_ts: float | None = None
+
+    client_seed: int | None = None  # the client's own ``seed``
+
+    @property
+    def seed(self) -> int:
+        """The client's seed, else one of its own that is the same on every run: a re-run
+        after a worker crash repeats the text a client already has (engines that honour
+        seeds do)."""
+        if self.client_seed is not None:
+            return self.client_seed
+        return int.from_bytes(hashlib.blake2b(self.id.encode(), digest_size=4).digest(), "big")
 
 
 @dataclass(frozen=True, slots=True)

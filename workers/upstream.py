@@ -144,6 +144,7 @@ class OpenAICompatibleEngine:
             "top_p": request.top_p,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "seed": request.seed,
         }
         if request.stop:
             body["stop"] = request.stop

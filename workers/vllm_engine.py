@@ -230,6 +230,7 @@ class VllmEngine:
             temperature=request.temperature,
             top_p=request.top_p,
             stop=list(request.stop) or None,
+            seed=request.seed,
             output_kind=vllm.sampling_params.RequestOutputKind.DELTA,
         )
 
