@@ -46,6 +46,7 @@ class BenchStack:
     ingress_env: dict[str, str] = field(default_factory=dict)
     jvm_options: list[str] = field(default_factory=list)  # extra JVM flags for the broker
     workers: list[dict[str, str]] = field(default_factory=list)
+    streams: bool = False  # run the streams app too (its CPU per usage event counts)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # every process of the stack, by role
 
@@ -164,6 +165,9 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
                     if len(stack.workers) == 1
                     else f"{worker.get('LANEWAY_POOL', 'completion')} worker",
                 )
+            if stack.streams:
+                data = tempfile.mkdtemp(prefix="laneway-bench-streams-")
+                stack.spawn("streams", {"LANEWAY_STREAMS_DATA_DIR": data}, role="streams")
             stack.wait_ready({w.get("LANEWAY_POOL", "completion") for w in stack.workers})
             yield stack
         finally:
