@@ -64,9 +64,12 @@ class BatchPoolWorker(PoolWorker):
 
     async def stop(self, grace_s: float | None = None) -> None:
         was_running = self._started and not self._stopped
+        for task in self._aborting:
+            task.cancel()
         await super().stop(grace_s)
         if was_running:
-            await self.txns.close_all()
+            async with asyncio.timeout(10):
+                await self.txns.close_all()
 
     # --- intake and execution -------------------------------------------------------------
 

@@ -46,6 +46,9 @@ __all__ = ["PoolWorker"]
 
 log = logging.getLogger(__name__)
 
+# The last commit of a stopping worker waits no longer than this.
+_STOP_COMMIT_S = 10.0
+
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, worker: PoolWorker) -> None:
@@ -211,8 +214,12 @@ class PoolWorker:
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
             await _cancel(pending)
         await _cancel([task for task in loops if task not in dispatch])
-        with contextlib.suppress(KafkaError):
-            await self.commit()
+        # Bounded: a commit that cannot complete (the group in a rebalance that waits on a
+        # member that is gone, a fenced producer) must not keep the process from exiting;
+        # what it would have committed runs again on the partition's next owner.
+        with contextlib.suppress(KafkaError, TimeoutError):
+            async with asyncio.timeout(_STOP_COMMIT_S):
+                await self.commit()
         await self.consumer.stop()
         await self.cancels.stop()
         await self.producer.stop()
