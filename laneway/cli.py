@@ -164,10 +164,15 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
 
 def cmd_topics_create(args: argparse.Namespace) -> int:
     settings = load_settings(StackSettings)
+    replicas = args.replication_factor or settings.replication_factor
+    if not 1 <= replicas <= 7:
+        raise ConfigError(f"--replication-factor must be within 1..7, not {replicas}")
+    if args.partitions < 0:
+        raise ConfigError(f"--partitions must be at least 1, not {args.partitions}")
     specs = settings.topics.specs(args.partitions or settings.partitions)
-    create_topics(settings.kafka_bootstrap, specs, settings.replication_factor)
+    create_topics(settings.kafka_bootstrap, specs, replicas)
     for name, partitions, _ in specs:
-        print(f"{name} ({partitions} partitions)")
+        print(f"{name} ({partitions} partitions, {replicas} replicas)")
     return 0
 
 
@@ -241,7 +246,14 @@ def _parser() -> argparse.ArgumentParser:
         dest="topics_command", required=True
     )
     tcreate = topics.add_parser("create", help="create the topics of DESIGN.md that are missing")
-    tcreate.add_argument("--partitions", type=int, default=0)
+    tcreate.add_argument("--partitions", type=int, default=0, help="default: LANEWAY_PARTITIONS")
+    tcreate.add_argument(
+        "--replication-factor",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replicas of each topic (default: LANEWAY_REPLICATION_FACTOR; at most the brokers)",
+    )
     tcreate.set_defaults(func=cmd_topics_create)
     add_usage_commands(sub)
     add_report_commands(sub)

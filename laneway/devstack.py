@@ -1,4 +1,5 @@
-"""Local Kafka (KRaft, single node) and Redis processes for `make up` and the test session.
+"""Local Kafka (KRaft: one node, or a small cluster) and Redis processes for `make up`, the
+test session and the drills.
 
 Both servers run as child processes in their own session, so a Ctrl-C in the terminal reaches
 only our CLI, which then stops workers first and the servers last.
@@ -20,6 +21,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
@@ -27,11 +29,13 @@ from typing import IO, Any, Self, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from laneway.errors import ServiceError
+from laneway.errors import ConfigError, ServiceError
 
 __all__ = [
     "KafkaBroker",
+    "KafkaCluster",
     "RedisServer",
+    "Replication",
     "ServiceError",
     "cache_dir",
     "create_topics",
@@ -342,10 +346,34 @@ class _ServerProcess:
         raise NotImplementedError
 
 
-class KafkaBroker(_ServerProcess):
-    """A single-node KRaft Kafka (broker and controller in one JVM) for development and tests.
+@dataclass(frozen=True)
+class Replication:
+    """Replica counts a broker gives new topics and its own internal topics (consumer
+    offsets, transaction state, share-group state)."""
 
-    The controller listens on ``port + 1``.
+    factor: int = 3
+    min_insync: int = 2
+    internal_factor: int = 3
+    internal_min_insync: int = 2
+
+    @classmethod
+    def single(cls) -> Replication:
+        """One node: one replica of everything."""
+        return cls(1, 1, 1, 1)
+
+
+def new_cluster_id() -> str:
+    """A random KRaft cluster id (base64 of a UUID, as ``kafka-storage random-uuid``)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+class KafkaBroker(_ServerProcess):
+    """A KRaft Kafka node (broker and controller in one JVM): alone by default, for
+    development and tests, or one voter of a ``KafkaCluster``.
+
+    The controller listens on ``port + 1``. ``voters`` is the shared
+    ``controller.quorum.voters`` (default: this node alone) and ``cluster_id`` the id every
+    node of a cluster is formatted with (default: a new one on first use).
     """
 
     name = "kafka"
@@ -360,12 +388,24 @@ class KafkaBroker(_ServerProcess):
         heap_mb: int = 768,
         partitions: int = 3,
         jvm_options: Sequence[str] = (),
+        node_id: int = 1,
+        voters: str = "",
+        cluster_id: str = "",
+        replication: Replication | None = None,
     ) -> None:
         super().__init__(port=port, data_dir=data_dir)
         self.heap_mb = heap_mb
         self.partitions = partitions
         self.jvm_options = tuple(jvm_options)  # extra JVM flags for the broker (benchmarks)
         self.bootstrap = f"127.0.0.1:{port}"
+        self.node_id = node_id
+        # Static voters, not a dynamic quorum: the port may change between runs without
+        # reformatting (a --standalone format records the controller endpoint in the log).
+        self.voters = voters or f"{node_id}@127.0.0.1:{port + 1}"
+        self.cluster_id = cluster_id
+        self.replication = replication or Replication.single()
+        # Ready once metadata names every voter as a live broker (all nodes are both).
+        self.expected_brokers = len(self.voters.split(","))
 
     @property
     def _log_dir(self) -> Path:
@@ -373,12 +413,11 @@ class KafkaBroker(_ServerProcess):
 
     def _server_properties(self) -> str:
         controller = f"127.0.0.1:{self.port + 1}"
+        rep = self.replication
         settings = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            # Static voters, not a dynamic quorum: the port may change between runs without
-            # reformatting (a --standalone format records the controller endpoint in the log).
-            "controller.quorum.voters": f"1@{controller}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": self.voters,
             "listeners": f"PLAINTEXT://{self.bootstrap},CONTROLLER://{controller}",
             "advertised.listeners": f"PLAINTEXT://{self.bootstrap}",
             "controller.listener.names": "CONTROLLER",
@@ -386,23 +425,23 @@ class KafkaBroker(_ServerProcess):
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "log.dirs": str(self._log_dir),
             "num.partitions": str(self.partitions),
-            "default.replication.factor": "1",
-            "min.insync.replicas": "1",
+            "default.replication.factor": str(rep.factor),
+            "min.insync.replicas": str(rep.min_insync),
             "auto.create.topics.enable": "false",
             # A restarted node finds its own previous registration still alive and retries
             # until that session expires (9 s by default); keep that wait short.
             "broker.session.timeout.ms": "3000",
             "broker.heartbeat.interval.ms": "500",
             "group.initial.rebalance.delay.ms": "0",
-            # One node: every internal topic has one replica; fewer partitions than the
-            # default 50 keep the first group join and transaction init fast.
-            "offsets.topic.replication.factor": "1",
+            # Fewer partitions than the default 50 keep the first group join and
+            # transaction init fast.
+            "offsets.topic.replication.factor": str(rep.internal_factor),
             "offsets.topic.num.partitions": "5",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": str(rep.internal_factor),
+            "transaction.state.log.min.isr": str(rep.internal_min_insync),
             "transaction.state.log.num.partitions": "5",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": str(rep.internal_factor),
+            "share.coordinator.state.topic.min.isr": str(rep.internal_min_insync),
             # Small segments so the cleaner gets to compact topics during a dev session.
             "log.segment.bytes": str(16 * 1024 * 1024),
             "log.retention.hours": "24",
@@ -441,7 +480,7 @@ class KafkaBroker(_ServerProcess):
     def _format_storage(self, classpath: str, properties: Path) -> None:
         if (self._log_dir / "meta.properties").is_file():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = self.cluster_id or new_cluster_id()
         log.info("formatting Kafka storage in %s (cluster id %s)", self._log_dir, cluster_id)
         argv = self._java(
             classpath,
@@ -462,7 +501,16 @@ class KafkaBroker(_ServerProcess):
             )
 
     def start(self, timeout: float = 90.0) -> None:
-        """Format storage on first use, start the broker and wait until it serves metadata."""
+        """Format storage on first use, start the broker and wait until it serves metadata
+        that names every voter as a broker."""
+        if self.running:
+            return
+        self.launch()
+        self._wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Format storage on first use and start the JVM, without waiting for it: a
+        cluster's nodes need each other (a quorum) before any of them is ready."""
         if self.running:
             return
         self._check_port_free(self.port, "Kafka")
@@ -477,6 +525,9 @@ class KafkaBroker(_ServerProcess):
         cp = argv.index("-cp")
         argv[cp:cp] = self.jvm_options  # after the defaults: the JVM takes the last of a flag
         self._spawn(argv)
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Wait until a launched node serves metadata naming every voter (stopped if not)."""
         self._wait_ready(timeout)
 
     def _probe(self) -> tuple[bool, str]:
@@ -489,9 +540,110 @@ class KafkaBroker(_ServerProcess):
             brokers = _run_sync(_metadata_brokers(self.bootstrap))
         except Exception as exc:  # noqa: BLE001 - any failure here means "not ready yet"
             return False, f"{type(exc).__name__}: {exc}"
-        if not brokers:
-            return False, "metadata lists no live broker yet"
+        if len(brokers) < self.expected_brokers:
+            return False, f"metadata lists {len(brokers)} of {self.expected_brokers} brokers"
         return True, ""
+
+
+class KafkaCluster:
+    """``size`` KRaft nodes, each a broker and a controller voter, on ports of their own:
+    node ``i`` (from 1) listens on ``port + 2(i - 1)`` and its controller one above."""
+
+    def __init__(
+        self,
+        *,
+        port: int,
+        data_dir: Path,
+        size: int = 3,
+        heap_mb: int = 384,
+        partitions: int = 3,
+        replication: Replication | None = None,
+    ) -> None:
+        replication = replication or Replication()
+        largest = max(replication.factor, replication.internal_factor)
+        if not 1 <= size <= 9 or largest > size:
+            raise ConfigError(
+                f"a cluster of {size} nodes cannot hold {largest} replicas (size: 1..9, "
+                "at least the replication factor)"
+            )
+        if not 1 <= replication.min_insync <= replication.factor or not (
+            1 <= replication.internal_min_insync <= replication.internal_factor
+        ):
+            raise ConfigError(f"min.insync.replicas must be within 1..the factor: {replication}")
+        ports = [port + 2 * i for i in range(size)]
+        voters = ",".join(f"{i}@127.0.0.1:{p + 1}" for i, p in enumerate(ports, start=1))
+        cluster_id = new_cluster_id()
+        self.nodes = [
+            KafkaBroker(
+                port=p,
+                data_dir=data_dir / f"node-{i}",
+                heap_mb=heap_mb,
+                partitions=partitions,
+                node_id=i,
+                voters=voters,
+                cluster_id=cluster_id,
+                replication=replication,
+            )
+            for i, p in enumerate(ports, start=1)
+        ]
+        self.bootstrap = ",".join(node.bootstrap for node in self.nodes)
+
+    def node(self, node_id: int) -> KafkaBroker:
+        """The node with ``node_id`` (1..size)."""
+        if not 1 <= node_id <= len(self.nodes):
+            raise ConfigError(f"no node {node_id}: the cluster has nodes 1..{len(self.nodes)}")
+        return self.nodes[node_id - 1]
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start every node at once (a quorum needs a majority before any node is ready),
+        then wait until each serves metadata naming all of them."""
+        try:
+            for node in self.nodes:
+                node.launch()
+            for node in self.nodes:
+                node.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def kill(self, node_id: int) -> None:
+        """SIGKILL one node and reap it (a crash: no controlled shutdown)."""
+        node = self.node(node_id)
+        node.send_signal(signal.SIGKILL)
+        if node.pid is not None:
+            node.wait()
+        node.stop()
+
+    def restart(self, node_id: int, timeout: float = 90.0) -> None:
+        """Start a node again on its data (after ``kill``) and wait until it serves."""
+        node = self.node(node_id)
+        node.stop()
+        node.start(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every node, killing what still runs after ``timeout``; safe to call twice.
+
+        All are asked at once, and a shared deadline bounds the wait: a node's controlled
+        shutdown needs an active controller, so whichever nodes are left last wait for a
+        quorum that left with the others (seen: the last one waits for good).
+        """
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            node.send_signal(signal.SIGTERM)
+        for node in self.nodes:
+            node.stop(max(0.5, deadline - time.monotonic()))
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 async def _metadata_brokers(bootstrap: str) -> list[Any]:

@@ -61,6 +61,15 @@ def free_port_pair() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def free_port_block(count: int) -> int:
+    """A port from which ``count`` consecutive ports are free (a cluster's nodes)."""
+    for _ in range(50):
+        port = free_port()
+        if port + count <= 65535 and not any(port_in_use(p) for p in range(port, port + count)):
+            return port
+    raise RuntimeError(f"no {count} adjacent free ports")
+
+
 def envelope(**fields: Any) -> RequestEnvelope:
     """A completion's envelope as the ingress would make it; ``fields`` override."""
     now = time.time()

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from laneway.devstack import (
     KafkaBroker,
+    KafkaCluster,
     RedisServer,
+    Replication,
     ServiceError,
     cache_dir,
     create_topics,
     port_in_use,
 )
-from tests.stack import free_port, free_port_pair
+from laneway.errors import ConfigError
+from tests.stack import free_port, free_port_block, free_port_pair
 
 
 @pytest.fixture
@@ -113,3 +119,62 @@ async def test_kafka_broker_creates_compacted_topic(tmp_path: Path) -> None:
         assert policy == "compact"
     broker.stop()
     assert not port_in_use(broker.port)
+
+
+def test_a_cluster_needs_as_many_nodes_as_replicas(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="a cluster of 2 nodes cannot hold 3 replicas"):
+        KafkaCluster(port=free_port_block(4), data_dir=tmp_path, size=2)
+    with pytest.raises(ConfigError, match=r"min\.insync\.replicas must be within 1\.\.the factor"):
+        KafkaCluster(port=free_port_block(6), data_dir=tmp_path, replication=Replication(3, 4))
+    with pytest.raises(ConfigError, match=r"no node 4: the cluster has nodes 1\.\.3"):
+        KafkaCluster(port=free_port_block(6), data_dir=tmp_path).node(4)
+
+
+async def _describe(
+    bootstrap: str, topic: str, partitions: int
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The topic's partitions and config, once the node asked knows all its partitions (a
+    node learns of a new topic a moment after the one that created it)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        async with asyncio.timeout(15):
+            while True:
+                [described] = await admin.describe_topics([topic])
+                if len(described["partitions"]) >= partitions:
+                    break
+                await asyncio.sleep(0.1)
+        [response] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    entries = response.to_object()["resources"][0]["config_entries"]
+    return described["partitions"], {e["config_names"]: e["config_value"] for e in entries}
+
+
+@pytest.mark.slow
+async def test_a_three_node_cluster_takes_writes_with_a_node_down(tmp_path: Path) -> None:
+    cluster = KafkaCluster(port=free_port_block(6), data_dir=tmp_path, heap_mb=256, partitions=2)
+    await asyncio.to_thread(cluster.start)
+    try:
+        await asyncio.to_thread(create_topics, cluster.bootstrap, [("cluster.t", 2, {})], 3)
+        partitions, config = await _describe(cluster.bootstrap, "cluster.t", 2)
+        assert [len(p["replicas"]) for p in partitions] == [3, 3]
+        assert config["min.insync.replicas"] == "2"
+        leader = partitions[0]["leader"]
+        await asyncio.to_thread(cluster.kill, leader)
+        assert not cluster.node(leader).running
+        # Two replicas of three are in sync: acks=all writes go on (min ISR 2).
+        producer = AIOKafkaProducer(bootstrap_servers=cluster.bootstrap, acks="all")
+        await producer.start()
+        try:
+            for partition in (0, 1):
+                await producer.send_and_wait("cluster.t", b"x", partition=partition)
+        finally:
+            await producer.stop()
+        partitions, _ = await _describe(cluster.bootstrap, "cluster.t", 2)
+        assert all(leader not in p["isr"] for p in partitions)
+        await asyncio.to_thread(cluster.restart, leader)
+        assert cluster.node(leader).running  # and its metadata names all three brokers
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    assert not any(port_in_use(node.port) for node in cluster.nodes)

@@ -1,9 +1,10 @@
-"""``laneway drill surge``: the command line of the drills."""
+"""``laneway drill surge|chaos``: the command line of the drills."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -12,8 +13,12 @@ from typing import Any
 
 import httpx
 
+from laneway.devstack import port_in_use
+from laneway.drills.chaos import ChaosPlan, run_chaos
+from laneway.drills.chaos_report import details, events_table, tally_table
 from laneway.drills.observe import StackObserver
 from laneway.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
+from laneway.drills.topology import TopologyPlan
 from laneway.errors import ConfigError, LanewayError
 from laneway.settings import StackSettings, load_settings
 
@@ -21,7 +26,7 @@ __all__ = ["add_drill_commands"]
 
 
 def add_drill_commands(sub: Any) -> None:
-    """Add ``drill surge`` to the ``laneway`` parser's subcommands."""
+    """Add ``drill surge`` and ``drill chaos`` to the ``laneway`` parser's subcommands."""
     drill = sub.add_parser("drill", help="operating drills against a running stack")
     drills = drill.add_subparsers(dest="drill_command", required=True)
     surge = drills.add_parser(
@@ -42,6 +47,28 @@ def add_drill_commands(sub: Any) -> None:
     surge.add_argument("--max-tokens", type=int, default=16)
     surge.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     surge.set_defaults(func=cmd_drill_surge)
+    chaos = drills.add_parser(
+        "chaos",
+        help="kill workers, a broker, Redis and an ingress under load: nothing lost, "
+        "nothing twice?",
+        description="Starts a topology of its own (3 KRaft brokers, replication 3, min ISR "
+        "2; Redis; 2 ingresses; 2 workers per pool on the simulated engine; the streams "
+        "app) on ports from --base-port, breaks it under load and prints the count. Exit 0 "
+        "when nothing was lost, duplicated or left without a usage event.",
+    )
+    chaos.add_argument(
+        "--short", action="store_true", help="the faults closer together, less load (make test)"
+    )
+    chaos.add_argument(
+        "--base-port", type=int, default=33000, help="first of the ports it uses (default 33000)"
+    )
+    chaos.add_argument(
+        "--data-dir",
+        default="",
+        help="a new directory for its data and logs "
+        "(default: <LANEWAY_DATA_DIR>/drills/chaos-<time>)",
+    )
+    chaos.set_defaults(func=cmd_drill_chaos)
 
 
 def cmd_drill_surge(args: argparse.Namespace) -> int:
@@ -88,6 +115,48 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
     rows = judge(run)
     _say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
     return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_drill_chaos(args: argparse.Namespace) -> int:
+    plan = ChaosPlan.short() if args.short else ChaosPlan()
+    topology = TopologyPlan(base_port=args.base_port)
+    if not 1024 <= topology.base_port <= 65535 - (topology.last_port - topology.base_port):
+        raise ConfigError(f"--base-port must be within 1024..65000, not {args.base_port}")
+    busy = [port for port in range(topology.base_port, topology.last_port + 1) if port_in_use(port)]
+    if busy:
+        raise ConfigError(
+            f"--base-port {topology.base_port}: ports {busy} of "
+            f"{topology.base_port}..{topology.last_port} are taken; choose another base"
+        )
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    data = Path(
+        args.data_dir or Path(load_settings(StackSettings).data_dir) / "drills" / f"chaos-{stamp}"
+    )
+    if data.exists() and any(data.iterdir()):
+        raise ConfigError(
+            f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "
+            "needs a directory of its own"
+        )
+    _say(
+        f"chaos drill{' (short)' if args.short else ''}: about {plan.load_s:.0f} s of load "
+        f"plus start-up and settling; topology on ports {topology.base_port}.."
+        f"{topology.last_port}, data and logs in {data}. Workers run the simulated engine "
+        "(a GPU performance model, no GPU)."
+    )
+    # The drill kills brokers on purpose: its own clients' connection errors are expected
+    # (the services log theirs in their own logs).
+    kafka_log = logging.getLogger("aiokafka")
+    level = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    try:
+        run = asyncio.run(run_chaos(plan, topology, data))
+    finally:
+        kafka_log.setLevel(level)
+    _say(f"{events_table(run.events)}\n\n{tally_table(run.tally)}")
+    if problems := details(run.tally):
+        _say(f"\n{problems}")
+    _say(f"\nbatch job {run.job_id}; whole drill {run.seconds:.0f} s; logs in {data / 'logs'}")
+    return 0 if run.tally.target_met else 1
 
 
 def _say(text: str) -> None:
