@@ -177,7 +177,29 @@ def _run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
         return pool.submit(asyncio.run, coro).result()
 
 
-class _ServerProcess:
+class _StartedInside:
+    """``with server:`` starts it and stops it after the block."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _ServerProcess(_StartedInside):
     """A child server process: log file, port guard, stop with SIGTERM then SIGKILL."""
 
     name = "server"
@@ -329,21 +351,6 @@ class _ServerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -545,7 +552,7 @@ class KafkaBroker(_ServerProcess):
         return True, ""
 
 
-class KafkaCluster:
+class KafkaCluster(_StartedInside):
     """``size`` KRaft nodes, each a broker and a controller voter, on ports of their own:
     node ``i`` (from 1) listens on ``port + 2(i - 1)`` and its controller one above."""
 
@@ -632,18 +639,6 @@ class KafkaCluster:
             node.send_signal(signal.SIGTERM)
         for node in self.nodes:
             node.stop(max(0.5, deadline - time.monotonic()))
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 async def _metadata_brokers(bootstrap: str) -> list[Any]:

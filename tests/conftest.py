@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -31,6 +32,15 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
             kafka.stop()
     finally:
         redis.stop()
+
+
+@pytest.fixture
+def occupied_port() -> Iterator[int]:
+    """A port something listens on for the test's length."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
 
 
 @pytest.fixture

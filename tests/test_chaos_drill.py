@@ -3,8 +3,6 @@ ingress, its command line, and the short drill itself on a topology of its own."
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -170,21 +168,13 @@ def test_a_plan_that_cannot_run_is_refused() -> None:
         ChaosPlan(gap_s=0)
 
 
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
-
-
 def test_the_cli_names_a_bad_option(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, taken_port: int
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, occupied_port: int
 ) -> None:
     assert main(["drill", "chaos", "--base-port", "80"]) == 2
     assert "--base-port must be within 1024..65000, not 80" in capsys.readouterr().err
-    assert main(["drill", "chaos", "--base-port", str(taken_port)]) == 2
-    assert f"--base-port {taken_port}: ports [{taken_port}] of" in capsys.readouterr().err
+    assert main(["drill", "chaos", "--base-port", str(occupied_port)]) == 2
+    assert f"--base-port {occupied_port}: ports [{occupied_port}] of" in capsys.readouterr().err
     (tmp_path / "old").write_text("from an earlier run")
     free = _free_block()
     assert main(["drill", "chaos", "--base-port", str(free), "--data-dir", str(tmp_path)]) == 2

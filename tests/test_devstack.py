@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ from laneway.devstack import (
 )
 from laneway.errors import ConfigError
 from tests.stack import free_port, free_port_block, free_port_pair
-
-
-@pytest.fixture
-def occupied_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def test_cache_dir_follows_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import orjson
 from aiokafka import AIOKafkaConsumer
@@ -24,6 +25,7 @@ from laneway.schema import BatchRequest, RequestEnvelope, decode
 __all__ = ["Accepted", "ChaosTally", "TopicRecord", "read_to_end", "tally"]
 
 TopicRecord = tuple[str, bytes]  # topic, value
+_W = TypeVar("_W", RequestEnvelope, BatchRequest)
 
 
 @dataclass(frozen=True)
@@ -90,30 +92,29 @@ async def read_to_end(
     return found
 
 
-def accepted_requests(records: Sequence[TopicRecord]) -> list[Accepted]:
-    """The interactive requests on the request topics, with the client tag they carry."""
-    found = []
+def _decoded(records: Sequence[TopicRecord], model: type[_W]) -> Iterator[_W]:
+    """The records that are ``model``s (another writer's are skipped)."""
     for _, value in records:
         try:
-            env = decode(RequestEnvelope, value)
+            item = decode(model, value)
         except MalformedMessage:
             continue
-        text = env.prompt + "".join(m.content for m in env.messages or [])
-        found.append(Accepted(env.id, tag_of(text), env.cls))
-    return found
+        yield item
+
+
+def accepted_requests(records: Sequence[TopicRecord]) -> list[Accepted]:
+    """The interactive requests on the request topics, with the client tag they carry."""
+    return [
+        Accepted(
+            env.id, tag_of(env.prompt + "".join(m.content for m in env.messages or [])), env.cls
+        )
+        for env in _decoded(records, RequestEnvelope)
+    ]
 
 
 def batch_lines(records: Sequence[TopicRecord], job_id: str) -> list[str]:
     """Line ids of ``job_id`` on the batch request topic."""
-    lines = []
-    for _, value in records:
-        try:
-            line = decode(BatchRequest, value)
-        except MalformedMessage:
-            continue
-        if line.job_id == job_id:
-            lines.append(line.line_id)
-    return lines
+    return [line.line_id for line in _decoded(records, BatchRequest) if line.job_id == job_id]
 
 
 def batch_results(records: Sequence[TopicRecord], job_id: str) -> list[str]:

@@ -129,9 +129,10 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
             f"{topology.base_port}..{topology.last_port} are taken; choose another base"
         )
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    # Absolute: the servers run with their data directory as working directory.
     data = Path(
         args.data_dir or Path(load_settings(StackSettings).data_dir) / "drills" / f"chaos-{stamp}"
-    )
+    ).resolve()
     if data.exists() and any(data.iterdir()):
         raise ConfigError(
             f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "
