@@ -150,8 +150,8 @@ class Prober:
         partitions = sorted(await state.producer.partitions_for(topic))
         tp = TopicPartition(topic, DefaultPartitioner()(job.encode(), partitions, partitions))
         consumer = make_consumer(self.settings, isolation_level="read_committed")
-        await consumer.start()
         try:
+            await consumer.start()  # inside: a probe stopped while it starts still closes it
             consumer.assign([tp])
             await consumer.seek_to_end(tp)
             await consumer.position(tp)

@@ -88,7 +88,8 @@ async def test_one_teams_over_long_prompts_isolate_that_team_alone(
         events = await stack.read_topic(
             stack.topics.usage, count=40, where=lambda e: e["team"] == "team-a"
         )
-        assert [e["status"] for e in events] == ["rejected"] * 40
+        # One partition (keyed by team), in the order produced: A's 40 long prompts first.
+        assert [e["status"] for e in events[:40]] == ["rejected"] * 40
     finally:
         assert await streams.stop() == 0, streams.log()
         upstream.stop()

@@ -155,8 +155,6 @@ class PoolWorker:
         self._started = True
         await self.engine.start()
         self.engine.watch_capacity(self.dispatcher.wake)
-        with contextlib.suppress(RedisError, OSError):  # down: the heartbeat tries again
-            await self.clock.sync(self.redis, samples=3)
         if self.fleet is not None:
             self.fleet.local(0, 0, self.engine.capacity())
             await self.fleet.start()
@@ -232,6 +230,10 @@ class PoolWorker:
     # --- fetch ---------------------------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
+        # Learn the clock's offset before the first envelope's deadline is read (Redis
+        # down: the heartbeat tries again, and deadlines are read on the local clock).
+        with contextlib.suppress(RedisError, OSError):
+            await self.clock.sync(self.redis, samples=3)
         try:
             await self._fetch()
         except Exception:
