@@ -24,7 +24,14 @@ from laneway.errors import LanewayError, MalformedMessage
 from laneway.schema import UsageEvent, decode
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
-from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.breaker import (
+    BreakerPolicy,
+    BreakerState,
+    add_outcome,
+    next_state,
+    route_counts,
+    window_counts,
+)
 from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
@@ -45,7 +52,9 @@ log = logging.getLogger(__name__)
 # Hours of rollups kept: the 24 complete hours the variance needs, the current one, and one
 # more so an hour that closes late is still there when its last events arrive.
 RETENTION_HOURS = WINDOW_HOURS + 2
-_COUNTED_STATUSES = ("ok", "error")
+# What the breaker counts: served, failed in the engine, refused by the engine for what the
+# request asked (its team's doing); drops (cancelled, superseded, expired) say nothing.
+_COUNTED_STATUSES = ("ok", "error", "rejected")
 
 
 @dataclass
@@ -142,7 +151,12 @@ class UsageProcessor:
         if already_applied(value, partition, offset):
             return
         counted = add_outcome(
-            value["b"], event.ts, error=event.status == "error", now=now, policy=self.policy
+            value["b"],
+            event.ts,
+            error=event.status == "error",
+            rejected=event.status == "rejected",
+            now=now,
+            policy=self.policy,
         )
         if counted:
             mark_applied(value, partition, offset)
@@ -158,16 +172,19 @@ class UsageProcessor:
 
     async def evaluate_breakers(self) -> list[BreakerTransition]:
         now = self.clock()
-        totals: dict[BreakerSubject, list[int]] = {}
+        totals: dict[BreakerSubject, tuple[int, int]] = {}
+        by_route: dict[str, list[tuple[int, int]]] = {}
         for key, value in list(self.outcomes.items()):
-            requests, errors = window_counts(value["b"], now, self.policy)
+            requests, errors, rejected = window_counts(value["b"], now, self.policy)
             if requests == 0:
                 continue
             route, team = orjson.loads(key)
-            for subject in ((route, team), (route, None)):
-                counts = totals.setdefault(subject, [0, 0])
-                counts[0] += requests
-                counts[1] += errors
+            # The team's own level: every failure of its requests, refusals included.
+            totals[(route, team)] = (requests, errors + rejected)
+            # The route's: engine errors of requests the engine took, across teams.
+            by_route.setdefault(route, []).append((requests - rejected, errors))
+        for route, per_team in by_route.items():
+            totals[(route, None)] = route_counts(per_team)
         raised = {subject for subject, state in self.states.items() if state.level > 0}
         transitions: list[BreakerTransition] = []
         for subject in set(totals) | raised:

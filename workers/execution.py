@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
 
-from laneway.errors import Dropped, EngineError
+from laneway.errors import Dropped, EngineError, EngineRejected
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
@@ -175,7 +175,10 @@ class RequestExecutor:
                 exc,
                 extra={"request_id": env.id, "team": env.team},
             )
-            status, error = "error", str(exc)
+            # A request the engine refused for what it asks is "rejected": the breaker counts
+            # it against its team only, never against the route (it says nothing of the engine).
+            status = "rejected" if isinstance(exc, EngineRejected) else "error"
+            error = str(exc)
         except BaseException:
             if chunks is not None:
                 chunks.cancel()

@@ -24,6 +24,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
+from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S
 from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
@@ -71,6 +72,8 @@ class PoolWorker:
         self.topics = settings.topics
         self.keys = settings.keys
         self.shield = CancelShield(enabled=settings.shield)
+        # Deadlines come stamped on Redis's clock; this machine's may be off (see _accept).
+        self.clock = RedisClock()
         self.offsets = OffsetTracker()
         self.queue = DispatchQueue()
         self.dispatcher = Dispatcher(
@@ -234,6 +237,10 @@ class PoolWorker:
     # --- fetch ---------------------------------------------------------------------------
 
     async def _fetch_loop(self) -> None:
+        # Learn the clock's offset before the first envelope's deadline is read (Redis
+        # down: the heartbeat tries again, and deadlines are read on the local clock).
+        with contextlib.suppress(RedisError, OSError):
+            await self.clock.sync(self.redis, samples=3)
         try:
             await self._fetch()
         except Exception:
@@ -295,6 +302,11 @@ class PoolWorker:
         except MalformedMessage as exc:
             self._skip(tp, record.offset, exc)
             return None
+        if env.deadline_ts is not None and self.clock.material:
+            # The deadline is on Redis's clock and this machine's clock is off: moved onto
+            # the local clock once, here, so every later check (shield, dispatch queue,
+            # upstream timer) compares it with time.time() as it is.
+            env = env.model_copy(update={"deadline_ts": self.clock.to_local(env.deadline_ts)})
         return env
 
     async def _observe(self, env: RequestEnvelope) -> None:
@@ -537,7 +549,7 @@ class PoolWorker:
         info_key = self.keys.worker_info(self.settings.worker_id)
         scaling = ScalingSignal(self.settings, self.redis, self.producer)
         while True:
-            now = time.time()
+            now = self.clock.now()  # Redis's clock, as the ingress reads the beats on it
             stats = self.engine.stats()
             info: dict[str, Any] = {
                 "pool": self.pool,
@@ -569,6 +581,7 @@ class PoolWorker:
                     pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
                     pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
                     await pipe.execute()
+                await self.clock.sync(self.redis)
             except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
                 log.warning("heartbeat to Redis failed: %s", exc)
             metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))

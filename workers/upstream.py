@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from laneway.errors import Aborted, EngineError, Expired
+from laneway.errors import Aborted, EngineError, EngineRejected, Expired
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
 from workers.learned_slots import LearnedSlots
@@ -243,6 +243,11 @@ class OpenAICompatibleEngine:
             call.headers = None
         if response.status != 200:
             detail = (await response.read())[:300].decode(errors="replace")
+            if response.status in _REQUEST_REFUSED:
+                # The upstream refused the request itself (a prompt over its context,
+                # parameters it does not take): the client's doing, not a route fault for
+                # the breaker; the upstream's reason goes back to the client, its address not.
+                raise EngineRejected(f"the engine refused the request: {_reason(detail)}")
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
         return response
 
@@ -275,6 +280,23 @@ class OpenAICompatibleEngine:
 
 
 _JSON = {"content-type": "application/json"}
+# Statuses by which OpenAI-compatible servers (vLLM, SGLang, llama.cpp, TGI) refuse a request
+# for what it asks: bad request, too large, unprocessable.
+_REQUEST_REFUSED = frozenset({400, 413, 422})
+
+
+def _reason(detail: str) -> str:
+    """The message of an OpenAI-style error body (``{"error": {"message"}}`` or vLLM's
+    ``{"message"}``), else the body's first 200 characters."""
+    try:
+        body = orjson.loads(detail)
+    except orjson.JSONDecodeError:
+        return detail[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if message is None and isinstance(body, dict):
+        message = body.get("message")
+    return str(message)[:200] if message else detail[:200]
 
 
 def _expire(call: _Call) -> None:
