@@ -12,7 +12,9 @@ Each request it received writes one JSON line to ``--log`` when it ends: ``recv`
 (a slot was free: the work began, or null), ``end``, ``tokens``, ``outcome`` (``done``,
 ``gone_queued``, ``gone_running``), ``stream`` and ``prompt`` (the prompt or the last chat
 message), with times from ``time.time()``. Benches and tests judge laneway by this log, which
-laneway does not write. ``--metrics`` serves vLLM's ``vllm:num_requests_running`` and
+laneway does not write. ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
+``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
+``--metrics`` serves vLLM's ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` on ``/metrics`` (as vLLM does; without it, it is a server that
 publishes no queue length); ``/stats`` has the same two counts as JSON, always.
 """
@@ -41,6 +43,7 @@ class Upstream:
     token_ms: float
     prefill_ms: float = 0.0
     log: TextIO | None = None
+    max_model_len: int = 0  # 0: no limit
     running: int = 0
     waiting: int = 0
     _slots: asyncio.Semaphore = field(init=False)
@@ -87,6 +90,24 @@ class Upstream:
             yield _WORDS[i % len(_WORDS)]
 
 
+def _too_long(upstream: Upstream, body: dict[str, Any], count: int) -> web.Response | None:
+    """vLLM's answer to a request longer than its context, or None."""
+    if not upstream.max_model_len:
+        return None
+    messages = body.get("messages")
+    text = "".join(str(m.get("content", "")) for m in messages) if messages else _prompt(body)
+    prompt = (len(text) + 3) // 4
+    if prompt + count <= upstream.max_model_len:
+        return None
+    message = (
+        f"This model's maximum context length is {upstream.max_model_len} tokens. However, "
+        f"you requested {prompt + count} tokens ({prompt} in the messages, {count} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+    error = {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
+    return web.json_response(error, status=400)
+
+
 def _prompt(body: dict[str, Any]) -> str:
     if "messages" in body:
         messages = body.get("messages") or [{}]
@@ -111,6 +132,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "stream": stream,
         "prompt": _prompt(body),
     }
+    refused = _too_long(upstream, body, count)
+    if refused is not None:
+        upstream.record({**entry, "outcome": "refused", "end": time.time()})
+        return refused
     try:
         async with upstream.slot(entry):
             if stream:
@@ -208,7 +233,7 @@ def make_app(upstream: Upstream, *, metrics: bool) -> web.Application:
 async def serve(args: argparse.Namespace) -> None:
     # A line per request, flushed as it ends: blocking writes are the log's whole point.
     log = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115, ASYNC230
-    upstream = Upstream(args.slots, args.token_ms, args.prefill_ms, log)
+    upstream = Upstream(args.slots, args.token_ms, args.prefill_ms, log, args.max_model_len)
     # handler_cancellation: a client that goes away cancels its handler, queued or running,
     # as vLLM's server aborts a request whose connection closed.
     runner = web.AppRunner(
@@ -235,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first")
     parser.add_argument("--log", default="", help="JSON lines, one per request, when it ends")
     parser.add_argument("--metrics", action="store_true", help="serve vLLM-style /metrics")
+    parser.add_argument(
+        "--max-model-len", type=int, default=0, help="refuse longer requests with 400 (0: none)"
+    )
     args = parser.parse_args(argv)
     if args.slots < 1:
         parser.error(f"--slots must be at least 1, got {args.slots}")

@@ -1,5 +1,10 @@
-"""Admin API: set a team's record (size, complexity, tier, supersession policy); read its
-budget, usage and factor."""
+"""Admin API: team records (size, complexity, tier, supersession policy) with their budget,
+usage and factor; API keys (create, list, revoke).
+
+Every route needs ``Authorization: Bearer <LANEWAY_ADMIN_KEY>``; without a key set, the API
+is off (404). It is for operators inside the network: the public proxy does not pass
+``/admin`` (see docs/security.md).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from starlette.responses import Response
 
 from ingress.responses import JSONResponse
 from ingress.state import IngressState
+from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.errors import NotFound, Unauthorized
 from laneway.openai_api import parse_body
 from quota import Team, get_team, set_team
 
-__all__ = ["admin_router"]
+__all__ = ["admin_router", "is_admin"]
 
 admin_router = APIRouter(prefix="/admin")
 
@@ -30,13 +36,27 @@ class TeamBody(BaseModel):
     type_through: bool = True
 
 
-def _authorise(request: Request) -> IngressState:
+class KeyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    team: str = Field(min_length=1, max_length=200)
+
+
+def is_admin(request: Request) -> bool:
+    """Whether the request carries the admin key (never true while the admin API is off)."""
     state: IngressState = request.app.state.laneway
     expected = state.settings.admin_key.get_secret_value()
-    if not expected:
-        raise NotFound("the admin API is disabled (set LANEWAY_ADMIN_KEY)")
     given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+    return bool(expected) and hmac.compare_digest(
+        given.encode(errors="surrogatepass"), f"Bearer {expected}".encode()
+    )
+
+
+def _authorise(request: Request) -> IngressState:
+    state: IngressState = request.app.state.laneway
+    if not state.settings.admin_key.get_secret_value():
+        raise NotFound("the admin API is disabled (set LANEWAY_ADMIN_KEY)")
+    if not is_admin(request):
         raise Unauthorized("admin key required: 'Authorization: Bearer <LANEWAY_ADMIN_KEY>'")
     return state
 
@@ -64,3 +84,29 @@ async def get_team_budget(team: str, request: Request) -> Response:
         raise NotFound(f"no team {team!r} (create it with PUT /admin/teams/{team})", param="team")
     record = await get_team(state.redis, state.keys, team)
     return JSONResponse(await state.quota.enforcer.snapshot(record))
+
+
+@admin_router.post("/keys")
+async def post_key(request: Request) -> Response:
+    """A new key for a team: shown in this answer only (Redis keeps its hash)."""
+    state = _authorise(request)
+    body = parse_body(KeyBody, await request.body())
+    key = await create_key(state.redis, state.keys, body.team)
+    created = {"id": key_id(hash_key(key)), "team": body.team, "key": key}
+    return JSONResponse(created, status_code=201)
+
+
+@admin_router.get("/keys")
+async def get_keys(request: Request, team: str | None = None) -> Response:
+    """The stored keys (of ``?team=``): ids, teams and creation times, never a key."""
+    state = _authorise(request)
+    records = await list_keys(state.redis, state.keys, team)
+    return JSONResponse({"object": "list", "data": [r.public() for r in records]})
+
+
+@admin_router.delete("/keys/{key_or_id}")
+async def delete_key(key_or_id: str, request: Request) -> Response:
+    """Revoke a key, named by its id (or by the key itself): every replica refuses it."""
+    state = _authorise(request)
+    record = await revoke_key(state.redis, state.producer, state.topics, state.keys, key_or_id)
+    return JSONResponse({**record.public(), "revoked": True})

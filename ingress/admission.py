@@ -4,47 +4,48 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import time
 
 from aiokafka import AIOKafkaProducer
 from starlette.datastructures import Headers
 
 from ingress.auth import Caller
-from laneway.constants import Band, RequestClass
-from laneway.errors import BadRequest
+from ingress.headers import LanewayHeaders
+from laneway.clock import RedisClock
+from laneway.constants import RequestClass
 from laneway.openai_api import ChatRequest, CompletionRequest
 from laneway.requests import shape_request
 from laneway.schema import RequestEnvelope
 from laneway.settings import IngressSettings
 
-__all__ = ["Admission", "new_request_id"]
-
-SESSION_HEADER = "x-laneway-session"
-SEQ_HEADER = "x-laneway-seq"
-PRIORITY_HEADER = "x-laneway-priority"
-DEADLINE_HEADER = "x-laneway-deadline-ms"
+__all__ = ["Admission", "affinity_key", "new_request_id"]
 
 
 def new_request_id(kind: str) -> str:
     return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{secrets.token_hex(12)}"
 
 
-def _int_header(headers: Headers, name: str) -> int | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise BadRequest(f"header {name}: {raw!r} is not an integer", param=name) from None
+def affinity_key(team: str, session: str | None, prompt_head: str = "") -> str:
+    """The Kafka key of a request: its team's session, else its team and prompt prefix.
+
+    The team is part of it: a session is a name a team chose, and two teams' documents of
+    the same name are two sessions (nor do two teams share a worker's prefix cache by it).
+    """
+    if session is not None:
+        scoped = f"{team}\0{session}".encode(errors="surrogatepass")
+        return "s:" + hashlib.blake2b(scoped, digest_size=8).hexdigest()
+    scoped = f"{team}\0{prompt_head}".encode(errors="surrogatepass")
+    return "p:" + hashlib.blake2b(scoped, digest_size=8).hexdigest()
 
 
 class Admission:
     """Builds envelopes (class, band, route, deadline, affinity) and produces them."""
 
-    def __init__(self, settings: IngressSettings, producer: AIOKafkaProducer) -> None:
+    def __init__(
+        self, settings: IngressSettings, producer: AIOKafkaProducer, clock: RedisClock
+    ) -> None:
         self.settings = settings
         self.producer = producer
+        self.clock = clock
         self.topics = settings.topics
 
     def envelope(
@@ -58,42 +59,22 @@ class Admission:
         s = self.settings
         cls: RequestClass = "completion" if isinstance(body, CompletionRequest) else "chat"
         shape = shape_request(s, body, cls)
+        asked = LanewayHeaders.parse(headers)
         deadline_ms = s.completion_deadline_ms if cls == "completion" else s.chat_deadline_ms
-        band: Band = caller.team.tier
-        asked = headers.get(PRIORITY_HEADER)
-        if asked is not None:
-            if asked not in ("hi", "lo"):
-                raise BadRequest(
-                    f"header {PRIORITY_HEADER}: {asked!r} must be 'hi' or 'lo'",
-                    param=PRIORITY_HEADER,
-                )
-            if asked == "lo":  # a header may only lower the team's band
-                band = "lo"
-        header_deadline = _int_header(headers, DEADLINE_HEADER)
-        if header_deadline is not None:
-            if header_deadline <= 0:
-                raise BadRequest(
-                    f"header {DEADLINE_HEADER}: {header_deadline} must be positive",
-                    param=DEADLINE_HEADER,
-                )
-            deadline_ms = min(deadline_ms, header_deadline)
-        session = headers.get(SESSION_HEADER)
-        seq = _int_header(headers, SEQ_HEADER)
-        if session is not None:
-            affinity = f"s:{session}"
-        else:
-            head = shape.prompt[: s.affinity_prefix_chars].encode()
-            affinity = "p:" + hashlib.blake2b(head, digest_size=8).hexdigest()
-        now = time.time()
+        if asked.deadline_ms is not None:
+            deadline_ms = min(deadline_ms, asked.deadline_ms)
+        team = caller.team.name
+        head = "" if asked.session is not None else shape.prompt[: s.affinity_prefix_chars]
+        now = self.clock.now()  # Redis's clock: workers judge the deadline on it too
         return shape.envelope(
             id=new_request_id(shape.kind),
-            team=caller.team.name,
+            team=team,
             cls=cls,
-            band=band,
+            band=asked.band(caller.team.tier),
             stream=body.stream,
-            session=session,
-            seq=seq,
-            affinity=affinity,
+            session=asked.session,
+            seq=asked.seq,
+            affinity=affinity_key(team, asked.session, head),
             reply_to=reply_to,
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,

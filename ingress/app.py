@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ingress.admin import admin_router
 from ingress.errors import install_error_handlers
+from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
 from ingress.state import IngressState
 from laneway.settings import IngressSettings
@@ -32,6 +33,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.router.routes.extend(HOT_ROUTES)  # tried before the included routers
     app.include_router(router)
     app.include_router(admin_router)

@@ -1,57 +1,82 @@
-"""Who is calling: bearer key → team, team → record, both cached briefly in-process."""
+"""Who is calling: bearer key → team, team → record, both cached briefly in-process.
+
+Keys are known by their hash here too (no key is kept in memory longer than a request). A
+revoked key is refused first, from the revocations every replica reads off Kafka, so it
+stays refused while Redis is away; an unknown key is refused from memory for a while, so a
+client repeating a wrong key cannot make each request a Redis read.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Container
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from laneway.apikeys import lookup_team
+from laneway.apikeys import hash_key, key_id, lookup_hash, well_formed
 from laneway.cache import TtlCache
-from laneway.constants import API_KEY_CACHE_S, RedisKeys
+from laneway.constants import API_KEY_CACHE_S, UNKNOWN_KEY_CACHE_S, RedisKeys
 from laneway.errors import ServiceUnavailable, Unauthorized
 from quota.teams import Team, get_team
 
 __all__ = ["Caller", "CallerResolver"]
 
+log = logging.getLogger(__name__)
+
+_UNKNOWN = "unknown API key (create one with `laneway keys create --team T`)"
+
 
 @dataclass(frozen=True, slots=True)
 class Caller:
     team: Team
-    key_hint: str  # last characters of the key, for logs
+    key_id: str  # names the key in logs (``laneway keys list``); not the key
 
 
 class CallerResolver:
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: RedisKeys, revoked: Container[str] = frozenset()
+    ) -> None:
         self.redis = redis
         self.keys = keys
-        self._teams_by_key: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
+        self.revoked = revoked
+        self._teams_by_key: TtlCache[str] = TtlCache(API_KEY_CACHE_S)  # by key hash
+        self._unknown: TtlCache[bool] = TtlCache(UNKNOWN_KEY_CACHE_S)
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
 
     async def resolve(self, authorization: str | None) -> Caller:
-        if not authorization or not authorization.lower().startswith("bearer "):
+        if not authorization or authorization[:7].lower() != "bearer ":
             raise Unauthorized("missing 'Authorization: Bearer <key>' header")
         key = authorization[7:].strip()
+        if not well_formed(key):
+            raise Unauthorized(_UNKNOWN)
+        digest = hash_key(key)
+        if digest in self.revoked:
+            raise Unauthorized("this API key was revoked (ask for a new one)")
+        if self._unknown.get(digest):
+            raise Unauthorized(_UNKNOWN)
         try:
-            team_name = self._teams_by_key.get(key)
+            team_name = self._teams_by_key.get(digest)
             if team_name is None:
-                team_name = await lookup_team(self.redis, self.keys, key)
+                team_name = await lookup_hash(self.redis, self.keys, digest)
                 if team_name is None:
-                    raise Unauthorized(
-                        "unknown API key (create one with `laneway keys create --team T`)"
-                    )
-                self._teams_by_key.put(key, team_name)
+                    self._unknown.put(digest, True)
+                    raise Unauthorized(_UNKNOWN)
+                self._teams_by_key.put(digest, team_name)
             team = self._teams.get(team_name)
             if team is None:
                 team = await get_team(self.redis, self.keys, team_name)
                 self._teams.put(team_name, team)
         except (RedisError, OSError) as exc:
-            # Redis is down: a key seen before keeps working on its last known record.
-            team_name = self._teams_by_key.get(key, stale_ok=True)
+            # Redis is down: a key seen before keeps working on its last known record (a
+            # revoked one does not: the check above reads Kafka's revocations, not Redis).
+            team_name = self._teams_by_key.get(digest, stale_ok=True)
             team = self._teams.get(team_name, stale_ok=True) if team_name else None
             if team is None:
+                log.warning("API key %s not checked, Redis unreachable: %s", key_id(digest), exc)
                 raise ServiceUnavailable(
-                    f"cannot check this API key now (key store unreachable: {exc})", retry_after=2
+                    "cannot check this API key now (the key store does not answer); retry shortly",
+                    retry_after=2,
                 ) from exc
-        return Caller(team=team, key_hint=key[-4:])
+        return Caller(team=team, key_id=key_id(digest))

@@ -52,7 +52,9 @@ _NEWEST_MAX = 50_000
 # How long a stopping ingress waits for tombstones still being sent.
 _STOP_WAIT_S = 5.0
 
-Lane = tuple[str, str]  # (request topic, session)
+# (request topic, team, session): a session is its team's name, so only a newer keystroke of
+# the same team's session stands in for a tombstone.
+Lane = tuple[str, str, str]
 
 
 @dataclass(slots=True)
@@ -152,10 +154,10 @@ class CancelOutbox:
         )
 
     def _lane(self, env: RequestEnvelope) -> Lane | None:
-        """The (request topic, session) whose later keystrokes supersede ``env``."""
+        """The (request topic, team, session) whose later keystrokes supersede ``env``."""
         if env.session is None:
             return None
-        return (self._topics.request(env.cls, env.band), env.session)
+        return (self._topics.request(env.cls, env.band), env.team, env.session)
 
     def _needless(self, held: _Held) -> bool:
         """A newer keystroke stands in for its Kafka record, and Redis carried it."""

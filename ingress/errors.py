@@ -1,12 +1,19 @@
-"""Domain errors become HTTP responses here and nowhere else, in OpenAI's error shape."""
+"""Domain errors become HTTP responses here and nowhere else, in OpenAI's error shape.
+
+No body carries what a backing service said: a Redis or Kafka error that escapes a route is
+a 503 that names no server and quotes no exception (the log has it), and anything else that
+escapes is a 500 with the same discretion.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 
+from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -18,6 +25,7 @@ from laneway.errors import (
     Expired,
     LanewayError,
     QuotaExceeded,
+    RateLimited,
     ServiceUnavailable,
     Unauthorized,
 )
@@ -51,8 +59,9 @@ def error_response(exc: LanewayError) -> Response:
     elif isinstance(exc, QuotaExceeded):
         status, type_, code, param, message = 429, "rate_limit_error", exc.code, None, str(exc)
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        headers["x-ratelimit-limit-tokens"] = str(exc.limit)
-        headers["x-ratelimit-remaining-tokens"] = "0"
+        if not isinstance(exc, RateLimited):  # its limit is calls a second, not tokens
+            headers["x-ratelimit-limit-tokens"] = str(exc.limit)
+            headers["x-ratelimit-remaining-tokens"] = "0"
     elif isinstance(exc, ServiceUnavailable):
         status, type_, code, param, message = 503, "service_unavailable", exc.code, None, str(exc)
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
@@ -88,6 +97,25 @@ def install_error_handlers(app: FastAPI) -> None:
         body = error_body(str(exc.detail), type_="invalid_request_error", code=code)
         return JSONResponse(body, status_code=exc.status_code)
 
+    async def on_backend_error(request: Request, exc: Exception) -> Response:
+        log.warning("%s %s: a backing service failed: %r", request.method, request.url.path, exc)
+        return error_response(
+            ServiceUnavailable("a backing service is unavailable; retry shortly", retry_after=2)
+        )
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        ERRORS.labels("other").inc()
+        body = error_body(
+            "internal error; retry, or report the time of the request",
+            type_="server_error",
+            code=None,
+        )
+        return JSONResponse(body, status_code=500)
+
     app.add_exception_handler(LanewayError, on_laneway_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
+    for backend in (RedisError, KafkaError, OSError):
+        app.add_exception_handler(backend, on_backend_error)
+    app.add_exception_handler(Exception, on_unexpected)

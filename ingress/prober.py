@@ -21,11 +21,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
-from laneway.apikeys import create_key, lookup_team
+from laneway.apikeys import create_key, hash_key
 from laneway.clients import make_consumer
 from laneway.constants import POOLS, RequestClass
 from laneway.metrics import PROBE_LATENCY, PROBE_SUCCESS
 from laneway.schema import BatchRequest, RequestEnvelope
+from laneway.tasks import stop_task
 
 if TYPE_CHECKING:
     from ingress.state import IngressState
@@ -35,6 +36,10 @@ __all__ = ["PROBE_TEAM", "ProbeResult", "Prober"]
 log = logging.getLogger(__name__)
 
 PROBE_TEAM = "laneway-probe"
+# Each batch probe gets a key of its own that works this long (a minute at least): a batch
+# line carries its key on the batch topic, so the probe's is dead by the time anyone could
+# read it there, and no probe key is ever kept, in Redis or anywhere.
+_PROBE_KEY_MIN_TTL_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +56,28 @@ class Prober:
         self.settings = state.settings
         self.results: dict[str, ProbeResult] = {}
         self._task: asyncio.Task[None] | None = None
-        self._key: str | None = None
 
     async def start(self) -> None:
         if self.settings.probe_interval_s > 0 and self._task is None:
             self._task = asyncio.create_task(self._loop(), name="prober")
+        with contextlib.suppress(RedisError, OSError):
+            await self._forget_legacy_key()
+
+    async def _forget_legacy_key(self) -> None:
+        """Versions before this one kept the probe key in plain text: it goes, and so does
+        the key."""
+        state = self.state
+        stored = await state.redis.get(state.keys.legacy_probe_key())
+        if stored is not None:
+            key = stored.decode() if isinstance(stored, bytes) else str(stored)
+            await state.redis.delete(
+                state.keys.api_key(hash_key(key)), state.keys.legacy_probe_key()
+            )
+            log.info("removed the plain-text probe key older versions stored")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     async def _loop(self) -> None:
         while True:
@@ -90,7 +105,7 @@ class Prober:
 
     async def _probe_interactive(self, pool: RequestClass) -> None:
         state = self.state
-        now = time.time()
+        now = state.clock.now()
         env = RequestEnvelope(
             id=f"probe-{secrets.token_hex(8)}",
             team=PROBE_TEAM,
@@ -118,15 +133,8 @@ class Prober:
             state.replies.close(env.id)
 
     async def _probe_key(self) -> str:
-        if self._key is None:
-            state = self.state
-            stored = await state.redis.get(state.keys.probe_key())
-            key = stored.decode() if isinstance(stored, bytes) else stored
-            if key is None or await lookup_team(state.redis, state.keys, key) is None:
-                key = await create_key(state.redis, state.keys, PROBE_TEAM)
-                await state.redis.set(state.keys.probe_key(), key)
-            self._key = key
-        return self._key
+        ttl_s = max(_PROBE_KEY_MIN_TTL_S, int(3 * self.settings.probe_timeout_s))
+        return await create_key(self.state.redis, self.state.keys, PROBE_TEAM, ttl_s=ttl_s)
 
     async def _probe_batch(self) -> None:
         state = self.state
@@ -142,8 +150,8 @@ class Prober:
         partitions = sorted(await state.producer.partitions_for(topic))
         tp = TopicPartition(topic, DefaultPartitioner()(job.encode(), partitions, partitions))
         consumer = make_consumer(self.settings, isolation_level="read_committed")
-        await consumer.start()
         try:
+            await consumer.start()  # inside: a probe stopped while it starts still closes it
             consumer.assign([tp])
             await consumer.seek_to_end(tp)
             await consumer.position(tp)

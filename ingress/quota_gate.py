@@ -141,8 +141,15 @@ class QuotaGate:
         lease = self._leases.get(team.name)
         if not self.degraded:
             try:
+                # No minimum charge: the request never reached a lane, through no fault of
+                # the team's.
                 await self.enforcer.settle(
-                    team.name, request_id, 0, leased=admitted.leased, accepted_ts=accepted_ts
+                    team.name,
+                    request_id,
+                    0,
+                    leased=admitted.leased,
+                    accepted_ts=accepted_ts,
+                    min_charge=0,
                 )
             except (RedisError, OSError) as exc:
                 self._redis_down(exc)

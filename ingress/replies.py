@@ -7,7 +7,6 @@ waiting request's channel, so a request costs no Redis call of its own while it 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -20,6 +19,7 @@ from redis.exceptions import RedisError
 from laneway.constants import REPLY_STREAM_TTL_S
 from laneway.errors import MalformedMessage
 from laneway.schema import Reply, decode
+from laneway.tasks import stop_task
 
 __all__ = ["ReplyChannel", "ReplyRouter"]
 
@@ -203,11 +203,8 @@ class ReplyRouter:
             self._task = asyncio.create_task(self._read_loop(), name="reply-router")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     async def _read_loop(self) -> None:
         last_id = b"$"

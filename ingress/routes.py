@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -16,6 +17,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ingress import metrics
+from ingress.admin import is_admin
+from ingress.auth import Caller
 from ingress.replies import ReplyChannel
 from ingress.responses import (
     DONE,
@@ -27,7 +30,9 @@ from ingress.responses import (
     usage_body,
 )
 from ingress.state import IngressState
+from laneway.clock import RedisClock
 from laneway.errors import (
+    BadRequest,
     Cancelled,
     Dropped,
     EngineError,
@@ -47,6 +52,10 @@ __all__ = ["HOT_ROUTES", "router"]
 log = logging.getLogger(__name__)
 router = APIRouter()
 
+# Request ids are ours ("cmpl-" and 24 hex digits; batch lines: "batch-<job>-<line>").
+_MAX_REQUEST_ID_CHARS = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 B = TypeVar("B", CompletionRequest, ChatRequest)
 
 
@@ -59,17 +68,27 @@ def _state(request: Request) -> IngressState:
     return state
 
 
+# Drops the client may see (its own cancel, its newer keystroke, its deadline) by status.
+_DROPS: dict[str, type[Dropped]] = {
+    "expired": Expired,
+    "cancelled": Cancelled,
+    "superseded": Superseded,
+    "aborted": Dropped,
+}
+
+
 def _reply_error(reply: Reply) -> LanewayError:
     message = reply.error or reply.status or "request failed"
-    if reply.status == "expired":
-        return Expired(message)
-    if reply.status == "cancelled":
-        return Cancelled(message)
-    if reply.status == "superseded":
-        return Superseded(message)
-    if reply.status in ("aborted", "rejected"):
-        return Dropped(message)
-    return EngineError(message)
+    if reply.status == "rejected":
+        # The engine refused the request itself (a prompt over its context): the worker
+        # passes on the engine's reason, meant for the client.
+        return BadRequest(message)
+    dropped = _DROPS.get(reply.status or "")
+    if dropped is not None:
+        return dropped(message)
+    # What failed inside the engine (an upstream's address, a stack) is the operator's
+    # business: the usage event and the worker's log have it.
+    return EngineError(f"the engine failed on request {reply.id}; retry it")
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -117,7 +136,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
         return Response(status_code=499)
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
-    clock = _Stages()
+    clock = _Stages(state.clock)
     decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     update: dict[str, Any] = {}
@@ -133,13 +152,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     handed_over = False
     try:
-        try:
-            await state.produce(env)
-        except KafkaError as exc:
-            await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
-            raise ServiceUnavailable(
-                f"Kafka did not accept the request ({exc}); retry shortly"
-            ) from exc
+        await _store(state, env, caller, admitted)
         clock.stage("enqueue")
         first = await _next_reply(state, channel, disconnect)
         clock.stage("worker")
@@ -169,10 +182,31 @@ async def _serve(request: Request, model: type[B]) -> Response:
             state.replies.close(env.id)
 
 
+async def _store(
+    state: IngressState, env: RequestEnvelope, caller: Caller, admitted: Admitted | None
+) -> None:
+    """Produce ``env``; when Kafka refuses it, its budget goes back and the client gets a
+    503 (the broker's words go to the log, not to the client)."""
+    try:
+        await state.produce(env)
+    except KafkaError as exc:
+        await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
+        log.warning(
+            "request %s not stored, Kafka refused it: %r",
+            env.id,
+            exc,
+            extra={"request_id": env.id, "team": env.team, "cls": env.cls},
+        )
+        raise ServiceUnavailable(
+            "the request queue did not accept the request; retry shortly"
+        ) from exc
+
+
 class _Stages:
     """Where a request's time went inside the ingress, for the Server-Timing header."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall: RedisClock) -> None:
+        self.wall = wall  # the clock accepted_ts was stamped on
         self._last = time.perf_counter()
         self.spent: dict[str, float] = {}
 
@@ -184,7 +218,7 @@ class _Stages:
     def header(self, env: RequestEnvelope) -> str:
         """``laneway`` is acceptance to now; its parts are admit (breaker and quota), enqueue
         (until Kafka stored the envelope) and worker (until the reply came back)."""
-        total = (time.time() - env.accepted_ts) * 1000
+        total = (self.wall.now() - env.accepted_ts) * 1000
         parts = [f"laneway;dur={total:.2f}"]
         parts += [f"{name};dur={ms:.2f}" for name, ms in self.spent.items()]
         return ", ".join(parts)
@@ -200,9 +234,9 @@ def _budget_headers(admitted: Admitted | None) -> dict[str, str]:
     }
 
 
-def _observe(env: RequestEnvelope, code: int) -> None:
+def _observe(env: RequestEnvelope, code: int, now: float) -> None:
     metrics.RESPONSES.labels(env.cls, str(code)).inc()
-    latency = max(0.0, time.time() - env.accepted_ts)
+    latency = max(0.0, now - env.accepted_ts)
     metrics.LATENCY.labels(team_label(env.team), env.cls, env.model).observe(latency)
 
 
@@ -216,7 +250,7 @@ def _finish_json(
 ) -> Response:
     if reply.status != "ok":
         raise _reply_error(reply)
-    _observe(env, 200)
+    _observe(env, 200, clock.wall.now())
     body = final_body(env, reply.text if text is None else text, reply)
     extra = {"x-laneway-route": reply.route or env.route, "server-timing": clock.header(env)}
     return JSONResponse(body, headers={**headers, **extra})
@@ -259,14 +293,17 @@ async def _stream(
                 yield stream_chunk(env, text=reply.text, role=role)
                 role = False
             if reply.done:
-                _observe(env, 200 if reply.status == "ok" else 500)
+                _observe(env, 200 if reply.status == "ok" else 500, state.clock.now())
                 if reply.status == "ok":
                     yield stream_chunk(env, finish_reason=reply.finish_reason)
                     if include_usage:
                         yield stream_chunk(env, usage=usage_body(reply))
                 else:
                     err = _reply_error(reply)
-                    yield sse(error_body(str(err), type_="server_error", code=reply.status))
+                    kind = (
+                        "invalid_request_error" if isinstance(err, BadRequest) else "server_error"
+                    )
+                    yield sse(error_body(str(err), type_=kind, code=reply.status))
                 yield DONE
                 finished = True
                 return
@@ -305,11 +342,19 @@ async def cancel_request(request_id: str, request: Request) -> Response:
     """Cancel a request of the caller's team; another team's request is 'not found'."""
     state = _state(request)
     caller = await state.callers.resolve(request.headers.get("authorization"))
+    if len(request_id) > _MAX_REQUEST_ID_CHARS or _CONTROL.search(request_id):
+        raise BadRequest(
+            f"request id of {len(request_id)} characters: ids have up to "
+            f"{_MAX_REQUEST_ID_CHARS} printable ones (see x-laneway-request-id)",
+            param="request_id",
+        )
+    # Whether this replica holds it, as of the call (before the awaits below).
     owner = state.replies.owner(request_id)
     if owner is not None and owner != caller.team.name:
         raise NotFound(
             f"no request {request_id!r} of team {caller.team.name!r}", param="request_id"
         )
+    await state.cancel_limit.check(caller.team.name)  # 429 beyond LANEWAY_CANCELS_PER_S
     await state.send_cancel(request_id, caller.team.name)
     # Held here: known to be live. Held by another replica: the worker checks the team.
     body = {
@@ -339,9 +384,13 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
+    """Ready or not, for anyone (a load balancer); with the admin key, each check too."""
     checks = await _state(request).readiness()
     ready = all(c["ok"] or c.get("degraded") for c in checks.values())
-    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+    body: dict[str, Any] = {"ready": ready}
+    if is_admin(request):
+        body["checks"] = checks
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")

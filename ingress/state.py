@@ -21,16 +21,23 @@ from ingress.cancels import CancelOutbox
 from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
+from ingress.revocations import RevokedKeys
 from laneway.clients import make_consumer, make_producer, make_redis
+from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.loops import keep_running
 from laneway.schema import CancelRecord, RequestEnvelope
 from laneway.settings import IngressSettings
-from quota import QuotaEnforcer, QuotaPolicy
+from laneway.tasks import stop_task
+from quota import CancelRateLimit, QuotaEnforcer, QuotaPolicy
 
 __all__ = ["IngressState"]
 
 log = logging.getLogger(__name__)
+
+# How often the replica re-learns how far its clock is from Redis's: clocks drift by
+# milliseconds a minute at worst, and a jump (a resumed VM) is caught within this.
+_CLOCK_SYNC_S = 10.0
 
 
 class IngressState:
@@ -53,8 +60,11 @@ class IngressState:
             hold_s=settings.cancel_hold_ms / 1000,
         )
         self.replies = ReplyRouter(self.redis, self.reply_stream)
-        self.callers = CallerResolver(self.redis, self.keys)
-        self.admission = Admission(settings, self.producer)
+        self.revoked = RevokedKeys(settings, self.redis)
+        self.callers = CallerResolver(self.redis, self.keys, self.revoked)
+        self.clock = RedisClock()
+        self.admission = Admission(settings, self.producer, self.clock)
+        self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
         self.prober = Prober(self)
         policy = QuotaPolicy.from_settings(settings)
@@ -71,6 +81,7 @@ class IngressState:
         )
         self._tail: asyncio.Task[None]
         self._lease_returns: asyncio.Task[None]
+        self._clock_sync: asyncio.Task[None]
         self.started_at = time.time()
 
     async def start(self) -> None:
@@ -81,6 +92,9 @@ class IngressState:
             await self.producer.stop()
             raise
         self.cancels.start()
+        with contextlib.suppress(RedisError, OSError):  # down: the sync task tries again
+            await self.clock.sync(self.redis, samples=3)
+        await self.revoked.start()
         await self.replies.start()
         await self._reply_fallback.start()
         self._tail = asyncio.create_task(
@@ -91,17 +105,15 @@ class IngressState:
             name="reply-tail",
         )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
+        self._clock_sync = asyncio.create_task(self._sync_clock(), name="clock-sync")
         await self.prober.start()
 
     async def stop(self) -> None:
         await self.prober.stop()
         await self.cancels.stop()  # while Kafka and Redis are still there
-        self._lease_returns.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._lease_returns
-        self._tail.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._tail
+        for task in (self._clock_sync, self._lease_returns, self._tail):
+            await stop_task(task)
+        await self.revoked.stop()
         await self._reply_fallback.stop()
         await self.replies.stop()
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
@@ -110,6 +122,15 @@ class IngressState:
         finally:
             await self.cancel_producer.stop()
         await self.redis.aclose()
+
+    async def _sync_clock(self) -> None:
+        """Keep the replica's view of Redis's clock, which deadlines are stamped on."""
+        while True:
+            try:
+                await self.clock.sync(self.redis)
+            except (RedisError, OSError) as exc:
+                log.debug("clock not synced with Redis (the last offset stays): %s", exc)
+            await asyncio.sleep(_CLOCK_SYNC_S)
 
     async def send_cancel(self, request_id: str, team: str) -> None:
         """``DELETE``: publish a tombstone and wait until the broker stored it."""
@@ -133,6 +154,8 @@ class IngressState:
         self.cancels.add(env)
 
     async def readiness(self) -> dict[str, dict[str, Any]]:
+        """Each dependency's state, for the admin's ``/readyz`` (others see ready or not).
+        Errors are named by kind; what the server said is in the log."""
         checks: dict[str, dict[str, Any]] = {}
         try:
             # A metadata round trip: the producer's cached metadata (partitions_for) answers
@@ -140,11 +163,12 @@ class IngressState:
             await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 2.0)
             checks["kafka"] = {"ok": True}
         except (KafkaError, TimeoutError) as exc:
-            checks["kafka"] = {"ok": False, "error": repr(exc)}
+            log.warning("readiness: Kafka does not answer: %r", exc)
+            checks["kafka"] = {"ok": False, "error": type(exc).__name__}
         try:
             await self.redis.ping()
             checks["redis"] = {"ok": True}
-            now = time.time()
+            now = self.clock.now()  # workers stamp their beats on Redis's clock
             for pool in POOLS:
                 live = await self.redis.zcount(
                     self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
@@ -152,7 +176,8 @@ class IngressState:
                 checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
         except (RedisError, OSError) as exc:
             # Degraded, not down: replies fall back to Kafka and quota to the local limiter.
-            checks["redis"] = {"ok": False, "degraded": True, "error": repr(exc)}
+            log.warning("readiness: Redis does not answer: %r", exc)
+            checks["redis"] = {"ok": False, "degraded": True, "error": type(exc).__name__}
         checks["replies"] = {"ok": self.replies.healthy, "degraded": not self.replies.healthy}
         for probed, probe in self.prober.results.items():
             checks[f"probe.{probed}"] = {

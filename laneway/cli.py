@@ -11,14 +11,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import orjson
+import redis.asyncio as aioredis
+from aiokafka.errors import KafkaError
 from tqdm import tqdm
 
-from laneway.apikeys import create_key
+from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.batch import BatchClient, output_line
-from laneway.clients import make_redis
+from laneway.clients import make_producer, make_redis
 from laneway.devstack import create_topics
 from laneway.drills import add_drill_commands
-from laneway.errors import BadRequest, ConfigError, LanewayError
+from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
 from laneway.schema import BatchResult
@@ -39,18 +41,59 @@ def _run_redis(command: Callable[[CommonSettings], Awaitable[int]]) -> int:
     return asyncio.run(run())
 
 
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    async def create(settings: CommonSettings) -> int:
+def _with_redis(work: Callable[[CommonSettings, aioredis.Redis], Awaitable[int]]) -> int:
+    """Run ``work`` with the settings and a Redis client that is closed after it."""
+
+    async def run(settings: CommonSettings) -> int:
         redis = make_redis(settings)
         try:
-            key = await create_key(redis, settings.keys, args.team)
+            return await work(settings, redis)
         finally:
             await redis.aclose()
-        print(f"created an API key for team {args.team!r}; it is shown once:")
+
+    return _run_redis(run)
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    async def create(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        key = await create_key(redis, settings.keys, args.team)
+        print(f"created API key {key_id(hash_key(key))} for team {args.team!r}; it is shown once:")
         print(key)
         return 0
 
-    return _run_redis(create)
+    return _with_redis(create)
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    async def show(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        records = await list_keys(redis, settings.keys, args.team)
+        for record in records:
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+            print(f"{record.id}  {record.team}  created {created}")
+        if not records:
+            who = f" of team {args.team!r}" if args.team else ""
+            print(f"no API keys{who}", file=sys.stderr)
+        return 0
+
+    return _with_redis(show)
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    async def revoke(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        producer = make_producer(settings)
+        try:
+            await producer.start()
+            record = await revoke_key(redis, producer, settings.topics, settings.keys, args.key)
+        except KafkaError as exc:
+            raise ServiceError(
+                f"Kafka did not store the revocation ({exc}): the key is NOT revoked; retry"
+            ) from exc
+        finally:
+            await producer.stop()
+        print(f"revoked API key {record.id} of team {record.team or '(unknown)'!r}")
+        return 0
+
+    return _with_redis(revoke)
 
 
 def cmd_teams_set(args: argparse.Namespace) -> int:
@@ -197,6 +240,14 @@ def _parser() -> argparse.ArgumentParser:
     create = keys.add_parser("create", help="create a key for a team (printed on the last line)")
     create.add_argument("--team", required=True)
     create.set_defaults(func=cmd_keys_create)
+    klist = keys.add_parser("list", help="ids, teams and creation times of the keys (never a key)")
+    klist.add_argument("--team", default=None, help="only this team's keys")
+    klist.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser(
+        "revoke", help="revoke a key: every ingress refuses it within seconds, Redis or not"
+    )
+    revoke.add_argument("key", metavar="KEY_OR_ID", help="the key's id (key-…) or the key")
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     teams = sub.add_parser("teams", help="team records").add_subparsers(
         dest="teams_command", required=True

@@ -14,6 +14,7 @@ __all__ = [
     "REPLY_STREAM_MAXLEN",
     "REPLY_STREAM_TTL_S",
     "SCALING_DECISION_TTL_S",
+    "UNKNOWN_KEY_CACHE_S",
     "Band",
     "RedisKeys",
     "RequestClass",
@@ -39,9 +40,13 @@ SCALING_DECISION_TTL_S: Final = 3 * HEARTBEAT_TTL_S
 REPLY_STREAM_TTL_S: Final = 300
 # Replies are read within milliseconds; the cap only bounds memory if an ingress dies.
 REPLY_STREAM_MAXLEN: Final = 20_000
-# Key records change rarely (create/revoke); 30 s bounds how long a revoked key still works
-# while sparing a Redis round trip per request.
-API_KEY_CACHE_S: Final = 30.0
+# Key records change rarely (create/revoke). A replica re-reads a key it knows this often, so
+# a revoked key is refused within 5 s even when the revocation topic does not reach it (the
+# topic brings it in milliseconds, and is what refuses it while Redis is away).
+API_KEY_CACHE_S: Final = 4.0
+# An unknown key is refused from memory this long: a client retrying a wrong key costs Redis
+# one read per replica per 30 s. Keys are random, so none is looked up before it exists.
+UNKNOWN_KEY_CACHE_S: Final = 30.0
 
 
 class Topics:
@@ -56,6 +61,8 @@ class Topics:
         self.usage_hourly = f"{prefix}.usage.hourly"
         # Reply chunks go here, keyed by reply stream, only while Redis is unreachable.
         self.replies = f"{prefix}.replies"
+        # Revoked API keys (by hash), read by every ingress: refused even while Redis is away.
+        self.keys = f"{prefix}.keys"
 
     def request(self, cls: RequestClass, band: Band = "hi") -> str:
         """The request topic of a class; batch has a single band."""
@@ -95,6 +102,8 @@ class Topics:
             (self.control, 1, {"retention.ms": day_ms}),
             (self.replies, partitions, {"retention.ms": str(10 * 60 * 1000)}),
             (self.usage_hourly, partitions, {"retention.ms": str(90 * 24 * 3600 * 1000)}),
+            # Compacted and kept for good: a revocation must outlive every copy of its key.
+            (self.keys, 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
         ]
         return out
 
@@ -137,9 +146,14 @@ class RedisKeys:
         channel of the same name that carries each change as it happens."""
         return f"{self.prefix}:fleet:{engine_id}"
 
-    def probe_key(self) -> str:
-        """The API key the health prober uses for its batch probes."""
+    def legacy_probe_key(self) -> str:
+        """Where versions before key hashing kept the prober's API key in plain text (the
+        prober deletes it, and the key's record, when it starts)."""
         return f"{self.prefix}:probe:key"
+
+    def cancel_rate(self, team: str) -> str:
+        """``DELETE /v1/requests/{id}`` calls of a team in the current second (a counter)."""
+        return f"{self.prefix}:ratelimit:cancel:{team}"
 
     def quota_factor(self, team: str) -> str:
         """Dynamic quota factor of a team (a float as text), written by the streams app."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 __all__ = [
     "Aborted",
     "BadRequest",
+    "BodyTooLarge",
     "Cancelled",
     "ConfigError",
     "Dropped",
     "EngineError",
+    "EngineRejected",
     "Expired",
     "LanewayError",
     "MalformedMessage",
@@ -21,6 +23,7 @@ __all__ = [
     "NotFound",
     "PromptTooLarge",
     "QuotaExceeded",
+    "RateLimited",
     "ServiceError",
     "ServiceUnavailable",
     "Superseded",
@@ -61,6 +64,11 @@ class PromptTooLarge(BadRequest):
     code = "context_length_exceeded"
 
 
+class BodyTooLarge(BadRequest):
+    status_code = 413
+    code = "request_too_large"
+
+
 class ModelNotFound(BadRequest):
     status_code = 404
     code = "model_not_found"
@@ -90,6 +98,11 @@ class QuotaExceeded(LanewayError):
         self.retry_after = retry_after
 
 
+class RateLimited(QuotaExceeded):
+    """Too many calls of one kind in a second (cancels by id); ``limit`` is calls a second,
+    not tokens."""
+
+
 class ServiceUnavailable(LanewayError):
     """A dependency or a breaker refuses the request for now."""
 
@@ -106,6 +119,13 @@ class EngineError(LanewayError):
     """The inference engine failed on one request."""
 
     retriable = True
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request itself (a prompt over its context, parameters it does
+    not take): the client's doing, not a fault of the engine, and the same on every retry."""
+
+    retriable = False
 
 
 class MalformedMessage(LanewayError):

@@ -20,6 +20,7 @@ __all__ = [
     "BatchResult",
     "CancelRecord",
     "ChatMessage",
+    "KeyRevocation",
     "Outcome",
     "Reply",
     "RequestEnvelope",
@@ -113,6 +114,19 @@ class CancelRecord(_Wire):
     id: str = Field(min_length=1)
     team: str = Field(min_length=1)
     reason: Literal["disconnect", "api"] = "api"
+    ts: float = Field(default_factory=time.time)
+
+
+class KeyRevocation(_Wire):
+    """A revoked API key on the compacted ``laneway.keys`` topic, keyed by ``hash``.
+
+    Only the key's SHA-256 travels: the key itself is never written anywhere.
+    """
+
+    v: Literal[1] = 1
+    hash: str = Field(pattern="^[0-9a-f]{64}$")
+    id: str
+    team: str
     ts: float = Field(default_factory=time.time)
 
 

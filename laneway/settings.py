@@ -106,6 +106,18 @@ class CommonSettings(BaseSettings):
     quota_borrow_reserve: float = Field(
         0.3, ge=0, le=1, description="share of the interactive pool batch can never borrow"
     )
+    quota_min_charge_tokens: int = Field(
+        16,
+        ge=0,
+        description="tokens a request that used none costs its team: dropped before it ran "
+        "(cancelled, superseded, expired), a flood of requests is still not free",
+    )
+    quota_max_excess: float = Field(
+        1.0,
+        ge=0,
+        description="a request that used more tokens than it reserved (its prompt was longer "
+        "than estimated) is charged at most this share of its reservation on top",
+    )
 
     def price_of(self, route: str) -> Price:
         return self.prices.get(route) or self.prices.get("*") or Price()
@@ -134,6 +146,18 @@ class IngressSettings(CommonSettings):
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="largest request body accepted; a longer one gets 413 before it is read "
+        "to its end (a 32k-token chat is about 130 kB of JSON)",
+    )
+    cancels_per_s: int = Field(
+        50,
+        gt=0,
+        description="DELETE /v1/requests/{id} calls one team may make per second, over all "
+        "replicas (429 beyond): each tombstone reaches every worker",
+    )
     cancel_hold_ms: int = Field(
         25,
         ge=0,

@@ -12,12 +12,17 @@ tokens when they are leased, as it does reserved ones; what leases cost is preci
 edge (a replica may refuse a request while another holds unused lease) and a lease's unused
 tokens for as long as a crashed replica would have held them. Requests admitted from a lease
 carry the amount in their envelope and are settled against the pool like reservations.
+
+The scripts (``quota.scripts``) read the time in Redis, so no caller's clock enters a bucket.
+A settlement charges what the request used (``min_charge_tokens`` when it used none: a request
+dropped before it ran is not free), at most its reservation plus ``max_excess`` of it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -25,6 +30,7 @@ from redis.asyncio.client import Pipeline
 from laneway.constants import RedisKeys
 from laneway.errors import QuotaExceeded
 from quota.model import Pool, QuotaPolicy
+from quota.scripts import GIVE_BACK, LEASE, RESERVE, SETTLE
 from quota.teams import Team
 
 __all__ = ["Admitted", "Lease", "QuotaEnforcer", "Settled"]
@@ -40,133 +46,6 @@ _USED_TTL_S = 48 * 3600
 # later than this has expired long before and is dropped, released at most once more.
 _SETTLED_MARK_S = 900
 _SETTLED_SLOT_S = 300  # marks are grouped by the five minutes the request was accepted in
-
-# The token bucket every script shares: load (refilled to now), save, credit (refill, then
-# add what a settle or a returned lease gives back; a bucket that expired is full anyway),
-# and the wait until ``amount`` fits (-1: it never will).
-_BUCKET = """
-local function load(key, cap, now)
-  local v = redis.call('HMGET', key, 'tokens', 'ts')
-  local tokens, ts = tonumber(v[1]), tonumber(v[2])
-  if tokens == nil then return cap end
-  return math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
-end
-local function save(key, tokens, now, cap, ttl)
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now), 'cap', tostring(cap))
-  redis.call('EXPIRE', key, ttl)
-end
-local function credit(key, amount, now)
-  local v = redis.call('HMGET', key, 'tokens', 'ts', 'cap')
-  local tokens, ts, cap = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
-  if tokens == nil then return end
-  tokens = math.min(cap, tokens + math.max(0, now - ts) * cap / 3600)
-  tokens = math.min(cap, tokens + amount)
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
-end
-local function retry_after(amount, tokens, cap)
-  if amount <= cap and cap > 0 then return (amount - tokens) * 3600 / cap end
-  return -1
-end
-"""
-
-# KEYS: 1 bucket, 2 reservations, 3 factor, 4 lender bucket (batch borrowing interactive)
-# ARGV: 1 base tokens/h, 2 now, 3 amount, 4 request id, 5 pool, 6 borrow 0|1,
-#       7 lender base tokens/h, 8 reserve share, 9 lender pool, 10 bucket ttl, 11 resv ttl
-_RESERVE = (
-    _BUCKET
-    + """
-local factor = tonumber(redis.call('GET', KEYS[3]) or '1') or 1
-local now, amount = tonumber(ARGV[2]), tonumber(ARGV[3])
-local cap = tonumber(ARGV[1]) * factor
-local bucket_ttl = tonumber(ARGV[10])
-local resv_ttl = tonumber(ARGV[11])
-local tokens = load(KEYS[1], cap, now)
-local held = redis.call('HGET', KEYS[2], ARGV[4])
-if held then
-  return {1, tostring(tokens), '0', tostring(cap), ARGV[5]}
-end
-if tokens >= amount then
-  save(KEYS[1], tokens - amount, now, cap, bucket_ttl)
-  redis.call('HSET', KEYS[2], ARGV[4], ARGV[5] .. ' ' .. ARGV[3])
-  redis.call('EXPIRE', KEYS[2], resv_ttl)
-  return {1, tostring(tokens - amount), '0', tostring(cap), ARGV[5]}
-end
-if ARGV[6] == '1' then
-  local lcap = tonumber(ARGV[7]) * factor
-  local ltokens = load(KEYS[4], lcap, now)
-  if ltokens - amount >= tonumber(ARGV[8]) * lcap then
-    save(KEYS[4], ltokens - amount, now, lcap, bucket_ttl)
-    redis.call('HSET', KEYS[2], ARGV[4], ARGV[9] .. ' ' .. ARGV[3])
-    redis.call('EXPIRE', KEYS[2], resv_ttl)
-    return {1, tostring(tokens), '0', tostring(cap), ARGV[9]}
-  end
-end
-local retry = retry_after(amount, tokens, cap)
-return {0, tostring(tokens), tostring(retry), tostring(cap), ARGV[5]}
-"""
-)
-
-# A lease: an ingress takes a share of the interactive pool at once and admits from it
-# locally, so most admissions cost no round trip. The bucket loses the tokens when they are
-# leased; requests admitted from a lease are settled against the pool like reservations.
-# KEYS: 1 bucket, 2 factor
-# ARGV: 1 base tokens/h, 2 now, 3 need (fewest to take), 4 want (most), 5 bucket ttl
-_LEASE = (
-    _BUCKET
-    + """
-local factor = tonumber(redis.call('GET', KEYS[2]) or '1') or 1
-local now, need, want = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local cap = tonumber(ARGV[1]) * factor
-local tokens = load(KEYS[1], cap, now)
-if tokens < need then
-  return {0, tostring(tokens), tostring(retry_after(need, tokens, cap)), tostring(cap)}
-end
-local take = math.max(need, math.floor(math.min(want, tokens)))
-save(KEYS[1], tokens - take, now, cap, tonumber(ARGV[5]))
-return {1, tostring(tokens - take), tostring(take), tostring(cap)}
-"""
-)
-
-# Unused lease back to the pool. KEYS: 1 bucket; ARGV: 1 tokens, 2 now
-_GIVE_BACK = (
-    _BUCKET
-    + """
-credit(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
-return 1
-"""
-)
-
-# KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
-#       6 settled marks (request ids admitted from a lease and settled already)
-# ARGV: 1 request id, 2 actual tokens, 3 now, 4 used ttl, 5 leased tokens (0: none),
-#       6 marks ttl
-_SETTLE = (
-    _BUCKET
-    + """
-local held = redis.call('HGET', KEYS[1], ARGV[1])
-local pool, amount
-if held then
-  pool, amount = string.match(held, '^(%S+) (%S+)$')
-  amount = tonumber(amount)
-elseif tonumber(ARGV[5]) > 0 then
-  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then return {0, '', '0'} end
-  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[6]))
-  pool, amount = 'interactive', tonumber(ARGV[5])
-else
-  return {0, '', '0'}
-end
-local actual, now = tonumber(ARGV[2]), tonumber(ARGV[3])
-local bucket, used = KEYS[2], KEYS[4]
-if pool == 'batch' then bucket, used = KEYS[3], KEYS[5] end
-credit(bucket, amount - actual, now)
-if held then redis.call('HDEL', KEYS[1], ARGV[1]) end
-if actual > 0 then
-  redis.call('INCRBY', used, actual)
-  redis.call('EXPIRE', used, tonumber(ARGV[4]))
-end
-return {1, pool, tostring(amount)}
-"""
-)
 
 
 def _text(value: bytes | str) -> str:
@@ -194,6 +73,7 @@ class Settled:
     found: bool
     pool: str
     reserved: int
+    charged: int = 0
 
 
 class QuotaEnforcer:
@@ -203,10 +83,10 @@ class QuotaEnforcer:
         self.redis = redis
         self.keys = keys
         self.policy = policy
-        self._reserve = redis.register_script(_RESERVE)
-        self._settle = redis.register_script(_SETTLE)
-        self._lease = redis.register_script(_LEASE)
-        self._give_back = redis.register_script(_GIVE_BACK)
+        self._reserve = redis.register_script(RESERVE)
+        self._settle = redis.register_script(SETTLE)
+        self._lease = redis.register_script(LEASE)
+        self._give_back = redis.register_script(GIVE_BACK)
 
     async def reserve(
         self,
@@ -215,11 +95,9 @@ class QuotaEnforcer:
         request_id: str,
         tokens: int,
         *,
-        now: float | None = None,
         borrow: bool | None = None,
     ) -> Admitted:
         """Take ``tokens`` from the team's pool or raise ``QuotaExceeded``."""
-        now = time.time() if now is None else now
         if borrow is None:
             borrow = pool == "batch" and self.policy.in_offpeak()
         lender: Pool = "interactive"
@@ -232,7 +110,6 @@ class QuotaEnforcer:
             ],
             args=[
                 self.policy.base_tokens(team, pool),
-                now,
                 tokens,
                 request_id,
                 pool,
@@ -279,22 +156,28 @@ class QuotaEnforcer:
         request_id: str,
         actual_tokens: int,
         *,
-        now: float | None = None,
         leased: int = 0,
         accepted_ts: float = 0.0,
+        min_charge: int | None = None,
     ) -> Settled:
-        """Turn a reservation into the real count: refund the rest, or charge the excess.
+        """Turn a reservation into the real count: refund the rest, or charge the excess
+        (up to the policy's ``max_excess``); ``min_charge`` (default: the policy's) when the
+        request used no tokens.
 
         ``leased`` is what the ingress admitted the request for from its lease (the envelope
         carries it, with ``accepted_ts``); then there is no reservation record in Redis.
         Idempotent: a second settle of the same request (a re-run after a crash) is a no-op.
         """
         keys, args = self._settle_call(
-            team, request_id, actual_tokens, now=now, leased=leased, accepted_ts=accepted_ts
+            team,
+            request_id,
+            actual_tokens,
+            leased=leased,
+            accepted_ts=accepted_ts,
+            min_charge=min_charge,
         )
-        found, pool, reserved = await self._settle(keys=keys, args=args)
-        pool_name = pool.decode() if isinstance(pool, bytes) else str(pool)
-        return Settled(bool(int(found)), pool_name, int(float(reserved)))
+        found, pool, reserved, charged = await self._settle(keys=keys, args=args)
+        return Settled(bool(int(found)), _text(pool), int(float(reserved)), int(float(charged)))
 
     def queue_settle(
         self,
@@ -313,7 +196,7 @@ class QuotaEnforcer:
         and lost its script cache), the caller runs ``settle``, which loads the script.
         """
         keys, args = self._settle_call(
-            team, request_id, actual_tokens, now=None, leased=leased, accepted_ts=accepted_ts
+            team, request_id, actual_tokens, leased=leased, accepted_ts=accepted_ts
         )
         pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
 
@@ -323,12 +206,13 @@ class QuotaEnforcer:
         request_id: str,
         actual_tokens: int,
         *,
-        now: float | None,
         leased: int,
         accepted_ts: float,
-    ) -> tuple[list[str], list[float | int | str]]:
-        now = time.time() if now is None else now
-        hour = int(now // 3600)
+        min_charge: int | None = None,
+    ) -> tuple[list[str], list[Any]]:
+        # The hour of the usage counter comes from this machine's clock: off by its skew at
+        # most, at the turn of an hour, in a figure the admin API reports (no decision).
+        hour = int(time.time() // 3600)
         keys = [
             self.keys.quota_reservations(team),
             self.keys.quota_bucket(team, "interactive"),
@@ -337,12 +221,21 @@ class QuotaEnforcer:
             self.keys.quota_used(team, "batch", hour),
             self.keys.quota_settled(team, int(accepted_ts // _SETTLED_SLOT_S)),
         ]
-        return keys, [request_id, actual_tokens, now, _USED_TTL_S, leased, _SETTLED_MARK_S]
+        policy = self.policy
+        return keys, [
+            request_id,
+            actual_tokens,
+            _USED_TTL_S,
+            leased,
+            _SETTLED_MARK_S,
+            policy.min_charge_tokens if min_charge is None else min_charge,
+            policy.max_excess,
+            _BUCKET_TTL_S,
+        ]
 
-    async def lease(self, team: Team, need: int, want: int, *, now: float | None = None) -> Lease:
+    async def lease(self, team: Team, need: int, want: int) -> Lease:
         """Take between ``need`` and ``want`` tokens of the team's interactive pool for an
         ingress to admit from, or raise ``QuotaExceeded`` when not even ``need`` is left."""
-        now = time.time() if now is None else now
         result = await self._lease(
             keys=[
                 self.keys.quota_bucket(team.name, "interactive"),
@@ -350,7 +243,6 @@ class QuotaEnforcer:
             ],
             args=[
                 self.policy.base_tokens(team, "interactive"),
-                now,
                 need,
                 max(need, want),
                 _BUCKET_TTL_S,
@@ -368,17 +260,17 @@ class QuotaEnforcer:
             )
         return Lease(int(taken_or_retry), remaining, capacity)
 
-    async def give_back(self, team: str, tokens: int, *, now: float | None = None) -> None:
+    async def give_back(self, team: str, tokens: int) -> None:
         """Return the unused part of a lease to the team's interactive pool."""
-        now = time.time() if now is None else now
         await self._give_back(
-            keys=[self.keys.quota_bucket(team, "interactive")], args=[tokens, now]
+            keys=[self.keys.quota_bucket(team, "interactive")], args=[tokens, _BUCKET_TTL_S]
         )
 
     async def snapshot(self, team: Team) -> dict[str, object]:
         """Budget, remaining, reservations, usage this hour and the factor (admin API)."""
-        now = time.time()
-        hour = int(now // 3600)
+        seconds, micros = await self.redis.time()
+        now = seconds + micros / 1e6  # the clock the scripts refill on
+        hour = int(time.time() // 3600)
         factor_raw = await self.redis.get(self.keys.quota_factor(team.name))
         factor = float(factor_raw) if factor_raw is not None else 1.0
         reservations = await self.redis.hgetall(self.keys.quota_reservations(team.name))

@@ -58,6 +58,8 @@ class QuotaPolicy:
     batch_ratio: float = 1.0
     offpeak: str = "22:00-06:00"
     borrow_reserve: float = 0.3
+    min_charge_tokens: int = 16
+    max_excess: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: CommonSettings) -> QuotaPolicy:
@@ -67,6 +69,8 @@ class QuotaPolicy:
             batch_ratio=settings.quota_batch_ratio,
             offpeak=settings.quota_offpeak,
             borrow_reserve=settings.quota_borrow_reserve,
+            min_charge_tokens=settings.quota_min_charge_tokens,
+            max_excess=settings.quota_max_excess,
         )
 
     def base_tokens(self, team: Team, pool: Pool) -> float:

@@ -5,12 +5,18 @@ left one level at a time, and only after the rate stayed below the (lower) exit 
 the current level for a whole cool-down. A window with fewer than the minimum request count
 has no rate: it can never raise a level, and it counts as calm (no traffic is no evidence of
 failure, and a route nobody is sent to must be able to recover and be probed again).
+
+Whose errors count where: a team's own level counts all of its failures, engine errors and
+requests the engine refused for what they asked (``rejected``: a prompt over the context)
+alike, so a team that keeps sending bad requests is isolated, alone. A route's level counts
+engine errors only, and only those seen by several teams (``route_counts``): one team can
+neither trip the route for everyone with its own traffic nor hide a route fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 from streams.settings import StreamsSettings
@@ -21,11 +27,13 @@ __all__ = [
     "BreakerState",
     "add_outcome",
     "next_state",
+    "route_counts",
     "window_counts",
 ]
 
 MAX_LEVEL = 3
-# Bucket of the sliding window → [requests, errors]; JSON-friendly (string keys).
+# Bucket of the sliding window → [requests, errors, rejected]; JSON-friendly (string keys).
+# Buckets written before rejected requests were counted have two numbers.
 Buckets = MutableMapping[str, list[int]]
 
 
@@ -70,30 +78,60 @@ def _live(bucket: int, now: float, policy: BreakerPolicy) -> bool:
 
 
 def add_outcome(
-    buckets: Buckets, ts: float, *, error: bool, now: float, policy: BreakerPolicy
+    buckets: Buckets,
+    ts: float,
+    *,
+    error: bool,
+    now: float,
+    policy: BreakerPolicy,
+    rejected: bool = False,
 ) -> bool:
-    """Count one ok/error outcome; drop buckets that left the window. False if ``ts`` is stale."""
+    """Count one ok, error or rejected outcome; drop buckets that left the window. False if
+    ``ts`` is stale."""
     for key in [k for k in buckets if not _live(int(k), now, policy)]:
         del buckets[key]
     bucket = _bucket(ts, policy)
     if not _live(bucket, now, policy):
         return False
-    counts = buckets.setdefault(str(bucket), [0, 0])
+    counts = buckets.setdefault(str(bucket), [0, 0, 0])
+    if len(counts) < 3:
+        counts.append(0)
     counts[0] += 1
     counts[1] += int(error)
+    counts[2] += int(rejected)
     return True
 
 
 def window_counts(
     buckets: Mapping[str, list[int]], now: float, policy: BreakerPolicy
-) -> tuple[int, int]:
-    """(requests, errors) inside the window ending at ``now``."""
-    requests = errors = 0
-    for key, (n, err) in buckets.items():
+) -> tuple[int, int, int]:
+    """(requests, errors, rejected) inside the window ending at ``now``."""
+    requests = errors = rejected = 0
+    for key, counts in buckets.items():
         if _live(int(key), now, policy):
-            requests += n
-            errors += err
-    return requests, errors
+            requests += counts[0]
+            errors += counts[1]
+            rejected += counts[2] if len(counts) > 2 else 0
+    return requests, errors, rejected
+
+
+def route_counts(per_team: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(requests, errors) a route's level is judged on, from each team's (requests, engine
+    errors) on it: those of all teams but the one whose absence lowers the error rate most.
+
+    So the route's rate is one that several teams see: one team's errors, however many,
+    raise its own level and not the route's, and a route that only one team uses is judged
+    by that team's level alone. An engine that fails everyone fails the rest too.
+    """
+    total_n = sum(n for n, _ in per_team)
+    total_e = sum(e for _, e in per_team)
+    best: tuple[float, int, int] | None = None
+    for n, e in per_team:
+        rest_n, rest_e = total_n - n, total_e - e
+        rate = rest_e / rest_n if rest_n else 0.0
+        if best is None or (rate, rest_n) < (best[0], best[1]):
+            best = (rate, rest_n, rest_e)
+    return (0, 0) if best is None else (best[1], best[2])
 
 
 def next_state(

@@ -24,7 +24,15 @@ from laneway.errors import LanewayError, MalformedMessage
 from laneway.schema import UsageEvent, decode
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
-from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.breaker import (
+    BreakerPolicy,
+    BreakerState,
+    add_outcome,
+    next_state,
+    route_counts,
+    window_counts,
+)
+from streams.dedupe import UsageIds
 from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
@@ -45,7 +53,9 @@ log = logging.getLogger(__name__)
 # Hours of rollups kept: the 24 complete hours the variance needs, the current one, and one
 # more so an hour that closes late is still there when its last events arrive.
 RETENTION_HOURS = WINDOW_HOURS + 2
-_COUNTED_STATUSES = ("ok", "error")
+# What the breaker counts: served, failed in the engine, refused by the engine for what the
+# request asked (its team's doing); drops (cancelled, superseded, expired) say nothing.
+_COUNTED_STATUSES = ("ok", "error", "rejected")
 
 
 @dataclass
@@ -53,6 +63,7 @@ class ProcessorCounters:
     events: int = 0
     malformed: int = 0
     replayed: int = 0
+    repeated: int = 0  # a request's second usage event (a worker's re-run)
     too_old: int = 0
     published: int = 0
 
@@ -76,6 +87,7 @@ class UsageProcessor:
         redis: aioredis.Redis,
         keys: RedisKeys,
         send: SendRecord,
+        ids: UsageIds | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -86,6 +98,7 @@ class UsageProcessor:
         self.redis = redis
         self.keys = keys
         self.send = send
+        self.ids = ids
         self.clock = clock
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
@@ -110,6 +123,11 @@ class UsageProcessor:
             self.counters.malformed += 1
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
+            return
+        if self.ids is not None and self.ids.repeat(event.id, event.ts, partition, offset):
+            # A worker's re-run sent it again: the request is counted once.
+            self.counters.repeated += 1
+            EVENTS.labels("repeated").inc()
             return
         self.counters.events += 1
         EVENTS.labels("folded").inc()
@@ -142,7 +160,12 @@ class UsageProcessor:
         if already_applied(value, partition, offset):
             return
         counted = add_outcome(
-            value["b"], event.ts, error=event.status == "error", now=now, policy=self.policy
+            value["b"],
+            event.ts,
+            error=event.status == "error",
+            rejected=event.status == "rejected",
+            now=now,
+            policy=self.policy,
         )
         if counted:
             mark_applied(value, partition, offset)
@@ -156,18 +179,25 @@ class UsageProcessor:
             self.states[stored.subject] = stored.state
             log.info("breaker %s: level %d restored", stored.subject, stored.state.level)
 
+    async def forget_ids(self) -> int:
+        """Request ids past the de-duplication window leave its table."""
+        return await self.ids.expire(self.clock()) if self.ids is not None else 0
+
     async def evaluate_breakers(self) -> list[BreakerTransition]:
         now = self.clock()
-        totals: dict[BreakerSubject, list[int]] = {}
+        totals: dict[BreakerSubject, tuple[int, int]] = {}
+        by_route: dict[str, list[tuple[int, int]]] = {}
         for key, value in list(self.outcomes.items()):
-            requests, errors = window_counts(value["b"], now, self.policy)
+            requests, errors, rejected = window_counts(value["b"], now, self.policy)
             if requests == 0:
                 continue
             route, team = orjson.loads(key)
-            for subject in ((route, team), (route, None)):
-                counts = totals.setdefault(subject, [0, 0])
-                counts[0] += requests
-                counts[1] += errors
+            # The team's own level: every failure of its requests, refusals included.
+            totals[(route, team)] = (requests, errors + rejected)
+            # The route's: engine errors of requests the engine took, across teams.
+            by_route.setdefault(route, []).append((requests - rejected, errors))
+        for route, per_team in by_route.items():
+            totals[(route, None)] = route_counts(per_team)
         raised = {subject for subject, state in self.states.items() if state.level > 0}
         transitions: list[BreakerTransition] = []
         for subject in set(totals) | raised:

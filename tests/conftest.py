@@ -16,6 +16,26 @@ KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT", "29092"))
 REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT", "26379"))
 
 
+# The HTTP fuzz suite sends this many generated requests in `make test`; more on demand:
+# `.venv/bin/pytest tests/test_fuzz_http.py --fuzz-examples 50000 --timeout 0`.
+FUZZ_EXAMPLES = 3000
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=FUZZ_EXAMPLES,
+        help=f"requests the HTTP fuzz suite generates (default {FUZZ_EXAMPLES})",
+    )
+    parser.addoption(
+        "--fuzz-seed",
+        type=int,
+        default=None,
+        help="seed of the HTTP fuzz suite (default: the same every run, so CI is repeatable)",
+    )
+
+
 @pytest.fixture(scope="session")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")

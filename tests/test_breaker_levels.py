@@ -1,7 +1,8 @@
 """The sim engine's injected failure rate drives the breaker on the real broker and Redis:
-6 % → level 1, 12 % → level 2, 25 % → level 3, back down one level per cool-down once the
+7.5 % → level 1, 12 % → level 2, 25 % → level 3, back down one level per cool-down once the
 errors left the window; the ingress gate routes accordingly and on-call gets one webhook per
-transition into level 2 or above."""
+transition into level 2 or above. Two teams share the route: engine errors both see move the
+route's level as well as each team's own."""
 
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ from tests.test_streams_process import StreamsProcess, wait_until
 ROUTES = {"laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"}}
 REQUESTS = 400
 COOLDOWN_S = 2.0
-# Seeds of the sim's failure draws for which every run of >= 150 consecutive requests out of
-# 400 has an error rate inside the level's band (so the level reached is exact, not luck).
-CASES = [(0.06, 9, 1), (0.12, 0, 2), (0.25, 1, 3)]
+TEAMS = ("team-a", "team-b")  # request i is team i % 2's
+# Seeds of the sim's failure draws for which, in each team's 200 of the 400 requests, every
+# run of >= 100 consecutive ones has an error rate inside the level's band (so the level
+# reached is exact, not luck; the route's rate is then one of the two teams').
+CASES = [(0.075, 30, 1), (0.12, 6, 2), (0.25, 1, 3)]
 BREAKER = {
-    "breaker_window_s": 8.0,
+    # Long enough to hold 100 requests of each team (200 in all) on a busy machine, where
+    # one worker serving one at a time managed 17 a second.
+    "breaker_window_s": 20.0,
     "breaker_bucket_s": 0.5,
-    "breaker_min_requests": 150,
+    "breaker_min_requests": 100,
     "breaker_cooldown_s": COOLDOWN_S,
 }
 
@@ -69,6 +74,7 @@ class Webhook:
 def _envelope(i: int) -> RequestEnvelope:
     # One partition, one worker: failures drawn in order.
     return envelope(
+        team=TEAMS[i % 2],
         prompt=f"def f{i}():",
         max_tokens=2,
         affinity="p:one-partition",

@@ -359,6 +359,16 @@ def test_proxy_balances_both_ingress_replicas_and_streams_sse() -> None:
     assert any(p.endswith(":8000") for p in services()["proxy"]["ports"])
 
 
+def test_the_public_proxy_passes_no_admin_route() -> None:
+    conf = list(nginx_directives((COMPOSE / "nginx" / "nginx.conf").read_text()))
+    admin = [w for b, w in conf if b and b[-1] == "location ^~ /admin"]
+    assert admin == [["return", "404"]], "the proxy must answer /admin itself, never pass it"
+    # No other location may serve the admin paths (a regex location would win over "/").
+    others = [b[-1] for b, _ in conf if b and b[-1].startswith("location") and "admin" in b[-1]]
+    assert set(others) == {"location ^~ /admin"}
+    assert not [b for b, _ in conf if b and b[-1].startswith("location ~")]
+
+
 # --- Prometheus ------------------------------------------------------------------------------
 
 

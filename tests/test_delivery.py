@@ -12,13 +12,14 @@ import orjson
 import pytest
 from aiokafka.partitioner import murmur2
 
+from ingress.admission import affinity_key
 from tests.stack import PARTITIONS, LiveStack, wait_for
 from workers.sim import SimEngine
 from workers.types import EngineRequest
 
 
-def _partition(session: str) -> int:
-    return (murmur2(f"s:{session}".encode()) & 0x7FFFFFFF) % PARTITIONS
+def _partition(session: str, team: str = "team-a") -> int:
+    return (murmur2(affinity_key(team, session).encode()) & 0x7FFFFFFF) % PARTITIONS
 
 
 async def test_same_session_same_partition_same_worker(stack: LiveStack) -> None:

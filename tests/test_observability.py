@@ -101,9 +101,11 @@ async def wait_for_async(check: object, within_s: float) -> None:
 
 
 async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) -> None:
-    ingress = await stack.start_ingress(probe_interval_s=0.5, probe_timeout_s=1.5)
+    ingress = await stack.start_ingress(
+        probe_interval_s=0.5, probe_timeout_s=1.5, admin_key="ops-secret"
+    )
     workers = {pool: await stack.start_worker(pool) for pool in ("completion", "chat", "batch")}
-    http = stack.http(ingress)
+    http = stack.http(ingress, "ops-secret")  # the checks are for the operator
 
     async def ready() -> tuple[int, dict[str, dict[str, object]]]:
         response = await http.get("/readyz")

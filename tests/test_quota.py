@@ -22,6 +22,7 @@ from laneway.constants import RedisKeys, Topics
 from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
 from laneway.schema import BatchRequest, Reply, UsageEvent
+from laneway.tokens import estimate_tokens
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, envelope, free_port, wait_for
 from workers import metrics
@@ -72,100 +73,128 @@ async def enforcer(services: Services) -> Any:
 async def test_reserve_and_settle_arithmetic(enforcer: Any) -> None:
     quota, redis, keys = enforcer
     team = Team("alpha", size=1)  # 1,000 tokens an hour per pool
-    now = time.time()
-    admitted = await quota.reserve(team, "interactive", "ok-1", 300, now=now)
+    admitted = await quota.reserve(team, "interactive", "ok-1", 300)
     assert (admitted.remaining, admitted.capacity) == (700, 1000)
-    await quota.reserve(team, "interactive", "err-1", 200, now=now)
-    await quota.reserve(team, "interactive", "cancel-1", 100, now=now)
-    await quota.reserve(team, "interactive", "exp-1", 100, now=now)
+    await quota.reserve(team, "interactive", "err-1", 200)
+    await quota.reserve(team, "interactive", "cancel-1", 100)
+    await quota.reserve(team, "interactive", "exp-1", 100)
     # ok: used 120 of 300 → 180 back; error after 50 tokens: 150 back;
-    # cancelled and expired: everything back.
-    assert (await quota.settle("alpha", "ok-1", 120, now=now)).reserved == 300
-    await quota.settle("alpha", "err-1", 50, now=now)
-    await quota.settle("alpha", "cancel-1", 0, now=now)
-    await quota.settle("alpha", "exp-1", 0, now=now)
+    # cancelled and expired before they ran: all back but the minimum charge (16 tokens).
+    assert (await quota.settle("alpha", "ok-1", 120)).reserved == 300
+    await quota.settle("alpha", "err-1", 50)
+    assert (await quota.settle("alpha", "cancel-1", 0)).charged == 16
+    await quota.settle("alpha", "exp-1", 0)
     snap = await quota.snapshot(team)
     pool = snap["pools"]["interactive"]
     assert pool["reservations"] == 0
-    assert pool["used_tokens_this_hour"] == 170
+    assert pool["used_tokens_this_hour"] == 170 + 2 * 16
     bucket = await redis.hget(keys.quota_bucket("alpha", "interactive"), "tokens")
-    assert float(bucket) == pytest.approx(830, abs=1)  # refill since `now` is tiny
+    assert float(bucket) == pytest.approx(1000 - 202, abs=1)  # the refill meanwhile is tiny
     # Settling twice (a re-run after a crash) changes nothing.
-    assert not (await quota.settle("alpha", "ok-1", 120, now=now)).found
-    # Charged above the reservation: the excess is taken too.
-    await quota.reserve(team, "interactive", "long-1", 100, now=now)
-    await quota.settle("alpha", "long-1", 180, now=now)
+    assert not (await quota.settle("alpha", "ok-1", 120)).found
+    # Charged above the reservation: the excess is taken too, up to the reservation again
+    # (QuotaPolicy.max_excess = 1): 180 of 100 → 180; 900 of 100 → 200.
+    await quota.reserve(team, "interactive", "long-1", 100)
+    assert (await quota.settle("alpha", "long-1", 180)).charged == 180
     assert float(
         await redis.hget(keys.quota_bucket("alpha", "interactive"), "tokens")
-    ) == pytest.approx(650, abs=1)
+    ) == pytest.approx(1000 - 202 - 180, abs=1)
+    await quota.reserve(team, "interactive", "long-2", 100)
+    assert (await quota.settle("alpha", "long-2", 900)).charged == 200
+
+
+async def test_a_debt_outlives_the_idle_expiry_of_its_bucket(enforcer: Any) -> None:
+    """A request that used far more than it reserved leaves its pool in debt; the bucket
+    lives until the refill has paid it back, so an expiry never forgives it."""
+    quota, redis, keys = enforcer
+    team = Team("epsilon", size=1)  # 1,000 tokens an hour
+    await quota.reserve(team, "interactive", "all", 1000)
+    # 5,000 used of 1,000 reserved: charged 2,000 (the excess is capped at the reservation).
+    assert (await quota.settle("epsilon", "all", 5000)).charged == 2000
+    bucket = keys.quota_bucket("epsilon", "interactive")
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(-1000, abs=1)
+    # Two idle hours, plus the hour the refill needs to pay 1,000 tokens back.
+    assert await redis.ttl(bucket) > 2 * 3600 + 3500
+    with pytest.raises(QuotaExceeded):
+        await quota.reserve(team, "interactive", "next", 10)
+
+
+def test_estimates_count_dense_text_denser() -> None:
+    assert estimate_tokens("") == 0
+    assert estimate_tokens("def fib(n): return n") == 6  # 17 plain (4 a token), 3 punctuation
+    code = "def handler(request):\n    return request.json()\n" * 20
+    assert len(code) / 4 <= estimate_tokens(code) <= len(code) / 2.5
+    # What tokenizes a token a character or denser is no longer a quarter token each.
+    assert estimate_tokens("数据库连接失败" * 10) == 105  # 3 UTF-8 bytes: 1.5 a character
+    assert estimate_tokens("🙂" * 100) == 200
+    assert estimate_tokens("{}[]()<>" * 50) == 200
+    assert estimate_tokens("\ud800 lone") > 0  # a lone surrogate is counted, not an error
 
 
 async def test_lease_arithmetic(enforcer: Any) -> None:
     quota, redis, _ = enforcer
     team = Team("delta", size=1)  # 1,000 tokens an hour per pool
-    now = time.time()
-    first = await quota.lease(team, need=100, want=300, now=now)
+    first = await quota.lease(team, need=100, want=300)
     assert (first.taken, first.capacity) == (300, 1000)
     assert first.remaining == pytest.approx(700)
     # Never more than is left, never less than asked for: the rest of the pool, or a refusal.
-    second = await quota.lease(team, need=100, want=900, now=now)
+    second = await quota.lease(team, need=100, want=900)
     assert second.taken == 700
     assert second.remaining == pytest.approx(0, abs=0.01)
     with pytest.raises(QuotaExceeded) as info:
-        await quota.lease(team, need=50, want=100, now=now)
+        await quota.lease(team, need=50, want=100)
     assert info.value.retry_after == pytest.approx(180, rel=0.01)  # 50 tokens at 1,000/h
     # Requests admitted from a lease are settled by what the envelope says they took:
-    # 120 of which 40 were used, and 150 dropped before running.
-    settled = await quota.settle("delta", "l-1", 40, now=now, leased=120, accepted_ts=now)
+    # 120 of which 40 were used, and 150 dropped before running (the minimum charge, 16).
+    now = time.time()
+    settled = await quota.settle("delta", "l-1", 40, leased=120, accepted_ts=now)
     assert (settled.found, settled.pool, settled.reserved) == (True, "interactive", 120)
-    await quota.settle("delta", "l-2", 0, now=now, leased=150, accepted_ts=now)
+    await quota.settle("delta", "l-2", 0, leased=150, accepted_ts=now)
     # Settling twice (a re-run after a crash) changes nothing.
-    assert not (await quota.settle("delta", "l-1", 40, now=now, leased=120, accepted_ts=now)).found
-    await quota.give_back("delta", 30, now=now)  # the unused rest of the first lease
+    assert not (await quota.settle("delta", "l-1", 40, leased=120, accepted_ts=now)).found
+    await quota.give_back("delta", 30)  # the unused rest of the first lease
     tokens = await redis.hget(quota.keys.quota_bucket("delta", "interactive"), "tokens")
-    assert float(tokens) == pytest.approx(80 + 150 + 30, abs=1)
+    assert float(tokens) == pytest.approx(80 + 134 + 30, abs=1)
     pool = (await quota.snapshot(team))["pools"]["interactive"]
-    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40, 0)
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40 + 16, 0)
 
 
 async def test_over_budget_says_when_to_retry(enforcer: Any) -> None:
     quota, _, _ = enforcer
     team = Team("beta", size=1)
-    now = 2_000_000.0
-    await quota.reserve(team, "interactive", "a", 900, now=now)
+    await quota.reserve(team, "interactive", "a", 900)
     with pytest.raises(QuotaExceeded) as info:
-        await quota.reserve(team, "interactive", "b", 200, now=now)
+        await quota.reserve(team, "interactive", "b", 200)
     # 100 tokens are missing; the pool refills 1,000 tokens an hour: 360 s.
     assert info.value.retry_after == pytest.approx(360, rel=0.01)
     assert info.value.limit == 1000
     with pytest.raises(QuotaExceeded, match="can never fit"):
-        await quota.reserve(team, "interactive", "c", 5000, now=now)
+        await quota.reserve(team, "interactive", "c", 5000)
 
 
 async def test_dynamic_factor_from_redis_and_batch_pool_separate(enforcer: Any) -> None:
     quota, redis, keys = enforcer
     team = Team("gamma", size=1)
     await redis.set(keys.quota_factor("gamma"), "1.3")
-    admitted = await quota.reserve(team, "interactive", "x", 10, now=3_000_000.0)
+    admitted = await quota.reserve(team, "interactive", "x", 10)
     assert admitted.capacity == 1300
     # Draining batch leaves interactive untouched.
-    await quota.reserve(team, "batch", "b1", 1300, now=3_000_000.0)
+    await quota.reserve(team, "batch", "b1", 1300)
     with pytest.raises(QuotaExceeded):
-        await quota.reserve(team, "batch", "b2", 10, now=3_000_000.0, borrow=False)
-    assert (await quota.reserve(team, "interactive", "i2", 500, now=3_000_000.0)).remaining == 790
+        await quota.reserve(team, "batch", "b2", 10, borrow=False)
+    assert (await quota.reserve(team, "interactive", "i2", 500)).remaining == 790
 
 
 async def test_batch_borrows_only_above_the_reserve(enforcer: Any) -> None:
     quota, _, _ = enforcer
     team = Team("delta", size=1)
-    now = 4_000_000.0
-    await quota.reserve(team, "batch", "b0", 1000, now=now)
+    await quota.reserve(team, "batch", "b0", 1000)
     # Off-peak borrowing from interactive: allowed while 30 % of it stays untouched.
-    admitted = await quota.reserve(team, "batch", "b1", 600, now=now, borrow=True)
+    admitted = await quota.reserve(team, "batch", "b1", 600, borrow=True)
     assert admitted.pool == "interactive"
     with pytest.raises(QuotaExceeded):
-        await quota.reserve(team, "batch", "b2", 200, now=now, borrow=True)
-    settled = await quota.settle("delta", "b1", 600, now=now)
+        await quota.reserve(team, "batch", "b2", 200, borrow=True)
+    settled = await quota.settle("delta", "b1", 600)
     assert settled.pool == "interactive"
 
 

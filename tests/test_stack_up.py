@@ -84,6 +84,10 @@ class UpStack:
             self.process.send_signal(signal.SIGCONT)
 
 
+ADMIN_KEY = "stack-up-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 def _stack_env(data: Path, kafka_port: int, redis_port: int, port: int, metrics: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
     env.update(
@@ -96,6 +100,7 @@ def _stack_env(data: Path, kafka_port: int, redis_port: int, port: int, metrics:
         LANEWAY_KAFKA_HEAP_MB="256",
         LANEWAY_PARTITIONS="2",
         LANEWAY_PROBE_INTERVAL_S="0",
+        LANEWAY_ADMIN_KEY=ADMIN_KEY,  # /readyz shows its checks to the operator
         LANEWAY_HEARTBEAT_INTERVAL_S="0.5",
         # Slow, one at a time: requests queue up behind each other at the completion worker.
         LANEWAY_SIM_DECODE_MS_PER_STEP="50",
@@ -116,7 +121,7 @@ def _wait_ready(stack: UpStack, within_s: float) -> None:
         if stack.process.poll() is not None:
             pytest.fail(f"laneway up exited with {stack.process.returncode}:\n{stack.log()}")
         with contextlib.suppress(httpx.HTTPError):
-            response = httpx.get(f"{stack.base_url}/readyz", timeout=5)
+            response = httpx.get(f"{stack.base_url}/readyz", headers=ADMIN, timeout=5)
             if response.status_code == 200 and "workers.completion" in response.json()["checks"]:
                 return
         time.sleep(0.2)
@@ -333,7 +338,7 @@ async def test_a_killed_streams_app_catches_up_on_what_it_missed(up: UpStack) ->
 
 
 async def _readyz(up: UpStack) -> tuple[int, dict[str, Any]]:
-    async with httpx.AsyncClient(base_url=up.base_url, timeout=10) as http:
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=10, headers=ADMIN) as http:
         response = await http.get("/readyz")
     return response.status_code, response.json()["checks"]
 

@@ -10,13 +10,26 @@ from typing import Any
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
+from laneway.constants import RedisKeys
 from quota.teams import Team
-from streams.breaker import BreakerPolicy, BreakerState, add_outcome, next_state, window_counts
+from streams.announce import Announcer
+from streams.breaker import (
+    BreakerPolicy,
+    BreakerState,
+    add_outcome,
+    next_state,
+    route_counts,
+    window_counts,
+)
+from streams.dedupe import UsageIds
+from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.rollups import add_event, new_rollup, percentile, to_record
 from streams.settings import Price, StreamsSettings
 from streams.variance import hourly_budget, quota_factor, utilisation_stats
+from tests.stack import Services
 from tests.test_streams_process import usage_event
 
 POLICY = BreakerPolicy(
@@ -78,9 +91,9 @@ def test_breaker_window_slides() -> None:
     for second in range(100):
         add_outcome(buckets, float(second), error=second % 2 == 0, now=float(second), policy=POLICY)
     # The bucket the window's start falls in still counts: 60 s plus up to one bucket.
-    assert window_counts(buckets, 99.5, POLICY) == (61, 30)
+    assert window_counts(buckets, 99.5, POLICY) == (61, 30, 0)
     assert not add_outcome(buckets, 10.0, error=True, now=99.5, policy=POLICY)
-    assert window_counts(buckets, 200.0, POLICY) == (0, 0)
+    assert window_counts(buckets, 200.0, POLICY) == (0, 0, 0)
 
 
 def test_rollup_counts_costs_and_percentiles() -> None:
@@ -112,7 +125,9 @@ class _Table(dict[str, Any]):
     def data(self) -> MutableMapping[str, Any]:
         return self
 
-    def send_changelog(self, partition: int | None, key: Any, value: Any, *args: Any) -> None:
+    def send_changelog(
+        self, partition: int | None, key: Any, value: Any, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
 
@@ -137,7 +152,7 @@ async def test_replayed_offsets_are_not_counted_twice() -> None:
     (rollup,) = rollups.values()
     assert rollup["requests"] == 10
     (outcome,) = outcomes.values()
-    assert sum(n for n, _ in outcome["b"].values()) == 10
+    assert sum(n for n, *_ in outcome["b"].values()) == 10
     assert processor.counters.replayed == 6
     assert processor.counters.malformed == 1
 
@@ -178,3 +193,76 @@ async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next(
     assert [(r["requests"], r["revision"]) for r in sent] == [(5, 5), (8, 8)]
     (rollup,) = rollups.values()
     assert rollup["emitted"] == rollup["rev"] == 8
+
+
+def test_a_routes_rate_is_one_that_several_teams_see() -> None:
+    # One team failing everything, another served: the route's rate is the other's (0 %).
+    assert route_counts([(100, 100), (300, 0)]) == (300, 0)
+    # The engine fails everyone: without any one team, the rest still fail.
+    assert route_counts([(100, 30), (100, 25), (100, 35)]) == (200, 55)
+    # A big team with some errors and a small one failing everything: the small one is left
+    # out, and the route is judged on the big one's own 10 %.
+    assert route_counts([(1000, 100), (60, 60)]) == (1000, 100)
+    # One team alone on a route: its level judges it; the route has no rate of its own.
+    assert route_counts([(500, 500)]) == (0, 0)
+    assert route_counts([]) == (0, 0)
+
+
+async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_teams(
+    services: Services, prefix: str
+) -> None:
+    """Rejected requests (the engine refused what they asked) count for their team only;
+    engine errors count for the route too, once they are not one team's alone."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    sent: list[dict[str, Any]] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+
+    settings = StreamsSettings(breaker_min_requests=20, breaker_window_s=60.0)
+    now = time.time()
+    processor = UsageProcessor(
+        settings,
+        rollups=_Table(),
+        outcomes=_Table(),
+        announcer=Announcer(
+            redis, RedisKeys(prefix), "control", send, OnCallWebhook(""), cooldown_s=30.0
+        ),
+        redis=redis,
+        keys=RedisKeys(prefix),
+        send=send,
+        clock=lambda: now,
+    )
+    try:
+        offsets = iter(range(10_000))
+
+        def fold(team: str, status: str, count: int) -> None:
+            for _ in range(count):
+                event = usage_event(team=team, status=status, ts=now - 1)
+                processor.handle(event.to_json(), 0, next(offsets))
+
+        fold("bad", "rejected", 40)  # over-long prompts, all refused by the engine
+        fold("good", "ok", 40)
+        fold("noisy", "error", 30)  # one team's engine errors, whatever their cause
+        fold("noisy", "ok", 10)
+        await processor.evaluate_breakers()
+        levels = {(t["route"], t["team"]): t["level"] for t in sent}
+        assert levels == {("laneway-code", "bad"): 3, ("laneway-code", "noisy"): 3}
+
+        fold("good", "error", 20)  # now a second team sees engine errors: the route's
+        fold("bad", "error", 20)
+        await processor.evaluate_breakers()
+        levels = {(t["route"], t["team"]): t["level"] for t in sent}
+        assert levels[("laneway-code", None)] == 3
+    finally:
+        await redis.aclose()
+
+
+async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> None:
+    ids = UsageIds(_Table(), window_s=60)
+    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # first time: remembered
+    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # the same record read again
+    assert ids.repeat("r-1", 1001.0, partition=0, offset=9)  # a re-run's second event
+    assert not ids.repeat("r-2", 1050.0, partition=1, offset=1)
+    assert await ids.expire(now=1070.0) == 1  # r-1 is past the window, r-2 is not
+    assert not ids.repeat("r-1", 1080.0, partition=0, offset=12)

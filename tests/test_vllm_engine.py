@@ -19,7 +19,7 @@ import openai
 import orjson
 import pytest
 
-from laneway.errors import Aborted, ConfigError, EngineError
+from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
 from laneway.schema import ChatMessage
 from laneway.settings import WorkerSettings
 from tests import fake_vllm
@@ -210,9 +210,15 @@ async def test_vllm_errors_fail_the_request(
     fake_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     request = EngineRequest(id="e", route="m", prompt="x", max_tokens=2)
+    # vLLM's ValueError is about the request (prompt over max_model_len, bad parameters):
+    # refused for what it asks, which the breaker counts against its team only.
     monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", ValueError("prompt too long"))
-    with pytest.raises(EngineError, match="prompt too long"):
+    with pytest.raises(EngineRejected, match="prompt too long"):
         await _run(fake_engine, request)
+    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", RuntimeError("engine dead"))
+    with pytest.raises(EngineError, match="engine dead") as failed:
+        await _run(fake_engine, request)
+    assert not isinstance(failed.value, EngineRejected)
     monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", None)
     monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "finish_with", "error")
     with pytest.raises(EngineError, match="finish_reason=error"):

@@ -21,7 +21,15 @@ from tests.stack import ROOT, free_port
 
 
 class UpstreamProcess:
-    def __init__(self, log: Path, *, slots: int, token_ms: float, metrics: bool = False) -> None:
+    def __init__(
+        self,
+        log: Path,
+        *,
+        slots: int,
+        token_ms: float,
+        metrics: bool = False,
+        max_model_len: int = 0,
+    ) -> None:
         self.log = log
         self.port = free_port()
         argv = [
@@ -32,6 +40,7 @@ class UpstreamProcess:
             f"--slots={slots}",
             f"--token-ms={token_ms}",
             f"--log={log}",
+            f"--max-model-len={max_model_len}",
         ]
         if metrics:
             argv.append("--metrics")

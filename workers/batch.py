@@ -29,7 +29,14 @@ __all__ = ["BatchIntake", "BatchLedger", "KafkaRecord", "batch_result", "error_r
 
 KafkaRecord = tuple[str, bytes, bytes]  # topic, key, value
 
-_STATUS_CODES = {"ok": 200, "error": 500, "cancelled": 499, "aborted": 503, "expired": 504}
+_STATUS_CODES = {
+    "ok": 200,
+    "error": 500,
+    "rejected": 400,  # the engine refused the request itself (a prompt over its context)
+    "cancelled": 499,
+    "aborted": 503,
+    "expired": 504,
+}
 
 
 def batch_request_id(job_id: str, line_id: str) -> str:
@@ -98,7 +105,8 @@ def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
     if status == "ok":
         body = final_body(env, final.text, final)
     else:
-        body = error_body(final.error or status, type_="server_error", code=status)
+        kind = "invalid_request_error" if status == "rejected" else "server_error"
+        body = error_body(final.error or status, type_=kind, code=status)
     return BatchResult(
         job_id=env.job_id or "",
         line_id=env.line_id or env.id,

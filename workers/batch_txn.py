@@ -10,6 +10,7 @@ the zombie's next commit for that partition fails with ``ProducerFenced``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
@@ -33,6 +34,10 @@ class PartitionTransactions:
         self.settings = settings
         self.group = group
         self._producers: dict[TopicPartition, AIOKafkaProducer] = {}
+        # One open at a time: the commit loop may ask for a partition whose producer the
+        # assignment is still starting, and a second producer of it would fence the first
+        # (which then leaks, never closed).
+        self._opening = asyncio.Lock()
 
     def transactional_id(self, tp: TopicPartition) -> str:
         return f"{self.settings.topic_prefix}.batch.{self.group}.{tp.topic}.{tp.partition}"
@@ -42,6 +47,10 @@ class PartitionTransactions:
 
     async def open(self, partitions: Iterable[TopicPartition]) -> None:
         """Start (and so fence every other instance of) the producers of ``partitions``."""
+        async with self._opening:
+            await self._open(partitions)
+
+    async def _open(self, partitions: Iterable[TopicPartition]) -> None:
         for tp in partitions:
             if tp not in self._producers:
                 producer = make_producer(self.settings, transactional_id=self.transactional_id(tp))

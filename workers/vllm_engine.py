@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from laneway.errors import Aborted, ConfigError, EngineError
+from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
 from laneway.settings import WorkerSettings
 from workers.integrity import model_digest
 from workers.profiles import EngineProfile, build_profile, check_engine_args
@@ -276,9 +276,12 @@ class VllmEngine:
                 priority=request.priority,
             ):
                 yield output
+        except ValueError as exc:
+            # vLLM refuses a prompt longer than max_model_len and bad sampling parameters
+            # with a ValueError: the request's doing, not a fault of the engine.
+            raise EngineRejected(f"the engine refused the request: {exc}") from exc
         except Exception as exc:
-            # Engine dead, prompt longer than max_model_len, bad sampling parameters: each
-            # fails this one request.
+            # Engine dead, or anything else: it fails this one request.
             raise EngineError(f"vLLM on request {request.id}: {exc!r}") from exc
 
     async def _generate(

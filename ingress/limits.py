@@ -1,0 +1,95 @@
+"""The ingress bounds request bodies itself, whatever proxy does or does not sit in front.
+
+A body longer than ``LANEWAY_MAX_BODY_BYTES`` gets 413 before it is read: at once when its
+``Content-Length`` says so, else (chunked) as soon as what arrived passes the limit. A pure
+ASGI middleware, so the hot paths pay a header lookup and nothing more.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ingress.errors import error_response
+from laneway.errors import BodyTooLarge
+
+__all__ = ["BodyLimit"]
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None:
+            # The server reads no more than Content-Length says: the header is the size.
+            if length > self.max_bytes:
+                await self._refuse(length, scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if not _chunked(scope):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body ended
+                await self.app(scope, _replay(message, receive), send)
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(len(body), scope, receive, send, at_least=True)
+                return
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
+
+    async def _refuse(
+        self, size: int, scope: Scope, receive: Receive, send: Send, *, at_least: bool = False
+    ) -> None:
+        # A chunked body is cut off where it passed the limit: its size is not known.
+        size_part = "" if at_least else f" is {size} bytes,"
+        exc = BodyTooLarge(
+            f"request body{size_part} over the limit of {self.max_bytes} bytes "
+            "(LANEWAY_MAX_BODY_BYTES)"
+        )
+        response = error_response(exc)
+        response.headers["connection"] = "close"  # the rest of the body is not read
+        await response(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    raw = _header(scope, b"content-length")
+    if raw is None or not raw.isdigit():
+        return None  # absent; a malformed one the server has refused already
+    return int(raw)
+
+
+def _chunked(scope: Scope) -> bool:
+    raw = _header(scope, b"transfer-encoding")
+    return raw is not None and b"chunked" in raw.lower()
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """``receive`` that gives ``first`` once, then what the server sends (a disconnect)."""
+    pending = [first]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed

@@ -1,0 +1,78 @@
+"""A TCP proxy in front of a real server (the test Redis), which a test can cut and mend.
+
+Cut, it closes every connection it carries and refuses new ones, as a server that died or a
+network that split would; the server behind it keeps running for the other tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class TcpProxy:
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self.cut = False
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    async def cut_off(self) -> None:
+        """Close what it carries and refuse new connections until ``mend``."""
+        self.cut = True
+        for writer in list(self._writers):
+            writer.close()
+        await asyncio.sleep(0)
+
+    def mend(self) -> None:
+        self.cut = False
+
+    async def stop(self) -> None:
+        await self.cut_off()
+        for pipe in list(self._pipes):
+            pipe.cancel()
+        if self._pipes:
+            await asyncio.gather(*self._pipes, return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        pipes = [
+            asyncio.ensure_future(self._pipe(reader, up_writer)),
+            asyncio.ensure_future(self._pipe(up_reader, writer)),
+        ]
+        self._pipes.update(pipes)
+        try:
+            await asyncio.gather(*pipes, return_exceptions=True)
+        finally:
+            self._pipes.difference_update(pipes)
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.close()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
