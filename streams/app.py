@@ -10,6 +10,7 @@ Tables (memory store, rebuilt from their changelog topics on start):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,6 +21,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.clients import make_redis
+from laneway.devstack import create_topics
 from laneway.errors import LanewayError
 from streams.announce import Announcer
 from streams.dedupe import UsageIds
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # How often request ids past the de-duplication window are forgotten.
 _FORGET_IDS_S = 60.0
+# What Faust gives a table's changelog topic: only the latest value of a key matters.
+_CHANGELOG_CONFIG = {"cleanup.policy": "compact"}
 
 register()
 
@@ -44,6 +48,7 @@ class StreamsApp:
 
     def __init__(self, settings: StreamsSettings, *, partitions: int) -> None:
         self.settings = settings
+        self.partitions = partitions
         topics = settings.topics
         self.app: Any = faust.App(
             settings.app_id,
@@ -141,7 +146,24 @@ class StreamsApp:
         tick.__name__ = f"streams_{name.replace('-', '_')}"
         self.app.timer(interval, name=f"streams.{name}")(tick)
 
+    @property
+    def changelog_topics(self) -> list[str]:
+        """The topics the tables are kept in (Faust names them after the app id)."""
+        return [table.changelog_topic_name for table in self.app.tables.values()]
+
     async def start(self) -> None:
+        # Faust creates missing changelog topics itself, but while its consumer starts: on a
+        # cluster of several brokers the consumer may then take one for a topic with no
+        # partitions, and every table write fails (PartitionsMismatch) until its metadata
+        # is refreshed, each failure taking its usage event with it (the chaos drill saw
+        # the first 7 events of a fresh cluster never counted). So they exist first.
+        specs = [(name, self.partitions, _CHANGELOG_CONFIG) for name in self.changelog_topics]
+        await asyncio.to_thread(
+            create_topics,
+            self.settings.kafka_bootstrap,
+            specs,
+            self.settings.streams_replication_factor,
+        )
         self.app.in_worker = True
         await self.app.start()
         log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)
