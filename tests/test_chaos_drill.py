@@ -3,15 +3,23 @@ ingress, its command line, and the short drill itself on a topology of its own."
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from laneway.cli import main
 from laneway.devstack import port_in_use
 from laneway.drills.chaos import ChaosPlan
-from laneway.drills.chaos_audit import Accepted, tally
+from laneway.drills.chaos_audit import (
+    Accepted,
+    TopicRecord,
+    ids_with_usage,
+    rollup_requests,
+    tally,
+)
 from laneway.drills.chaos_clients import (
     Attempt,
     AttemptOutcome,
@@ -100,6 +108,50 @@ def test_batch_results_beyond_one_per_line_and_doubled_usage_are_counted() -> No
     )
     assert "| batch lines without a result | 2 of 3 | 0 | FAIL |" in table
     assert "batch lines without a result (2):\n  l1\n  l9" in details(twice)
+
+
+def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -> None:
+    usage = {"r1": ["ok"], "r2": ["ok", "ok"], "r3": ["error"]}
+    accepted = [Accepted(rid, rid, "completion") for rid in usage]
+    answered = [_request(rid, _attempt("answered", rid)) for rid in usage]
+    records = [
+        ("laneway.usage", orjson.dumps({"id": rid, "team": "t", "class": "completion"}))
+        for rid, statuses in usage.items()
+        for _ in statuses
+    ]
+    with_usage = ids_with_usage(records, "t")
+    assert with_usage == {"completion": 3}
+
+    def rollup(cls: str, hour: int, requests: int) -> TopicRecord:
+        value = {"team": "t", "class": cls, "model": "m", "hour": hour, "requests": requests}
+        return ("laneway-streams-rollups-changelog", orjson.dumps(value))
+
+    # The last value of each hour's rollup counts; other teams' are not the drill's.
+    changelog = [rollup("completion", 7, 1), rollup("completion", 7, 2), rollup("completion", 8, 1)]
+    changelog.append(("x", orjson.dumps({"team": "u", "class": "completion", "requests": 9})))
+    counted = rollup_requests(changelog, "t")
+    assert counted == {"completion": 3}
+    out = tally(answered, {}, accepted, usage, with_usage=with_usage, rollups=counted)
+    assert (out.usage_counted_twice, out.usage_uncounted, out.usage_extra) == (0, 0, 1)
+    assert out.target_met
+    twice = tally(
+        answered, {}, accepted, usage, with_usage=with_usage, rollups=Counter(completion=4)
+    )
+    assert (twice.usage_counted_twice, twice.usage_uncounted) == (1, 0)
+    assert not twice.target_met
+    assert (
+        "| usage counted twice (streams rollups: requests beyond one per id) | 1 (4 counted, "
+        "3 ids) | 0 | FAIL |" in tally_table(twice)
+    )
+    short = tally(answered, {}, accepted, usage, with_usage=with_usage, rollups=Counter(chat=3))
+    assert (short.usage_counted_twice, short.usage_uncounted) == (3, 3)
+    assert "by class: chat 3 counted / 0 ids, completion 0 counted / 3 ids" in details(short)
+    unread = tally(answered, {}, accepted, usage, with_usage=with_usage)
+    assert unread.usage_uncounted == 3
+    assert (
+        "| usage counted twice (streams rollups: requests beyond one per id) | not read | 0 "
+        "| FAIL |" in tally_table(unread)
+    )
 
 
 def test_the_balancer_skips_a_replica_taken_out() -> None:

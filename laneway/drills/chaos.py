@@ -31,7 +31,9 @@ from laneway.drills.chaos_audit import (
     batch_lines,
     batch_request_id,
     batch_results,
+    ids_with_usage,
     read_to_end,
+    rollup_requests,
     tally,
     usage_outcomes,
 )
@@ -288,16 +290,27 @@ async def _count(
     accepted = accepted_requests(requests)
     lines = batch_lines(await read_to_end(bootstrap, [topics.request("batch")]), job)
     ids = {a.id for a in accepted} | {batch_request_id(job, line) for line in lines}
-    # Usage of requests still finishing may be a moment behind: read again until every
-    # accepted request has its event, or for half a minute.
-    deadline = time.monotonic() + 30.0
+    # Usage of requests still finishing may be a moment behind, and the streams app's count
+    # of it a moment more: read again until every accepted request has its event and the
+    # rollups count every one, or for a minute.
+    deadline = time.monotonic() + 60.0
     while True:
-        usage = usage_outcomes(await read_to_end(bootstrap, [topics.usage]))
-        if ids <= usage.keys() or time.monotonic() > deadline:
+        raw = await read_to_end(bootstrap, [topics.usage])
+        usage, with_usage = usage_outcomes(raw), ids_with_usage(raw, _TEAM)
+        counted = rollup_requests(await read_to_end(bootstrap, [topology.rollups_changelog]), _TEAM)
+        if (ids <= usage.keys() and counted == with_usage) or time.monotonic() > deadline:
             break
         await asyncio.sleep(2.0)
     results = batch_results(await read_to_end(bootstrap, [topics.results_batch]), job)
     topology.note("topics read to their end offsets (read_committed)")
     return tally(
-        clients.requests, killed, accepted, usage, job_id=job, lines=lines, results=results
+        clients.requests,
+        killed,
+        accepted,
+        usage,
+        job_id=job,
+        lines=lines,
+        results=results,
+        with_usage=with_usage,
+        rollups=counted,
     )

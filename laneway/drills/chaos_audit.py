@@ -4,7 +4,9 @@ Accepted is what an ingress stored on a request topic (read there, to the end of
 Each accepted request is answered or explicitly failed as its client saw it; one whose
 client connection died with its ingress counts by its usage event's outcome; anything
 else is lost. Batch lines must have one result each, and every accepted request a usage
-event (raw doubles are reported: a re-run after a crash may legitimately send a second).
+event. A re-run after a crash may send a second event for a request (reported); what must
+hold is that the accounting counts each request once: the streams app's hourly rollups (read
+from their changelog topic) must count, per class, exactly the request ids with an event.
 """
 
 from __future__ import annotations
@@ -55,14 +57,36 @@ class ChaosTally:
     usage_twice: list[str] = field(default_factory=list)  # ids with more than one event
     usage_extra: int = 0  # events beyond one per id
     usage_conflicting: list[str] = field(default_factory=list)  # two different outcomes
+    # Per class: request ids with a usage event, and requests the streams app counted.
+    usage_ids: Counter[str] = field(default_factory=Counter)
+    usage_counted: Counter[str] | None = None  # None: not read
     clients_sent: int = 0
     clients_retried: int = 0
     clients_without_answer: int = 0
 
     @property
+    def usage_counted_twice(self) -> int:
+        """Requests the rollups counted beyond one per request id."""
+        counted = self.usage_counted or Counter()
+        return sum(max(0, counted[c] - self.usage_ids[c]) for c in counted)
+
+    @property
+    def usage_uncounted(self) -> int:
+        """Request ids with a usage event that the rollups do not count (all, if unread)."""
+        counted = self.usage_counted or Counter()
+        return sum(max(0, n - counted[c]) for c, n in self.usage_ids.items())
+
+    @property
     def target_met(self) -> bool:
-        """0 lost, 0 duplicated, 0 usage missing."""
-        return not (self.lost or self.batch_missing or self.batch_duplicates or self.usage_missing)
+        """0 lost, 0 duplicated, 0 usage missing or counted other than once."""
+        return not (
+            self.lost
+            or self.batch_missing
+            or self.batch_duplicates
+            or self.usage_missing
+            or self.usage_counted_twice
+            or self.usage_uncounted
+        )
 
 
 async def read_to_end(
@@ -136,6 +160,31 @@ def usage_outcomes(records: Sequence[TopicRecord]) -> dict[str, list[str]]:
     return found
 
 
+def ids_with_usage(records: Sequence[TopicRecord], team: str) -> Counter[str]:
+    """Per class: the request ids of ``team`` with at least one usage event."""
+    classes = {}
+    for _, value in records:
+        item = orjson.loads(value)
+        if item.get("team") == team:
+            classes[str(item.get("id"))] = str(item.get("class"))
+    return Counter(classes.values())
+
+
+def rollup_requests(records: Sequence[TopicRecord], team: str) -> Counter[str]:
+    """Per class: the requests of ``team`` the streams app's hourly rollups count, from the
+    rollups table's changelog (the last value of each team/class/model/hour wins)."""
+    latest: dict[tuple[str, str, str, int], int] = {}
+    for _, value in records:
+        item = orjson.loads(value) if value else None
+        if isinstance(item, dict) and item.get("team") == team and "requests" in item:
+            key = (team, str(item["class"]), str(item["model"]), int(item["hour"]))
+            latest[key] = int(item["requests"])
+    counted: Counter[str] = Counter()
+    for (_, cls, _, _), requests in latest.items():
+        counted[cls] += requests
+    return counted
+
+
 def batch_request_id(job_id: str, line_id: str) -> str:
     # The id a batch line's result and usage event carry (docs/batch.md, request_id).
     return f"batch-{job_id}-{line_id}"
@@ -150,6 +199,8 @@ def tally(
     job_id: str = "",
     lines: Sequence[str] = (),
     results: Sequence[str] = (),
+    with_usage: Counter[str] | None = None,
+    rollups: Counter[str] | None = None,
 ) -> ChaosTally:
     """Set the clients' records against the topics' (pure: what the unit tests check)."""
     out = ChaosTally()
@@ -165,10 +216,10 @@ def tally(
         not any(a.outcome == "answered" for a in r.attempts) for r in requests
     )
     out.batch_lines = len(lines)
-    counted = Counter(results)
+    per_line = Counter(results)
     out.batch_results = len(results)
-    out.batch_duplicates = sum(n - 1 for n in counted.values() if n > 1)
-    out.batch_missing = [line for line in lines if line not in counted]
+    out.batch_duplicates = sum(n - 1 for n in per_line.values() if n > 1)
+    out.batch_missing = [line for line in lines if line not in per_line]
     out.accepted["batch"] += len(lines)
     ids = [a.id for a in accepted] + [batch_request_id(job_id, line) for line in lines]
     out.usage_events = sum(len(v) for v in usage.values())
@@ -180,6 +231,8 @@ def tally(
             out.usage_extra += len(statuses) - 1
             if len(set(statuses)) > 1:
                 out.usage_conflicting.append(f"{rid}: {', '.join(statuses)}")
+    out.usage_ids = with_usage or Counter()
+    out.usage_counted = rollups
     return out
 
 

@@ -28,6 +28,12 @@ def _judged(count: int) -> tuple[str, str]:
     return "0", "PASS" if count == 0 else "FAIL"
 
 
+def _counted(t: ChaosTally, count: int) -> str:
+    if t.usage_counted is None:
+        return "not read"
+    return f"{count} ({sum(t.usage_counted.values())} counted, {sum(t.usage_ids.values())} ids)"
+
+
 def tally_table(t: ChaosTally) -> str:
     """The count, with a verdict on the three numbers that must be 0."""
     interactive = t.accepted["completion"] + t.accepted["chat"]
@@ -74,7 +80,17 @@ def tally_table(t: ChaosTally) -> str:
             *_judged(len(t.usage_missing)),
         ),
         (
-            "usage counted twice, raw (ids with more than one event)",
+            "usage counted twice (streams rollups: requests beyond one per id)",
+            _counted(t, t.usage_counted_twice),
+            *_judged(t.usage_counted_twice if t.usage_counted is not None else 1),
+        ),
+        (
+            "usage not counted (ids with an event the rollups miss)",
+            _counted(t, t.usage_uncounted),
+            *_judged(t.usage_uncounted),
+        ),
+        (
+            "second usage events on the topic (a re-run's; the streams app skips them)",
             f"{len(t.usage_twice)} ids, {t.usage_extra} extra events",
             "reported",
             "",
@@ -110,4 +126,10 @@ def details(t: ChaosTally) -> str:
             shown = "\n".join(f"  {item}" for item in items[:_SHOWN])
             more = f"\n  ... and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
             parts.append(f"{title} ({len(items)}):\n{shown}{more}")
+    if t.usage_counted is not None and t.usage_counted != t.usage_ids:
+        per_class = ", ".join(
+            f"{cls} {t.usage_counted[cls]} counted / {t.usage_ids[cls]} ids"
+            for cls in sorted(set(t.usage_counted) | set(t.usage_ids))
+        )
+        parts.append(f"usage in the streams app's rollups by class: {per_class}")
     return "\n".join(parts)

@@ -73,6 +73,8 @@ class ChaosTopology:
     events: list[tuple[float, str]] = field(default_factory=list)
     topics: Topics = field(default_factory=Topics)
     admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    # The streams app's id names its table changelogs, which the drill's count reads.
+    streams_app_id: str = "laneway-chaos-streams"
 
     def __post_init__(self) -> None:
         plan = self.plan
@@ -129,6 +131,7 @@ class ChaosTopology:
             "streams",
             "streams",
             env,
+            LANEWAY_STREAMS_APP_ID=self.streams_app_id,
             LANEWAY_STREAMS_DATA_DIR=str(self.data_dir / "streams"),
             LANEWAY_STREAMS_REPLICATION_FACTOR="3",
             LANEWAY_SESSION_TIMEOUT_MS=str(plan.session_timeout_ms),
@@ -138,6 +141,11 @@ class ChaosTopology:
         self.services[name] = ServiceProcess(
             name, [sys.executable, "-m", module], {**env, **extra}, log_dir=self.data_dir / "logs"
         )
+
+    @property
+    def rollups_changelog(self) -> str:
+        """The topic the streams app's hourly rollups table is kept in (Faust's name)."""
+        return f"{self.streams_app_id}-rollups-changelog"
 
     def now(self) -> float:
         return time.monotonic() - self.started
