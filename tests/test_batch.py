@@ -11,10 +11,12 @@ from typing import Any
 
 import orjson
 import pytest
+from aiokafka import TopicPartition
 
 from laneway.batch import BatchClient, JobStatus
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, wait_for
+from workers import batch_pool
 
 
 def _line(i: int, **body: Any) -> str:
@@ -236,3 +238,33 @@ async def test_a_paused_batch_worker_cannot_commit_what_its_partitions_new_owner
             worker.wait(timeout=30)
     assert (status.lines, status.done, status.duplicates) == (400, 400, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(400))
+
+
+@pytest.mark.slow
+async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_written_twice(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that lost its coordinator with a broker can wait for good on the end of a
+    transaction that did commit. The worker replaces that producer and learns from the
+    group's offsets what went out, so it neither stalls nor writes those results again."""
+    monkeypatch.setattr(batch_pool, "_TXN_STUCK_S", 5.0)  # the real commit ends well before
+    worker = await stack.start_worker("batch")
+    assert isinstance(worker, batch_pool.BatchPoolWorker)
+    commit = worker.txns.commit
+    stuck: list[int] = []
+
+    async def commit_then_hang(tp: TopicPartition, records: list[Any], offset: int) -> None:
+        await commit(tp, records, offset)
+        if records and not stuck:
+            stuck.append(offset)
+            await asyncio.Event().wait()  # its end is never reported
+
+    monkeypatch.setattr(worker.txns, "commit", commit_then_hang)
+    key = await stack.api_key("docs", size=1000)
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit([_line(i) for i in range(60)], api_key=key)
+        status = await _status_when(client, job, 60, 90)
+        results = await client.results(job)
+    assert stuck, "no transaction was cut off"
+    assert (status.done, status.duplicates) == (60, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))

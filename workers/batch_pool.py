@@ -9,6 +9,7 @@ pauses while the interactive lanes have a backlog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -45,6 +46,12 @@ log = logging.getLogger(__name__)
 
 # A throttled batch line re-checks its pool at least this often.
 _BATCH_RETRY_MAX_S = 5.0
+# A partition's transaction not ended after this is stuck: an aiokafka producer whose
+# coordinator's broker died mid-transaction can wait for good (seen in the chaos drill, every
+# commit stopped). Its producer is replaced, which ends that transaction one way or the other.
+_TXN_STUCK_S = 30.0
+# Bounds the stop of a stuck producer.
+_PRODUCER_STOP_S = 10.0
 _INTERACTIVE_POOLS = ("completion", "chat")
 
 
@@ -56,6 +63,7 @@ class BatchPoolWorker(PoolWorker):
         self.intake = BatchIntake(settings, self.redis, self.keys)
         self.txns = PartitionTransactions(settings, self.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
+        self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
         self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
         self._requeue: set[str] = set()
@@ -191,21 +199,51 @@ class BatchPoolWorker(PoolWorker):
         for tp, offset in self.offsets.committable(only).items():
             if tp in self._fenced:
                 continue
-            records = self.ledger.below({tp: offset})
             try:
                 if not self.txns.has(tp):
                     # Its producer did not start when the partition was assigned: start it
                     # now (never for a partition fenced since: that would fence its owner).
                     await self.txns.open([tp])
-                await self.txns.commit(tp, records, offset)
+                if tp in self._cut_off and await self._settle_cut_off(tp) >= offset:
+                    continue
+                async with asyncio.timeout(_TXN_STUCK_S):
+                    await self.txns.commit(tp, self.ledger.below({tp: offset}), offset)
             except ProducerFenced:
                 await self._lose(tp)
+                continue
+            except TimeoutError:
+                await self._replace_stuck(tp)
                 continue
             except KafkaError as exc:
                 log.warning("batch transaction aborted (will retry): %s", exc)
                 continue
             self.ledger.drop_below({tp: offset})
             self.offsets.mark_committed({tp: offset})
+
+    async def _replace_stuck(self, tp: TopicPartition) -> None:
+        """Drop the producer of a transaction that does not end. The next commit starts a
+        new one, which ends the old transaction (committed or aborted) before it begins."""
+        log.warning(
+            "batch transaction of %s:%d not ended after %.0fs: its producer is replaced",
+            tp.topic,
+            tp.partition,
+            _TXN_STUCK_S,
+        )
+        self._cut_off.add(tp)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_PRODUCER_STOP_S):
+                await self.txns.close([tp])
+
+    async def _settle_cut_off(self, tp: TopicPartition) -> int:
+        """After a cut-off transaction (its producer replaced, so it has ended): what it
+        committed is out already and leaves the ledger; returns the offset committed."""
+        done: int | None = await self.consumer.committed(tp)
+        self._cut_off.discard(tp)
+        if done is None:
+            return -1
+        self.ledger.drop_below({tp: done})
+        self.offsets.mark_committed({tp: done})
+        return done
 
     async def _lose(self, tp: TopicPartition) -> None:
         """Another instance owns ``tp`` now (this worker was expelled from the group while
@@ -234,6 +272,12 @@ class BatchPoolWorker(PoolWorker):
         while True:
             try:
                 await self.txns.open(partitions)
+                # The producers' start ended any transaction a previous owner (or this
+                # worker's previous tenure) left open, so only now are the group's offsets
+                # final: one fetched at the assignment may predate that transaction's commit,
+                # and its lines would run and be written again (aiokafka fetches offsets
+                # without KIP-447's require_stable). Seen in the chaos drill: one duplicate.
+                committed = {tp: await self.consumer.committed(tp) for tp in partitions}
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
                 await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
@@ -241,6 +285,10 @@ class BatchPoolWorker(PoolWorker):
                 continue
             break
         ready = [tp for tp in partitions if tp in self.consumer.assignment()]
+        for tp in ready:
+            done = committed.get(tp)
+            if done is not None:
+                self.consumer.seek(tp, done)
         if ready and not self.yielding:
             self.consumer.resume(*ready)
 
