@@ -60,7 +60,11 @@ def add_drill_commands(sub: Any) -> None:
         "--short", action="store_true", help="the faults closer together, less load (make test)"
     )
     chaos.add_argument(
-        "--base-port", type=int, default=33000, help="first of the ports it uses (default 33000)"
+        "--base-port",
+        type=int,
+        default=TopologyPlan().base_port,
+        help=f"first of the {TopologyPlan().last_port - TopologyPlan().base_port + 1} ports it "
+        f"uses (default {TopologyPlan().base_port})",
     )
     chaos.add_argument(
         "--data-dir",
@@ -120,8 +124,9 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
 def cmd_drill_chaos(args: argparse.Namespace) -> int:
     plan = ChaosPlan.short() if args.short else ChaosPlan()
     topology = TopologyPlan(base_port=args.base_port)
-    if not 1024 <= topology.base_port <= 65535 - (topology.last_port - topology.base_port):
-        raise ConfigError(f"--base-port must be within 1024..65000, not {args.base_port}")
+    highest = 65535 - (topology.last_port - topology.base_port)
+    if not 1024 <= topology.base_port <= highest:
+        raise ConfigError(f"--base-port must be within 1024..{highest}, not {args.base_port}")
     busy = [port for port in range(topology.base_port, topology.last_port + 1) if port_in_use(port)]
     if busy:
         raise ConfigError(

@@ -42,7 +42,9 @@ _RESTART_AFTER_S = 1.0
 class TopologyPlan:
     """Sizes and settings of the topology."""
 
-    base_port: int = 33000
+    # Below Linux's ephemeral range (32768-60999): there, the outgoing connections of the
+    # topology's own clients could take a port of the block before its server binds it.
+    base_port: int = 24000
     brokers: int = 3
     partitions: int = 4
     ingresses: int = 2
