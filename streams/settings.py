@@ -76,6 +76,12 @@ class StreamsSettings(CommonSettings):
     rollup_flush_interval_s: float = Field(
         1.0, gt=0, description="rollups: how often closed hours are published"
     )
+    rollup_provisional_s: float = Field(
+        10.0,
+        ge=0,
+        description="rollups: the open hour of each team/class/model is published this often "
+        "while it changes, with final=false (0: only closed hours)",
+    )
 
     @model_validator(mode="after")
     def _check_thresholds(self) -> Self:
