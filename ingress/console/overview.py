@@ -75,10 +75,11 @@ class PoolView:
 
     @property
     def engines(self) -> str:
-        names = sorted(
-            {f"{w.get('engine')}{' (sim)' if w.get('simulation') else ''}" for w in self.workers}
-        )
-        return ", ".join(names) or "-"
+        names = {
+            f"{w.get('engine')} (a simulation)" if w.get("simulation") else str(w.get("engine"))
+            for w in self.workers
+        }
+        return ", ".join(sorted(names)) or "-"
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

@@ -45,7 +45,9 @@ _HEADERS = {
     ),
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # Not no-referrer: under it a browser sends "Origin: null" with the forms, which would
+    # then be refused as cross-site.
+    "Referrer-Policy": "same-origin",
 }
 
 
@@ -180,9 +182,9 @@ async def console_home(request: Request) -> Response:
 async def login(request: Request) -> Response:
     _, console = _console(request)
     form = await _form(request)
-    if not _same_origin(request) or not console.sessions.admin_key_matches(
-        form.get("admin_key", "")
-    ):
+    if not _same_origin(request):
+        return console.page("login.html", 403, error="this form came from another site")
+    if not console.sessions.admin_key_matches(form.get("admin_key", "")):
         return console.page("login.html", 401, error="wrong admin key")
     response = RedirectResponse("/console", status_code=303, headers=_HEADERS)
     response.set_cookie(
