@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ingress.admin import admin_router
-from ingress.console import Console, console_router
+from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
@@ -43,5 +43,5 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app.router.routes.extend(HOT_ROUTES)  # tried before the included routers
     app.include_router(router)
     app.include_router(admin_router)
-    app.include_router(console_router)
+    install_console(app)
     return app

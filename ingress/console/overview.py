@@ -22,6 +22,7 @@ __all__ = [
     "UsageRow",
     "breaker_levels",
     "pools",
+    "probes",
     "recent_changes",
     "team_charts",
     "teams",
@@ -199,3 +200,23 @@ def team_charts(feed: ConsoleFeed, team: str, current_hour: int) -> dict[str, An
 def recent_changes(feed: ConsoleFeed, limit: int = 20) -> list[ControlRecord]:
     """The newest breaker transitions on ``laneway.control``, newest first."""
     return list(reversed(feed.changes))[:limit]
+
+
+def probes(state: IngressState, feed: ConsoleFeed) -> list[dict[str, Any]]:
+    """The latest probe per pool from every replica (``laneway.control``), and this
+    replica's own results that the feed has not brought back yet."""
+    found = [{"pool": pool, **record.data} for pool, record in sorted(feed.probes.items())]
+    seen = {p["pool"] for p in found if p.get("ingress") == state.settings.instance_id}
+    for pool, result in sorted(state.prober.results.items()):
+        if pool not in seen:
+            found.append(
+                {
+                    "pool": pool,
+                    "ok": result.ok,
+                    "latency_ms": result.latency_s * 1000,
+                    "ts": result.ts,
+                    "ingress": state.settings.instance_id,
+                    "error": result.error,
+                }
+            )
+    return found

@@ -5,11 +5,12 @@ the session's token and are checked against the page's own origin."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.responses import RedirectResponse, Response
 
@@ -30,7 +31,7 @@ from laneway.openai_api import validate_body
 from laneway.settings import IngressSettings
 from quota import Team, get_team
 
-__all__ = ["Console", "console_router"]
+__all__ = ["Console", "ConsoleRefusal", "console_router", "install_console"]
 
 console_router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -114,20 +115,36 @@ def _same_origin(request: Request) -> bool:
     return urlsplit(origin).netloc == request.headers.get("host")
 
 
-async def _posted(
-    request: Request, console: Console
-) -> tuple[ConsoleSession | None, dict[str, str] | Response]:
-    """The session and form of a POST, or the response that refuses it."""
+@dataclass(frozen=True, slots=True)
+class _Posted:
+    state: IngressState
+    console: Console
+    session: ConsoleSession
+    form: dict[str, str]
+
+
+class ConsoleRefusal(Exception):
+    """A console request turned away with a page or a redirect (not an API error)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def _posted(request: Request) -> _Posted:
+    """A form posted by a logged-in page of this console; ``ConsoleRefusal`` otherwise."""
+    state, console = _console(request)
     session = _session(request, console)
     if session is None:
-        return None, _to_login()
+        raise ConsoleRefusal(_to_login())
     form = await _form(request)
     if not _same_origin(request) or not console.sessions.csrf_ok(session, form.get("csrf", "")):
-        page = console.page(
-            "login.html", 403, error="this form is stale or came from another site; reload"
+        raise ConsoleRefusal(
+            console.page(
+                "login.html", 403, error="this form is stale or came from another site; reload"
+            )
         )
-        return session, page
-    return session, form
+    return _Posted(state, console, session, form)
 
 
 def _hour_now() -> int:
@@ -151,20 +168,6 @@ async def console_home(request: Request) -> Response:
         return console.page("login.html")
     await console.feed.ready()
     hour = _hour_now()
-    probes = [{"pool": pool, **record.data} for pool, record in sorted(console.feed.probes.items())]
-    local = {p["pool"] for p in probes if p.get("ingress") == state.settings.instance_id}
-    for pool, result in sorted(state.prober.results.items()):
-        if pool not in local:  # this replica's own result, before the feed brings it back
-            probes.append(
-                {
-                    "pool": pool,
-                    "ok": result.ok,
-                    "latency_ms": result.latency_s * 1000,
-                    "ts": result.ts,
-                    "ingress": state.settings.instance_id,
-                    "error": result.error,
-                }
-            )
     return console.page(
         "overview.html",
         csrf=console.sessions.csrf_token(session),
@@ -174,7 +177,7 @@ async def console_home(request: Request) -> Response:
         breakers=await overview.breaker_levels(state),
         changes=overview.recent_changes(console.feed),
         pools=await overview.pools(state),
-        probes=probes,
+        probes=overview.probes(state, console.feed),
     )
 
 
@@ -201,10 +204,7 @@ async def login(request: Request) -> Response:
 
 @console_router.post("/logout")
 async def logout(request: Request) -> Response:
-    _, console = _console(request)
-    _, form = await _posted(request, console)
-    if isinstance(form, Response):
-        return form
+    await _posted(request)
     response = _to_login()
     response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
     return response
@@ -212,18 +212,13 @@ async def logout(request: Request) -> Response:
 
 @console_router.post("/team")
 async def open_team(request: Request) -> Response:
-    _, console = _console(request)
-    _, form = await _posted(request, console)
-    if isinstance(form, Response):
-        return form
-    name = form.get("name", "").strip()
+    name = (await _posted(request)).form.get("name", "").strip()
     if not name or len(name) > 200:
         raise BadRequest("a team name has 1 to 200 characters", param="name")
     return RedirectResponse(f"/console/teams/{quote(name, safe='')}", status_code=303)
 
 
 async def _team_page(
-    request: Request,
     state: IngressState,
     console: Console,
     session: ConsoleSession,
@@ -260,15 +255,13 @@ async def team_page(team: str, request: Request) -> Response:
         return _to_login()
     notes = {"saved": "Saved.", "revoked": "Key revoked: every replica refuses it."}
     message = next((text for flag, text in notes.items() if flag in request.query_params), None)
-    return await _team_page(request, state, console, session, team, message=message)
+    return await _team_page(state, console, session, team, message=message)
 
 
 @console_router.post("/teams/{team}")
 async def edit_team(team: str, request: Request) -> Response:
-    state, console = _console(request)
-    session, form = await _posted(request, console)
-    if isinstance(form, Response) or session is None:
-        return form if isinstance(form, Response) else _to_login()
+    posted = await _posted(request)
+    state, console, session, form = posted.state, posted.console, posted.session, posted.form
     current = await get_team(state.redis, state.keys, team)
     fields = {
         name: form.get(name, "")
@@ -278,29 +271,31 @@ async def edit_team(team: str, request: Request) -> Response:
         body = validate_body(TeamBody, {**fields, "type_through": current.type_through})
         await save_team(state, team, body)
     except BadRequest as exc:
-        return await _team_page(
-            request, state, console, session, team, status_code=400, error=exc.message
-        )
+        return await _team_page(state, console, session, team, status_code=400, error=exc.message)
     return RedirectResponse(f"/console/teams/{quote(team, safe='')}?saved", status_code=303)
 
 
 @console_router.post("/teams/{team}/keys")
 async def new_key(team: str, request: Request) -> Response:
-    state, console = _console(request)
-    session, form = await _posted(request, console)
-    if isinstance(form, Response) or session is None:
-        return form if isinstance(form, Response) else _to_login()
-    created = await create_team_key(state, team)
-    return await _team_page(request, state, console, session, team, new_key=created)
+    posted = await _posted(request)
+    created = await create_team_key(posted.state, team)
+    return await _team_page(posted.state, posted.console, posted.session, team, new_key=created)
 
 
 @console_router.post("/keys/{key_id}/revoke")
 async def revoke(key_id: str, request: Request) -> Response:
-    state, console = _console(request)
-    _, form = await _posted(request, console)
-    if isinstance(form, Response):
-        return form
-    revoked = await revoke_team_key(state, key_id)
+    revoked = await revoke_team_key((await _posted(request)).state, key_id)
     return RedirectResponse(
         f"/console/teams/{quote(str(revoked['team']), safe='')}?revoked", status_code=303
     )
+
+
+def install_console(app: FastAPI) -> None:
+    """Serve the console's routes on ``app`` (they answer 404 while the admin key is unset)."""
+
+    async def on_refusal(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ConsoleRefusal)
+        return exc.response
+
+    app.add_exception_handler(ConsoleRefusal, on_refusal)
+    app.include_router(console_router)
