@@ -5,9 +5,11 @@ request path (the browser tests in test_console_browser.py drive the same pages)
 from __future__ import annotations
 
 import re
+import time
 from http.cookies import SimpleCookie
 
 import httpx
+import orjson
 
 from ingress.console.session import COOKIE, ConsoleSessions
 from laneway.constants import RedisKeys
@@ -124,3 +126,81 @@ async def test_a_key_made_on_the_console_works_and_one_revoked_there_is_refused(
     assert refused.status_code == 401
     page = await http.get(revoked.headers["location"])
     assert key_id.group(1) not in page.text
+
+
+async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -> None:
+    """Rollups (the latest revision of each hour), breaker levels and their changes."""
+    now = time.time()
+    hour = int(now) // 3600 * 3600
+    producer = await stack.producer()
+
+    def rollup(hour_start: int, requests: int, *, final: bool) -> bytes:
+        return orjson.dumps(
+            {
+                "v": 1,
+                "team": "team-p",
+                "class": "chat",
+                "model": "laneway-chat",
+                "hour": time.strftime("%Y-%m-%dT%H:00:00Z", time.gmtime(hour_start)),
+                "hour_start": hour_start,
+                "requests": requests,
+                "ok": requests - 1,
+                "errors": 0,
+                "dropped": 1,
+                "statuses": {"ok": requests - 1, "superseded": 1},
+                "prompt_tokens": 100 * requests,
+                "completion_tokens": 10 * requests,
+                "cost": 0.01 * requests,
+                "latency_ms": {"p50": 40.0, "p99": 310.0, "p999": 400.0},
+                "revision": requests + final,
+                "final": final,
+                "ts": now,
+            }
+        )
+
+    for value in (
+        rollup(hour - 5 * 3600, 30, final=True),
+        rollup(hour, 4, final=False),
+        rollup(hour, 9, final=False),
+        b"not json",
+    ):
+        await producer.send_and_wait(stack.topics.usage_hourly, value, key=b"team-p")
+    change = {
+        "v": 1,
+        "kind": "breaker",
+        "subject": "breaker:laneway-chat:team-p",
+        "route": "laneway-chat",
+        "team": "team-p",
+        "level": 2,
+        "previous": 1,
+        "rate": 0.125,
+        "requests": 80,
+        "since": now,
+        "ts": now,
+    }
+    await producer.send_and_wait(stack.topics.control, orjson.dumps(change), key=b"x")
+    keys = RedisKeys(stack.prefix)
+    level = {"level": 2, "rate": 0.125, "since": now, "requests": 80, "cooldown_s": 30.0}
+    level |= {"route": "laneway-chat", "team": "team-p"}  # as the streams app writes it
+    await stack.redis.set(keys.breaker("laneway-chat", "team-p"), orjson.dumps(level))
+
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.api_key("team-p", size=2)
+    http, _ = await _logged_in(stack, ingress)
+    page = (await http.get("/console")).text
+    row = re.search(r'<tr data-team="team-p" data-class="chat".*?</tr>', page, re.S)
+    assert row is not None, page
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(0), re.S)
+    assert cells[3:6] == ["9", "990", "0.0900"]  # the latest revision of the open hour
+    assert "superseded 1" in row.group(0)
+    assert "provisional r9" in row.group(0)
+    breaker = page[page.index('id="breakers"') :]
+    assert '<tr class="level-2"><td>laneway-chat</td><td>team-p</td>' in breaker
+    assert "1 → 2" in breaker
+
+    team_page = (await http.get("/console/teams/team-p")).text
+    plots = team_page[team_page.index('id="plots"') :]
+    assert plots.count("<svg") == 2
+    assert plots.count("<rect") == 4  # prompt and completion bars of two hours
+    assert "chat p99" in plots
+    assert "<polyline" in plots
