@@ -72,6 +72,9 @@ class CommonSettings(BaseSettings):
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text (fields as key=value) or one JSON object a line"
+    )
 
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],
