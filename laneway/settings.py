@@ -73,6 +73,10 @@ class CommonSettings(BaseSettings):
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
 
+    ingress_url: str = Field(
+        "http://127.0.0.1:8000/v1",
+        description="the CLI's batch commands: OpenAI base URL of an ingress",
+    )
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],
         description="model names served (JSON list)",
@@ -151,6 +155,15 @@ class IngressSettings(CommonSettings):
         ge=1024,
         description="largest request body accepted; a longer one gets 413 before it is read "
         "to its end (a 32k-token chat is about 130 kB of JSON)",
+    )
+    max_file_bytes: int = Field(
+        100 * 1024 * 1024,
+        ge=1024,
+        description="largest file POST /v1/files accepts (a batch input file; its bytes go to "
+        "Kafka, never to Redis)",
+    )
+    batch_max_lines: int = Field(
+        50_000, gt=0, description="most lines (requests) a batch input file may have"
     )
     cancels_per_s: int = Field(
         50,

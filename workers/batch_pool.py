@@ -94,7 +94,13 @@ class BatchPoolWorker(PoolWorker):
                 await asyncio.sleep(1.0)
             else:
                 key = record.key or f"{line.job_id}:{line.line_id}".encode()
-                self._lines[env.id] = (tp.topic, key, record.value)
+                # A legacy line goes back (when re-queued) with its team and without its key.
+                value = (
+                    record.value
+                    if line.api_key is None
+                    else line.model_copy(update={"team": env.team}).to_json()
+                )
+                self._lines[env.id] = (tp.topic, key, value)
                 return env
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
