@@ -63,7 +63,12 @@ def standby_processes(settings: StackSettings) -> list[str]:
 def stack_processes(settings: StackSettings) -> list[Supervised]:
     """The processes of the stack in start order, servers first."""
     data = Path(settings.data_dir).resolve()
-    redis = RedisServer(port=settings.redis_port, data_dir=data / "redis", persistent=True)
+    redis = RedisServer(
+        port=settings.redis_port,
+        data_dir=data / "redis",
+        persistent=True,
+        maxmemory=settings.redis_maxmemory,
+    )
     kafka = KafkaBroker(
         port=settings.kafka_port,
         data_dir=data / "kafka",
