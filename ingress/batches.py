@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import orjson
@@ -30,7 +30,7 @@ from laneway.batch import output_line_bytes, parse_input
 from laneway.clients import make_consumer, make_producer
 from laneway.constants import FILE_RETENTION_S
 from laneway.errors import BadRequest, LanewayError, NotFound
-from laneway.schema import BatchJob, BatchResult
+from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 
@@ -265,14 +265,9 @@ class BatchBook:
         """Queue the lines of ``file``, or fail the batch saying why."""
         try:
             text = await self.files.text(file)
-            lines = parse_input(
+            # Parsed one at a time as they are sent: a large file is never held as objects.
+            requests = parse_input(
                 text.split("\n"), job_id=record.id, team=record.team, endpoint=record.endpoint
-            )
-            requests = list(lines)
-            if not requests:
-                raise BadRequest("the input file has no request lines", param="input_file_id")
-            header = BatchJob(
-                job_id=record.id, team=record.team, lines=len(requests), source=file.id
             )
             producer = make_producer(
                 self.settings,
@@ -281,7 +276,7 @@ class BatchBook:
             )
             await producer.start()
             try:
-                await self._write(producer, record.id, header, requests)
+                await self._write(producer, record, file.id, requests)
             finally:
                 await producer.stop()
         except LanewayError as exc:
@@ -289,18 +284,32 @@ class BatchBook:
         except (KafkaError, RedisError, OSError) as exc:
             log.warning("batch %s not queued: %r", record.id, exc)
             await self._fail(
-                record.id,
-                "not_queued",
-                "the batch's lines could not be queued; create the batch again",
+                record.id, "not_queued", "the batch's lines could not be queued; create it again"
             )
 
     async def _write(
-        self, producer: AIOKafkaProducer, batch_id: str, header: BatchJob, requests: list[Any]
+        self,
+        producer: AIOKafkaProducer,
+        batch: BatchRecord,
+        source: str,
+        requests: Iterable[BatchRequest],
     ) -> None:
+        """The lines, then the job's header, in one transaction. The header's offset is
+        stored before the commit: whoever finds the batch still validating later can tell
+        from it whether the transaction committed."""
+        batch_id = batch.id
         key = batch_id.encode()
         async with producer.transaction():
-            sent = await producer.send(self.topics.results_batch, header.to_json(), key=key)
-            meta = await sent
+            topic = self.topics.request("batch")
+            lines = 0
+            for request in requests:
+                line_key = f"{batch_id}:{request.line_id}".encode()
+                await producer.send(topic, request.to_json(), key=line_key)
+                lines += 1
+            if not lines:
+                raise BadRequest("the input file has no request lines", param="input_file_id")
+            header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
+            meta = await (await producer.send(self.topics.results_batch, header.to_json(), key=key))
             await self._update(
                 batch_id,
                 lambda current: current.model_copy(
@@ -308,14 +317,10 @@ class BatchBook:
                         "partition": meta.partition,
                         "header_offset": meta.offset,
                         "scanned_to": meta.offset + 1,
-                        "total": header.lines,
+                        "total": lines,
                     }
                 ),
             )
-            topic = self.topics.request("batch")
-            for request in requests:
-                line_key = f"{batch_id}:{request.line_id}".encode()
-                await producer.send(topic, request.to_json(), key=line_key)
         now = int(time.time())
 
         def started(current: BatchRecord) -> BatchRecord | None:

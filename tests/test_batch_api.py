@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import openai
 import orjson
 import pytest
+from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI
 from openai.types import Batch
 
+from ingress.batches import BatchRecord
+from laneway.schema import BatchJob, BatchRequest
+from laneway.settings import IngressSettings
 from tests.stack import Ingress, LiveStack
 
 
@@ -255,3 +260,77 @@ async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(
         "no file 'file-nope'",
     )
     await refused(client.batches.retrieve("batch_nope"), 404, "batch_id", "no batch")
+
+
+async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: LiveStack) -> None:
+    """A replica that stopped mid-submission leaves its batch validating with its lines in an
+    open transaction; Kafka aborts it. Another replica finds the batch later: aborted → failed
+    (no line ran: the workers read committed), committed → in progress, and it completes."""
+    ingress = await stack.start_ingress()
+    worker = await stack.start_worker("batch")
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+    settings = IngressSettings(**stack.common)
+    request_topic = stack.topics.request("batch")
+    ended: dict[str, str] = {}
+    for outcome in ("aborted", "committed"):
+        batch_id = f"batch_{outcome}_{stack.prefix}"
+        producer = AIOKafkaProducer(
+            bootstrap_servers=stack.services.bootstrap, transactional_id=f"test-{batch_id}"
+        )
+        await producer.start()
+        stack.track(producer)
+        await producer.begin_transaction()
+        for i in range(3):
+            line = BatchRequest(
+                job_id=batch_id,
+                line_id=f"doc-{i}",
+                team="docs",
+                body=orjson.loads(_line(i))["body"],
+            )
+            await producer.send(request_topic, line.to_json(), key=f"{batch_id}:doc-{i}".encode())
+        header = BatchJob(job_id=batch_id, team="docs", lines=3)
+        sent = await producer.send(
+            stack.topics.results_batch, header.to_json(), key=batch_id.encode()
+        )
+        meta = await sent
+        now = int(time.time())
+        record = BatchRecord(
+            id=batch_id,
+            team="docs",
+            endpoint="/v1/chat/completions",
+            input_file_id=uploaded.id,
+            created_at=now - 120,  # its replica's grace is over
+            expires_at=now + 3600,
+            partition=meta.partition,
+            header_offset=meta.offset,
+            scanned_to=meta.offset + 1,
+            total=3,
+        )
+        await stack.redis.set(settings.keys.batch(batch_id), record.model_dump_json(), ex=3600)
+        assert (await client.batches.retrieve(batch_id)).status == "validating"  # still open
+        if outcome == "aborted":
+            await producer.abort_transaction()
+        else:
+            await producer.commit_transaction()
+        ended[outcome] = (await _until_done(client, batch_id)).status
+
+    assert ended == {"aborted": "failed", "committed": "completed"}
+    failed = await client.batches.retrieve(f"batch_aborted_{stack.prefix}")
+    assert failed.errors is not None
+    assert failed.errors.data
+    assert "cut short" in (failed.errors.data[0].message or "")
+    # The worker has fetched past every line of both transactions (reading committed, it
+    # was never handed the aborted ones); only the committed ran.
+    ends = await worker.consumer.end_offsets(list(worker.consumer.assignment()))
+
+    async def read_past_all() -> bool:
+        return all([await worker.consumer.position(tp) >= end for tp, end in ends.items()])
+
+    deadline = time.monotonic() + 30
+    while not await read_past_all():
+        assert time.monotonic() < deadline, "the worker did not get past the aborted lines"
+        await asyncio.sleep(0.1)
+    results = await stack.read_all(stack.topics.results_batch)
+    ran = sorted(r["job_id"] for r in results if r.get("type") == "result")
+    assert ran == [f"batch_committed_{stack.prefix}"] * 3
