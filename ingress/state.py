@@ -18,6 +18,7 @@ from ingress.admission import Admission
 from ingress.auth import CallerResolver
 from ingress.batches import BatchBook
 from ingress.breaker import BreakerGate
+from ingress.canary_gate import CanaryGate
 from ingress.cancels import CancelOutbox
 from ingress.files import FileStore
 from ingress.prober import Prober
@@ -68,6 +69,7 @@ class IngressState:
         self.admission = Admission(settings, self.producer, self.clock)
         self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
+        self.canaries = CanaryGate(self.redis, self.keys)
         self.prober = Prober(self)
         self.files = FileStore(settings, self.redis, self.producer)
         self.batches = BatchBook(settings, self.redis, self.files)

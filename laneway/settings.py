@@ -72,6 +72,9 @@ class CommonSettings(BaseSettings):
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text (fields as key=value) or one JSON object a line"
+    )
 
     ingress_url: str = Field(
         "http://127.0.0.1:8000/v1",
@@ -320,6 +323,11 @@ class WorkerSettings(CommonSettings):
     )
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
+    sim_route_failure_rates: dict[str, float] = Field(
+        default_factory=dict,
+        description="sim: injected error share of single routes, instead of the above (JSON "
+        '{route: share}; a faulty canary: {"laneway-code-v2": 0.2})',
+    )
     sim_seed: int = Field(0, description="sim: seed of injected failures")
     vllm_model: str = Field(
         "", description="engine=vllm: model directory or hub id (required by that engine)"

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, MalformedMessage
 from laneway.schema import UsageEvent, decode
+from quota.model import QuotaPolicy
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
 from streams.breaker import (
@@ -32,6 +33,7 @@ from streams.breaker import (
     route_counts,
     window_counts,
 )
+from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
@@ -44,7 +46,7 @@ from streams.tables import (
     put_outside_stream,
 )
 from streams.types import ChangelogTable, SendRecord
-from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, hourly_budget, utilisation_stats
+from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, utilisation_stats
 
 __all__ = ["ProcessorCounters", "UsageProcessor"]
 
@@ -88,10 +90,12 @@ class UsageProcessor:
         keys: RedisKeys,
         send: SendRecord,
         ids: UsageIds | None = None,
+        canary: CanaryWatch | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.policy = BreakerPolicy.from_settings(settings)
+        self.quota = QuotaPolicy.from_settings(settings)
         self.rollups = rollups
         self.outcomes = outcomes
         self.announcer = announcer
@@ -99,6 +103,7 @@ class UsageProcessor:
         self.keys = keys
         self.send = send
         self.ids = ids
+        self.canary = canary
         self.clock = clock
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
@@ -136,6 +141,8 @@ class UsageProcessor:
         self._fold_rollup(event, partition, offset, now)
         if event.status in _COUNTED_STATUSES:
             self._fold_outcome(event, partition, offset, now)
+        if self.canary is not None:
+            self.canary.fold(event)
 
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)
@@ -280,7 +287,7 @@ class UsageProcessor:
             except LanewayError as exc:
                 log.warning("team %s has an unusable record, factor left as is: %s", team, exc)
                 continue
-            budget = hourly_budget(record, self.settings.quota_unit_tokens)
+            budget = self.quota.base_tokens(record, "interactive")
             stats = utilisation_stats(by_hour, budget, hour_of(now))
             if abs(self.factors.get(team, -1.0) - stats.factor) < 1e-6:
                 continue
