@@ -223,6 +223,12 @@ batch_bodies = st.fixed_dictionaries(
         "metadata": json_values,
     },
 )
+canary_bodies = st.fixed_dictionaries(
+    {}, optional={"target": texts, "steps": json_values | st.lists(counts, max_size=5)}
+)
+valid_canary_bodies = st.fixed_dictionaries(
+    {"target": st.just("laneway-chat"), "steps": st.just([1, 5, 10, 100])}
+)
 valid_batch_bodies = st.fixed_dictionaries(
     {
         "input_file_id": st.sampled_from(["file-0", "file-" + "0" * 24]),
@@ -252,6 +258,10 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("GET", "/v1/batches"): NO_BODY,
     ("GET", "/v1/batches/{batch_id}"): NO_BODY,
     ("POST", "/v1/batches/{batch_id}/cancel"): NO_BODY,
+    # Canaries start on the path's model: generated names, never the models fuzzed above.
+    ("GET", "/admin/canary"): NO_BODY,
+    ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
+    ("POST", "/admin/canary/{model}/abort"): NO_BODY,
     ("GET", "/openapi.json"): NO_BODY,
     ("GET", "/docs"): NO_BODY,
     ("GET", "/docs/oauth2-redirect"): NO_BODY,
