@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 import redis.asyncio as aioredis
@@ -75,7 +75,10 @@ class CreateBatch(BaseModel):
     input_file_id: str = Field(min_length=1, max_length=200)
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = Field(None, max_length=16)
 
 
 class BatchRecord(BaseModel):

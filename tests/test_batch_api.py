@@ -86,9 +86,13 @@ async def test_sdk_batch_end_to_end_one_result_per_line(stack: LiveStack) -> Non
     )
     assert (await client.files.content(uploaded.id)).content == data
     created = await client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly docs"},
     )
     assert created.status == "validating"
+    assert created.metadata == {"job": "nightly docs"}
     batch = await _until_done(client, created.id)
 
     assert batch.status == "completed", batch
