@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
-from ingress.batches import CreateBatch
+from ingress.batch_records import CreateBatch
 from ingress.responses import JSONResponse
 from ingress.state import IngressState
 from laneway.batch import new_job_id

@@ -15,16 +15,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
-from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
+from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch, Status
 from ingress.files import FileRecord, FileStore
 from laneway.batch import output_line_bytes, parse_input
 from laneway.clients import make_consumer, make_producer
@@ -34,114 +34,16 @@ from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 
-__all__ = ["BatchBook", "BatchRecord", "CreateBatch"]
+__all__ = ["BatchBook"]
 
 log = logging.getLogger(__name__)
 
-Status = Literal[
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-]
 _COUNTING: tuple[Status, ...] = ("in_progress", "cancelling")
-_DONE: tuple[Status, ...] = ("failed", "completed", "expired", "cancelled")
 # A batch still validating this long after its creation, with no line written, lost the
 # replica that was submitting it (a submission takes seconds).
 _VALIDATING_GIVE_UP_S = 600
 # Others leave a batch this young to the replica submitting it.
 _VALIDATING_OWNED_S = 30
-
-
-# Compare and set: the record changes only if it is still what the change was decided on.
-_SWAP = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
-  return 1
-end
-return 0
-"""
-
-
-class CreateBatch(BaseModel):
-    """``POST /v1/batches``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str = Field(min_length=1, max_length=200)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
-    completion_window: Literal["24h"]
-    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
-    metadata: (
-        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
-    ) = Field(None, max_length=16)
-
-
-class BatchRecord(BaseModel):
-    """A batch's object and its progress, as Redis keeps it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    team: str
-    endpoint: str
-    input_file_id: str
-    completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
-    status: Status = "validating"
-    created_at: int
-    expires_at: int
-    in_progress_at: int | None = None
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
-    errors: list[dict[str, Any]] | None = None
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    # Where its results are: the partition of laneway.results.batch, its header's offset,
-    # and how far that partition was counted.
-    partition: int | None = None
-    header_offset: int | None = None
-    scanned_to: int | None = None
-    output_bytes: int = 0
-    error_bytes: int = 0
-
-    def public(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "batch",
-            "endpoint": self.endpoint,
-            "errors": {"object": "list", "data": self.errors} if self.errors else None,
-            "input_file_id": self.input_file_id,
-            "completion_window": self.completion_window,
-            "status": self.status,
-            "output_file_id": self.output_file_id,
-            "error_file_id": self.error_file_id,
-            "created_at": self.created_at,
-            "in_progress_at": self.in_progress_at,
-            "expires_at": self.expires_at,
-            "finalizing_at": self.finalizing_at,
-            "completed_at": self.completed_at,
-            "failed_at": self.failed_at,
-            "expired_at": None,
-            "cancelling_at": self.cancelling_at,
-            "cancelled_at": self.cancelled_at,
-            "request_counts": {
-                "total": self.total,
-                "completed": self.completed,
-                "failed": self.failed,
-            },
-            "metadata": self.metadata,
-        }
 
 
 class BatchBook:
@@ -160,6 +62,7 @@ class BatchBook:
         self.keys = settings.keys
         # One reader of the results topic, for the short counting reads (file downloads
         # have consumers of their own).
+        self.records = BatchRecords(redis, settings.keys)
         self._reader = make_consumer(settings, isolation_level="read_committed")
         self._reading = asyncio.Lock()
         self._submitting: dict[str, asyncio.Task[None]] = {}
@@ -196,13 +99,7 @@ class BatchBook:
             created_at=now,
             expires_at=now + 24 * 3600,
         )
-        index = self.keys.team_batches(team)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.batch(batch_id), record.model_dump_json(), ex=FILE_RETENTION_S)
-            pipe.zadd(index, {batch_id: time.time()})
-            pipe.zremrangebyscore(index, "-inf", now - FILE_RETENTION_S)
-            pipe.expire(index, FILE_RETENTION_S)
-            await pipe.execute()
+        await self.records.insert(record)
         task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
         self._submitting[batch_id] = task
         task.add_done_callback(lambda _: self._submitting.pop(batch_id, None))
@@ -210,26 +107,22 @@ class BatchBook:
 
     async def get(self, batch_id: str, team: str) -> BatchRecord:
         """The team's batch, its counts brought up to date; another team's is "not found"."""
-        record = await self._load(batch_id)
+        record = await self.records.load(batch_id)
         if record is None or record.team != team:
             raise NotFound(f"no batch {batch_id[:200]!r} of team {team!r}", param="batch_id")
         return await self._refresh(record)
 
     async def page(self, team: str, after: str | None, limit: int) -> dict[str, Any]:
-        index = self.keys.team_batches(team)
-        ids = [
-            i.decode() if isinstance(i, bytes) else str(i)
-            for i in await self.redis.zrevrange(index, 0, -1)
-        ]
+        ids = await self.records.team_ids(team)
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         page: list[BatchRecord] = []
         for batch_id in ids:
             if len(page) > limit:
                 break
-            record = await self._load(batch_id)
+            record = await self.records.load(batch_id)
             if record is None:
-                await self.redis.zrem(index, batch_id)  # expired with its results
+                await self.records.forget(team, batch_id)  # expired with its results
                 continue
             page.append(await self._refresh(record) if len(page) < limit else record)
         data = [r.public() for r in page[:limit]]
@@ -260,7 +153,7 @@ class BatchBook:
                 return None
             return current.model_copy(update={"status": "cancelling", "cancelling_at": now})
 
-        return await self._refresh(await self._update(batch_id, cancelling))
+        return await self._refresh(await self.records.update(batch_id, cancelling))
 
     # --- submission ---------------------------------------------------------------------
 
@@ -313,7 +206,7 @@ class BatchBook:
                 raise BadRequest("the input file has no request lines", param="input_file_id")
             header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
             meta = await (await producer.send(self.topics.results_batch, header.to_json(), key=key))
-            await self._update(
+            await self.records.update(
                 batch_id,
                 lambda current: current.model_copy(
                     update={
@@ -333,7 +226,7 @@ class BatchBook:
                 return current.model_copy(update={"in_progress_at": now})
             return None
 
-        await self._update(batch_id, started)
+        await self.records.update(batch_id, started)
 
     async def _fail(self, batch_id: str, code: str, message: str) -> None:
         now = int(time.time())
@@ -349,7 +242,7 @@ class BatchBook:
             )
 
         with contextlib.suppress(RedisError, OSError):
-            await self._update(batch_id, failed)
+            await self.records.update(batch_id, failed)
 
     # --- progress -----------------------------------------------------------------------
 
@@ -405,7 +298,7 @@ class BatchBook:
                 update.update(status="finalizing", finalizing_at=now)
             return current.model_copy(update=update)
 
-        return await self._update(record.id, counted)
+        return await self.records.update(record.id, counted)
 
     async def _finalize(self, record: BatchRecord) -> BatchRecord:
         """Every line has its result: the output and error files, then the final status."""
@@ -451,7 +344,7 @@ class BatchBook:
                 update.update(status="completed", completed_at=now)
             return current.model_copy(update=update)
 
-        return await self._update(record.id, finished)
+        return await self.records.update(record.id, finished)
 
     async def _recover(self, record: BatchRecord) -> BatchRecord:
         """A batch left validating by a replica that stopped: its transaction either
@@ -467,7 +360,7 @@ class BatchBook:
                     "the ingress submitting this batch stopped before "
                     "it queued a line; create the batch again",
                 )
-                return await self._load(record.id) or record
+                return await self.records.load(record.id) or record
             return record
         tp = TopicPartition(self.topics.results_batch, record.partition)
         committed: bool | None = None
@@ -489,9 +382,9 @@ class BatchBook:
                 "not_queued",
                 "the batch's submission was cut short; create the batch again",
             )
-            return await self._load(record.id) or record
+            return await self.records.load(record.id) or record
         now = int(time.time())
-        return await self._update(
+        return await self.records.update(
             record.id,
             lambda current: (
                 current.model_copy(update={"status": "in_progress", "in_progress_at": now})
@@ -499,29 +392,3 @@ class BatchBook:
                 else None
             ),
         )
-
-    # --- Redis --------------------------------------------------------------------------
-
-    async def _load(self, batch_id: str) -> BatchRecord | None:
-        if len(batch_id) > 200:
-            return None
-        raw = await self.redis.get(self.keys.batch(batch_id))
-        return BatchRecord.model_validate_json(raw) if raw is not None else None
-
-    async def _update(
-        self, batch_id: str, change: Callable[[BatchRecord], BatchRecord | None]
-    ) -> BatchRecord:
-        """Apply ``change`` to the stored record atomically (None: leave it); the record
-        as stored afterwards."""
-        key = self.keys.batch(batch_id)
-        while True:
-            raw = await self.redis.get(key)
-            if raw is None:
-                raise NotFound(f"no batch {batch_id!r}", param="batch_id")
-            current = BatchRecord.model_validate_json(raw)
-            changed = change(current)
-            if changed is None:
-                return current
-            if await self.redis.eval(_SWAP, 1, key, raw, changed.model_dump_json()):
-                return changed
-            # Another replica changed it since: decide again on what it stored.

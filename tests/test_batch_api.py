@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI
 from openai.types import Batch
 
-from ingress.batches import BatchRecord
+from ingress.batch_records import BatchRecord
 from laneway.schema import BatchJob, BatchRequest
 from laneway.settings import IngressSettings
 from tests.stack import Ingress, LiveStack
