@@ -16,7 +16,8 @@ from openai.types import Batch
 from ingress.batch_records import BatchRecord
 from laneway.schema import BatchJob, BatchRequest
 from laneway.settings import IngressSettings
-from tests.stack import Ingress, LiveStack
+from tests.stack import Ingress, LiveStack, wait_for
+from workers import metrics
 
 
 def _line(i: int, **body: Any) -> bytes:
@@ -338,3 +339,35 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
     results = await stack.read_all(stack.topics.results_batch)
     ran = sorted(r["job_id"] for r in results if r.get("type") == "result")
     assert ran == [f"batch_committed_{stack.prefix}"] * 3
+
+
+async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack) -> None:
+    """Lines held back by an exhausted batch budget wait (they never fail); a cancel ends
+    them at once, as cancelled, without waiting for the budget."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch", max_inflight=8, quota_offpeak="")
+    # 1,000 tokens an hour in the batch pool: about ten of these lines, then it waits.
+    key = await stack.api_key("docs", size=1, complexity=0.02)
+    client = _client(stack, ingress, key)
+    data = b"\n".join(_line(i, max_tokens=64) for i in range(40))
+    uploaded = await client.files.create(file=("big.jsonl", data), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    waits_before = metrics.QUOTA_WAITS.labels("docs")._value.get()
+    await wait_for(
+        lambda: metrics.QUOTA_WAITS.labels("docs")._value.get() > waits_before,
+        60,
+        "the batch to wait for its budget",
+    )
+    await client.batches.cancel(batch.id)
+    done = await _until_done(client, batch.id, within_s=60)
+
+    assert done.status == "cancelled"
+    assert done.request_counts is not None
+    assert done.request_counts.total == 40
+    assert done.request_counts.completed < 40
+    errors = await _lines(client, done.error_file_id)
+    output = await _lines(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in output + errors) == sorted(f"doc-{i}" for i in range(40))
+    assert {r["response"]["status_code"] for r in errors} == {499}
