@@ -26,12 +26,12 @@ from redis.exceptions import RedisError
 
 from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch, Status
 from ingress.files import FileRecord, FileStore
+from ingress.settings import IngressSettings
 from laneway.batch import output_line_bytes, parse_input
 from laneway.clients import make_consumer, make_producer
 from laneway.constants import FILE_RETENTION_S
 from laneway.errors import BadRequest, LanewayError, NotFound
 from laneway.schema import BatchJob, BatchRequest, BatchResult
-from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 
 __all__ = ["BatchBook"]

@@ -21,12 +21,12 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from pydantic import BaseModel, ConfigDict
 
+from ingress.settings import IngressSettings
 from laneway.batch import output_line_bytes
 from laneway.clients import make_consumer
 from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
 from laneway.errors import BadRequest, BodyTooLarge, NotFound
 from laneway.schema import BatchResult
-from laneway.settings import IngressSettings
 
 __all__ = ["FileRecord", "FileStore", "read_range"]
 

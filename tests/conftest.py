@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from laneway.devstack import KafkaBroker, RedisServer
+from ops.devstack import KafkaBroker, RedisServer
 from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 
 KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
@@ -30,6 +30,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=FUZZ_EXAMPLES,
         help=f"requests the HTTP fuzz suite generates (default {FUZZ_EXAMPLES})",
+    )
+    parser.addoption(
+        "--console-screenshot",
+        default=None,
+        help="tests/test_console_browser.py saves the console's overview here as a PNG "
+        "(the README's docs/img/console.png)",
     )
     parser.addoption(
         "--fuzz-seed",

@@ -14,8 +14,8 @@ from openai import AsyncOpenAI
 from openai.types import Batch
 
 from ingress.batch_records import BatchRecord
+from ingress.settings import IngressSettings
 from laneway.schema import BatchJob, BatchRequest
-from laneway.settings import IngressSettings
 from tests.stack import Ingress, LiveStack, wait_for
 from workers import metrics
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from laneway.devstack import RedisServer
+from ops.devstack import RedisServer
 from tests.stack import Ingress, LiveStack, Services, free_port, wait_for
 
 ADMIN = "admin-secret"

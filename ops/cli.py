@@ -12,15 +12,16 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
-from laneway.batch_cli import add_batch_commands
-from laneway.canary_cli import add_canary_commands
 from laneway.clients import make_producer, make_redis
-from laneway.devstack import create_topics
-from laneway.drills import add_drill_commands
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
-from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
-from laneway.settings import CommonSettings, StackSettings, load_settings
+from laneway.settings import CommonSettings, load_settings
+from ops.batch_cli import add_batch_commands
+from ops.canary_cli import add_canary_commands
+from ops.devstack import create_topics
+from ops.drills import add_drill_commands
+from ops.local_stack import run_local_stack
+from ops.settings import StackSettings
 from quota.teams import Team, set_team
 from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
