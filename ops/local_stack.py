@@ -118,7 +118,8 @@ def stack_processes(settings: StackSettings) -> list[Supervised]:
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
-    logging.getLogger("laneway").setLevel(logging.INFO)
+    for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
+        logging.getLogger(name).setLevel(logging.INFO)
     metrics = SupervisorMetrics()
     supervisor = Supervisor(
         stack_processes(settings),
