@@ -7,9 +7,10 @@ import sys
 import uvicorn
 
 from ingress.app import create_app
+from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
-from laneway.settings import IngressSettings, load_settings
+from laneway.settings import load_settings
 
 
 def main() -> int:
@@ -18,7 +19,7 @@ def main() -> int:
     except ConfigError as exc:
         print(f"laneway ingress: {exc}", file=sys.stderr)  # noqa: T201
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     tune_gc()
     uvicorn.run(
         create_app(settings),

@@ -16,18 +16,21 @@ from redis.exceptions import RedisError
 from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
+from ingress.batches import BatchBook
 from ingress.breaker import BreakerGate
+from ingress.canary_gate import CanaryGate
 from ingress.cancels import CancelOutbox
+from ingress.files import FileStore
 from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from ingress.revocations import RevokedKeys
+from ingress.settings import IngressSettings
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.loops import keep_running
 from laneway.schema import CancelRecord, RequestEnvelope
-from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 from quota import CancelRateLimit, QuotaEnforcer, QuotaPolicy
 
@@ -66,7 +69,10 @@ class IngressState:
         self.admission = Admission(settings, self.producer, self.clock)
         self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
+        self.canaries = CanaryGate(self.redis, self.keys)
         self.prober = Prober(self)
+        self.files = FileStore(settings, self.redis, self.producer)
+        self.batches = BatchBook(settings, self.redis, self.files)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
             QuotaEnforcer(self.redis, self.keys, policy),
@@ -106,10 +112,12 @@ class IngressState:
         )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
         self._clock_sync = asyncio.create_task(self._sync_clock(), name="clock-sync")
+        await self.batches.start()
         await self.prober.start()
 
     async def stop(self) -> None:
         await self.prober.stop()
+        await self.batches.stop()
         await self.cancels.stop()  # while Kafka and Redis are still there
         for task in (self._clock_sync, self._lease_returns, self._tail):
             await stop_task(task)

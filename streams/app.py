@@ -10,7 +10,6 @@ Tables (memory store, rebuilt from their changelog topics on start):
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,9 +20,9 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.clients import make_redis
-from laneway.devstack import create_topics
 from laneway.errors import LanewayError
 from streams.announce import Announcer
+from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
 from streams.oncall import OnCallWebhook
@@ -37,8 +36,9 @@ log = logging.getLogger(__name__)
 
 # How often request ids past the de-duplication window are forgotten.
 _FORGET_IDS_S = 60.0
-# What Faust gives a table's changelog topic: only the latest value of a key matters.
-_CHANGELOG_CONFIG = {"cleanup.policy": "compact"}
+# The app's tables; each has a changelog topic "<app id>-<name>-changelog".
+TABLES = ("rollups", "outcomes", "usage_ids")
+_CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 
 register()
 
@@ -48,7 +48,6 @@ class StreamsApp:
 
     def __init__(self, settings: StreamsSettings, *, partitions: int) -> None:
         self.settings = settings
-        self.partitions = partitions
         topics = settings.topics
         self.app: Any = faust.App(
             settings.app_id,
@@ -84,18 +83,20 @@ class StreamsApp:
             self.webhook,
             cooldown_s=settings.breaker_cooldown_s,
         )
+        self.canary = CanaryWatch(settings, self.redis, settings.keys, self._send, self.webhook)
         self.processor = UsageProcessor(
             settings,
-            rollups=app.Table("rollups", key_type=str, partitions=partitions),
-            outcomes=app.Table("outcomes", key_type=str, partitions=partitions),
+            rollups=app.Table(TABLES[0], key_type=str, partitions=partitions),
+            outcomes=app.Table(TABLES[1], key_type=str, partitions=partitions),
             ids=UsageIds(
-                app.Table("usage_ids", key_type=str, partitions=partitions),
+                app.Table(TABLES[2], key_type=str, partitions=partitions),
                 settings.usage_dedupe_s,
             ),
             announcer=self.announcer,
             redis=self.redis,
             keys=settings.keys,
             send=self._send,
+            canary=self.canary,
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
@@ -105,6 +106,7 @@ class StreamsApp:
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
         )
         self._timer(_FORGET_IDS_S, "usage-ids", self.processor.forget_ids)
+        self._timer(_CANARY_EVAL_S, "canaries", self.canary.evaluate)
         self._levels_restored = False
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
@@ -146,24 +148,7 @@ class StreamsApp:
         tick.__name__ = f"streams_{name.replace('-', '_')}"
         self.app.timer(interval, name=f"streams.{name}")(tick)
 
-    @property
-    def changelog_topics(self) -> list[str]:
-        """The topics the tables are kept in (Faust names them after the app id)."""
-        return [table.changelog_topic_name for table in self.app.tables.values()]
-
     async def start(self) -> None:
-        # Faust creates missing changelog topics itself, but while its consumer starts: on a
-        # cluster of several brokers the consumer may then take one for a topic with no
-        # partitions, and every table write fails (PartitionsMismatch) until its metadata
-        # is refreshed, each failure taking its usage event with it (the chaos drill saw
-        # the first 7 events of a fresh cluster never counted). So they exist first.
-        specs = [(name, self.partitions, _CHANGELOG_CONFIG) for name in self.changelog_topics]
-        await asyncio.to_thread(
-            create_topics,
-            self.settings.kafka_bootstrap,
-            specs,
-            self.settings.streams_replication_factor,
-        )
         self.app.in_worker = True
         await self.app.start()
         log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)

@@ -1,4 +1,8 @@
-"""Session setup: one real Kafka broker and one real Redis on test ports of their own."""
+"""Session setup: one real Kafka broker and one real Redis on test ports of their own.
+
+The ports are free ones picked at start (so the suite runs beside `make up`, a bench or
+another checkout's suite); LANEWAY_TEST_KAFKA_PORT / LANEWAY_TEST_REDIS_PORT pin them.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from laneway.devstack import KafkaBroker, RedisServer
-from tests.stack import PARTITIONS, LiveStack, Services
+from ops.devstack import KafkaBroker, RedisServer
+from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 
-KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT", "29092"))
-REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT", "26379"))
+KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
+REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT") or free_port())
 
 
 # The HTTP fuzz suite sends this many generated requests in `make test`; more on demand:
@@ -29,6 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"requests the HTTP fuzz suite generates (default {FUZZ_EXAMPLES})",
     )
     parser.addoption(
+        "--console-screenshot",
+        default=None,
+        help="tests/test_console_browser.py saves the console's overview here as a PNG "
+        "(the README's docs/img/console.png)",
+    )
+    parser.addoption(
         "--fuzz-seed",
         type=int,
         default=None,
@@ -39,7 +49,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")
-    redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis")
+    # As `make up` runs it: an append-only file, and noeviction under a memory bound.
+    redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis", persistent=True)
     kafka = KafkaBroker(
         port=KAFKA_PORT, data_dir=root / "kafka", heap_mb=512, partitions=PARTITIONS
     )

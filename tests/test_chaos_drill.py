@@ -10,17 +10,18 @@ import httpx
 import orjson
 import pytest
 
-from laneway.cli import main
-from laneway.devstack import port_in_use
-from laneway.drills.chaos import ChaosPlan
-from laneway.drills.chaos_audit import (
+from laneway.errors import ConfigError
+from ops.cli import main
+from ops.devstack import port_in_use
+from ops.drills.chaos import ChaosPlan
+from ops.drills.chaos_audit import (
     Accepted,
     TopicRecord,
     ids_with_usage,
     rollup_requests,
     tally,
 )
-from laneway.drills.chaos_clients import (
+from ops.drills.chaos_clients import (
     Attempt,
     AttemptOutcome,
     Balancer,
@@ -29,9 +30,8 @@ from laneway.drills.chaos_clients import (
     tag_of,
     tag_text,
 )
-from laneway.drills.chaos_report import details, tally_table
-from laneway.drills.topology import TopologyPlan
-from laneway.errors import ConfigError
+from ops.drills.chaos_report import details, tally_table
+from ops.drills.topology import TopologyPlan
 
 
 def _request(tag: str, *attempts: Attempt) -> ClientRequest:

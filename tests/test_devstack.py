@@ -13,7 +13,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from laneway.devstack import (
+from laneway.errors import ConfigError
+from ops.devstack import (
     KafkaBroker,
     KafkaCluster,
     RedisServer,
@@ -23,7 +24,6 @@ from laneway.devstack import (
     create_topics,
     port_in_use,
 )
-from laneway.errors import ConfigError
 from tests.stack import free_port, free_port_block, free_port_pair
 
 

@@ -18,7 +18,7 @@ import re
 import time
 from collections import Counter
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
@@ -148,6 +148,22 @@ valid_team_bodies = st.fixed_dictionaries(
 )
 key_bodies = st.fixed_dictionaries({}, optional={"team": texts, "surprise": json_values})
 valid_key_bodies = st.fixed_dictionaries({"team": st.text(min_size=1, max_size=50)})
+canary_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "target": texts,
+        "steps": st.lists(st.floats(allow_nan=True) | json_values, max_size=6) | json_values,
+        "surprise": json_values,
+    },
+)
+valid_canary_bodies = st.fixed_dictionaries(
+    {"target": st.text(min_size=1, max_size=50)},
+    optional={
+        "steps": st.lists(st.floats(0.5, 99), min_size=0, max_size=3).map(
+            lambda ws: [*sorted(set(ws)), 100.0]
+        )
+    },
+)
 raw_bodies = st.binary(max_size=300) | st.sampled_from(
     [
         b"",
@@ -160,6 +176,36 @@ raw_bodies = st.binary(max_size=300) | st.sampled_from(
         b"\xff\xfe{}",
         b"{" + b" " * (BODY_LIMIT + 10) + b"}",  # over the body limit
     ]
+)
+
+
+# The console's forms (urlencoded); "CSRF" stands for the session's token, filled in when sent.
+_CSRF = st.sampled_from(["CSRF", "", "x" * 43]) | st.text(max_size=50)
+
+
+def forms(fields: dict[str, st.SearchStrategy[str]]) -> st.SearchStrategy[bytes]:
+    """Forms with the console's fields (the token mostly right) or any bytes."""
+    shaped = st.fixed_dictionaries({"csrf": _CSRF}, optional=fields).map(
+        lambda f: urlencode(f).encode()
+    )
+    return st.one_of(shaped, shaped, shaped, raw_bodies)
+
+
+form_text = st.text(max_size=40) | st.sampled_from(["1", "0", "-1", "nan", "1e400", "9" * 5000])
+console_team_forms = forms(
+    {
+        "size": form_text,
+        "complexity": form_text,
+        "tier": st.sampled_from(["hi", "lo"]) | form_text,
+        "supersede_grace_tokens": form_text,
+    }
+)
+console_forms = forms({"name": st.text(max_size=210), "surprise": form_text})
+login_forms = st.one_of(
+    st.fixed_dictionaries({}, optional={"admin_key": st.just(ADMIN) | st.text(max_size=40)}).map(
+        lambda f: urlencode(f).encode()
+    ),
+    raw_bodies,
 )
 
 
@@ -183,6 +229,53 @@ def bodies(
 
 
 NO_BODY = st.just(b"") | raw_bodies
+
+
+def _multipart(fields: dict[str, bytes]) -> bytes:
+    """A multipart/form-data body with boundary ``x`` (the fuzzed content-type may say so)."""
+    parts = b""
+    for name, value in fields.items():
+        filename = b'; filename="in.jsonl"' if name == "file" else b""
+        parts += b'--x\r\nContent-Disposition: form-data; name="' + name.encode() + b'"'
+        parts += filename + b"\r\n\r\n" + value + b"\r\n"
+    return parts + b"--x--\r\n"
+
+
+batch_lines = st.lists(
+    valid_chat_bodies.map(
+        lambda body: {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": body,
+        }
+    ).map(_encoded)
+    | st.binary(max_size=80),
+    max_size=4,
+).map(b"\n".join)
+file_bodies = st.one_of(
+    st.fixed_dictionaries({"purpose": st.just(b"batch"), "file": batch_lines}).map(_multipart),
+    st.dictionaries(
+        st.sampled_from(["purpose", "file", "x"]), st.binary(max_size=100), max_size=3
+    ).map(_multipart),
+    raw_bodies,
+)
+batch_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "input_file_id": texts,
+        "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/completions"]) | texts,
+        "completion_window": st.just("24h") | texts,
+        "metadata": json_values,
+    },
+)
+valid_batch_bodies = st.fixed_dictionaries(
+    {
+        "input_file_id": st.sampled_from(["file-0", "file-" + "0" * 24]),
+        "endpoint": st.just("/v1/chat/completions"),
+        "completion_window": st.just("24h"),
+    }
+)
 # Each route of the app and the bodies it is sent; test_every_route_is_fuzzed keeps this in
 # step with the app.
 ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
@@ -198,6 +291,25 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("POST", "/admin/keys"): bodies(valid_key_bodies, key_bodies),
     ("GET", "/admin/keys"): NO_BODY,
     ("DELETE", "/admin/keys/{key_or_id}"): NO_BODY,
+    ("POST", "/v1/files"): file_bodies,
+    ("GET", "/v1/files/{file_id}"): NO_BODY,
+    ("GET", "/v1/files/{file_id}/content"): NO_BODY,
+    ("POST", "/v1/batches"): bodies(valid_batch_bodies, batch_bodies),
+    ("GET", "/v1/batches"): NO_BODY,
+    ("GET", "/v1/batches/{batch_id}"): NO_BODY,
+    ("POST", "/v1/batches/{batch_id}/cancel"): NO_BODY,
+    ("GET", "/admin/canary"): NO_BODY,
+    ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
+    ("POST", "/admin/canary/{model}/abort"): NO_BODY,
+    ("GET", "/console"): NO_BODY,
+    ("GET", "/console/static/{name}"): NO_BODY,
+    ("POST", "/console/login"): login_forms,
+    ("POST", "/console/logout"): console_forms,
+    ("POST", "/console/team"): console_forms,
+    ("GET", "/console/teams/{team}"): NO_BODY,
+    ("POST", "/console/teams/{team}"): console_team_forms,
+    ("POST", "/console/teams/{team}/keys"): console_forms,
+    ("POST", "/console/keys/{key_id}/revoke"): console_forms,
     ("GET", "/openapi.json"): NO_BODY,
     ("GET", "/docs"): NO_BODY,
     ("GET", "/docs/oauth2-redirect"): NO_BODY,
@@ -230,9 +342,14 @@ laneway_headers = st.fixed_dictionaries(
 
 
 class Caller:
-    """The keys a request may carry: drawn by name, resolved once the stack is up."""
+    """The keys a request may carry: drawn by name, resolved once the stack is up. The
+    console's session goes as a cookie, and its token into the forms."""
 
-    def __init__(self, team_key: str, revoked_key: str) -> None:
+    def __init__(
+        self, team_key: str, revoked_key: str, console_cookie: str = "", csrf: str = ""
+    ) -> None:
+        self.console_cookie = console_cookie
+        self.csrf = csrf
         self.by_name = {
             "team": f"Bearer {team_key}",
             "admin": f"Bearer {ADMIN}",
@@ -243,14 +360,15 @@ class Caller:
 
 def auth(route: tuple[str, str]) -> st.SearchStrategy[str]:
     """The key a request carries: mostly the right one for the route, else any other."""
-    right = "admin" if route[1].startswith("/admin") else "team"
-    names = [right] * 5 + ["team", "admin", "revoked", "unknown", "none"]
+    prefixes = {"/admin": "admin", "/console": "console"}
+    right = next((who for p, who in prefixes.items() if route[1].startswith(p)), "team")
+    names = [right] * 5 + ["team", "admin", "revoked", "unknown", "none", "console"]
     return st.sampled_from(names) | header_text.map(lambda t: "=" + t)
 
 
 path_params = st.text(max_size=60) | st.sampled_from(["team-a", "cmpl-0", "key-0000000000000000"])
 queries = st.none() | st.dictionaries(
-    st.sampled_from(["team", "x", "limit"]), st.text(max_size=30), max_size=2
+    st.sampled_from(["team", "x", "limit", "after"]), st.text(max_size=30), max_size=2
 )
 
 
@@ -260,7 +378,7 @@ def _url(template: str, param: str) -> str:
 
 def test_every_route_is_fuzzed(stack: LiveStack) -> None:
     from ingress import create_app  # noqa: PLC0415 - the app's routes, without a lifespan
-    from laneway.settings import IngressSettings  # noqa: PLC0415
+    from ingress.settings import IngressSettings  # noqa: PLC0415
 
     app = create_app(IngressSettings(**stack.common))
     # The routers' routes, from the OpenAPI description; the plain Starlette ones (the two
@@ -270,9 +388,16 @@ def test_every_route_is_fuzzed(stack: LiveStack) -> None:
         for path, operations in app.openapi()["paths"].items()
         for method in operations
     }
+    # ... and the routers' routes left out of the description (the web console's), from the
+    # routers themselves.
+    included = [
+        sub
+        for route in app.routes
+        for sub in getattr(getattr(route, "original_router", None), "routes", [route])
+    ]
     served |= {
         (method, str(getattr(route, "path", "")))
-        for route in app.routes
+        for route in included
         for method in set(getattr(route, "methods", None) or ()) - {"HEAD"}
     }
     assert served == set(ROUTES), "a route without a body strategy in ROUTES (or one gone)"
@@ -293,7 +418,18 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
     revoked = await stack.api_key("fuzz-team")
     admin = stack.http(ingress, ADMIN)
     assert (await admin.delete(f"/admin/keys/{key_id(hash_key(revoked))}")).status_code == 200
-    caller = Caller(await stack.api_key("fuzz-team", size=1000), revoked)
+    console = stack.http(ingress, follow_redirects=False)
+    assert (await console.post("/console/login", data={"admin_key": ADMIN})).status_code == 303
+    session = console.cookies["laneway_console"]
+    page = (await console.get("/console")).text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert csrf is not None
+    caller = Caller(
+        await stack.api_key("fuzz-team", size=1000),
+        revoked,
+        console_cookie=f"laneway_console={session}",
+        csrf=csrf.group(1),
+    )
     statuses: Counter[int] = Counter()
     hits: Counter[tuple[str, str]] = Counter()
     served: Counter[tuple[str, str]] = Counter()  # 2xx by route
@@ -327,6 +463,9 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
             headers = {k: v.encode("latin-1") for k, v in extra.items()}
             if who.startswith("="):
                 headers["authorization"] = who[1:].encode("latin-1")
+            elif who == "console":
+                headers["cookie"] = caller.console_cookie.encode()
+                body = body.replace(b"csrf=CSRF", b"csrf=" + caller.csrf.encode())
             elif who != "none":
                 headers["authorization"] = caller.by_name[who].encode()
             url = _url(template, param)
@@ -350,7 +489,8 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
 
     def fuzz_all() -> None:
         # The interactive paths get half the requests: they are where bodies matter most.
-        share = {r: 4 if r[1].startswith("/v1/") and r[0] == "POST" else 1 for r in ROUTES}
+        interactive = ("/v1/completions", "/v1/chat/completions")
+        share = {r: 4 if r[1] in interactive else 1 for r in ROUTES}
         unit = examples / sum(share.values())
         for route in sorted(ROUTES):
             fuzz_route(route, max(1, round(unit * share[route])))

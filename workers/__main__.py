@@ -12,9 +12,10 @@ from collections.abc import Callable
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
 from laneway.metrics import serve_metrics
-from laneway.settings import WorkerSettings, load_settings
+from laneway.settings import load_settings
 from workers.factory import create_worker
 from workers.select import choose_engine
+from workers.settings import WorkerSettings
 
 log = logging.getLogger("workers")
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"laneway worker: {exc}", file=sys.stderr)  # noqa: T201
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_serve(settings))

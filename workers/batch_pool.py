@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from typing import Any
 
@@ -23,8 +22,8 @@ from redis.exceptions import RedisError
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
+from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
-from laneway.settings import WorkerSettings
 from quota import Team, get_team
 from workers import metrics
 from workers.batch import (
@@ -38,6 +37,7 @@ from workers.batch import (
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
 from workers.pool import PoolWorker
+from workers.settings import WorkerSettings
 from workers.types import Engine
 
 __all__ = ["BatchPoolWorker"]
@@ -89,6 +89,7 @@ class BatchPoolWorker(PoolWorker):
         except MalformedMessage as exc:
             self._skip(tp, record.offset, exc)  # no job to report it to
             return None
+        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
                 env = await self.intake.envelope(line)
@@ -99,10 +100,16 @@ class BatchPoolWorker(PoolWorker):
             except (RedisError, OSError) as exc:
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
                 log.warning("batch intake paused, Redis unreachable: %s", exc)
-                await asyncio.sleep(1.0)
+                await backoff.wait()
             else:
                 key = record.key or f"{line.job_id}:{line.line_id}".encode()
-                self._lines[env.id] = (tp.topic, key, record.value)
+                # A legacy line goes back (when re-queued) with its team and without its key.
+                value = (
+                    record.value
+                    if line.api_key is None
+                    else line.model_copy(update={"team": env.team}).to_json()
+                )
+                self._lines[env.id] = (tp.topic, key, value)
                 return env
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
@@ -171,18 +178,34 @@ class BatchPoolWorker(PoolWorker):
         """
         assert self.quota is not None
         amount = env.prompt_tokens + env.max_tokens
+        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
                 team = await self._team(env.team)
                 await self.quota.reserve(team, "batch", env.id, amount)
             except QuotaExceeded as exc:
+                if await self._job_cancelled(env):
+                    return  # dropped as cancelled when it would start; nothing reserved
                 metrics.QUOTA_WAITS.labels(env.team).inc()
                 await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
             except (RedisError, OSError) as exc:
                 log.warning("batch admission paused, Redis unreachable: %s", exc)
-                await asyncio.sleep(1.0)
+                await backoff.wait()
             else:
                 return
+
+    async def _job_cancelled(self, env: RequestEnvelope) -> bool:
+        """Whether ``env``'s job was cancelled (the shield then drops its lines not started
+        yet); False while Redis cannot say."""
+        if env.job_id is None:
+            return False
+        try:
+            cancelled = await self.intake.job_cancelled(env.job_id)
+        except (RedisError, OSError):
+            return False
+        if cancelled:
+            self.shield.cancel_job(env.job_id, env.team)
+        return cancelled
 
     async def _team(self, name: str) -> Team:
         team = self._teams.get(name)
@@ -268,7 +291,7 @@ class BatchPoolWorker(PoolWorker):
         task.add_done_callback(self._aborting.discard)
 
     async def _open_then_resume(self, partitions: set[TopicPartition]) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 await self.txns.open(partitions)
@@ -280,8 +303,7 @@ class BatchPoolWorker(PoolWorker):
                 committed = {tp: await self.consumer.committed(tp) for tp in partitions}
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
                 continue
             break
         ready = [tp for tp in partitions if tp in self.consumer.assignment()]
@@ -308,6 +330,9 @@ class BatchPoolWorker(PoolWorker):
     async def _after_heartbeat(self) -> None:
         await self._relieve_memory()
         await self._yield_to_interactive()
+        # Lines of a job cancelled after they were fetched: dropped when they would start.
+        for work in {w.env.job_id: w for w in self.queue if w.env.job_id}.values():
+            await self._job_cancelled(work.env)
 
     async def _relieve_memory(self) -> None:
         """Over ``batch_memory_high`` KV usage: abort the newest quarter of our work."""

@@ -30,7 +30,6 @@ from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
-from laneway.settings import WorkerSettings
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
 from workers.dispatch import Dispatcher, DispatchQueue, Work
@@ -40,6 +39,7 @@ from workers.offsets import OffsetTracker
 from workers.replies import Outbox
 from workers.reuse import Follower, ReuseRegistry
 from workers.scaling import ScalingSignal
+from workers.settings import WorkerSettings
 from workers.shield import CancelShield
 from workers.types import Engine
 
@@ -112,6 +112,9 @@ class PoolWorker:
             # Range keeps partition N of every band on one worker, so a session's keystrokes
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
+            # Batch lines are written in transactions (a job submitted over HTTP, a line
+            # re-queued for memory): a line of an aborted one must never run.
+            isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
         self.quota: QuotaEnforcer | None = None

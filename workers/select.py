@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from laneway.errors import ConfigError
-from laneway.settings import WorkerSettings
+from workers.settings import WorkerSettings
 from workers.sim import SimEngine, SimProfile
 from workers.types import Engine
 from workers.upstream import OpenAICompatibleEngine
@@ -45,6 +45,7 @@ def sim_profile(settings: WorkerSettings) -> SimProfile:
         kv_tokens=settings.sim_kv_tokens,
         block_tokens=settings.sim_block_tokens,
         failure_rate=settings.sim_failure_rate,
+        route_failure_rates=dict(settings.sim_route_failure_rates),
         seed=settings.sim_seed,
     )
 

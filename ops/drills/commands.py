@@ -1,0 +1,259 @@
+"""``laneway drill surge | canary | chaos``: the command line of the drills."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+
+from laneway.canary import parse_steps
+from laneway.errors import ConfigError, LanewayError
+from laneway.settings import load_settings
+from ops.devstack import port_in_use
+from ops.drills.canary import CanaryPlan, CanaryRun, run_canary
+from ops.drills.canary import judge as canary_judge
+from ops.drills.canary import summary as canary_summary
+from ops.drills.canary import table as canary_table
+from ops.drills.canary import write_timeline as write_canary_timeline
+from ops.drills.chaos import ChaosPlan, run_chaos
+from ops.drills.chaos_report import details, events_table, tally_table
+from ops.drills.observe import StackObserver
+from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
+from ops.drills.topology import TopologyPlan
+from ops.settings import StackSettings
+from streams.settings import StreamsSettings
+
+__all__ = ["add_drill_commands"]
+
+
+def add_drill_commands(sub: Any) -> None:
+    """Add ``drill surge`` and ``drill chaos`` to the ``laneway`` parser's subcommands."""
+    drill = sub.add_parser("drill", help="operating drills against a running stack")
+    drills = drill.add_subparsers(dest="drill_command", required=True)
+    surge = drills.add_parser(
+        "surge",
+        help="completion traffic at N× its baseline for a minute: does the pool scale out?",
+        description="Runs against `laneway up` (same LANEWAY_* ports); prints a verdict "
+        "table and writes a PNG timeline.",
+    )
+    surge.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
+    surge.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
+    surge.add_argument("--baseline-rps", type=float, default=3.0, help="completions per second")
+    surge.add_argument("--factor", type=float, default=5.0, help="the surge's rate multiple")
+    surge.add_argument("--baseline-s", type=float, default=30.0)
+    surge.add_argument("--surge-s", type=float, default=60.0)
+    surge.add_argument(
+        "--after-s", type=float, default=75.0, help="long enough to see the scale-in"
+    )
+    surge.add_argument("--max-tokens", type=int, default=16)
+    surge.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
+    surge.set_defaults(func=cmd_drill_surge)
+    canary = drills.add_parser(
+        "canary",
+        help="a healthy canary walks 1 → 5 → 10 → 100 %%, a faulty one is rolled back",
+        description="Runs against `laneway up` started with a faulty route and short canary "
+        "windows (see docs/drills.md); prints a verdict table and writes a PNG timeline.",
+    )
+    canary.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
+    canary.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
+    canary.add_argument("--model", default="laneway-code")
+    canary.add_argument("--to", default="laneway-code-v2", help="the healthy canary's route")
+    canary.add_argument(
+        "--faulty", default="laneway-code-bad", help="a route the engine fails (the rollback)"
+    )
+    canary.add_argument("--steps", default="1,5,10,100")
+    canary.add_argument("--rps", type=float, default=20.0, help="completions per second")
+    canary.add_argument("--sessions", type=int, default=400, help="distinct sessions")
+    canary.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
+    canary.set_defaults(func=cmd_drill_canary)
+    chaos = drills.add_parser(
+        "chaos",
+        help="kill workers, a broker, Redis and an ingress under load: nothing lost, "
+        "nothing twice?",
+        description="Starts a topology of its own (3 KRaft brokers, replication 3, min ISR "
+        "2; Redis; 2 ingresses; 2 workers per pool on the simulated engine; the streams "
+        "app) on ports from --base-port, breaks it under load and prints the count. Exit 0 "
+        "when nothing was lost, duplicated or left without a usage event.",
+    )
+    chaos.add_argument(
+        "--short", action="store_true", help="the faults closer together, less load (make test)"
+    )
+    chaos.add_argument(
+        "--base-port",
+        type=int,
+        default=TopologyPlan().base_port,
+        help=f"first of the {TopologyPlan().last_port - TopologyPlan().base_port + 1} ports it "
+        f"uses (default {TopologyPlan().base_port})",
+    )
+    chaos.add_argument(
+        "--data-dir",
+        default="",
+        help="a new directory for its data and logs "
+        "(default: <LANEWAY_DATA_DIR>/drills/chaos-<time>)",
+    )
+    chaos.set_defaults(func=cmd_drill_chaos)
+
+
+def cmd_drill_surge(args: argparse.Namespace) -> int:
+    key = args.key or os.environ.get("LANEWAY_API_KEY")
+    if not key:
+        raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
+    if not 1 <= args.max_tokens <= 128:
+        raise ConfigError(f"--max-tokens must be within 1..128, not {args.max_tokens}")
+    plan = SurgePlan(
+        baseline_rps=args.baseline_rps,
+        factor=args.factor,
+        baseline_s=args.baseline_s,
+        surge_s=args.surge_s,
+        after_s=args.after_s,
+        max_tokens=args.max_tokens,
+    )
+    stack = load_settings(StackSettings)
+    url = args.url or f"http://127.0.0.1:{stack.port}"
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    out = Path(args.out or Path(stack.data_dir) / "drills" / f"surge-{stamp}.png")
+    _check_ready(url)
+    total = plan.baseline_s + plan.surge_s + plan.after_s
+    _say(
+        f"surge drill: {plan.baseline_rps:g}/s for {plan.baseline_s:g} s, "
+        f"{plan.baseline_rps * plan.factor:g}/s for {plan.surge_s:g} s, "
+        f"{plan.baseline_rps:g}/s for {plan.after_s:g} s against {url} (about {total:.0f} s)"
+    )
+
+    async def drive() -> Any:
+        observer = StackObserver(
+            f"redis://127.0.0.1:{stack.redis_port}/0",
+            f"127.0.0.1:{stack.kafka_port}",
+            f"http://127.0.0.1:{stack.supervisor_port}/metrics",
+            keys=stack.keys,
+            topics=stack.topics,
+        )
+        async with observer:
+            return await run_surge(plan, base_url=url, key=key, observer=observer)
+
+    run = asyncio.run(drive())
+    from ops.drills.timeline import write_timeline  # noqa: PLC0415 - matplotlib is optional
+
+    title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
+    rows = judge(run)
+    _say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_drill_canary(args: argparse.Namespace) -> int:
+    key = args.key or os.environ.get("LANEWAY_API_KEY")
+    if not key:
+        raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
+    if args.rps <= 0 or args.sessions < 1:
+        raise ConfigError("--rps must be above 0 and --sessions at least 1")
+    stack = load_settings(StackSettings)
+    judged = load_settings(StreamsSettings)  # the windows the stack's streams app judges by
+    plan = CanaryPlan(
+        model=args.model,
+        good_target=args.to,
+        bad_target=args.faulty,
+        steps=parse_steps(args.steps),
+        rps=args.rps,
+        sessions=args.sessions,
+        window_s=judged.canary_window_s,
+    )
+    url = args.url or f"http://127.0.0.1:{stack.port}"
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    out = Path(args.out or Path(stack.data_dir) / "drills" / f"canary-{stamp}.png")
+    _check_ready(url)
+    need = 100 / plan.steps[0] * judged.canary_min_requests / plan.rps
+    _say(
+        f"canary drill against {url}: {plan.rps:g}/s over {plan.sessions} sessions; steps of "
+        f"{judged.canary_window_s:g} s and ≥ {judged.canary_min_requests} canary requests "
+        f"(the first step about {max(need, judged.canary_window_s):.0f} s)"
+    )
+
+    async def drive() -> CanaryRun:
+        redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{stack.redis_port}/0")
+        try:
+            return await run_canary(
+                plan,
+                base_url=url,
+                key=key,
+                redis=redis,
+                settings=stack,
+                say=_say,
+            )
+        finally:
+            await redis.aclose()
+
+    run = asyncio.run(drive())
+    rows = canary_judge(run)
+    title = f"laneway canary drill {stamp}: {plan.model} → {plan.good_target} / {plan.bad_target}"
+    path = write_canary_timeline(run, out, title)
+    _say(f"{canary_summary(run)}\n\n{canary_table(rows)}\n\ntimeline: {path}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_drill_chaos(args: argparse.Namespace) -> int:
+    plan = ChaosPlan.short() if args.short else ChaosPlan()
+    topology = TopologyPlan(base_port=args.base_port)
+    highest = 65535 - (topology.last_port - topology.base_port)
+    if not 1024 <= topology.base_port <= highest:
+        raise ConfigError(f"--base-port must be within 1024..{highest}, not {args.base_port}")
+    busy = [port for port in range(topology.base_port, topology.last_port + 1) if port_in_use(port)]
+    if busy:
+        raise ConfigError(
+            f"--base-port {topology.base_port}: ports {busy} of "
+            f"{topology.base_port}..{topology.last_port} are taken; choose another base"
+        )
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    # Absolute: the servers run with their data directory as working directory.
+    data = Path(
+        args.data_dir or Path(load_settings(StackSettings).data_dir) / "drills" / f"chaos-{stamp}"
+    ).resolve()
+    if data.exists() and any(data.iterdir()):
+        raise ConfigError(
+            f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "
+            "needs a directory of its own"
+        )
+    _say(
+        f"chaos drill{' (short)' if args.short else ''}: about {plan.load_s:.0f} s of load "
+        f"plus start-up and settling; topology on ports {topology.base_port}.."
+        f"{topology.last_port}, data and logs in {data}. Workers run the simulated engine "
+        "(a GPU performance model, no GPU)."
+    )
+    # The drill kills brokers on purpose: its own clients' connection errors are expected
+    # (the services log theirs in their own logs).
+    kafka_log = logging.getLogger("aiokafka")
+    level = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    try:
+        run = asyncio.run(run_chaos(plan, topology, data))
+    finally:
+        kafka_log.setLevel(level)
+    _say(f"{events_table(run.events)}\n\n{tally_table(run.tally)}")
+    if problems := details(run.tally):
+        _say(f"\n{problems}")
+    _say(f"\nbatch job {run.job_id}; whole drill {run.seconds:.0f} s; logs in {data / 'logs'}")
+    return 0 if run.tally.target_met else 1
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _check_ready(url: str) -> None:
+    try:
+        response = httpx.get(f"{url}/readyz", timeout=5)
+    except httpx.HTTPError as exc:
+        raise LanewayError(
+            f"no laneway ingress answers at {url} ({exc}); start the stack with `laneway up` "
+            "(with the same LANEWAY_* ports) or pass --url"
+        ) from exc
+    if response.status_code != 200:
+        raise LanewayError(f"the stack at {url} is not ready: {response.text}")

@@ -1,0 +1,183 @@
+"""What ``laneway up`` runs: Redis, Kafka, the ingress, the workers of each pool and the
+streams app, each supervised (restarted when it dies), in the foreground until Ctrl-C. A
+pool's workers above its minimum are standby processes that the local autoscaler starts and
+stops by the pool's scaling signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from laneway.constants import POOLS, RequestClass
+from laneway.settings import CommonSettings
+from ops.autoscale import LocalAutoscaler
+from ops.devstack import KafkaBroker, RedisServer, create_topics
+from ops.group_members import GroupMembers
+from ops.settings import StackSettings
+from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
+from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+
+__all__ = ["pool_replicas", "run_local_stack", "stack_processes", "standby_processes"]
+
+# Settings of `laneway up` itself; the services it starts do not get them (LANEWAY_PORT goes
+# to the ingress alone).
+_STACK_ONLY = {
+    f"LANEWAY_{name.upper()}"
+    for name in set(StackSettings.model_fields) - set(CommonSettings.model_fields)
+}
+
+
+def pool_replicas(settings: StackSettings) -> dict[RequestClass, list[str]]:
+    """Each pool's worker process names, in start order (the first is ``worker-<pool>``)."""
+    return {
+        pool: [f"worker-{pool}"]
+        + [f"worker-{pool}-{i}" for i in range(2, settings.replicas_of(pool)[1] + 1)]
+        for pool in POOLS
+    }
+
+
+def worker_ids(settings: StackSettings) -> dict[str, str]:
+    """The worker id (static group membership) of each worker process: <pool>-<n>."""
+    return {
+        name: f"{pool}-{i}"
+        for pool, names in pool_replicas(settings).items()
+        for i, name in enumerate(names, start=1)
+    }
+
+
+def standby_processes(settings: StackSettings) -> list[str]:
+    """Worker processes above each pool's minimum: started only when its signal asks."""
+    return [
+        name
+        for pool, names in pool_replicas(settings).items()
+        for name in names[settings.replicas_of(pool)[0] :]
+    ]
+
+
+def stack_processes(settings: StackSettings) -> list[Supervised]:
+    """The processes of the stack in start order, servers first."""
+    data = Path(settings.data_dir).resolve()
+    redis = RedisServer(
+        port=settings.redis_port,
+        data_dir=data / "redis",
+        persistent=True,
+        maxmemory=settings.redis_maxmemory,
+    )
+    kafka = KafkaBroker(
+        port=settings.kafka_port,
+        data_dir=data / "kafka",
+        heap_mb=settings.kafka_heap_mb,
+        partitions=settings.partitions,
+    )
+    specs = settings.topics.specs(settings.partitions)
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _STACK_ONLY}
+    env.update(LANEWAY_KAFKA_BOOTSTRAP=kafka.bootstrap, LANEWAY_REDIS_URL=redis.url)
+    # (name, module run as `python -m`, its own settings)
+    services = [("ingress", "ingress", {"LANEWAY_PORT": str(settings.port)})]
+    ids = worker_ids(settings)
+    for pool, names in pool_replicas(settings).items():
+        low, high = settings.replicas_of(pool)
+        for name in names:
+            # A fixed worker id: a restarted worker takes its partitions straight back
+            # (static group membership) and serves what was accepted while it was down.
+            worker = {
+                "LANEWAY_POOL": pool,
+                "LANEWAY_WORKER_ID": ids[name],
+                # The signal asks for no more than the stack will run.
+                "LANEWAY_SCALE_MIN_REPLICAS": str(low),
+                "LANEWAY_SCALE_MAX_REPLICAS": str(high),
+            }
+            services.append((name, "workers", worker))
+    services.append(("streams", "streams", {"LANEWAY_STREAMS_DATA_DIR": str(data / "streams")}))
+    width = max(len(name) for name, _, _ in services)
+    processes: list[Supervised] = [
+        LocalServer(redis),
+        LocalServer(kafka, on_ready=lambda: create_topics(kafka.bootstrap, specs)),
+    ]
+    for name, module, extra in services:
+        processes.append(
+            ServiceProcess(
+                name,
+                [sys.executable, "-m", module],
+                {**env, **extra},
+                log_dir=data / "logs",
+                needs=(redis.name, kafka.name),
+                echo=prefixed_echo(name, width),
+            )
+        )
+    return processes
+
+
+def run_local_stack(settings: StackSettings) -> None:
+    """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
+    # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
+    for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
+        logging.getLogger(name).setLevel(logging.INFO)
+    metrics = SupervisorMetrics()
+    supervisor = Supervisor(
+        stack_processes(settings),
+        RestartPolicy.from_settings(settings),
+        metrics=metrics,
+        standby=standby_processes(settings),
+    )
+    close_metrics = metrics.serve(settings.supervisor_port) if settings.supervisor_port else None
+    data = Path(settings.data_dir).resolve()
+
+    ready = asyncio.Event()
+
+    def started() -> None:
+        ready.set()
+        print(  # noqa: T201 - the one line a user waits for
+            f"laneway is up: OpenAI base URL http://127.0.0.1:{settings.port}/v1 "
+            "(create a key: .venv/bin/laneway keys create --team myteam). Ctrl-C stops.\n"
+            f"Logs: {data / 'logs'}; restarts and what is down: "
+            + (
+                f"http://127.0.0.1:{settings.supervisor_port}/metrics"
+                if settings.supervisor_port
+                else "LANEWAY_SUPERVISOR_PORT=0, not served"
+            ),
+            flush=True,
+        )
+
+    async def supervise() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(signum, supervisor.request_stop)
+        groups = GroupMembers(f"127.0.0.1:{settings.kafka_port}")
+        redis = aioredis.Redis.from_url(
+            f"redis://127.0.0.1:{settings.redis_port}/0", socket_timeout=5.0
+        )
+        autoscaler = LocalAutoscaler(
+            supervisor,
+            redis,
+            settings.keys,
+            pool_replicas(settings),
+            {pool: settings.replicas_of(pool)[0] for pool in POOLS},
+            groups=groups,
+            topics=settings.topics,
+            worker_ids=worker_ids(settings),
+            interval_s=settings.autoscale_interval_s,
+            metrics=metrics,
+        )
+        scaling = asyncio.create_task(autoscaler.run(ready), name="autoscaler")
+        try:
+            await supervisor.run(on_started=started)
+        finally:
+            scaling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scaling
+            await redis.aclose()
+            await groups.stop()
+
+    try:
+        asyncio.run(supervise())
+    finally:
+        if close_metrics is not None:
+            close_metrics()

@@ -1,0 +1,257 @@
+"""The processes ``laneway up`` supervises, behind one small interface: a laneway service
+(``python -m ingress``, a worker, the streams app) or a local server (Kafka, Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Protocol, TextIO
+
+__all__ = ["LOG_TAIL_LINES", "LocalServer", "ServiceProcess", "Supervised", "prefixed_echo"]
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+# Output is copied in chunks; a "line" longer than this is passed on in pieces.
+_LONGEST_LINE = 64 * 1024
+# A process that exited has written everything it will; a grandchild holding the pipe open
+# must not keep its supervisor waiting for the end of the output.
+_OUTPUT_DRAIN_S = 2.0
+
+
+class Supervised(Protocol):
+    """One process the supervisor starts, watches, restarts and stops."""
+
+    name: str
+    needs: tuple[str, ...]  # names of processes that must be up before this one (re)starts
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    async def start(self) -> None:
+        """Start it: return once it runs (a server: once it serves), or raise
+        ``ServiceError`` (or ``OSError`` if it cannot be run at all)."""
+
+    async def wait(self) -> int:
+        """Until the current run exits: its exit code (-N: killed by signal N)."""
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``; safe when it does not run."""
+
+    def kill(self) -> None:
+        """SIGKILL now, if it runs."""
+
+    def log_tail(self) -> str:
+        """The last lines the current (or last) run wrote."""
+
+
+def prefixed_echo(name: str, width: int, out: TextIO | None = None) -> Callable[[str], None]:
+    """Print a child's output line as ``name | line`` (names padded to ``width``)."""
+
+    def echo(line: str) -> None:
+        stream = out or sys.stdout
+        stream.write(f"{name:<{width}} | {line}\n")
+        stream.flush()
+
+    return echo
+
+
+class ServiceProcess:
+    """A laneway service as a child process: its output goes to ``<log_dir>/<name>.log``,
+    to ``echo`` (the terminal), and its last lines to a ring buffer for crash reports."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        log_dir: Path,
+        needs: Sequence[str] = (),
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.needs = tuple(needs)
+        self.argv = list(argv)
+        # Unbuffered: a line printed just before a crash must reach the log.
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
+        self.log_dir = log_dir
+        self._echo = echo
+        self._lines: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self._process: asyncio.subprocess.Process | None = None
+        self._output: asyncio.Task[None] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.log_dir / f"{self.name}.pid"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._lines.clear()
+        log_file = self.log_path.open("ab")
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Its own process group: a Ctrl-C reaches the supervisor alone, which then
+                # stops the services before the servers they need.
+                process_group=0,
+            )
+        except OSError:
+            log_file.close()
+            raise
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log_file.write(f"----- {stamp} started pid {self._process.pid} -----\n".encode())
+        self.pid_path.write_text(str(self._process.pid))
+        if self._process.stdout is not None:  # always, with stdout=PIPE
+            self._output = asyncio.create_task(self._copy_output(self._process.stdout, log_file))
+
+    async def _copy_output(self, stream: asyncio.StreamReader, log_file: IO[bytes]) -> None:
+        pending = b""
+        try:
+            while chunk := await stream.read(65536):
+                log_file.write(chunk)
+                log_file.flush()
+                *lines, pending = (pending + chunk).split(b"\n")
+                if len(pending) > _LONGEST_LINE:
+                    lines.append(pending)
+                    pending = b""
+                for line in lines:
+                    self._emit(line)
+            if pending:
+                self._emit(pending)
+        finally:
+            log_file.close()
+
+    def _emit(self, line: bytes) -> None:
+        text = line.decode(errors="replace").rstrip("\r")
+        self._lines.append(text)
+        if self._echo is not None:
+            self._echo(text)
+
+    async def wait(self) -> int:
+        process = self._process
+        if process is None:
+            raise RuntimeError(f"{self.name} was never started")
+        code = await process.wait()
+        output = self._output
+        if output is not None:
+            done, _ = await asyncio.wait({output}, timeout=_OUTPUT_DRAIN_S)
+            if not done:
+                output.cancel()
+        return code
+
+    async def stop(self, grace_s: float) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.wait(), grace_s)
+            except TimeoutError:
+                log.warning(
+                    "%s (pid %d) still runs after %.0fs; killing it",
+                    self.name,
+                    process.pid,
+                    grace_s,
+                )
+                self.kill()
+        await self.wait()
+        with contextlib.suppress(OSError):
+            self.pid_path.unlink()
+
+    def kill(self) -> None:
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+    def log_tail(self) -> str:
+        return "\n".join(self._lines)
+
+
+class _Server(Protocol):
+    """What ``ops.devstack`` servers offer (start and stop block until done)."""
+
+    name: str
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+    def wait(self) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def log_tail(self) -> str: ...
+
+
+class LocalServer:
+    """Kafka or Redis of ``ops.devstack`` as a supervised process; its blocking start,
+    wait and stop run on threads. ``on_ready`` runs after every start (e.g. topic creation)."""
+
+    needs: tuple[str, ...] = ()
+
+    def __init__(self, server: _Server, *, on_ready: Callable[[], None] | None = None) -> None:
+        self.server = server
+        self.name = server.name
+        self._on_ready = on_ready
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._start)
+
+    def _start(self) -> None:
+        self.server.stop()  # reaps a run that died and closes its log; no-op the first time
+        self.server.start()
+        if self._on_ready is not None:
+            self._on_ready()
+
+    async def wait(self) -> int:
+        return await asyncio.to_thread(self.server.wait)
+
+    async def stop(self, grace_s: float) -> None:
+        await asyncio.to_thread(self.server.stop, grace_s)
+
+    def kill(self) -> None:
+        self.server.send_signal(signal.SIGKILL)
+
+    def log_tail(self) -> str:
+        return self.server.log_tail()
