@@ -320,3 +320,21 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
     assert stuck, "no transaction was cut off"
     assert (status.done, status.duplicates) == (60, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
+
+
+@pytest.mark.slow
+async def test_commits_that_overlap_write_each_result_once(stack: LiveStack) -> None:
+    """A rebalance commits what is done while the commit loop may be committing too: both
+    through one producer per partition. Neither may begin while the other runs (aiokafka
+    refuses, which looked like a fence) nor write what the other just wrote."""
+    worker = await stack.start_worker("batch", sim_decode_ms_per_step=2.0)
+    assert isinstance(worker, batch_pool.BatchPoolWorker)
+    await stack.api_key("docs", size=1000)
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit([_line(i) for i in range(150)], team="docs")
+        deadline = asyncio.get_running_loop().time() + 60
+        while (status := await client.status(job)).done < 150:
+            assert asyncio.get_running_loop().time() < deadline, f"stalled: {status}"
+            await asyncio.gather(worker.commit(), worker.commit(), worker.commit())
+    assert (status.done, status.duplicates) == (150, 0)
+    assert not worker._fenced

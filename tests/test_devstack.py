@@ -135,10 +135,17 @@ async def _describe(
                 if len(described["partitions"]) >= partitions:
                     break
                 await asyncio.sleep(0.1)
-        [response] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+            # The node asked for the config may not know the topic yet either (no entries).
+            while True:
+                [response] = await admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, topic)]
+                )
+                entries = response.to_object()["resources"][0]["config_entries"]
+                if entries:
+                    break
+                await asyncio.sleep(0.1)
     finally:
         await admin.close()
-    entries = response.to_object()["resources"][0]["config_entries"]
     return described["partitions"], {e["config_names"]: e["config_value"] for e in entries}
 
 

@@ -64,6 +64,7 @@ class BatchPoolWorker(PoolWorker):
         self.txns = PartitionTransactions(settings, self.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
+        self._committing = asyncio.Lock()
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
         self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
         self._requeue: set[str] = set()
@@ -219,6 +220,13 @@ class BatchPoolWorker(PoolWorker):
     async def commit(self, only: set[TopicPartition] | None = None) -> None:
         """Per partition: the results below its committable offset and that offset, in one
         transaction of the partition's own producer (``workers.batch_txn``)."""
+        # One at a time: the commit loop's and a rebalance's would otherwise share a
+        # producer, the second begun while the first runs (taken for a fence: the partition
+        # forgotten) or just after it ended (its results written twice; the chaos drill).
+        async with self._committing:
+            await self._commit(only)
+
+    async def _commit(self, only: set[TopicPartition] | None) -> None:
         for tp, offset in self.offsets.committable(only).items():
             if tp in self._fenced:
                 continue
