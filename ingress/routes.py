@@ -144,6 +144,8 @@ async def _serve(request: Request, model: type[B]) -> Response:
         update["route"] = decision.route
     if admitted is not None and admitted.leased:
         update["quota_leased"] = admitted.leased
+    if admitted is not None and admitted.local:
+        update["quota_local"] = admitted.local
     if update:
         env = env.model_copy(update=update)
     clock.stage("admit")

@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from laneway.redis_circuit import attach_circuit
 from laneway.settings import CommonSettings
 
 __all__ = ["make_consumer", "make_producer", "make_redis", "topic_partitions"]
@@ -42,7 +43,10 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
 
 
 def make_redis(settings: CommonSettings) -> aioredis.Redis:
-    """A client whose pool waits for a free connection instead of failing under a burst."""
+    """A client whose pool waits for a free connection instead of failing under a burst, with
+    the process's Redis circuit (``laneway.redis_circuit``) attached."""
+    # These timeouts bound the background calls (blocking stream reads, heartbeats); the
+    # request path's calls go through the circuit, which cuts them off far sooner.
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=64,
@@ -52,7 +56,14 @@ def make_redis(settings: CommonSettings) -> aioredis.Redis:
         health_check_interval=15,
     )
     # from_pool: the client owns the pool, so aclose() closes its connections too.
-    return aioredis.Redis.from_pool(pool)
+    client = aioredis.Redis.from_pool(pool)
+    attach_circuit(
+        client,
+        hot_timeout_ms=settings.redis_hot_timeout_ms,
+        failures=settings.redis_circuit_failures,
+        probe_interval_ms=settings.redis_probe_interval_ms,
+    )
+    return client
 
 
 async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:
