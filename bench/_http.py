@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-__all__ = ["HttpPool"]
+__all__ = ["HttpPool", "server_timing"]
 
 
 class HttpPool:
@@ -131,6 +131,16 @@ class HttpPool:
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
         self._idle.clear()
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """The durations (ms) of a ``Server-Timing`` header, by name: ``admit;dur=0.4, ...``."""
+    parts = {}
+    for part in header.split(", "):
+        name, _, dur = part.partition(";dur=")
+        if dur:
+            parts[name] = float(dur)
+    return parts
 
 
 async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:

@@ -13,7 +13,10 @@ import asyncio
 import time
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, document_lines, machine, percentile
+from bench._open_loop import open_loop
+from bench._proc import machine
+from bench._stack import BenchStack, bench_stack, document_lines
+from bench._stats import percentile
 from laneway.batch import BatchClient
 from laneway.settings import CommonSettings
 
@@ -39,13 +42,7 @@ async def _interactive(stack: BenchStack, key: str, rate: float, seconds: float)
         if status == 200:
             latencies.append((time.perf_counter() - started) * 1000)
 
-    start = time.perf_counter()
-    tasks = []
-    for i in range(int(rate * seconds)):
-        delay = start + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
+    tasks = [asyncio.create_task(one(i)) async for i in open_loop(rate, int(rate * seconds))]
     await asyncio.gather(*tasks)
     await http.close()
     return latencies

@@ -18,15 +18,9 @@ import time
 
 import uvloop
 
-from bench._stack import (
-    BROKER_THREADS,
-    StealWatch,
-    bench_stack,
-    group_seconds,
-    machine,
-    percentile,
-    thread_seconds,
-)
+from bench._proc import BROKER_THREADS, StealWatch, machine, thread_seconds
+from bench._stack import bench_stack
+from bench._stats import group_seconds, percentile
 from bench.overhead import drive, instant_stack
 
 

@@ -37,7 +37,8 @@ import httpx
 import uvloop
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, machine, stat_cpu_seconds
+from bench._proc import machine, stat_cpu_seconds
+from bench._stack import BenchStack, bench_stack
 from bench._upstream import upstream_process
 from laneway.devstack import stop_processes
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import uvloop
@@ -29,11 +29,12 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bench._stack import BenchStack, machine, percentile, services
+from bench._proc import machine
+from bench._stack import BenchStack, services
+from bench._stats import percentile
 from laneway.clients import make_producer, make_redis
 from laneway.constants import REPLY_STREAM_MAXLEN, RedisKeys
 from laneway.schema import RequestEnvelope
-from laneway.settings import CommonSettings
 from quota import QuotaEnforcer, QuotaPolicy, Team
 
 Op = Callable[[], Awaitable[object]]
@@ -79,12 +80,7 @@ async def _nothing() -> None:
 async def hops(
     stack: BenchStack, ops: int, interval: float
 ) -> list[tuple[str, float, list[float]]]:
-    settings = CommonSettings(
-        kafka_bootstrap=stack.bootstrap,
-        redis_url=stack.redis_url,
-        topic_prefix=stack.prefix,
-        redis_prefix=stack.prefix,
-    )
+    settings = stack.settings()
     redis = make_redis(settings)
     producer = make_producer(settings)
     await producer.start()
@@ -162,7 +158,7 @@ async def framework(app: FastAPI, calls: int) -> float:
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         return None
 
     for _ in range(200):

@@ -23,18 +23,11 @@ from dataclasses import dataclass, field
 
 import uvloop
 
-from bench._http import HttpPool
-from bench._stack import (
-    BenchStack,
-    CpuWatch,
-    StealWatch,
-    bench_stack,
-    bunches,
-    group_seconds,
-    machine,
-    percentile,
-    thread_seconds,
-)
+from bench._http import HttpPool, server_timing
+from bench._open_loop import open_loop
+from bench._proc import CpuWatch, StealWatch, machine, thread_seconds
+from bench._stack import BenchStack, bench_stack
+from bench._stats import bunches, group_seconds, percentile
 
 # The target for the P99 laneway adds at 200/s; slower requests are shown in bunches.
 SLOW_MS = 15.0
@@ -75,18 +68,12 @@ async def drive(stack: BenchStack, key: str, rate: float, seconds: float) -> Loa
             return
         load.latencies.append((time.perf_counter() - started) * 1000)
         load.sent.append(started - start)
-        for part in headers["server-timing"].split(", "):
-            name, _, dur = part.partition(";dur=")
-            load.stages.setdefault(name, []).append(float(dur))
+        for name, dur in server_timing(headers["server-timing"]).items():
+            load.stages.setdefault(name, []).append(dur)
 
     total = int(rate * seconds)
     start = time.perf_counter()
-    tasks = []
-    for i in range(total):
-        delay = start + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
+    tasks = [asyncio.create_task(one(i)) async for i in open_loop(rate, total)]
     await asyncio.gather(*tasks)
     load.achieved = total / (time.perf_counter() - start)
     await http.close()

@@ -21,7 +21,9 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._proc import machine
+from bench._stack import BenchStack, bench_stack
+from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
 from laneway.devstack import RedisServer

@@ -22,7 +22,9 @@ import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._proc import machine
+from bench._stack import BenchStack, bench_stack
+from bench._stats import percentile
 from ingress.breaker import BreakerGate
 from laneway.constants import RedisKeys
 from laneway.schema import UsageEvent

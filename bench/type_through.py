@@ -33,7 +33,9 @@ import orjson
 import uvloop
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._proc import machine
+from bench._stack import BenchStack, bench_stack
+from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
 from bench.upstream_storm import drain, usage_events
 

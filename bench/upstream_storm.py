@@ -42,7 +42,9 @@ import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._http import HttpPool
-from bench._stack import BenchStack, bench_stack, machine, percentile
+from bench._proc import machine
+from bench._stack import BenchStack, bench_stack
+from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
 
 MAX_TOKENS = 48

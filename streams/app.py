@@ -22,14 +22,21 @@ from redis.exceptions import RedisError
 from laneway.clients import make_redis
 from laneway.errors import LanewayError
 from streams.announce import Announcer
+from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
+from streams.transport import SCHEME, register
 
 __all__ = ["StreamsApp"]
 
 log = logging.getLogger(__name__)
+
+# How often request ids past the de-duplication window are forgotten.
+_FORGET_IDS_S = 60.0
+
+register()
 
 
 class StreamsApp:
@@ -40,7 +47,9 @@ class StreamsApp:
         topics = settings.topics
         self.app: Any = faust.App(
             settings.app_id,
-            broker=[f"kafka://{server}" for server in settings.kafka_bootstrap.split(",")],
+            # Faust's aiokafka transport reading committed records only: usage of an aborted
+            # batch transaction is not counted (streams/transport.py).
+            broker=[f"{SCHEME}://{server}" for server in settings.kafka_bootstrap.split(",")],
             store="memory://",
             datadir=settings.streams_data_dir,
             web_enabled=False,
@@ -74,6 +83,10 @@ class StreamsApp:
             settings,
             rollups=app.Table("rollups", key_type=str, partitions=partitions),
             outcomes=app.Table("outcomes", key_type=str, partitions=partitions),
+            ids=UsageIds(
+                app.Table("usage_ids", key_type=str, partitions=partitions),
+                settings.usage_dedupe_s,
+            ),
             announcer=self.announcer,
             redis=self.redis,
             keys=settings.keys,
@@ -86,6 +99,7 @@ class StreamsApp:
         self._timer(
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
         )
+        self._timer(_FORGET_IDS_S, "usage-ids", self.processor.forget_ids)
         self._levels_restored = False
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.

@@ -32,6 +32,7 @@ from streams.breaker import (
     route_counts,
     window_counts,
 )
+from streams.dedupe import UsageIds
 from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
@@ -62,6 +63,7 @@ class ProcessorCounters:
     events: int = 0
     malformed: int = 0
     replayed: int = 0
+    repeated: int = 0  # a request's second usage event (a worker's re-run)
     too_old: int = 0
     published: int = 0
 
@@ -85,6 +87,7 @@ class UsageProcessor:
         redis: aioredis.Redis,
         keys: RedisKeys,
         send: SendRecord,
+        ids: UsageIds | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -95,6 +98,7 @@ class UsageProcessor:
         self.redis = redis
         self.keys = keys
         self.send = send
+        self.ids = ids
         self.clock = clock
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
@@ -119,6 +123,11 @@ class UsageProcessor:
             self.counters.malformed += 1
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
+            return
+        if self.ids is not None and self.ids.repeat(event.id, event.ts, partition, offset):
+            # A worker's re-run sent it again: the request is counted once.
+            self.counters.repeated += 1
+            EVENTS.labels("repeated").inc()
             return
         self.counters.events += 1
         EVENTS.labels("folded").inc()
@@ -169,6 +178,10 @@ class UsageProcessor:
         for stored in await self.announcer.stored_levels():
             self.states[stored.subject] = stored.state
             log.info("breaker %s: level %d restored", stored.subject, stored.state.level)
+
+    async def forget_ids(self) -> int:
+        """Request ids past the de-duplication window leave its table."""
+        return await self.ids.expire(self.clock()) if self.ids is not None else 0
 
     async def evaluate_breakers(self) -> list[BreakerTransition]:
         now = self.clock()

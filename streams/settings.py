@@ -67,6 +67,12 @@ class StreamsSettings(CommonSettings):
     rollup_idle_s: float = Field(
         10.0, gt=0, description="rollups: close due hours of a partition idle this long"
     )
+    usage_dedupe_s: float = Field(
+        1800.0,
+        gt=0,
+        description="a usage event whose request id was folded this recently (at another "
+        "offset: a worker's re-run after a crash) is not counted again",
+    )
     rollup_flush_interval_s: float = Field(
         1.0, gt=0, description="rollups: how often closed hours are published"
     )

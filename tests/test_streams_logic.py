@@ -23,6 +23,7 @@ from streams.breaker import (
     route_counts,
     window_counts,
 )
+from streams.dedupe import UsageIds
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.rollups import add_event, new_rollup, percentile, to_record
@@ -124,7 +125,9 @@ class _Table(dict[str, Any]):
     def data(self) -> MutableMapping[str, Any]:
         return self
 
-    def send_changelog(self, partition: int | None, key: Any, value: Any, *args: Any) -> None:
+    def send_changelog(
+        self, partition: int | None, key: Any, value: Any, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
 
@@ -253,3 +256,13 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
         assert levels[("laneway-code", None)] == 3
     finally:
         await redis.aclose()
+
+
+async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> None:
+    ids = UsageIds(_Table(), window_s=60)
+    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # first time: remembered
+    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # the same record read again
+    assert ids.repeat("r-1", 1001.0, partition=0, offset=9)  # a re-run's second event
+    assert not ids.repeat("r-2", 1050.0, partition=1, offset=1)
+    assert await ids.expire(now=1070.0) == 1  # r-1 is past the window, r-2 is not
+    assert not ids.repeat("r-1", 1080.0, partition=0, offset=12)

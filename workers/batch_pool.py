@@ -135,10 +135,12 @@ class BatchPoolWorker(PoolWorker):
         """Abort the ``count`` newest running lines: interactive work needs their slots."""
         if count <= 0:
             return
+        # Only lines still on the engine: one already reporting its outcome has nothing to
+        # give back, and an abort of it would outlive it.
         victims = [
             work
             for work in reversed(self.running.values())
-            if work.env.id not in self.executor.preempted
+            if work.env.id in self.executor.live and work.env.id not in self.executor.preempted
         ][:count]
         for work in victims:
             self.executor.preempted.add(work.env.id)
@@ -246,9 +248,12 @@ class BatchPoolWorker(PoolWorker):
         await super()._revoked(partitions)
         await self.txns.close(partitions)
 
-    def _forget(self, partitions: set[TopicPartition]) -> None:
-        super()._forget(partitions)
+    def _forget(self, partitions: set[TopicPartition]) -> list[Work]:
+        gone = super()._forget(partitions)
         self.ledger.forget(partitions)
+        for work in gone:
+            self._lines.pop(work.env.id, None)
+        return gone
 
     # --- yielding to interactive work -------------------------------------------------------
 

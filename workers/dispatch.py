@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 
 # Bands in the order they are served.
 _BAND_RANK = {"hi": 0, "lo": 1}
-# While work waits on an engine that queues on its own (its ``capacity()`` may rise with no
-# event here), the dispatcher looks again this often: about one decode step.
-_RECHECK_S = 0.01
+# While work waits and the engine is full, the dispatcher looks again this often. Engines
+# and the shared fleet wake it when room appears; this only bounds a missed wake-up.
+_RECHECK_S = 0.1
 
 
 @dataclass(slots=True)
@@ -153,7 +153,12 @@ class Dispatcher:
         self.drop = drop
         self.after = after  # after each pass: what runs and waits may have changed
         self.running = 0
+        self.capacity_seen = 0  # the engine's capacity when last asked (for heartbeats)
         self._wake = asyncio.Event()
+
+    def _capacity(self) -> int:
+        self.capacity_seen = self.capacity()
+        return self.capacity_seen
 
     def wake(self) -> None:
         """Something changed: new work, a finished request, or more room on the engine."""
@@ -170,7 +175,7 @@ class Dispatcher:
         for work in self.queue.expired(now):
             late_ms = (now - (work.env.deadline_ts or now)) * 1000
             self.drop(work, Expired(f"deadline passed {late_ms:.0f} ms before it could start"))
-        while len(self.queue) and self.running < self.capacity():
+        while len(self.queue) and self.running < self._capacity():
             popped = self.queue.pop()
             if popped is None:
                 break
@@ -192,7 +197,7 @@ class Dispatcher:
                 deadline = self.queue.next_deadline()
                 if deadline is not None:
                     timeout = max(0.0, deadline - time.time())
-                if self.running >= self.capacity():
+                if self.running >= self._capacity():
                     timeout = _RECHECK_S if timeout is None else min(timeout, _RECHECK_S)
             if timeout is None:
                 await self._wake.wait()

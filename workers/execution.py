@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
 
-from laneway.errors import Dropped, EngineError, EngineRejected
+from laneway.errors import Dropped, EngineError, EngineRejected, Expired
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
@@ -84,6 +84,8 @@ class RequestExecutor:
         # Requests aborted to run again later (a shared engine's batch, preempted): no
         # terminal outcome, no usage event, no settlement for the attempt.
         self.preempted: set[str] = set()
+        # Requests whose engine generation is under way (not yet reporting their outcome).
+        self.live: set[str] = set()
 
     async def delivered(self, request_id: str) -> None:
         """Wait until the usage event of a finished request is stored by the broker: sent
@@ -129,12 +131,13 @@ class RequestExecutor:
         (aborted to run again later) and reported nothing."""
         start = time.time()
         queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
-        verdict = self.shield.verdict(env, start)
+        verdict = self._start_verdict(env, start)
         if verdict is not None:
             self._ended(env, self.reuse.of_owner(env.id), _Totals(), "dropped")
             return await self.drop(env, verdict)
 
         self.shield.started(env)
+        self.live.add(env.id)
         chunks = (
             ChunkStream(self.outbox, env.reply_to, env.id, self.stream_interval)
             if env.stream and env.reply_to
@@ -187,6 +190,7 @@ class RequestExecutor:
             stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
             self.shield.finished(env.id)
             self.preempted.discard(env.id)
+            self.live.discard(env.id)
             if self._ended(env, generation, got, status):
                 stale_ms = 0.0  # what it made after its own client left, others used
         n = at = 0
@@ -211,6 +215,16 @@ class RequestExecutor:
             stale_engine_ms=stale_ms,
             stale_news_ms=news_ms,
         )
+
+    def _start_verdict(self, env: RequestEnvelope, now: float) -> Dropped | None:
+        """Why ``env`` must not start now. Stale for its own client but followed by others
+        (type-through), it starts all the same: a deadline is the only reason then."""
+        verdict = self.shield.verdict(env, now)
+        followed = self.reuse.of_owner(env.id)
+        wanted = followed is not None and bool(followed.followers)
+        if verdict is not None and wanted and not isinstance(verdict, Expired):
+            return None
+        return verdict
 
     def _fold(
         self, env: RequestEnvelope, got: _Totals, delta: EngineDelta, generation: Generation | None

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -174,7 +173,9 @@ class FleetShare:
 
     @property
     def reserve(self) -> int:
-        return max(self.reserve_min, self._peak.value())
+        """The interactive peak of the window, at least ``reserve_min``; never the whole
+        engine (one burst larger than the engine must not keep batch out for the window)."""
+        return max(self.reserve_min, min(self._peak.value(), self.capacity() - 1))
 
     def shares(self) -> dict[str, int]:
         return allocate(self.capacity(), self.reserve, self.demand())
@@ -195,15 +196,24 @@ class FleetShare:
         return max(0, min(free, share))
 
     def excess(self) -> int:
-        """Batch: how many of this worker's running lines are beyond batch's share now."""
-        if self.cls != "batch":
+        """Batch: how many of this worker's running lines are beyond batch's share now.
+
+        Without a view (Redis away) none: batch starts nothing then, but what runs finishes.
+        """
+        if self.cls != "batch" or not self._fed() or not self._mine.running:
             return 0
         running = self.running()["batch"]
-        over = running - self.shares()["batch"] if self._fed() else running
-        if over <= 0 or not self._mine.running:
+        over = running - self.shares()["batch"]
+        if over <= 0:
             return 0
-        # Every batch worker gives up its part of the excess, rounded up.
-        return min(self._mine.running, math.ceil(over * self._mine.running / running))
+        # Each batch worker gives up its part, rounded down; the remainder goes to the first
+        # of them by id, so the batch workers together give up exactly the excess.
+        members = sorted(
+            (m for m in self._live() if m.cls == "batch" and m.running), key=lambda m: m.worker
+        )
+        parts = {m.worker: over * m.running // running for m in members}
+        parts[members[0].worker] += over - sum(parts.values())
+        return min(self._mine.running, parts.get(self.worker, 0))
 
     # --- this worker's state --------------------------------------------------------------------
 

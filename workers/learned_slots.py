@@ -152,8 +152,13 @@ class LearnedSlots:
         return stalling
 
     def _stalled(self, capacity: int) -> None:
-        """The upstream was full with ``capacity`` requests of ours."""
+        """The upstream was full with ``capacity`` requests of ours. Once learned, a stall
+        halves the limit at most: one slow first byte (a cold prefix, a neighbour's burst)
+        must not cut it to the few requests streaming just then, to climb back one probe
+        at a time."""
         capacity = max(1, min(capacity, self.maximum))
+        if self.learned:
+            capacity = max(capacity, self.limit // 2)
         if not self.learned or capacity < self.limit:
             self.stalls += 1
             self.limit = capacity

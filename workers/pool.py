@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from functools import partial
 from typing import Any
 
@@ -91,6 +91,7 @@ class PoolWorker:
             after=self._after_dispatch,
         )
         self.running: dict[str, Work] = {}  # on the engine, oldest first
+        self._following: dict[str, Work] = {}  # served from another request's generation
         # Started or dropped work until its offset may be finished; with the queue, what
         # this worker holds (max_inflight bounds it).
         self._inflight: dict[asyncio.Task[None], RequestEnvelope] = {}
@@ -133,6 +134,8 @@ class PoolWorker:
                 settings.pool,
                 reserve_min=settings.fleet_reserve_min,
                 peak_window_s=settings.fleet_peak_window_s,
+                # Members' beats are compared across machines: on Redis's clock.
+                clock=self.clock.now,
             )
             self.fleet.on_change = self.dispatcher.wake
         self.executor = RequestExecutor(
@@ -176,15 +179,13 @@ class PoolWorker:
         await self.consumer.start()
         self._loops = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
-            asyncio.create_task(self.dispatcher.run(), name="dispatch"),
-            asyncio.create_task(keep_running("the commit loop", self._commit_loop), name="commit"),
-            asyncio.create_task(
-                keep_running("the cancel topic", self._cancel_loop), name="cancels"
-            ),
-            asyncio.create_task(self._early_cancel_loop(), name="early-cancels"),
-            asyncio.create_task(
-                keep_running("the heartbeat", self._heartbeat_loop), name="heartbeat"
-            ),
+            _kept("dispatch", self.dispatcher.run),
+            # A loop that fails starts again: a dead one would stop dispatch, commits, cancels
+            # or the heartbeat quietly while the worker looks alive.
+            _kept("commit", self._commit_loop),
+            _kept("cancels", self._cancel_loop),
+            _kept("early-cancels", self._early_cancel_loop),
+            _kept("heartbeat", self._heartbeat_loop),
         ]
         log.info(
             "worker %s serving pool %s with engine %s%s",
@@ -216,12 +217,13 @@ class PoolWorker:
         loops, self._loops = self._loops, []
         dispatch = [task for task in loops if task.get_name() == "dispatch"]
         await _cancel(dispatch)
-        if self.fleet is not None:
-            await self.fleet.stop()
         if self._inflight:
             log.info("draining %d in-flight requests (grace %.1fs)", len(self._inflight), grace)
             _, pending = await asyncio.wait(set(self._inflight), timeout=grace)
             await _cancel(pending)
+        if self.fleet is not None:
+            # After the drain: until then its requests still hold a shared engine's slots.
+            await self.fleet.stop()
         await _cancel([task for task in loops if task not in dispatch])
         # Bounded: a commit that cannot complete (the group in a rebalance that waits on a
         # member that is gone, a fenced producer) must not keep the process from exiting;
@@ -279,28 +281,54 @@ class PoolWorker:
             accepted: list[Work] = []
             for tp, records in ordered:
                 for record in records:
-                    self.offsets.begin(tp, record.offset)
-                    env = await self._accept(tp, record)
-                    if env is None:
-                        self.offsets.finish(tp, record.offset)
-                        continue
-                    # Matched before it supersedes: the generation it types through keeps
-                    # running for it instead of being aborted.
-                    follower = self._reusable(env)
-                    if follower is None:
-                        await self.executor.release(env)
-                    await self._observe(env)
-                    work = Work(tp, record.offset, env, self.offsets.epoch(tp))
-                    if follower is not None:
-                        self._follow(work, follower)
-                        continue
-                    accepted.append(work)
+                    if tp not in self.consumer.assignment():
+                        break  # taken away while this batch was handled: its next owner's
+                    work = await self._take(tp, record)
+                    if work is not None:
+                        accepted.append(work)
             # Observe the whole batch before any of it may start: a keystroke is superseded
             # by one fetched with it.
             for work in accepted:
                 await self._before_queue(work)
+                if not self.offsets.current(work.tp, work.epoch):
+                    continue  # revoked while it waited to queue
                 self.queue.push(work)
                 self.dispatcher.wake()
+
+    async def _take(self, tp: TopicPartition, record: ConsumerRecord[Any, Any]) -> Work | None:
+        """A fetched record: the work to queue, or None (skipped, adopted, or served from
+        another request's generation)."""
+        epoch = self.offsets.epoch(tp)
+        self.offsets.begin(tp, record.offset)
+        env = await self._accept(tp, record)
+        if not self.offsets.current(tp, epoch):
+            return None  # revoked during the await: its next owner's
+        if env is None:
+            self.offsets.finish(tp, record.offset)
+            return None
+        work = Work(tp, record.offset, env, epoch)
+        if self._adopt(work):
+            return None
+        # Matched before it supersedes: the generation it types through keeps running for
+        # it instead of being aborted.
+        follower = self._reusable(env)
+        if follower is None:
+            await self.executor.release(env)
+        await self._observe(env)
+        if follower is not None:
+            self._follow(work, follower)
+            return None
+        return work
+
+    def _adopt(self, work: Work) -> bool:
+        """A record of a request already in hand (its partition went away and came back
+        while it ran, so it was fetched again): the run under way finishes it, as of this
+        tenure, instead of a second run of the same id."""
+        known = self.running.get(work.env.id) or self._following.get(work.env.id)
+        if known is None:
+            return False
+        known.tp, known.offset, known.epoch = work.tp, work.offset, work.epoch
+        return True
 
     async def _before_queue(self, work: Work) -> None:
         """Wait until ``work`` may queue for the engine (batch: until its budget allows)."""
@@ -342,11 +370,15 @@ class PoolWorker:
     def _follow(self, work: Work, follower: Follower) -> None:
         # Known to the shield at once: a newer keystroke or a tombstone ends it like any other.
         self.shield.started(work.env)
+        self._following[work.env.id] = work
         self._track(self._serve(work, follower), work, f"reuse-{work.env.id}")
 
     async def _serve(self, work: Work, follower: Follower) -> None:
         try:
-            await self.executor.follow(follower)
+            try:
+                await self.executor.follow(follower)
+            finally:
+                self._following.pop(work.env.id, None)
             await self.executor.delivered(work.env.id)
         except asyncio.CancelledError:
             raise
@@ -490,11 +522,15 @@ class PoolWorker:
     async def _assigned(self, partitions: set[TopicPartition]) -> None:
         """Given by a rebalance (the batch lane fences other writers of them here)."""
 
-    def _forget(self, partitions: set[TopicPartition]) -> None:
+    def _forget(self, partitions: set[TopicPartition]) -> list[Work]:
         """Partitions taken away by a rebalance: their next owner re-runs what is pending
-        (waiting work included: it leaves the queue unstarted)."""
-        self.queue.forget(partitions)
+        (waiting work included: it leaves the queue unstarted, and is returned)."""
+        gone = self.queue.forget(partitions)
         self.offsets.forget(partitions)
+        # What was queued left: room to fetch again (nothing running may set it).
+        self._room.set()
+        self.dispatcher.wake()
+        return gone
 
     async def _commit_loop(self) -> None:
         interval = self.settings.commit_interval_ms / 1000
@@ -581,7 +617,7 @@ class PoolWorker:
                 "inflight": self.held,
                 "dispatch_queue": len(self.queue),
                 "engine_inflight": self.dispatcher.running,
-                "capacity": self.engine.capacity(),
+                "capacity": self.dispatcher.capacity_seen,
                 "backlog": await self._record_lag() + len(self.queue) + stats.waiting,
                 "cancels_held": len(self.shield),
                 "running": stats.running,
@@ -609,7 +645,7 @@ class PoolWorker:
                     log.warning("heartbeat to Redis failed: %s", exc)
             metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
             metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
-            metrics.ENGINE_CAPACITY.labels(self.pool).set(self.engine.capacity())
+            metrics.ENGINE_CAPACITY.labels(self.pool).set(self.dispatcher.capacity_seen)
             metrics.INFLIGHT.labels(self.pool).set(self.held)
             if not circuit.open:  # the signal reads every beat from Redis
                 await scaling.beat()
@@ -633,6 +669,10 @@ class PoolWorker:
 
     async def _after_heartbeat(self) -> None:
         """Periodic hook for subclasses (the batch lane checks interactive backlog here)."""
+
+
+def _kept(name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+    return asyncio.create_task(keep_running(f"the {name} loop", loop), name=name)
 
 
 async def _backlog(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition]) -> int:

@@ -86,7 +86,10 @@ class OpenAICompatibleEngine:
         self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._calls: dict[str, _Call] = {}
-        self._early_aborts: set[str] = set()
+        # Aborts of requests whose generate has not begun, by id: when they came (monotonic).
+        # Forgotten after _EARLY_ABORT_S: an abort for a request that never came here (it
+        # finished, or another worker runs it) must not stop a later run of the same id.
+        self._early_aborts: dict[str, float] = {}
         self._upstream_waiting = 0
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
@@ -124,7 +127,11 @@ class OpenAICompatibleEngine:
     async def abort(self, request_id: str) -> None:
         call = self._calls.get(request_id)
         if call is None:
-            self._early_aborts.add(request_id)  # its generate has not begun yet
+            now = time.monotonic()
+            self._early_aborts[request_id] = now
+            for rid, at in list(self._early_aborts.items()):
+                if now - at > _EARLY_ABORT_S:
+                    del self._early_aborts[rid]
             return
         _close(call)
 
@@ -169,6 +176,11 @@ class OpenAICompatibleEngine:
                 raise Aborted(f"request {request.id} aborted before it was sent")
             response = await self._send(call, request.id, path, body)
             async for line in response.content:
+                if call.aborted:
+                    # Aborted after the headers came and before this task resumed (vLLM
+                    # sends its headers at once): _close found the wait for them over.
+                    response.close()
+                    break
                 if reading.started is None:
                     self._began(request.id, call, reading)
                 delta = reading.line(line)
@@ -189,8 +201,7 @@ class OpenAICompatibleEngine:
     def _open(self, request: EngineRequest) -> _Call:
         call = _Call()
         self._calls[request.id] = call
-        if request.id in self._early_aborts:
-            self._early_aborts.discard(request.id)
+        if self._early_aborts.pop(request.id, None) is not None:
             call.aborted = True
         self.learned.sent(request.id, estimate_tokens(request.prompt))
         if request.deadline_ts is not None:
@@ -280,6 +291,8 @@ class OpenAICompatibleEngine:
 
 
 _JSON = {"content-type": "application/json"}
+# An abort waits at most this long for its request's generate to begin.
+_EARLY_ABORT_S = 5.0
 # Statuses by which OpenAI-compatible servers (vLLM, SGLang, llama.cpp, TGI) refuse a request
 # for what it asks: bad request, too large, unprocessable.
 _REQUEST_REFUSED = frozenset({400, 413, 422})

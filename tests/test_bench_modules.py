@@ -1,0 +1,48 @@
+"""bench/ as a whole: every bench module imports (a helper moved between modules breaks no
+bench), and the parsers of what a bench reads (/proc, Server-Timing) read it right."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+
+import pytest
+
+import bench
+from bench._http import server_timing
+from bench._proc import stat_cpu_seconds
+
+MODULES = sorted(info.name for info in pkgutil.iter_modules(bench.__path__))
+
+
+def test_there_are_benches_to_import() -> None:
+    assert {"cancel_storm", "overhead", "_stats"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_bench_module_imports(name: str) -> None:
+    importlib.import_module(f"bench.{name}")
+
+
+def test_stat_cpu_seconds_reads_past_a_command_name_with_spaces_and_parentheses() -> None:
+    # /proc/<pid>/stat: pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt
+    # majflt cmajflt utime stime ...; a thread may name itself "C2 Compiler) x (".
+    ticks = os.sysconf("SC_CLK_TCK")
+    stat = f"4242 (C2 Compiler) x () S 1 4242 4242 0 -1 4194560 10 0 0 0 {3 * ticks} {ticks} 0 0"
+    assert stat_cpu_seconds(stat) == pytest.approx(4.0)
+
+
+def test_server_timing_gives_each_part_in_ms() -> None:
+    header = "laneway;dur=3.25, admit;dur=0.4, enqueue;dur=1.5, worker;dur=1.2"
+    assert server_timing(header) == {
+        "laneway": 3.25,
+        "admit": 0.4,
+        "enqueue": 1.5,
+        "worker": 1.2,
+    }
+
+
+def test_server_timing_skips_parts_without_a_duration() -> None:
+    assert server_timing("") == {}
+    assert server_timing("cache, admit;dur=0.5") == {"admit": 0.5}
