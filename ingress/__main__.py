@@ -18,7 +18,7 @@ def main() -> int:
     except ConfigError as exc:
         print(f"laneway ingress: {exc}", file=sys.stderr)  # noqa: T201
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     tune_gc()
     uvicorn.run(
         create_app(settings),

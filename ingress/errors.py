@@ -8,7 +8,6 @@ escapes is a 500 with the same discretion.
 from __future__ import annotations
 
 import logging
-import math
 
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Request
@@ -18,65 +17,21 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from ingress.responses import JSONResponse, error_body
-from laneway.errors import (
-    BadRequest,
-    Dropped,
-    EngineError,
-    Expired,
-    LanewayError,
-    QuotaExceeded,
-    RateLimited,
-    ServiceUnavailable,
-    Unauthorized,
-)
+from laneway.errors import BadRequest, LanewayError, ServiceUnavailable
 from laneway.metrics import ERRORS
 
 __all__ = ["error_response", "install_error_handlers"]
-
-# Error kinds of laneway_errors_total (bounded: one per class of the error tree).
-_KINDS: dict[type[LanewayError], str] = {
-    BadRequest: "bad_request",
-    Unauthorized: "unauthorized",
-    QuotaExceeded: "quota",
-    ServiceUnavailable: "unavailable",
-    Expired: "timeout",
-    EngineError: "engine",
-}
 
 log = logging.getLogger(__name__)
 
 
 def error_response(exc: LanewayError) -> Response:
-    """The one map from laneway errors to status, headers and body."""
-    kind = next((_KINDS[c] for c in type(exc).__mro__ if c in _KINDS), "other")
-    ERRORS.labels(kind).inc()
-    headers: dict[str, str] = {}
-    if isinstance(exc, BadRequest):
-        status, type_, code, param = exc.status_code, "invalid_request_error", exc.code, exc.param
-        message = exc.message
-    elif isinstance(exc, Unauthorized):
-        status, type_, code, param, message = 401, "authentication_error", exc.code, None, str(exc)
-    elif isinstance(exc, QuotaExceeded):
-        status, type_, code, param, message = 429, "rate_limit_error", exc.code, None, str(exc)
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-        if not isinstance(exc, RateLimited):  # its limit is calls a second, not tokens
-            headers["x-ratelimit-limit-tokens"] = str(exc.limit)
-            headers["x-ratelimit-remaining-tokens"] = "0"
-    elif isinstance(exc, ServiceUnavailable):
-        status, type_, code, param, message = 503, "service_unavailable", exc.code, None, str(exc)
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    elif isinstance(exc, Expired):
-        status, type_, code, param, message = 504, "timeout", "deadline_exceeded", None, str(exc)
-    elif isinstance(exc, Dropped):
-        status, type_, code, param, message = 409, "request_dropped", exc.status, None, str(exc)
-    elif isinstance(exc, EngineError):
-        status, type_, code, param, message = 502, "engine_error", "engine_error", None, str(exc)
-    else:
-        status, type_, code, param, message = 500, "server_error", None, None, str(exc)
+    """The one map from laneway errors to status, headers and body: what the error carries."""
+    ERRORS.labels(exc.kind).inc()
     return JSONResponse(
-        error_body(message, type_=type_, code=code, param=param),
-        status_code=status,
-        headers=headers,
+        error_body(str(exc), type_=exc.error_type, code=exc.code, param=exc.param),
+        status_code=exc.status_code,
+        headers=exc.headers(),
     )
 
 

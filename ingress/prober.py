@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from laneway.apikeys import create_key, hash_key
 from laneway.clients import make_consumer
 from laneway.constants import POOLS, RequestClass
+from laneway.errors import ProbeFailed
 from laneway.metrics import PROBE_LATENCY, PROBE_SUCCESS
 from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.tasks import stop_task
@@ -186,7 +187,3 @@ class Prober:
             await self.state.producer.send(
                 self.state.topics.control, orjson.dumps(record), key=subject.encode()
             )
-
-
-class ProbeFailed(Exception):
-    """The chain answered, but not with success."""

@@ -3,9 +3,15 @@
 Every error a caller may act on carries its data and a ``retriable`` flag (like aiokafka's
 ``KafkaError``). Outcomes that are not failures (stale, superseded, expired work) are
 ``Dropped`` subclasses and are never logged as errors.
+
+Each class also carries what the HTTP door answers with: ``status_code``, OpenAI's error
+``error_type`` and ``code``, the ``kind`` label of ``laneway_errors_total``, and ``headers()``;
+the ingress maps an error by reading them, never by testing its class.
 """
 
 from __future__ import annotations
+
+import math
 
 __all__ = [
     "Aborted",
@@ -21,6 +27,7 @@ __all__ = [
     "MalformedMessage",
     "ModelNotFound",
     "NotFound",
+    "ProbeFailed",
     "PromptTooLarge",
     "QuotaExceeded",
     "RateLimited",
@@ -35,6 +42,15 @@ class LanewayError(Exception):
     """Root of every error laneway raises on purpose."""
 
     retriable: bool = False
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+    kind: str = "other"
+    param: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """Response headers that go with this error (``Retry-After`` and the like)."""
+        return {}
 
 
 class ConfigError(LanewayError):
@@ -51,7 +67,9 @@ class BadRequest(LanewayError):
     """The caller sent something we cannot serve; ``param`` names the offending field."""
 
     status_code = 400
+    error_type = "invalid_request_error"
     code = "invalid_request"
+    kind = "bad_request"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -81,7 +99,9 @@ class NotFound(BadRequest):
 
 class Unauthorized(LanewayError):
     status_code = 401
+    error_type = "authentication_error"
     code = "invalid_api_key"
+    kind = "unauthorized"
 
 
 class QuotaExceeded(LanewayError):
@@ -89,7 +109,9 @@ class QuotaExceeded(LanewayError):
 
     retriable = True
     status_code = 429
+    error_type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    kind = "quota"
 
     def __init__(self, message: str, *, team: str, limit: int, retry_after: float) -> None:
         super().__init__(message)
@@ -97,10 +119,20 @@ class QuotaExceeded(LanewayError):
         self.limit = limit
         self.retry_after = retry_after
 
+    def headers(self) -> dict[str, str]:
+        return {
+            "Retry-After": str(max(1, math.ceil(self.retry_after))),
+            "x-ratelimit-limit-tokens": str(self.limit),
+            "x-ratelimit-remaining-tokens": "0",
+        }
+
 
 class RateLimited(QuotaExceeded):
     """Too many calls of one kind in a second (cancels by id); ``limit`` is calls a second,
     not tokens."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class ServiceUnavailable(LanewayError):
@@ -108,17 +140,26 @@ class ServiceUnavailable(LanewayError):
 
     retriable = True
     status_code = 503
+    error_type = "service_unavailable"
     code = "service_unavailable"
+    kind = "unavailable"
 
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
 class EngineError(LanewayError):
     """The inference engine failed on one request."""
 
     retriable = True
+    status_code = 502
+    error_type = "engine_error"
+    code = "engine_error"
+    kind = "engine"
 
 
 class EngineRejected(EngineError):
@@ -132,6 +173,12 @@ class MalformedMessage(LanewayError):
     """A Kafka record could not be decoded into the wire schema; it is skipped and counted."""
 
 
+class ProbeFailed(LanewayError):
+    """A synthetic probe reached the chain, which answered, but not with success."""
+
+    retriable = True
+
+
 class Dropped(LanewayError):
     """A request left without running to its end; not a failure. ``status`` is its outcome.
 
@@ -139,10 +186,14 @@ class Dropped(LanewayError):
     """
 
     status = "dropped"
+    status_code = 409
+    error_type = "request_dropped"
+    kind = "dropped"
 
     def __init__(self, message: str, *, engine_ms: float = 0.0) -> None:
         super().__init__(message)
         self.engine_ms = engine_ms
+        self.code = self.status
 
 
 class Cancelled(Dropped):
@@ -155,6 +206,13 @@ class Superseded(Dropped):
 
 class Expired(Dropped):
     status = "expired"
+    status_code = 504
+    error_type = "timeout"
+    kind = "timeout"
+
+    def __init__(self, message: str, *, engine_ms: float = 0.0) -> None:
+        super().__init__(message, engine_ms=engine_ms)
+        self.code = "deadline_exceeded"
 
 
 class Aborted(Dropped):

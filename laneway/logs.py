@@ -1,18 +1,71 @@
-"""One logging setup for every service: time, level, logger, message."""
+"""One logging setup for every service: time, level, logger, message and its fields.
+
+Call sites attach structured fields with ``extra={"request_id": ..., "team": ...}``; both
+formats print them: the text format as ``key=value`` after the message, the JSON format
+(``LANEWAY_LOG_FORMAT=json``, one object a line, for a log shipper) as keys of the object.
+"""
 
 from __future__ import annotations
 
 import gc
 import logging
+from typing import Any, Literal
 
-__all__ = ["setup_logging", "tune_gc"]
+import orjson
+
+__all__ = ["JsonFormatter", "TextFormatter", "setup_logging", "tune_gc"]
+
+LogFormat = Literal["text", "json"]
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
 
 
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def fields_of(record: logging.LogRecord) -> dict[str, Any]:
+    """The structured fields a call site attached with ``extra=``."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = fields_of(record)
+        if not fields:
+            return text
+        pairs = " ".join(f"{k}={v}" for k, v in fields.items())
+        head, sep, tail = text.partition("\n")  # keep a traceback below the fields
+        return f"{head} {pairs}{sep}{tail}"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ts, level, logger, message, the fields, and exc if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            **fields_of(record),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def setup_logging(level: str = "INFO", fmt: LogFormat = "text") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    logging.basicConfig(level=level, handlers=[handler])
     # aiokafka logs every rebalance step at INFO; keep its warnings.
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 

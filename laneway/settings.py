@@ -101,6 +101,9 @@ class CommonSettings(BaseSettings):
         "first answer within LANEWAY_REDIS_HOT_TIMEOUT_MS switches it back",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text (fields as key=value) or one JSON object a line"
+    )
 
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],

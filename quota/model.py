@@ -22,8 +22,10 @@ __all__ = [
     "FACTOR_CAP",
     "Pool",
     "QuotaPolicy",
+    "Utilisation",
     "dynamic_factor",
     "pool_of",
+    "utilisation",
     "utilisation_sigma",
 ]
 
@@ -42,13 +44,29 @@ def dynamic_factor(sigma: float) -> float:
     return 1.0 + min(0.5 * sigma, FACTOR_CAP)
 
 
-def utilisation_sigma(hourly_tokens: Sequence[float], hourly_budget: float) -> float:
-    """Population standard deviation of hourly utilisation (tokens / budget)."""
+@dataclass(frozen=True, slots=True)
+class Utilisation:
+    """Mean and population σ of a team's hourly utilisation, and the factor σ gives."""
+
+    mean: float
+    sigma: float
+    hours: int
+    factor: float
+
+
+def utilisation(hourly_tokens: Sequence[float], hourly_budget: float) -> Utilisation:
+    """Utilisation (tokens / budget) of each hour, its mean, σ and the dynamic factor."""
     if not hourly_tokens or hourly_budget <= 0:
-        return 0.0
+        return Utilisation(mean=0.0, sigma=0.0, hours=len(hourly_tokens), factor=1.0)
     values = [t / hourly_budget for t in hourly_tokens]
     mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    sigma = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return Utilisation(mean=mean, sigma=sigma, hours=len(values), factor=dynamic_factor(sigma))
+
+
+def utilisation_sigma(hourly_tokens: Sequence[float], hourly_budget: float) -> float:
+    """Population standard deviation of hourly utilisation (tokens / budget)."""
+    return utilisation(hourly_tokens, hourly_budget).sigma
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +92,8 @@ class QuotaPolicy:
         )
 
     def base_tokens(self, team: Team, pool: Pool) -> float:
-        """Hourly budget in tokens before the dynamic factor."""
+        """Hourly budget in tokens before the dynamic factor (the interactive budget is also
+        what the streams app measures a team's utilisation against)."""
         base = team.size * self.units_per_member * team.complexity * self.unit_tokens
         return base * self.batch_ratio if pool == "batch" else base
 

@@ -3,7 +3,7 @@
 from streams.breaker import BreakerPolicy, BreakerState, next_state
 from streams.records import BreakerTransition, HourlyRollup, QuotaFactorUpdate
 from streams.settings import StreamsSettings
-from streams.variance import quota_factor, utilisation_stats
+from streams.variance import utilisation_stats
 
 __all__ = [
     "BreakerPolicy",
@@ -13,6 +13,5 @@ __all__ = [
     "QuotaFactorUpdate",
     "StreamsSettings",
     "next_state",
-    "quota_factor",
     "utilisation_stats",
 ]

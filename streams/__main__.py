@@ -63,7 +63,7 @@ def main() -> int:
     except ConfigError as exc:
         print(f"laneway streams: {exc}", file=sys.stderr)  # noqa: T201
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     # Faust and mode narrate every service start and stop at INFO; keep their warnings.
     for name in ("faust", "mode"):
         logging.getLogger(name).setLevel(

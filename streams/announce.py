@@ -11,12 +11,12 @@ import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
 from laneway.metrics import BREAKER_LEVEL, team_label
+from quota.model import Utilisation
 from streams.breaker import BreakerState
 from streams.metrics import QUOTA_FACTOR
 from streams.oncall import OnCallWebhook
 from streams.records import BreakerTransition, QuotaFactorUpdate
 from streams.types import SendRecord
-from streams.variance import UtilisationStats
 
 __all__ = ["BREAKER_STATE_TTL_S", "Announcer", "BreakerSubject", "StoredLevel"]
 
@@ -116,7 +116,7 @@ class Announcer:
                 found.append(stored)
         return found
 
-    async def quota_factor(self, team: str, stats: UtilisationStats) -> None:
+    async def quota_factor(self, team: str, stats: Utilisation) -> None:
         await self.redis.set(self.keys.quota_factor(team), f"{stats.factor:.6f}")
         QUOTA_FACTOR.labels(team_label(team)).set(stats.factor)
         update = QuotaFactorUpdate(

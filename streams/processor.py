@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, MalformedMessage
 from laneway.schema import UsageEvent, decode
+from quota.model import QuotaPolicy
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
 from streams.breaker import (
@@ -44,7 +45,7 @@ from streams.tables import (
     put_outside_stream,
 )
 from streams.types import ChangelogTable, SendRecord
-from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, hourly_budget, utilisation_stats
+from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, utilisation_stats
 
 __all__ = ["ProcessorCounters", "UsageProcessor"]
 
@@ -92,6 +93,7 @@ class UsageProcessor:
     ) -> None:
         self.settings = settings
         self.policy = BreakerPolicy.from_settings(settings)
+        self.quota = QuotaPolicy.from_settings(settings)
         self.rollups = rollups
         self.outcomes = outcomes
         self.announcer = announcer
@@ -280,7 +282,7 @@ class UsageProcessor:
             except LanewayError as exc:
                 log.warning("team %s has an unusable record, factor left as is: %s", team, exc)
                 continue
-            budget = hourly_budget(record, self.settings.quota_unit_tokens)
+            budget = self.quota.base_tokens(record, "interactive")
             stats = utilisation_stats(by_hour, budget, hour_of(now))
             if abs(self.factors.get(team, -1.0) - stats.factor) < 1e-6:
                 continue

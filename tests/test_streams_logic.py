@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
+from quota.model import QuotaPolicy
 from quota.teams import Team
 from streams.announce import Announcer
 from streams.breaker import (
@@ -28,7 +29,7 @@ from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.rollups import add_event, new_rollup, percentile, to_record
 from streams.settings import Price, StreamsSettings
-from streams.variance import hourly_budget, quota_factor, utilisation_stats
+from streams.variance import utilisation_stats
 from tests.stack import Services
 from tests.test_streams_process import usage_event
 
@@ -42,14 +43,10 @@ POLICY = BreakerPolicy(
 )
 
 
-def test_factor_grows_with_sigma_and_is_capped() -> None:
-    assert quota_factor(0.0) == 1.0
-    assert quota_factor(0.2) == pytest.approx(1.1)
-    assert quota_factor(5.0) == pytest.approx(1.3)
-
-
 def test_sigma_of_24_complete_hours_with_idle_hours_as_zero() -> None:
-    budget = hourly_budget(Team("t", size=2, complexity=1.5), 1000)
+    budget = QuotaPolicy(unit_tokens=1000).base_tokens(
+        Team("t", size=2, complexity=1.5), "interactive"
+    )
     assert budget == 150_000
     now = 1000
     alternating = {now - 24 + i: (0.2 if i % 2 else 0.6) * budget for i in range(24)}

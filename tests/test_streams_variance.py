@@ -60,3 +60,42 @@ async def test_24h_history_gives_the_expected_factor(stack: LiveStack, tmp_path:
     assert by_team["steady"]["mean"] == pytest.approx(0.5, abs=1e-6)
     assert by_team["bursty"]["factor"] == pytest.approx(1.3, abs=1e-6)
     assert by_team["bursty"]["sigma"] == pytest.approx(1.25**0.5, abs=1e-6)
+
+
+async def test_factor_is_measured_against_the_configured_budget(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """With 100 units a member the ingress budget doubles; so must the budget the streams app
+    measures utilisation against (it was 50 units, hard-coded, whatever the setting)."""
+    keys = RedisKeys(stack.prefix)
+    team = f"wide-{stack.prefix[-6:]}"
+    # Budget 1 × 100 × 1.0 × 1000 = 100k tokens/h: alternate 0.2 / 0.6 → σ 0.2 → factor 1.1.
+    # Measured against 50 units it would be 0.4 / 1.2 → σ 0.4 → 1.2.
+    await set_team(stack.redis, keys, Team(team, size=1, complexity=1.0))
+    current = hour_of(time.time())
+    events = [
+        usage_event(
+            team=team,
+            prompt_tokens=(60_000 if i % 2 else 20_000) - 1000,
+            completion_tokens=1000,
+            ts=(current - 24 + i) * HOUR_S + 60,
+        )
+        for i in range(24)
+    ]
+    producer = await stack.producer()
+    await produce_usage(producer, stack.topics.usage, events)
+
+    streams = StreamsProcess(stack, tmp_path, quota_units_per_member=100)
+    await streams.start()
+    try:
+
+        async def factor() -> bytes | None:
+            value: bytes | None = await stack.redis.get(keys.quota_factor(team))
+            return value
+
+        value = await wait_until(factor, 40, "the team's quota factor in Redis")
+    finally:
+        assert await streams.stop() == 0, streams.log()
+    if hour_of(time.time()) != current:
+        pytest.skip("the hour turned during the test: the 24 h window moved")
+    assert float(value) == pytest.approx(1.1, abs=1e-6)

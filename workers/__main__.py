@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"laneway worker: {exc}", file=sys.stderr)  # noqa: T201
         return 2
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_serve(settings))

@@ -1,0 +1,69 @@
+"""Each laneway error reaches the client as what it carries: status, OpenAI type and code,
+headers, and one bounded kind on ``laneway_errors_total`` (in-process: no service needed)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from ingress.errors import error_response
+from laneway.errors import (
+    Aborted,
+    BadRequest,
+    ConfigError,
+    EngineError,
+    Expired,
+    LanewayError,
+    ModelNotFound,
+    QuotaExceeded,
+    RateLimited,
+    ServiceUnavailable,
+    Superseded,
+    Unauthorized,
+)
+from laneway.metrics import ERRORS
+
+
+def counted(kind: str) -> float:
+    return ERRORS.labels(kind)._value.get()
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "type_", "code", "kind"),
+    [
+        (BadRequest("max_tokens: too big", param="max_tokens"), 400, "invalid_request_error",
+         "invalid_request", "bad_request"),
+        (ModelNotFound("no model x"), 404, "invalid_request_error", "model_not_found",
+         "bad_request"),
+        (Unauthorized("bad key"), 401, "authentication_error", "invalid_api_key", "unauthorized"),
+        (ServiceUnavailable("breaker", retry_after=2.4), 503, "service_unavailable",
+         "service_unavailable", "unavailable"),
+        (Expired("deadline passed"), 504, "timeout", "deadline_exceeded", "timeout"),
+        (Superseded("seq 3 of s"), 409, "request_dropped", "superseded", "dropped"),
+        (Aborted("cancelled mid-run"), 409, "request_dropped", "aborted", "dropped"),
+        (EngineError("engine died"), 502, "engine_error", "engine_error", "engine"),
+        (ConfigError("bad setting"), 500, "server_error", None, "other"),
+    ],
+)  # fmt: skip
+def test_an_error_maps_to_what_it_carries(
+    error: LanewayError, status: int, type_: str, code: str | None, kind: str
+) -> None:
+    before = counted(kind)
+    response = error_response(error)
+    body = orjson.loads(bytes(response.body))["error"]
+    assert response.status_code == status
+    assert (body["type"], body["code"], body["message"]) == (type_, code, str(error))
+    assert body["param"] == error.param
+    assert counted(kind) == before + 1
+
+
+def test_quota_errors_say_when_to_retry_and_what_the_limit_is() -> None:
+    tokens = error_response(QuotaExceeded("pool empty", team="a", limit=5000, retry_after=0.2))
+    assert tokens.status_code == 429
+    assert tokens.headers["Retry-After"] == "1"  # never 0: a client would spin
+    assert tokens.headers["x-ratelimit-limit-tokens"] == "5000"
+    calls = error_response(RateLimited("cancels", team="a", limit=50, retry_after=2.5))
+    assert calls.headers["Retry-After"] == "3"
+    assert "x-ratelimit-limit-tokens" not in calls.headers  # its limit is calls, not tokens
+    unavailable = error_response(ServiceUnavailable("breaker", retry_after=2.4))
+    assert unavailable.headers["Retry-After"] == "2"

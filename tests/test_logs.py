@@ -1,0 +1,31 @@
+"""Log lines carry the fields call sites attach (request id, team), in text and JSON."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from laneway.logs import JsonFormatter, TextFormatter
+
+
+def record(**extra: object) -> logging.LogRecord:
+    logger = logging.getLogger("laneway.test")
+    return logger.makeRecord(
+        "laneway.test", logging.WARNING, __file__, 1, "reply lost for %s", ("r1",), None,
+        extra=extra,
+    )  # fmt: skip
+
+
+def test_text_lines_print_the_fields_after_the_message() -> None:
+    line = TextFormatter().format(record(request_id="r1", team="alpha"))
+    assert line.endswith("WARNING laneway.test: reply lost for r1 request_id=r1 team=alpha")
+    plain = TextFormatter().format(record())
+    assert plain.endswith("reply lost for r1")
+
+
+def test_json_lines_are_objects_with_the_fields_as_keys() -> None:
+    entry = orjson.loads(JsonFormatter().format(record(request_id="r1", team="alpha")))
+    assert entry["message"] == "reply lost for r1"
+    assert (entry["level"], entry["logger"]) == ("WARNING", "laneway.test")
+    assert (entry["request_id"], entry["team"]) == ("r1", "alpha")
