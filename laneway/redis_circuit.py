@@ -35,8 +35,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from laneway.errors import ServiceError
-
 __all__ = [
     "DEFAULT_FAILURES",
     "DEFAULT_HOT_TIMEOUT_MS",
@@ -71,8 +69,11 @@ CIRCUIT_OPENS = Counter(
 )
 
 
-class RedisUnavailable(ServiceError, RedisConnectionError):
-    """Redis did not answer in time, or the circuit is open: use the fallback."""
+class RedisUnavailable(RedisConnectionError):
+    """Redis did not answer in time, or the circuit is open: use the fallback.
+
+    A redis-py error, not one of laneway's tree: every caller already answers Redis's
+    connection errors with its fallback, and this is one more of them."""
 
 
 class RedisCircuit:

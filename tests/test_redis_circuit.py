@@ -50,11 +50,10 @@ async def test_a_paused_redis_opens_the_circuit_at_once_and_a_probe_closes_it(
     assert server.pid is not None
     os.kill(server.pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
-        with pytest.raises(RedisUnavailable, match="did not answer"):
+        # Given up by the circuit's own timer ("within 50 ms"), not the client's 5 s socket
+        # timeout (which would raise redis-py's TimeoutError).
+        with pytest.raises(RedisUnavailable, match=f"did not answer within {HOT_MS} ms"):
             await circuit.hot(lambda: client.get("k"))
-        assert time.monotonic() - started < 2.0  # the hot timeout (plus a loaded machine's
-        # slack), not the 5 s socket timeout
         assert circuit.open
         assert told == [True]
         # Open: the next calls are refused before they are made, background ones included.
