@@ -227,10 +227,10 @@ class Outbox:
                     if self.owed:
                         self._pay_owed_soon()  # Redis answers: what an outage left is due
                     return
+        if owed is not None:
+            self._owe(owed)  # first: a failed Kafka send below must not lose the charge
         if env.reply_to is not None:
             await self._reply_via_kafka(env.reply_to, final)
-        if owed is not None:
-            self._owe(owed)
 
     def _queue_final(
         self, pipe: Pipeline, env: RequestEnvelope, final: Reply, owed: _Owed | None
