@@ -19,6 +19,7 @@ __all__ = [
     "BodyTooLarge",
     "Cancelled",
     "ConfigError",
+    "Conflict",
     "Dropped",
     "EngineError",
     "EngineRejected",
@@ -47,6 +48,7 @@ class LanewayError(Exception):
     code: str | None = None
     kind: str = "other"
     param: str | None = None
+    request_id: str | None = None  # set once the request has an id: the response names it
 
     def headers(self) -> dict[str, str]:
         """Response headers that go with this error (``Retry-After`` and the like)."""
@@ -95,6 +97,13 @@ class ModelNotFound(BadRequest):
 class NotFound(BadRequest):
     status_code = 404
     code = "not_found"
+
+
+class Conflict(BadRequest):
+    """The request contradicts what is already there (a canary already running)."""
+
+    status_code = 409
+    code = "conflict"
 
 
 class Unauthorized(LanewayError):

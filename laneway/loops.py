@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable
+
+from laneway.retry import Backoff
 
 __all__ = ["keep_running"]
 
@@ -22,7 +23,7 @@ async def keep_running(
 ) -> None:
     """Run ``body`` until it returns; when it raises, log it (with ``on_failure`` told) and
     run it again after a jittered, doubling wait. Cancellation stops it."""
-    backoff = first_backoff_s
+    backoff = Backoff(first_backoff_s, max_backoff_s)
     while True:
         try:
             await body()
@@ -31,8 +32,8 @@ async def keep_running(
         except Exception as exc:
             if on_failure is not None:
                 on_failure(exc)
-            log.exception("%s failed; starting it again in about %.1fs", name, backoff)
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, max_backoff_s)
+            wait = backoff.next_wait()
+            log.exception("%s failed; starting it again in %.1fs", name, wait)
+            await asyncio.sleep(wait)
         else:
             return

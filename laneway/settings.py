@@ -175,6 +175,12 @@ class IngressSettings(CommonSettings):
     admin_key: SecretStr = Field(
         SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
     )
+    console_session_s: float = Field(
+        8 * 3600.0,
+        gt=0,
+        le=7 * 86400,
+        description="web console (/console, on with the admin key): a login lasts this long",
+    )
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
@@ -339,6 +345,11 @@ class WorkerSettings(CommonSettings):
     )
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
+    sim_route_failure_rates: dict[str, float] = Field(
+        default_factory=dict,
+        description="sim: injected error share of single routes, instead of the above (JSON "
+        '{route: share}; a faulty canary: {"laneway-code-v2": 0.2})',
+    )
     sim_seed: int = Field(0, description="sim: seed of injected failures")
     vllm_model: str = Field(
         "", description="engine=vllm: model directory or hub id (required by that engine)"

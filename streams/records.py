@@ -33,8 +33,9 @@ class LatencySummary(_Record):
 class HourlyRollup(_Record):
     """One (team, class, model, hour) on ``laneway.usage.hourly``, keyed by team.
 
-    ``revision`` counts the events folded in: of two records for the same key, the one with
-    the higher revision is the more complete.
+    ``revision`` counts the events folded in, plus one once the hour has closed: of two
+    records for the same key, the one with the higher revision is the more complete.
+    ``final`` is false while the hour is still open (a provisional record).
     """
 
     v: Literal[1] = 1
@@ -56,6 +57,8 @@ class HourlyRollup(_Record):
     latency_ms: LatencySummary
     cost: float
     revision: int
+    # Records written before provisional rollups existed were all final.
+    final: bool = True
     ts: float = Field(default_factory=time.time)
 
 
@@ -73,6 +76,44 @@ class BreakerTransition(_Record):
     requests: int
     since: float
     ts: float = Field(default_factory=time.time)
+
+    def summary(self) -> str:
+        who = self.route + (f" (team {self.team})" if self.team else "")
+        return (
+            f"laneway breaker: {who} at level {self.level} "
+            f"(error rate {self.rate:.1%} over {self.requests} requests)"
+        )
+
+
+class RouteStats(_Record):
+    """One route's traffic in a canary step: requests, errors and P99 of the successful."""
+
+    requests: int
+    errors: int
+    error_rate: float
+    p99_ms: float | None = None
+
+
+class CanaryChange(_Record):
+    """A canary that moved (next step, promoted, rolled back) on ``laneway.control``."""
+
+    v: Literal[1] = 1
+    kind: Literal["canary"] = "canary"
+    subject: str
+    model: str
+    target: str
+    status: str
+    weight: float
+    previous_weight: float
+    reason: str = ""
+    canary: RouteStats | None = None
+    stable: RouteStats | None = None
+    ts: float = Field(default_factory=time.time)
+
+    def summary(self) -> str:
+        if self.status == "rolled_back":
+            return f"laneway canary: {self.model} → {self.target} rolled back ({self.reason})"
+        return f"laneway canary: {self.model} → {self.target} at {self.weight:g} % ({self.status})"
 
 
 class QuotaFactorUpdate(_Record):

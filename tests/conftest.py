@@ -1,4 +1,8 @@
-"""Session setup: one real Kafka broker and one real Redis on test ports of their own."""
+"""Session setup: one real Kafka broker and one real Redis on test ports of their own.
+
+The ports are free ones picked at start (so the suite runs beside `make up`, a bench or
+another checkout's suite); LANEWAY_TEST_KAFKA_PORT / LANEWAY_TEST_REDIS_PORT pin them.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from laneway.devstack import KafkaBroker, RedisServer
-from tests.stack import PARTITIONS, LiveStack, Services
+from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 
-KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT", "29092"))
-REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT", "26379"))
+KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
+REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT") or free_port())
 
 
 # The HTTP fuzz suite sends this many generated requests in `make test`; more on demand:
@@ -26,6 +30,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=FUZZ_EXAMPLES,
         help=f"requests the HTTP fuzz suite generates (default {FUZZ_EXAMPLES})",
+    )
+    parser.addoption(
+        "--console-screenshot",
+        default=None,
+        help="tests/test_console_browser.py saves the console's overview here as a PNG "
+        "(the README's docs/img/console.png)",
     )
     parser.addoption(
         "--fuzz-seed",

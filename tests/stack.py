@@ -247,7 +247,11 @@ class LiveStack:
         within_s: float = 20.0,
         where: Callable[[dict[str, Any]], bool] | None = None,
     ) -> list[dict[str, Any]]:
-        """The first ``count`` JSON records of ``topic`` (matching ``where``), from the start."""
+        """The first ``count`` JSON records of ``topic`` (matching ``where``), from the start.
+
+        Fewer than ``count`` within ``within_s`` fails: a slow consumer must never pass for an
+        absent record. To see what a topic holds now (absence, or "at most"), ``read_all``.
+        """
         consumer = self._reader(topic)
         await consumer.start()
         found: list[dict[str, Any]] = []
@@ -262,11 +266,20 @@ class LiveStack:
                             found.append(value)
         finally:
             await consumer.stop()
-        return found
+        if len(found) < count:
+            raise AssertionError(f"{topic}: {len(found)} of {count} records within {within_s}s")
+        return found[:count]
 
-    async def read_all(self, topic: str, *, within_s: float = 20.0) -> list[dict[str, Any]]:
-        """Every JSON record ``topic`` holds now: read up to the end offsets the broker reports
-        at the start, however long the fetches take (up to ``within_s``)."""
+    async def read_all(
+        self,
+        topic: str,
+        *,
+        within_s: float = 20.0,
+        where: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every JSON record ``topic`` holds now (matching ``where``): read up to the end
+        offsets the broker reports at the start, however long the fetches take (up to
+        ``within_s``), so what it leaves out was not written by then."""
         consumer = self._reader(topic)
         await consumer.start()  # waits for the topic's metadata; no group: every partition
         found: list[dict[str, Any]] = []
@@ -282,7 +295,7 @@ class LiveStack:
                 found.extend(orjson.loads(r.value) for rs in batches.values() for r in rs)
         finally:
             await consumer.stop()
-        return found
+        return found if where is None else [value for value in found if where(value)]
 
     def process_env(self, **extra: str) -> dict[str, str]:
         """Environment of a laneway subprocess on this stack's broker, Redis and prefixes."""

@@ -178,9 +178,10 @@ async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack
         job = await client.submit(lines, api_key=key)
         status = await _status_when(client, job, 12, 120)
     assert (status.done, status.ok, status.duplicates) == (12, 12, 0)
-    usage = await stack.read_topic(
-        stack.topics.usage, count=100, within_s=3, where=lambda e: e["job_id"] == job
+    await stack.read_topic(  # every line's final event, then all the job's events so far
+        stack.topics.usage, count=12, where=lambda e: e["job_id"] == job and e["status"] == "ok"
     )
+    usage = await stack.read_all(stack.topics.usage, where=lambda e: e["job_id"] == job)
     aborted = [e for e in usage if e["status"] == "aborted"]
     assert aborted, "the engine never came under pressure"
     assert sorted(e["id"] for e in usage if e["status"] == "ok") == sorted(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
+from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from laneway.settings import WorkerSettings
 from quota import Team, get_team
@@ -81,6 +81,7 @@ class BatchPoolWorker(PoolWorker):
         except MalformedMessage as exc:
             self._skip(tp, record.offset, exc)  # no job to report it to
             return None
+        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
                 env = await self.intake.envelope(line)
@@ -91,7 +92,7 @@ class BatchPoolWorker(PoolWorker):
             except (RedisError, OSError) as exc:
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
                 log.warning("batch intake paused, Redis unreachable: %s", exc)
-                await asyncio.sleep(1.0)
+                await backoff.wait()
             else:
                 key = record.key or f"{line.job_id}:{line.line_id}".encode()
                 self._lines[env.id] = (tp.topic, key, record.value)
@@ -163,6 +164,7 @@ class BatchPoolWorker(PoolWorker):
         """
         assert self.quota is not None
         amount = env.prompt_tokens + env.max_tokens
+        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
                 team = await self._team(env.team)
@@ -172,7 +174,7 @@ class BatchPoolWorker(PoolWorker):
                 await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
             except (RedisError, OSError) as exc:
                 log.warning("batch admission paused, Redis unreachable: %s", exc)
-                await asyncio.sleep(1.0)
+                await backoff.wait()
             else:
                 return
 
@@ -230,14 +232,13 @@ class BatchPoolWorker(PoolWorker):
         task.add_done_callback(self._aborting.discard)
 
     async def _open_then_resume(self, partitions: set[TopicPartition]) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 await self.txns.open(partitions)
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
                 continue
             break
         ready = [tp for tp in partitions if tp in self.consumer.assignment()]
