@@ -41,7 +41,7 @@ from bench._proc import cpu_times, machine
 from bench._stack import BenchStack, services
 from bench._stats import percentile, steal_percent
 from laneway.constants import RedisKeys
-from laneway.devstack import stop_processes
+from ops.devstack import stop_processes
 
 TEAM = "pause-drill"
 

@@ -148,6 +148,22 @@ valid_team_bodies = st.fixed_dictionaries(
 )
 key_bodies = st.fixed_dictionaries({}, optional={"team": texts, "surprise": json_values})
 valid_key_bodies = st.fixed_dictionaries({"team": st.text(min_size=1, max_size=50)})
+canary_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "target": texts,
+        "steps": st.lists(st.floats(allow_nan=True) | json_values, max_size=6) | json_values,
+        "surprise": json_values,
+    },
+)
+valid_canary_bodies = st.fixed_dictionaries(
+    {"target": st.text(min_size=1, max_size=50)},
+    optional={
+        "steps": st.lists(st.floats(0.5, 99), min_size=0, max_size=3).map(
+            lambda ws: [*sorted(set(ws)), 100.0]
+        )
+    },
+)
 raw_bodies = st.binary(max_size=300) | st.sampled_from(
     [
         b"",
@@ -228,6 +244,9 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("POST", "/admin/keys"): bodies(valid_key_bodies, key_bodies),
     ("GET", "/admin/keys"): NO_BODY,
     ("DELETE", "/admin/keys/{key_or_id}"): NO_BODY,
+    ("GET", "/admin/canary"): NO_BODY,
+    ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
+    ("POST", "/admin/canary/{model}/abort"): NO_BODY,
     ("GET", "/console"): NO_BODY,
     ("GET", "/console/static/{name}"): NO_BODY,
     ("POST", "/console/login"): login_forms,
@@ -305,7 +324,7 @@ def _url(template: str, param: str) -> str:
 
 def test_every_route_is_fuzzed(stack: LiveStack) -> None:
     from ingress import create_app  # noqa: PLC0415 - the app's routes, without a lifespan
-    from laneway.settings import IngressSettings  # noqa: PLC0415
+    from ingress.settings import IngressSettings  # noqa: PLC0415
 
     app = create_app(IngressSettings(**stack.common))
     # The routers' routes, from the OpenAPI description; the plain Starlette ones (the two

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from laneway.devstack import RedisServer
 from laneway.redis_circuit import RedisCircuit, RedisUnavailable, attach_circuit
+from ops.devstack import RedisServer
 from tests.stack import free_port
 
 HOT_MS = 50

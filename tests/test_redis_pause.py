@@ -30,8 +30,8 @@ from bench.redis_pause import (
     warm_up,
     window_rows,
 )
-from laneway.devstack import RedisServer, stop_processes
 from laneway.redis_circuit import DEFAULT_HOT_TIMEOUT_MS
+from ops.devstack import RedisServer, stop_processes
 from tests.stack import LiveStack, Services, free_port
 
 TEAM = "paused"
