@@ -64,7 +64,12 @@ def standby_processes(settings: StackSettings) -> list[str]:
 def stack_processes(settings: StackSettings) -> list[Supervised]:
     """The processes of the stack in start order, servers first."""
     data = Path(settings.data_dir).resolve()
-    redis = RedisServer(port=settings.redis_port, data_dir=data / "redis", persistent=True)
+    redis = RedisServer(
+        port=settings.redis_port,
+        data_dir=data / "redis",
+        persistent=True,
+        maxmemory=settings.redis_maxmemory,
+    )
     kafka = KafkaBroker(
         port=settings.kafka_port,
         data_dir=data / "kafka",
@@ -113,7 +118,8 @@ def stack_processes(settings: StackSettings) -> list[Supervised]:
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
-    logging.getLogger("laneway").setLevel(logging.INFO)
+    for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
+        logging.getLogger(name).setLevel(logging.INFO)
     metrics = SupervisorMetrics()
     supervisor = Supervisor(
         stack_processes(settings),

@@ -95,7 +95,13 @@ class BatchPoolWorker(PoolWorker):
                 await backoff.wait()
             else:
                 key = record.key or f"{line.job_id}:{line.line_id}".encode()
-                self._lines[env.id] = (tp.topic, key, record.value)
+                # A legacy line goes back (when re-queued) with its team and without its key.
+                value = (
+                    record.value
+                    if line.api_key is None
+                    else line.model_copy(update={"team": env.team}).to_json()
+                )
+                self._lines[env.id] = (tp.topic, key, value)
                 return env
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
@@ -170,6 +176,8 @@ class BatchPoolWorker(PoolWorker):
                 team = await self._team(env.team)
                 await self.quota.reserve(team, "batch", env.id, amount)
             except QuotaExceeded as exc:
+                if await self._job_cancelled(env):
+                    return  # dropped as cancelled when it would start; nothing reserved
                 metrics.QUOTA_WAITS.labels(env.team).inc()
                 await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
             except (RedisError, OSError) as exc:
@@ -177,6 +185,19 @@ class BatchPoolWorker(PoolWorker):
                 await backoff.wait()
             else:
                 return
+
+    async def _job_cancelled(self, env: RequestEnvelope) -> bool:
+        """Whether ``env``'s job was cancelled (the shield then drops its lines not started
+        yet); False while Redis cannot say."""
+        if env.job_id is None:
+            return False
+        try:
+            cancelled = await self.intake.job_cancelled(env.job_id)
+        except (RedisError, OSError):
+            return False
+        if cancelled:
+            self.shield.cancel_job(env.job_id, env.team)
+        return cancelled
 
     async def _team(self, name: str) -> Team:
         team = self._teams.get(name)
@@ -261,6 +282,9 @@ class BatchPoolWorker(PoolWorker):
     async def _after_heartbeat(self) -> None:
         await self._relieve_memory()
         await self._yield_to_interactive()
+        # Lines of a job cancelled after they were fetched: dropped when they would start.
+        for work in {w.env.job_id: w for w in self.queue if w.env.job_id}.values():
+            await self._job_cancelled(work.env)
 
     async def _relieve_memory(self) -> None:
         """Over ``batch_memory_high`` KV usage: abort the newest quarter of our work."""

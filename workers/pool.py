@@ -118,6 +118,9 @@ class PoolWorker:
             # Range keeps partition N of every band on one worker, so a session's keystrokes
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
+            # Batch lines are written in transactions (a job submitted over HTTP, a line
+            # re-queued for memory): a line of an aborted one must never run.
+            isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
         self.quota: QuotaEnforcer | None = None
