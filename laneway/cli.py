@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.batch import BatchClient, output_line
-from laneway.clients import make_producer, make_redis
+from laneway.clients import kafka_auth, make_producer, make_redis
 from laneway.devstack import create_topics
 from laneway.drills import add_drill_commands
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
+from laneway.principals_cli import add_principal_commands
 from laneway.schema import BatchResult
 from laneway.settings import CommonSettings, StackSettings, load_settings
 from quota.teams import Team, set_team
@@ -208,7 +209,9 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
 def cmd_topics_create(args: argparse.Namespace) -> int:
     settings = load_settings(StackSettings)
     specs = settings.topics.specs(args.partitions or settings.partitions)
-    create_topics(settings.kafka_bootstrap, specs, settings.replication_factor)
+    create_topics(
+        settings.kafka_bootstrap, specs, settings.replication_factor, kafka_auth(settings)
+    )
     for name, partitions, _ in specs:
         print(f"{name} ({partitions} partitions)")
     return 0
@@ -297,6 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     add_usage_commands(sub)
     add_report_commands(sub)
     add_drill_commands(sub)
+    add_principal_commands(sub)
     return parser
 
 

@@ -191,17 +191,19 @@ class UsageEvent(_Wire):
 
 
 class BatchRequest(_Wire):
-    """One line of a batch job on ``laneway.req.batch`` (any Kafka producer may write it).
+    """One line of a batch job on ``laneway.req.batch`` or a team's own batch topic.
 
-    ``body`` is the OpenAI request body of ``url``; ``api_key`` is the team's key, checked by
-    the batch worker. A line the submitter could not parse carries ``error`` instead of a
-    body and comes back as an error result.
+    ``body`` is the OpenAI request body of ``url``. On a team's topic
+    (``<prefix>.req.batch.team.<team>``, writable by that team's principal alone) the team is
+    the topic's and the line needs no key; on ``laneway.req.batch`` ``api_key`` is the team's
+    key, checked by the batch worker. A line the submitter could not parse carries ``error``
+    instead of a body and comes back as an error result.
     """
 
     v: Literal[1] = 1
     job_id: str = Field(min_length=1, max_length=200)
     line_id: str = Field(min_length=1, max_length=500, description="the line's custom_id")
-    api_key: str = Field(min_length=1)
+    api_key: str | None = None
     url: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/chat/completions"
     body: dict[str, Any] | None = None
     error: str | None = None

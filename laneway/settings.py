@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import os
 import secrets
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -68,7 +69,11 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid")
 
     kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
-    redis_url: str = Field("redis://127.0.0.1:16379/0", description="Redis URL")
+    redis_url: str = Field(
+        "redis://127.0.0.1:16379/0",
+        description="Redis URL; with Redis ACL users redis://<user>:<password>@host:port/0 "
+        "(never logged)",
+    )
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
@@ -121,6 +126,35 @@ class CommonSettings(BaseSettings):
         description="a request that used more tokens than it reserved (its prompt was longer "
         "than estimated) is charged at most this share of its reservation on top",
     )
+
+    # Kafka authentication (docs/security.md): one principal per service, its ACLs say what
+    # it may read and write.
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description="Kafka listener protocol: SASL_SSL in production, SASL_PLAINTEXT for the "
+        "local secured mode (LANEWAY_SECURED), PLAINTEXT: no authentication",
+    )
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "SCRAM-SHA-256", description="SASL mechanism of the Kafka principal"
+    )
+    kafka_username: str = Field("", description="Kafka principal (SASL user) of this service")
+    kafka_password: SecretStr = Field(
+        SecretStr(""), description="password of LANEWAY_KAFKA_USERNAME (never logged)"
+    )
+    kafka_ssl_cafile: str = Field(
+        "", description="SASL_SSL: CA bundle that signed the brokers' certificates ('': system)"
+    )
+
+    @model_validator(mode="after")
+    def _kafka_credentials_complete(self) -> Self:
+        if self.kafka_security_protocol != "PLAINTEXT" and not (
+            self.kafka_username and self.kafka_password.get_secret_value()
+        ):
+            raise ValueError(
+                f"LANEWAY_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs "
+                "LANEWAY_KAFKA_USERNAME and LANEWAY_KAFKA_PASSWORD (this service's principal)"
+            )
+        return self
 
     def price_of(self, route: str) -> Price:
         return self.prices.get(route) or self.prices.get("*") or Price()
@@ -457,6 +491,11 @@ class StackSettings(CommonSettings):
         default_factory=_default_local_replicas,
         description="`laneway up`: fewest and most worker processes per pool, started and "
         "stopped by the pool's scaling signal (JSON {pool: [min, max]}; a pool left out: [1, 1])",
+    )
+    secured: bool = Field(
+        False,
+        description="`laneway up`: Kafka with SASL/SCRAM and ACLs and Redis with ACL users, one "
+        "principal per service (passwords generated into <data dir>/secrets; docs/security.md)",
     )
     autoscale_interval_s: float = Field(
         1.0, gt=0, le=60, description="`laneway up`: how often the local autoscaler looks"

@@ -7,9 +7,9 @@ import logging
 import signal
 import sys
 
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from laneway.clients import make_admin
 from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
 from laneway.metrics import serve_metrics
@@ -22,7 +22,7 @@ log = logging.getLogger("streams")
 
 async def usage_partitions(settings: StreamsSettings) -> int:
     """Partitions of ``laneway.usage``: the changelog topics must have as many."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = make_admin(settings)
     try:
         await admin.start()
         described = await admin.describe_topics([settings.topics.usage])

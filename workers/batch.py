@@ -62,12 +62,19 @@ class BatchIntake:
             self._teams.put(api_key, team)
         return team
 
-    async def envelope(self, line: BatchRequest) -> RequestEnvelope:
+    async def envelope(self, line: BatchRequest, topic_team: str | None = None) -> RequestEnvelope:
+        """``topic_team``: the team whose own topic the line came from; it is the line's team
+        whatever the line says (only that team's principal may write the topic)."""
         if line.error is not None:
             raise BadRequest(line.error)
         if line.body is None:
             raise BadRequest("batch line has no body", param="body")
-        team = await self._team(line.api_key)
+        if topic_team is not None:
+            team = topic_team
+        elif line.api_key is None:
+            raise Unauthorized("batch line has no api_key")
+        else:
+            team = await self._team(line.api_key)
         body: CompletionRequest | ChatRequest
         if line.url == "/v1/completions":
             body = validate_body(CompletionRequest, line.body, prefix="body.")
@@ -119,9 +126,11 @@ def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
 
 
 def result_records(
-    topics: Topics, result: BatchResult, usage: UsageEvent | None = None
+    topics: Topics, result: BatchResult, usage: UsageEvent | None = None, input_topic: str = ""
 ) -> list[KafkaRecord]:
-    records = [(topics.results_batch, result.job_id.encode(), result.to_json())]
+    """The result (to the results topic of the line's input topic) and its usage event."""
+    results = topics.batch_results_for(input_topic) if input_topic else topics.results_batch
+    records = [(results, result.job_id.encode(), result.to_json())]
     if usage is not None:
         records.append((topics.usage, usage.team.encode(), usage.to_json()))
     return records
