@@ -7,8 +7,11 @@ check both sides: what a role may do works, what it may not is refused by the br
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import openai
 import orjson
@@ -28,6 +31,7 @@ from laneway.schema import BatchRequest
 from laneway.settings import CommonSettings
 from tests.secured import Principals, SecuredServices
 from tests.stack import LiveStack
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
 
 @pytest.fixture
@@ -289,3 +293,49 @@ def test_no_password_in_settings_repr() -> None:
     )
     assert "hunter2" not in repr(settings)
     assert "hunter2" not in orjson.dumps(settings.model_dump(mode="json")).decode()
+
+
+async def test_streams_principal_rolls_usage_up_for_the_analyst(
+    secured: tuple[LiveStack, Principals], tmp_path: Path
+) -> None:
+    """The Faust app as the streams principal (its group, its changelog topics, which it
+    creates itself) folds a worker's usage into the hourly rollup the analyst reads."""
+    stack, principals = secured
+    topics = stack.topics
+    await principals.create("streams", "streams")
+    await principals.create("completion", "worker:completion")
+    await principals.create("analyst", "analyst")
+    streams = StreamsProcess(
+        stack,
+        tmp_path,
+        rollup_idle_s=0.5,
+        rollup_grace_s=0,
+        **principals.settings("streams", "streams"),
+    )
+    await streams.start()
+    try:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=stack.services.bootstrap, **principals.auth("completion")
+        )
+        try:
+            await producer.start()
+            await produce_usage(producer, topics.usage, [usage_event(ts=time.time() - 7200)])
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(
+            topics.usage_hourly,
+            bootstrap_servers=stack.services.bootstrap,
+            auto_offset_reset="earliest",
+            group_id=f"{stack.prefix}.analyst.rollups",
+            **principals.auth("analyst"),
+        )
+        try:
+            await consumer.start()
+            record = await asyncio.wait_for(consumer.getone(), 60)
+        finally:
+            await consumer.stop()
+        rollup = orjson.loads(record.value)
+        assert (rollup["team"], rollup["requests"]) == ("team-a", 1)
+    finally:
+        code = await streams.stop()
+    assert code == 0, streams.log()
