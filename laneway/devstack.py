@@ -45,6 +45,7 @@ __all__ = [
     "create_topics_async",
     "kafka_classpath",
     "port_in_use",
+    "redis_acl_file",
     "stop_processes",
 ]
 
@@ -626,6 +627,13 @@ class RedisUser:
         return f"user {self.name} on #{digest} {rules}"
 
 
+def redis_acl_file(users: Sequence[RedisUser]) -> str:
+    """A Redis ACL file: ``users`` and the default user off."""
+    # Spelt out: a file that left the default user out would leave it on, with no password.
+    lines = ["user default off resetpass resetkeys resetchannels -@all"]
+    return "".join(line + "\n" for line in lines + [user.acl_line() for user in users])
+
+
 class RedisServer(_ServerProcess):
     """A Redis bound to 127.0.0.1: throwaway, or ``persistent`` (an append-only file in
     ``data_dir``, so API keys and team records outlive a crash and a restart)."""
@@ -656,9 +664,7 @@ class RedisServer(_ServerProcess):
         path = self.data_dir / "users.acl"
         path.touch()
         path.chmod(0o600)
-        # The default user is spelt out: a file that left it out would leave it on, no password.
-        lines = ["user default off resetpass resetkeys resetchannels -@all"]
-        path.write_text("".join(line + "\n" for line in lines + [u.acl_line() for u in self.users]))
+        path.write_text(redis_acl_file(self.users))
         return path
 
     def start(self, timeout: float = 20.0) -> None:

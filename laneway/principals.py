@@ -147,6 +147,12 @@ def acl_rules(
     return rules
 
 
+def _scram(settings: CommonSettings) -> str:
+    """The SCRAM mechanism principals get: the admin's own, unless it logs in with PLAIN."""
+    mechanism = settings.kafka_sasl_mechanism
+    return mechanism if mechanism.startswith("SCRAM-") else "SCRAM-SHA-256"
+
+
 def _check_name(name: str) -> None:
     if not _NAME.match(name):
         raise ConfigError(
@@ -178,7 +184,7 @@ async def create_principal(
     admin = make_admin(settings, request_timeout_ms=15_000)
     await admin.start()
     try:
-        await upsert_scram(admin, name, password, settings.kafka_sasl_mechanism)
+        await upsert_scram(admin, name, password, _scram(settings))
         await create_acls(admin, rules)
         # The controller has them; the broker applies them a moment later.
         await _until_applied(admin, name, rules)
@@ -203,7 +209,11 @@ async def _until_login(
 ) -> None:
     """Return once ``name`` can log in (its credential reached the broker)."""
     as_new = settings.model_copy(
-        update={"kafka_username": name, "kafka_password": SecretStr(password)}
+        update={
+            "kafka_username": name,
+            "kafka_password": SecretStr(password),
+            "kafka_sasl_mechanism": _scram(settings),
+        }
     )
     deadline = time.monotonic() + within_s
     while True:
@@ -226,7 +236,7 @@ async def delete_principal(settings: CommonSettings, name: str) -> tuple[bool, i
     admin = make_admin(settings)
     await admin.start()
     try:
-        had = await delete_scram(admin, name, settings.kafka_sasl_mechanism)
+        had = await delete_scram(admin, name, _scram(settings))
         removed = await delete_acls(admin, name)
     finally:
         await admin.close()

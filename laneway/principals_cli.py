@@ -57,7 +57,11 @@ def cmd_create(args: argparse.Namespace) -> int:
             streams_app_id=args.streams_app_id or os.environ.get("LANEWAY_STREAMS_APP_ID", ""),
         )
     )
-    mechanism = settings.kafka_sasl_mechanism
+    mechanism = (
+        "SCRAM-SHA-256"
+        if settings.kafka_sasl_mechanism == "PLAIN"
+        else settings.kafka_sasl_mechanism
+    )
     print(f"principal {args.name!r} ({role}) can now log in with SASL {mechanism}")
     if role.kind == "tenant":
         topics = settings.topics

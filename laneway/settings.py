@@ -134,8 +134,10 @@ class CommonSettings(BaseSettings):
         description="Kafka listener protocol: SASL_SSL in production, SASL_PLAINTEXT for the "
         "local secured mode (LANEWAY_SECURED), PLAINTEXT: no authentication",
     )
-    kafka_sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
-        "SCRAM-SHA-256", description="SASL mechanism of the Kafka principal"
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = Field(
+        "SCRAM-SHA-256",
+        description="SASL mechanism of the Kafka principal (PLAIN: the compose admin only, "
+        "whose login the brokers' own configuration holds)",
     )
     kafka_username: str = Field("", description="Kafka principal (SASL user) of this service")
     kafka_password: SecretStr = Field(
