@@ -579,9 +579,7 @@ def test_redis_reads_its_users_from_the_file_compose_secrets_writes(tmp_path: Pa
     lines = (tmp_path / "redis" / "users.acl").read_text().splitlines()
     assert lines[0].startswith("user default off")
     names = {line.split()[1] for line in lines[1:]}
-    users = {
-        env(n)["LANEWAY_REDIS_URL"].split("//")[1].split(":")[0] for n in laneway_services()
-    }
+    users = {env(n)["LANEWAY_REDIS_URL"].split("//")[1].split(":")[0] for n in laneway_services()}
     assert users <= names
     dotenv = (tmp_path / ".env").read_text()
     referenced = set(re.findall(r"\$\{(\w+):\?", (COMPOSE / "docker-compose.yml").read_text()))
