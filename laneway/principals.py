@@ -88,7 +88,7 @@ def _on(
 def acl_rules(
     principal: str, role: Role, topics: Topics, *, streams_app_id: str = ""
 ) -> list[AclRule]:
-    """The ALLOW rules of ``principal`` acting as ``role``."""
+    """The ALLOW rules of ``principal`` acting as ``role``, sorted."""
     reads, writes = _READS, _WRITES
 
     def topic(
@@ -144,7 +144,7 @@ def acl_rules(
     elif role.kind == "analyst":
         rules += topic([topics.usage, topics.usage_hourly], reads)
         rules += _on(principal, "group", [f"{topics.prefix}.analyst."], _GROUP, "prefixed")
-    return rules
+    return sorted(set(rules))
 
 
 def _scram(settings: CommonSettings) -> str:
