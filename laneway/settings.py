@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import os
 import secrets
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -20,7 +20,6 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -139,24 +138,30 @@ class CommonSettings(BaseSettings):
         description="SASL mechanism of the Kafka principal (PLAIN: the compose admin only, "
         "whose login the brokers' own configuration holds)",
     )
-    kafka_username: str = Field("", description="Kafka principal (SASL user) of this service")
     kafka_password: SecretStr = Field(
         SecretStr(""), description="password of LANEWAY_KAFKA_USERNAME (never logged)"
+    )
+    kafka_username: str = Field(
+        "",
+        validate_default=True,
+        description="Kafka principal (SASL user) of this service",
     )
     kafka_ssl_cafile: str = Field(
         "", description="SASL_SSL: CA bundle that signed the brokers' certificates ('': system)"
     )
 
-    @model_validator(mode="after")
-    def _kafka_credentials_complete(self) -> Self:
-        if self.kafka_security_protocol != "PLAINTEXT" and not (
-            self.kafka_username and self.kafka_password.get_secret_value()
-        ):
+    @field_validator("kafka_username")
+    @classmethod
+    def _kafka_login_complete(cls, value: str, info: ValidationInfo) -> str:
+        # On the user name, not the password: an error message shows the value it is about.
+        protocol = info.data.get("kafka_security_protocol", "PLAINTEXT")
+        password = info.data.get("kafka_password")
+        if protocol != "PLAINTEXT" and not (value and password and password.get_secret_value()):
             raise ValueError(
-                f"LANEWAY_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs "
-                "LANEWAY_KAFKA_USERNAME and LANEWAY_KAFKA_PASSWORD (this service's principal)"
+                f"LANEWAY_KAFKA_SECURITY_PROTOCOL={protocol} needs LANEWAY_KAFKA_USERNAME and "
+                "LANEWAY_KAFKA_PASSWORD (this service's principal)"
             )
-        return self
+        return value
 
     def price_of(self, route: str) -> Price:
         return self.prices.get(route) or self.prices.get("*") or Price()
@@ -585,6 +590,9 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
             value = err.get("input")
+            known = cls.model_fields.get(field)
+            if known is not None and known.annotation is SecretStr:
+                value = "(secret)"
             problems.append(f"LANEWAY_{field.upper()}={value!r}: {err['msg']}")
         raise ConfigError("bad setting: " + "; ".join(problems)) from None
 

@@ -26,9 +26,10 @@ from aiokafka.errors import (
 )
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from laneway.errors import ConfigError
 from laneway.principals import Role, acl_rules, show_acls
 from laneway.schema import BatchRequest
-from laneway.settings import CommonSettings
+from laneway.settings import CommonSettings, load_settings
 from tests.secured import Principals, SecuredServices
 from tests.stack import LiveStack
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
@@ -339,3 +340,14 @@ async def test_streams_principal_rolls_usage_up_for_the_analyst(
     finally:
         code = await streams.stop()
     assert code == 0, streams.log()
+
+
+def test_a_sasl_protocol_without_a_login_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LANEWAY_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("LANEWAY_KAFKA_PASSWORD", "hunter2-hunter2")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(CommonSettings)
+    assert "LANEWAY_KAFKA_USERNAME" in str(refused.value)
+    assert "hunter2" not in str(refused.value)
