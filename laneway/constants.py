@@ -92,7 +92,9 @@ class Topics:
     def team_of_batch_topic(self, topic: str) -> str | None:
         """The team of a tenant's batch topic; None for the ingress's ``req.batch``."""
         head = f"{self.prefix}.req.batch.team."
-        return topic[len(head) :] or None if topic.startswith(head) else None
+        if not topic.startswith(head):
+            return None
+        return topic[len(head) :] or None
 
     def batch_results_for(self, input_topic: str) -> str:
         """Where the results of lines read from ``input_topic`` go."""

@@ -407,22 +407,32 @@ class BrokerAdmin:
             f'salt="{encode(salt).decode()}",saltedpassword="{encode(salted).decode()}"]',
         ]
 
+    def _fingerprint(self) -> str:
+        return f"{self.username} {hashlib.sha256(self.password.encode()).hexdigest()}"
+
     def mark_formatted(self, log_dir: Path) -> None:
-        (log_dir / self._MARKER).write_text(self.username)
+        (log_dir / self._MARKER).write_text(self._fingerprint())
 
     def check_formatted(self, log_dir: Path) -> None:
-        """Refuse storage formatted without this admin: no one could administer it."""
+        """Refuse storage formatted without this admin (or with another password): the
+        broker could not log in to itself, nor anyone administer it."""
         if not (log_dir / "meta.properties").is_file():
             return
         marker = log_dir / self._MARKER
         found = marker.read_text().strip() if marker.is_file() else None
-        if found != self.username:
-            raise ServiceError(
-                f"the Kafka data in {log_dir} was formatted "
-                + ("without SASL" if found is None else f"with admin {found!r}")
-                + f", so admin {self.username!r} cannot log in; secured mode needs its own "
-                "data: remove that directory (its topics are lost) or use another LANEWAY_DATA_DIR"
-            )
+        if found == self._fingerprint():
+            return
+        if found is None:
+            why = "without SASL"
+        elif found.split()[0] != self.username:
+            why = f"with admin {found.split()[0]!r}"
+        else:
+            why = "with another admin password (were its secrets lost?)"
+        raise ServiceError(
+            f"the Kafka data in {log_dir} was formatted {why}, so admin {self.username!r} "
+            "cannot log in; secured mode needs its own data: remove that directory (its "
+            "topics are lost) or use another LANEWAY_DATA_DIR"
+        )
 
 
 class KafkaBroker(_ServerProcess):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +27,9 @@ from aiokafka.errors import (
 )
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from laneway.errors import ConfigError
+from laneway.constants import Topics
+from laneway.devstack import BrokerAdmin
+from laneway.errors import ConfigError, ServiceError
 from laneway.principals import Role, acl_rules, show_acls
 from laneway.schema import BatchRequest
 from laneway.settings import CommonSettings, load_settings
@@ -351,3 +354,37 @@ def test_a_sasl_protocol_without_a_login_is_refused_by_name(
         load_settings(CommonSettings)
     assert "LANEWAY_KAFKA_USERNAME" in str(refused.value)
     assert "hunter2" not in str(refused.value)
+
+
+def test_secured_broker_refuses_data_formatted_without_its_admin(tmp_path: Path) -> None:
+    logs = tmp_path / "kafka-logs"
+    logs.mkdir()
+    (logs / "meta.properties").write_text("cluster.id=x\n")
+    admin = BrokerAdmin("admin", "first-password")
+    with pytest.raises(ServiceError, match="without SASL"):
+        admin.check_formatted(logs)
+    admin.mark_formatted(logs)
+    admin.check_formatted(logs)
+    with pytest.raises(ServiceError, match="another admin password"):
+        BrokerAdmin("admin", "second-password").check_formatted(logs)
+    with pytest.raises(ServiceError, match="with admin 'admin'"):
+        BrokerAdmin("root", "first-password").check_formatted(logs)
+    assert "first-password" not in (logs / "laneway-sasl-admin").read_text()
+
+
+def test_batch_topics_name_their_team_and_only_theirs() -> None:
+    topics = Topics("laneway")
+    pattern = re.compile(topics.batch_pattern())
+    assert topics.team_of_batch_topic("laneway.req.batch.team.payments") == "payments"
+    assert topics.team_of_batch_topic("laneway.req.batch") is None
+    assert topics.team_of_batch_topic("other.req.batch.team.payments") is None
+    assert topics.batch_results_for("laneway.req.batch.team.ads") == (
+        "laneway.results.batch.team.ads"
+    )
+    assert topics.batch_results_for("laneway.req.batch") == "laneway.results.batch"
+    for consumed in ("laneway.req.batch", "laneway.req.batch.team.payments"):
+        assert pattern.match(consumed)
+    for other in ("laneway.req.batchx", "laneway.req.batch.team.", "laneway.results.batch"):
+        assert not pattern.match(other)
+    with pytest.raises(ConfigError, match=re.escape("tenant:a.b")):
+        Role.parse("tenant:a.b")  # a dot would make one team's topic prefix another's
