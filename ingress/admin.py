@@ -52,7 +52,7 @@ def is_admin(request: Request) -> bool:
     )
 
 
-def _authorise(request: Request) -> IngressState:
+def authorise(request: Request) -> IngressState:
     state: IngressState = request.app.state.laneway
     if not state.settings.admin_key.get_secret_value():
         raise NotFound("the admin API is disabled (set LANEWAY_ADMIN_KEY)")
@@ -63,7 +63,7 @@ def _authorise(request: Request) -> IngressState:
 
 @admin_router.put("/teams/{team}")
 async def put_team(team: str, request: Request) -> Response:
-    state = _authorise(request)
+    state = authorise(request)
     body = parse_body(TeamBody, await request.body())
     record = Team(
         team,
@@ -79,7 +79,7 @@ async def put_team(team: str, request: Request) -> Response:
 
 @admin_router.get("/teams/{team}")
 async def get_team_budget(team: str, request: Request) -> Response:
-    state = _authorise(request)
+    state = authorise(request)
     if not await state.redis.sismember(state.keys.teams(), team):
         raise NotFound(f"no team {team!r} (create it with PUT /admin/teams/{team})", param="team")
     record = await get_team(state.redis, state.keys, team)
@@ -89,7 +89,7 @@ async def get_team_budget(team: str, request: Request) -> Response:
 @admin_router.post("/keys")
 async def post_key(request: Request) -> Response:
     """A new key for a team: shown in this answer only (Redis keeps its hash)."""
-    state = _authorise(request)
+    state = authorise(request)
     body = parse_body(KeyBody, await request.body())
     key = await create_key(state.redis, state.keys, body.team)
     created = {"id": key_id(hash_key(key)), "team": body.team, "key": key}
@@ -99,7 +99,7 @@ async def post_key(request: Request) -> Response:
 @admin_router.get("/keys")
 async def get_keys(request: Request, team: str | None = None) -> Response:
     """The stored keys (of ``?team=``): ids, teams and creation times, never a key."""
-    state = _authorise(request)
+    state = authorise(request)
     records = await list_keys(state.redis, state.keys, team)
     return JSONResponse({"object": "list", "data": [r.public() for r in records]})
 
@@ -107,6 +107,6 @@ async def get_keys(request: Request, team: str | None = None) -> Response:
 @admin_router.delete("/keys/{key_or_id}")
 async def delete_key(key_or_id: str, request: Request) -> Response:
     """Revoke a key, named by its id (or by the key itself): every replica refuses it."""
-    state = _authorise(request)
+    state = authorise(request)
     record = await revoke_key(state.redis, state.producer, state.topics, state.keys, key_or_id)
     return JSONResponse({**record.public(), "revoked": True})

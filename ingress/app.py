@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ingress.admin import admin_router
+from ingress.admin_canary import canary_router
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
@@ -37,4 +38,5 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app.router.routes.extend(HOT_ROUTES)  # tried before the included routers
     app.include_router(router)
     app.include_router(admin_router)
+    app.include_router(canary_router)
     return app

@@ -138,10 +138,14 @@ async def _serve(request: Request, model: type[B]) -> Response:
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     clock = _Stages(state.clock)
     decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
+    route = decision.route
+    if decision.level == 0:  # a degraded model serves its fallbacks, not an experiment
+        canary = await state.canaries.route(body.model, env.team, env.session or env.id)
+        route = canary or route
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     update: dict[str, Any] = {}
-    if decision.route != env.route:
-        update["route"] = decision.route
+    if route != env.route:
+        update["route"] = route
     if admitted is not None and admitted.leased:
         update["quota_leased"] = admitted.leased
     if update:

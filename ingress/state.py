@@ -17,6 +17,7 @@ from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
 from ingress.breaker import BreakerGate
+from ingress.canary_gate import CanaryGate
 from ingress.cancels import CancelOutbox
 from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
@@ -66,6 +67,7 @@ class IngressState:
         self.admission = Admission(settings, self.producer, self.clock)
         self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
+        self.canaries = CanaryGate(self.redis, self.keys)
         self.prober = Prober(self)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.batch import BatchClient, output_line
+from laneway.canary_cli import add_canary_commands
 from laneway.clients import kafka_auth, make_producer, make_redis
 from laneway.devstack import create_topics
 from laneway.drills import add_drill_commands
@@ -300,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     add_usage_commands(sub)
     add_report_commands(sub)
     add_drill_commands(sub)
+    add_canary_commands(sub)
     add_principal_commands(sub)
     return parser
 

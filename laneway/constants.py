@@ -212,6 +212,14 @@ class RedisKeys:
         """Tokens settled by a team's pool in one hour (epoch hour)."""
         return f"{self.prefix}:quota:used:{team}:{pool}:{hour}"
 
+    def canary(self, model: str) -> str:
+        """A model's canary (``laneway.canary.CanaryState`` as JSON)."""
+        return f"{self.prefix}:canary:{model}"
+
+    def canaries(self) -> str:
+        """The set of models that have a canary record."""
+        return f"{self.prefix}:canaries"
+
     def breaker(self, route: str, team: str | None = None) -> str:
         """Breaker state of a model route (or of one team on it): JSON with ``level``."""
         if team is None:

@@ -19,6 +19,7 @@ __all__ = [
     "BodyTooLarge",
     "Cancelled",
     "ConfigError",
+    "Conflict",
     "Dropped",
     "EngineError",
     "EngineRejected",
@@ -95,6 +96,13 @@ class ModelNotFound(BadRequest):
 class NotFound(BadRequest):
     status_code = 404
     code = "not_found"
+
+
+class Conflict(BadRequest):
+    """The request contradicts what is already there (a canary already running)."""
+
+    status_code = 409
+    code = "conflict"
 
 
 class Unauthorized(LanewayError):

@@ -351,6 +351,11 @@ class WorkerSettings(CommonSettings):
     )
     sim_block_tokens: int = Field(16, gt=0, description="sim: tokens per KV block")
     sim_failure_rate: float = Field(0.0, ge=0, le=1, description="sim: injected error share")
+    sim_route_failure_rates: dict[str, float] = Field(
+        default_factory=dict,
+        description="sim: injected error share of single routes, instead of the above (JSON "
+        '{route: share}; a faulty canary: {"laneway-code-v2": 0.2})',
+    )
     sim_seed: int = Field(0, description="sim: seed of injected failures")
     vllm_model: str = Field(
         "", description="engine=vllm: model directory or hub id (required by that engine)"

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from laneway.clients import kafka_auth, make_redis
 from laneway.errors import LanewayError
 from streams.announce import Announcer
+from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
 from streams.oncall import OnCallWebhook
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # How often request ids past the de-duplication window are forgotten.
 _FORGET_IDS_S = 60.0
+_CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 
 register()
 
@@ -93,6 +95,7 @@ class StreamsApp:
             self.webhook,
             cooldown_s=settings.breaker_cooldown_s,
         )
+        self.canary = CanaryWatch(settings, self.redis, settings.keys, self._send, self.webhook)
         self.processor = UsageProcessor(
             settings,
             rollups=app.Table("rollups", key_type=str, partitions=partitions),
@@ -105,6 +108,7 @@ class StreamsApp:
             redis=self.redis,
             keys=settings.keys,
             send=self._send,
+            canary=self.canary,
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
@@ -114,6 +118,7 @@ class StreamsApp:
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
         )
         self._timer(_FORGET_IDS_S, "usage-ids", self.processor.forget_ids)
+        self._timer(_CANARY_EVAL_S, "canaries", self.canary.evaluate)
         self._levels_restored = False
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["EVENTS", "QUOTA_FACTOR"]
+__all__ = ["CANARY_WEIGHT", "EVENTS", "QUOTA_FACTOR"]
 
 EVENTS = Counter(
     "laneway_streams_events_total", "Usage records read by the streams app", ["result"]
 )
 QUOTA_FACTOR = Gauge("laneway_quota_factor", "Dynamic quota factor of a team", ["team"])
+CANARY_WEIGHT = Gauge(
+    "laneway_canary_weight", "Share (%) of a model's sticky keys sent to its canary", ["model"]
+)

@@ -1,4 +1,5 @@
-"""The on-call webhook: one POST per breaker transition into level 2 or above."""
+"""The on-call webhook: one POST per breaker transition into level 2 or above, and per canary
+rolled back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 
 import httpx
 
-from streams.records import BreakerTransition
+from streams.records import BreakerTransition, CanaryChange
 
 __all__ = ["OnCallWebhook"]
 
@@ -30,7 +31,7 @@ class OnCallWebhook:
         self._pending: set[asyncio.Task[None]] = set()
         self.sent = 0
 
-    def notify(self, transition: BreakerTransition) -> None:
+    def notify(self, transition: BreakerTransition | CanaryChange) -> None:
         if not self.url:
             return
         if self._client is None:
@@ -39,13 +40,10 @@ class OnCallWebhook:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _post(self, client: httpx.AsyncClient, transition: BreakerTransition) -> None:
-        who = transition.route + (f" (team {transition.team})" if transition.team else "")
-        body = {
-            "text": f"laneway breaker: {who} at level {transition.level} "
-            f"(error rate {transition.rate:.1%} over {transition.requests} requests)",
-            **transition.model_dump(mode="json", by_alias=True),
-        }
+    async def _post(
+        self, client: httpx.AsyncClient, transition: BreakerTransition | CanaryChange
+    ) -> None:
+        body = {"text": transition.summary(), **transition.model_dump(mode="json", by_alias=True)}
         for attempt in range(1, _ATTEMPTS + 1):
             try:
                 response = await client.post(self.url, json=body)

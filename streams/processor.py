@@ -33,6 +33,7 @@ from streams.breaker import (
     route_counts,
     window_counts,
 )
+from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
@@ -89,6 +90,7 @@ class UsageProcessor:
         keys: RedisKeys,
         send: SendRecord,
         ids: UsageIds | None = None,
+        canary: CanaryWatch | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -101,6 +103,7 @@ class UsageProcessor:
         self.keys = keys
         self.send = send
         self.ids = ids
+        self.canary = canary
         self.clock = clock
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
@@ -138,6 +141,8 @@ class UsageProcessor:
         self._fold_rollup(event, partition, offset, now)
         if event.status in _COUNTED_STATUSES:
             self._fold_outcome(event, partition, offset, now)
+        if self.canary is not None:
+            self.canary.fold(event)
 
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)

@@ -74,6 +74,44 @@ class BreakerTransition(_Record):
     since: float
     ts: float = Field(default_factory=time.time)
 
+    def summary(self) -> str:
+        who = self.route + (f" (team {self.team})" if self.team else "")
+        return (
+            f"laneway breaker: {who} at level {self.level} "
+            f"(error rate {self.rate:.1%} over {self.requests} requests)"
+        )
+
+
+class RouteStats(_Record):
+    """One route's traffic in a canary step: requests, errors and P99 of the successful."""
+
+    requests: int
+    errors: int
+    error_rate: float
+    p99_ms: float | None = None
+
+
+class CanaryChange(_Record):
+    """A canary that moved (next step, promoted, rolled back) on ``laneway.control``."""
+
+    v: Literal[1] = 1
+    kind: Literal["canary"] = "canary"
+    subject: str
+    model: str
+    target: str
+    status: str
+    weight: float
+    previous_weight: float
+    reason: str = ""
+    canary: RouteStats | None = None
+    stable: RouteStats | None = None
+    ts: float = Field(default_factory=time.time)
+
+    def summary(self) -> str:
+        if self.status == "rolled_back":
+            return f"laneway canary: {self.model} → {self.target} rolled back ({self.reason})"
+        return f"laneway canary: {self.model} → {self.target} at {self.weight:g} % ({self.status})"
+
 
 class QuotaFactorUpdate(_Record):
     """A team's new dynamic quota factor on ``laneway.control``, keyed by ``subject``."""

@@ -77,6 +77,22 @@ class StreamsSettings(CommonSettings):
         1.0, gt=0, description="rollups: how often closed hours are published"
     )
 
+    canary_window_s: float = Field(
+        60.0, gt=0, description="canary: each step is judged on its traffic over this long"
+    )
+    canary_min_requests: int = Field(
+        50, gt=0, description="canary: fewest canary requests in a step before it is judged"
+    )
+    canary_max_error_ratio: float = Field(
+        1.5, ge=1, description="canary: its error rate may be this many times the stable route's"
+    )
+    canary_error_slack: float = Field(
+        0.01, ge=0, le=1, description="canary: ...or this much above it (a stable rate near 0)"
+    )
+    canary_max_p99_ratio: float = Field(
+        1.5, ge=1, description="canary: its P99 latency may be this many times the stable route's"
+    )
+
     @model_validator(mode="after")
     def _check_thresholds(self) -> Self:
         enter, leave = self.breaker_enter, self.breaker_exit

@@ -45,6 +45,7 @@ def sim_profile(settings: WorkerSettings) -> SimProfile:
         kv_tokens=settings.sim_kv_tokens,
         block_tokens=settings.sim_block_tokens,
         failure_rate=settings.sim_failure_rate,
+        route_failure_rates=dict(settings.sim_route_failure_rates),
         seed=settings.sim_seed,
     )
 

@@ -19,8 +19,8 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 
 from laneway.errors import Aborted, EngineError
 from laneway.tokens import CHARS_PER_TOKEN
@@ -61,6 +61,7 @@ class SimProfile:
     kv_tokens: int = 0  # KV memory of running sequences, in tokens (0: not modelled)
     block_tokens: int = 16
     failure_rate: float = 0.0
+    route_failure_rates: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0
 
 
@@ -191,10 +192,9 @@ class SimEngine:
         prefill_ms = (len(tokens) - cached) * profile.prefill_ms_per_token
         await self._sleep_ms(prefill_ms)
         engine_ms = prefill_ms
-        if profile.failure_rate and self._rng.random() < profile.failure_rate:
-            raise EngineError(
-                f"sim: injected failure (LANEWAY_SIM_FAILURE_RATE={profile.failure_rate})"
-            )
+        failure_rate = profile.route_failure_rates.get(request.route, profile.failure_rate)
+        if failure_rate and self._rng.random() < failure_rate:
+            raise EngineError(f"sim: injected failure ({failure_rate:.0%} of {request.route})")
         words = self._completion_words(request)
         held = len(tokens)
         self._kv_used += held

@@ -1,0 +1,157 @@
+"""Canary routes on the real stack: the ingress sends sticky sessions to the canary at its
+weight, the streams app walks a healthy canary to 100 % and rolls a faulty one back with an
+event on ``laneway.control`` and one on-call webhook."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from laneway.canary import CanaryState, bucket, get_canary, put_canary
+from laneway.constants import RedisKeys
+from tests.stack import LiveStack, wait_for
+from tests.test_breaker_levels import Webhook
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event, wait_until
+
+ADMIN = "ops-secret"
+
+
+async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.start_worker("completion")
+    key = await stack.api_key("team-a")
+    admin = stack.http(ingress, ADMIN)
+    http = stack.http(ingress, key)
+
+    bad = await admin.put("/admin/canary/laneway-code", json={"target": "v2", "steps": [5, 1]})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "steps"
+    started = await admin.put(
+        "/admin/canary/laneway-code", json={"target": "laneway-code-v2", "steps": [50, 100]}
+    )
+    assert started.status_code == 201, started.text
+    assert started.json()["weight"] == 50
+    again = await admin.put("/admin/canary/laneway-code", json={"target": "laneway-code-v3"})
+    assert again.status_code == 409
+
+    sessions = [f"src/mod{i}.py" for i in range(12)]
+    ids: dict[str, str] = {}
+    for rnd in range(3):
+        for session in sessions:
+            response = await http.post(
+                "/v1/completions",
+                json={"model": "laneway-code", "prompt": f"def f{rnd}():", "max_tokens": 4},
+                headers={"X-Laneway-Session": session, "X-Laneway-Seq": str(rnd + 1)},
+            )
+            assert response.status_code == 200, response.text
+            ids[response.json()["id"]] = session
+    events = await stack.read_topic(
+        stack.topics.usage, count=len(ids), where=lambda e: e["id"] in ids
+    )
+    routes: dict[str, set[str]] = defaultdict(set)
+    for event in events:
+        assert event["model"] == "laneway-code"
+        routes[ids[event["id"]]].add(event["route"])
+    for session in sessions:
+        want = "laneway-code-v2" if bucket("team-a", session) < 50 else "laneway-code"
+        assert routes[session] == {want}, session  # every request of a session, one route
+    assert {r for rs in routes.values() for r in rs} == {"laneway-code", "laneway-code-v2"}
+
+    aborted = await admin.post("/admin/canary/laneway-code/abort")
+    assert (aborted.status_code, aborted.json()["status"]) == (200, "aborted")
+    on_canary = next(s for s in sessions if bucket("team-a", s) < 50)
+
+    async def back_on_stable() -> bool:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "laneway-code", "prompt": "def g():", "max_tokens": 4},
+            headers={"X-Laneway-Session": on_canary},
+        )
+        rid = response.json()["id"]
+        [event] = await stack.read_topic(
+            stack.topics.usage, count=1, where=lambda e: e["id"] == rid
+        )
+        return bool(event["route"] == "laneway-code")
+
+    await wait_until(back_on_stable, 10, "the aborted canary's sessions back on the stable route")
+    listed = (await admin.get("/admin/canary")).json()["data"]
+    assert [(c["model"], c["status"], c["weight"]) for c in listed] == [
+        ("laneway-code", "aborted", 0)
+    ]
+
+
+async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    keys = RedisKeys(stack.prefix)
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(5, 50, 100))
+    )
+    await put_canary(stack.redis, keys, CanaryState(model="chat", target="chat-v2", steps=(5, 100)))
+    webhook = Webhook()
+    url = await webhook.start()
+    streams = StreamsProcess(
+        stack,
+        tmp_path,
+        canary_window_s=1.0,
+        canary_min_requests=20,
+        breaker_webhook_url=url,
+    )
+    await streams.start()
+    producer = await stack.producer()
+    sent = 0
+
+    async def traffic() -> None:
+        nonlocal sent
+        while True:
+            events = []
+            for i in range(30):
+                events += [
+                    usage_event(model="code", route="code"),
+                    usage_event(model="code", route="code-v2"),
+                    usage_event(model="chat", route="chat"),
+                    # the faulty canary: one request in five fails
+                    usage_event(model="chat", route="chat-v2", status="ok" if i % 5 else "error"),
+                ]
+            await produce_usage(producer, stack.topics.usage, events)
+            sent += len(events)
+            await asyncio.sleep(0.2)
+
+    def pages() -> list[dict[str, Any]]:
+        # (The faulty route's own breaker pages on-call too; the canary's page is its own.)
+        return [b for b in webhook.bodies if b.get("kind") == "canary"]
+
+    feeding = asyncio.create_task(traffic())
+    try:
+
+        async def settled() -> tuple[CanaryState, CanaryState] | None:
+            code = await get_canary(stack.redis, keys, "code")
+            chat = await get_canary(stack.redis, keys, "chat")
+            assert code is not None
+            assert chat is not None
+            done = code.status != "running" and chat.status != "running"
+            return (code, chat) if done else None
+
+        code, chat = await wait_until(settled, 60, "both canaries judged to the end")
+        await wait_for(lambda: bool(pages()), 10, "the on-call webhook")
+    finally:
+        feeding.cancel()
+        assert await streams.stop() == 0, streams.log()
+        await webhook.stop()
+    assert code.status == "promoted", code
+    assert chat.status == "rolled_back", chat
+    assert "error rate" in chat.reason
+
+    changes = await stack.read_all(stack.topics.control, where=lambda r: r["kind"] == "canary")
+    steps: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for change in changes:
+        steps[change["model"]].append((change["status"], change["weight"]))
+    assert steps["code"] == [("running", 50), ("promoted", 100)]
+    assert steps["chat"] == [("rolled_back", 0)]  # at its first step: within one window
+    rollback: dict[str, Any] = next(c for c in changes if c["model"] == "chat")
+    assert rollback["canary"]["error_rate"] > rollback["stable"]["error_rate"]
+    assert [(b["model"], b["status"]) for b in pages()] == [("chat", "rolled_back")]
+    assert "rolled back" in pages()[0]["text"]
+    assert sent > 0
