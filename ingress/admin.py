@@ -9,6 +9,7 @@ is off (404). It is for operators inside the network: the public proxy does not 
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +22,17 @@ from laneway.errors import NotFound, Unauthorized
 from laneway.openai_api import parse_body
 from quota import Team, get_team, set_team
 
-__all__ = ["admin_router", "is_admin"]
+__all__ = [
+    "KeyBody",
+    "TeamBody",
+    "admin_router",
+    "create_team_key",
+    "is_admin",
+    "revoke_team_key",
+    "save_team",
+    "team_budget",
+    "team_keys",
+]
 
 admin_router = APIRouter(prefix="/admin")
 
@@ -61,10 +72,11 @@ def authorise(request: Request) -> IngressState:
     return state
 
 
-@admin_router.put("/teams/{team}")
-async def put_team(team: str, request: Request) -> Response:
-    state = authorise(request)
-    body = parse_body(TeamBody, await request.body())
+# The operations behind the routes; the web console (ingress/console/) calls the same ones.
+
+
+async def save_team(state: IngressState, team: str, body: TeamBody) -> dict[str, object]:
+    """Write a team's whole record; returns its budget snapshot."""
     record = Team(
         team,
         size=body.size,
@@ -74,16 +86,44 @@ async def put_team(team: str, request: Request) -> Response:
         type_through=body.type_through,
     )
     await set_team(state.redis, state.keys, record)
-    return JSONResponse(await state.quota.enforcer.snapshot(record))
+    return await state.quota.enforcer.snapshot(record)
+
+
+async def team_budget(state: IngressState, team: str) -> dict[str, object]:
+    """A known team's record with its budget, remaining, usage and factor; ``NotFound``."""
+    if not await state.redis.sismember(state.keys.teams(), team):
+        raise NotFound(f"no team {team!r} (create it with PUT /admin/teams/{team})", param="team")
+    record = await get_team(state.redis, state.keys, team)
+    return await state.quota.enforcer.snapshot(record)
+
+
+async def create_team_key(state: IngressState, team: str) -> dict[str, str]:
+    """A new key for a team: the answer is the only place it is ever shown."""
+    key = await create_key(state.redis, state.keys, team)
+    return {"id": key_id(hash_key(key)), "team": team, "key": key}
+
+
+async def team_keys(state: IngressState, team: str | None) -> list[dict[str, Any]]:
+    """Ids, teams and creation times of the stored keys (of ``team``), never a key."""
+    return [r.public() for r in await list_keys(state.redis, state.keys, team)]
+
+
+async def revoke_team_key(state: IngressState, key_or_id: str) -> dict[str, Any]:
+    """Revoke a key by its id (or the key itself): every replica refuses it."""
+    record = await revoke_key(state.redis, state.producer, state.topics, state.keys, key_or_id)
+    return {**record.public(), "revoked": True}
+
+
+@admin_router.put("/teams/{team}")
+async def put_team(team: str, request: Request) -> Response:
+    state = authorise(request)
+    body = parse_body(TeamBody, await request.body())
+    return JSONResponse(await save_team(state, team, body))
 
 
 @admin_router.get("/teams/{team}")
 async def get_team_budget(team: str, request: Request) -> Response:
-    state = authorise(request)
-    if not await state.redis.sismember(state.keys.teams(), team):
-        raise NotFound(f"no team {team!r} (create it with PUT /admin/teams/{team})", param="team")
-    record = await get_team(state.redis, state.keys, team)
-    return JSONResponse(await state.quota.enforcer.snapshot(record))
+    return JSONResponse(await team_budget(authorise(request), team))
 
 
 @admin_router.post("/keys")
@@ -91,22 +131,17 @@ async def post_key(request: Request) -> Response:
     """A new key for a team: shown in this answer only (Redis keeps its hash)."""
     state = authorise(request)
     body = parse_body(KeyBody, await request.body())
-    key = await create_key(state.redis, state.keys, body.team)
-    created = {"id": key_id(hash_key(key)), "team": body.team, "key": key}
-    return JSONResponse(created, status_code=201)
+    return JSONResponse(await create_team_key(state, body.team), status_code=201)
 
 
 @admin_router.get("/keys")
 async def get_keys(request: Request, team: str | None = None) -> Response:
     """The stored keys (of ``?team=``): ids, teams and creation times, never a key."""
-    state = authorise(request)
-    records = await list_keys(state.redis, state.keys, team)
-    return JSONResponse({"object": "list", "data": [r.public() for r in records]})
+    records = await team_keys(authorise(request), team)
+    return JSONResponse({"object": "list", "data": records})
 
 
 @admin_router.delete("/keys/{key_or_id}")
 async def delete_key(key_or_id: str, request: Request) -> Response:
     """Revoke a key, named by its id (or by the key itself): every replica refuses it."""
-    state = authorise(request)
-    record = await revoke_key(state.redis, state.producer, state.topics, state.keys, key_or_id)
-    return JSONResponse({**record.public(), "revoked": True})
+    return JSONResponse(await revoke_team_key(authorise(request), key_or_id))

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ingress.admin import admin_router
 from ingress.admin_canary import canary_router
+from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
@@ -27,9 +28,14 @@ def create_app(settings: IngressSettings) -> FastAPI:
         state = IngressState(settings)
         await state.start()
         app.state.laneway = state
+        # The console (on with the admin key) follows its Kafka feed from its first page on.
+        console = Console(settings) if settings.admin_key.get_secret_value() else None
+        app.state.console = console
         try:
             yield
         finally:
+            if console is not None:
+                await console.stop()
             await state.stop()
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
@@ -39,4 +45,5 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app.include_router(router)
     app.include_router(admin_router)
     app.include_router(canary_router)
+    install_console(app)
     return app

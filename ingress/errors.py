@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 def error_response(exc: LanewayError) -> Response:
     """The one map from laneway errors to status, headers and body: what the error carries."""
     ERRORS.labels(exc.kind).inc()
+    headers = exc.headers()
+    if exc.request_id is not None:
+        headers["x-laneway-request-id"] = exc.request_id
     return JSONResponse(
         error_body(str(exc), type_=exc.error_type, code=exc.code, param=exc.param),
         status_code=exc.status_code,
-        headers=exc.headers(),
+        headers=headers,
     )
 
 

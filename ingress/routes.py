@@ -137,11 +137,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     clock = _Stages(state.clock)
-    decision = await state.breaker.route_for(caller.team.name, body.model)  # level 3: 503
-    route = decision.route
-    if decision.level == 0:  # a degraded model serves its fallbacks, not an experiment
-        canary = await state.canaries.route(body.model, env.team, env.session or env.id)
-        route = canary or route
+    route = await _route(state, env, body.model)
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     update: dict[str, Any] = {}
     if route != env.route:
@@ -177,13 +173,24 @@ async def _serve(request: Request, model: type[B]) -> Response:
     except _ClientGone:
         state.client_gone(env)
         return Response(status_code=499)
-    except Expired:
-        state.cancels.add(env)
+    except LanewayError as exc:
+        if isinstance(exc, Expired):
+            state.cancels.add(env)
+        exc.request_id = env.id  # the error response names the request, as a success does
         raise
     finally:
         if not handed_over:
             disconnect.cancel()
             state.replies.close(env.id)
+
+
+async def _route(state: IngressState, env: RequestEnvelope, model: str) -> str:
+    """The breaker's route for ``model`` (level 3: 503), or its canary's for this session."""
+    decision = await state.breaker.route_for(env.team, model)
+    if decision.level > 0:  # a degraded model serves its fallbacks, not an experiment
+        return decision.route
+    canary = await state.canaries.route(model, env.team, env.session or env.id)
+    return canary or decision.route
 
 
 async def _store(

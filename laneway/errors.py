@@ -48,6 +48,7 @@ class LanewayError(Exception):
     code: str | None = None
     kind: str = "other"
     param: str | None = None
+    request_id: str | None = None  # set once the request has an id: the response names it
 
     def headers(self) -> dict[str, str]:
         """Response headers that go with this error (``Retry-After`` and the like)."""

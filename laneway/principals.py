@@ -104,8 +104,10 @@ def acl_rules(
         files = f"{topics.prefix}.files"
         rules += topic([*interactive, topics.request("batch"), topics.cancel], writes)
         rules += topic([topics.control, topics.keys, files], writes)
-        # Reply chunks while Redis is away, revocations, batch results (probe and Batches API).
+        # Reply chunks while Redis is away, revocations, batch results (probe and Batches API),
+        # and what the operator's console shows (rollups, breaker and probe records).
         rules += topic([topics.replies, topics.keys, topics.results_batch, files], reads)
+        rules += topic([topics.usage_hourly, topics.control], reads)
     elif role.kind == "worker":
         pool: RequestClass = role.arg  # type: ignore[assignment]
         group = topics.consumer_group(pool)

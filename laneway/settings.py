@@ -187,6 +187,12 @@ class IngressSettings(CommonSettings):
     admin_key: SecretStr = Field(
         SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
     )
+    console_session_s: float = Field(
+        8 * 3600.0,
+        gt=0,
+        le=7 * 86400,
+        description="web console (/console, on with the admin key): a login lasts this long",
+    )
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")

@@ -25,6 +25,9 @@ if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; 
 fi
 # promtool checks the alert rules in compose/ (Debian's prometheus package ships it).
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+# The console's browser tests drive Debian's headless Chromium through its chromedriver.
+command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || apt_packages+=(chromium-driver)
 if [ ${#apt_packages[@]} -gt 0 ]; then
     say "installing ${apt_packages[*]} (apt-get)"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 
-from aiokafka.errors import KafkaError
+from aiokafka.admin import NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from laneway.clients import make_admin
 from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
 from laneway.metrics import serve_metrics
 from laneway.settings import load_settings
-from streams.app import StreamsApp
+from streams.app import TABLES, StreamsApp
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("streams")
@@ -39,8 +41,43 @@ async def usage_partitions(settings: StreamsSettings) -> int:
     return len(partitions)
 
 
+async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
+    """Create the tables' changelog topics before Faust starts, and wait until the broker
+    lists them with their partitions. Left to Faust, a first start on a new cluster races:
+    the first event's table write finds no changelog in the metadata yet and the agent
+    crashes (PartitionsMismatch) on it."""
+    names = [f"{settings.app_id}-{table}-changelog" for table in TABLES]
+    admin = make_admin(settings)
+    try:
+        await admin.start()
+        new = [
+            NewTopic(
+                name,
+                num_partitions=partitions,
+                replication_factor=settings.streams_replication_factor,
+                topic_configs={"cleanup.policy": "compact"},
+            )
+            for name in names
+        ]
+        with contextlib.suppress(TopicAlreadyExistsError):
+            await admin.create_topics(new)
+        for _ in range(100):
+            described = await admin.describe_topics(names)
+            if all(not t["error_code"] and len(t["partitions"]) == partitions for t in described):
+                return
+            await asyncio.sleep(0.1)
+    except KafkaError as exc:
+        raise ServiceError(
+            f"changelog topics not created on {settings.kafka_bootstrap}: {exc}"
+        ) from exc
+    finally:
+        await admin.close()
+    raise ServiceError(f"changelog topics {names} not listed with {partitions} partitions")
+
+
 async def serve(settings: StreamsSettings) -> None:
     partitions = settings.streams_partitions or await usage_partitions(settings)
+    await ensure_changelogs(settings, partitions)
     streams = StreamsApp(settings, partitions=partitions)
     serve_metrics(settings.metrics_port)
     stop = asyncio.Event()

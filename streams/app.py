@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # How often request ids past the de-duplication window are forgotten.
 _FORGET_IDS_S = 60.0
+# The app's tables; each has a changelog topic "<app id>-<name>-changelog".
+TABLES = ("rollups", "outcomes", "usage_ids")
 _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 
 register()
@@ -98,10 +100,10 @@ class StreamsApp:
         self.canary = CanaryWatch(settings, self.redis, settings.keys, self._send, self.webhook)
         self.processor = UsageProcessor(
             settings,
-            rollups=app.Table("rollups", key_type=str, partitions=partitions),
-            outcomes=app.Table("outcomes", key_type=str, partitions=partitions),
+            rollups=app.Table(TABLES[0], key_type=str, partitions=partitions),
+            outcomes=app.Table(TABLES[1], key_type=str, partitions=partitions),
             ids=UsageIds(
-                app.Table("usage_ids", key_type=str, partitions=partitions),
+                app.Table(TABLES[2], key_type=str, partitions=partitions),
                 settings.usage_dedupe_s,
             ),
             announcer=self.announcer,

@@ -112,6 +112,7 @@ class UsageProcessor:
         # Rollups with events not yet published; rebuilt from the table on the first flush.
         self._pending: set[str] = set()
         self._indexed = False
+        self._provisional_at: dict[str, float] = {}  # rollup key → its last provisional record
         self._stream_clock: dict[int, float] = {}  # partition → newest event time seen
         self._last_event: dict[int, float] = {}  # partition → wall time of its last event
         self._started = clock()
@@ -224,9 +225,17 @@ class UsageProcessor:
                     await self.announcer.store_level(subject, state)
         return transitions
 
+    @staticmethod
+    def _closed(value: dict[str, Any]) -> bool:
+        """Whether the hour's final record went out (values written before provisional
+        rollups existed say so by having published every event)."""
+        return bool(value.get("closed", value["rev"] > 0 and value["emitted"] >= value["rev"]))
+
     def _due(self, value: dict[str, Any], now: float) -> bool:
         """An hour is published once its partition's events passed its end plus the grace,
         or once that partition has been idle and the wall clock passed it."""
+        if self._closed(value):
+            return True  # a late event: its hour goes out again, final
         partition = int(value["p"])
         closes = (int(value["hour"]) + 1) * HOUR_S + self.settings.rollup_grace_s
         if self._stream_clock.get(partition, 0.0) >= closes:
@@ -234,23 +243,36 @@ class UsageProcessor:
         idle_since = self._last_event.get(partition, self._started)
         return now >= closes and now - idle_since >= self.settings.rollup_idle_s
 
+    def _provisional_due(self, key: str, value: dict[str, Any], now: float) -> bool:
+        """An open hour goes out every ``LANEWAY_ROLLUP_PROVISIONAL_S`` while it changes."""
+        every = self.settings.rollup_provisional_s
+        if every <= 0 or value["rev"] <= value["emitted"]:
+            return False
+        return now - self._provisional_at.get(key, float("-inf")) >= every
+
     async def publish_rollups(self) -> int:
-        """Publish the closed hours that have unpublished events; returns how many."""
+        """Publish the closed hours with unpublished events (final) and the open hours that
+        changed since their last provisional record; returns how many records went out."""
         now = self.clock()
         if not self._indexed:
             self._indexed = True
             self._pending.update(
-                key for key, value in self.rollups.items() if value["emitted"] < value["rev"]
+                key
+                for key, value in self.rollups.items()
+                if value["emitted"] < value["rev"] or not self._closed(value)
             )
         due: list[tuple[str, HourlyRollup]] = []
         for key in sorted(self._pending):
             value = self.rollups.data.get(key)
             if value is None:
                 self._pending.discard(key)
+                self._provisional_at.pop(key, None)
             elif self._due(value, now):
-                due.append((key, to_record(value, now=now)))
+                due.append((key, to_record(value, now=now, final=True)))
+            elif self._provisional_due(key, value, now):
+                due.append((key, to_record(value, now=now, final=False)))
         # The agent keeps folding while the records are on their way, so each hour is marked
-        # with the revision its record carries, not the table's, and stays pending if it grew.
+        # with the events its record carries, not the table's, and stays pending if it grew.
         # Marked only once delivered: a crash in between publishes the hour again, never loses it.
         await asyncio.gather(
             *(self.send(self.hourly_topic, r.team.encode(), r.to_json()) for _, r in due)
@@ -259,10 +281,14 @@ class UsageProcessor:
             value = self.rollups.data.get(key)
             if value is None:
                 continue
-            value["emitted"] = max(value["emitted"], record.revision)
+            value["emitted"] = max(value["emitted"], record.requests)
+            value["closed"] = record.final  # a provisional record goes out for open hours only
+            if not record.final:
+                self._provisional_at[key] = now
             put_outside_stream(self.rollups, key, value, int(value["p"]))
-            if value["emitted"] >= value["rev"]:
+            if self._closed(value) and value["emitted"] >= value["rev"]:
                 self._pending.discard(key)
+                self._provisional_at.pop(key, None)
         published = len(due)
         oldest = hour_of(now) - RETENTION_HOURS
         for key, value in list(self.rollups.items()):

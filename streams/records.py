@@ -33,8 +33,9 @@ class LatencySummary(_Record):
 class HourlyRollup(_Record):
     """One (team, class, model, hour) on ``laneway.usage.hourly``, keyed by team.
 
-    ``revision`` counts the events folded in: of two records for the same key, the one with
-    the higher revision is the more complete.
+    ``revision`` counts the events folded in, plus one once the hour has closed: of two
+    records for the same key, the one with the higher revision is the more complete.
+    ``final`` is false while the hour is still open (a provisional record).
     """
 
     v: Literal[1] = 1
@@ -56,6 +57,8 @@ class HourlyRollup(_Record):
     latency_ms: LatencySummary
     cost: float
     revision: int
+    # Records written before provisional rollups existed were all final.
+    final: bool = True
     ts: float = Field(default_factory=time.time)
 
 

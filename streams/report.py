@@ -45,15 +45,22 @@ def parse_duration(text: str) -> float:
 
 
 async def cost_report(
-    settings: CommonSettings, since_s: float, *, team: str | None = None, now: float | None = None
+    settings: CommonSettings,
+    since_s: float,
+    *,
+    team: str | None = None,
+    now: float | None = None,
+    include_open: bool = False,
 ) -> list[CostRow]:
-    """Sum the latest revision of every hourly rollup that starts within ``since_s``."""
+    """Sum the latest revision of every hourly rollup that starts within ``since_s``: closed
+    hours only, unless ``include_open`` (then an open hour counts as its latest provisional
+    record has it)."""
     now = time.time() if now is None else now
     start = now - since_s
     latest = await _latest_rollups(settings, start, team)
     totals: dict[tuple[str, str, str], list[float]] = {}
     for (t, c, m, hour_start), rollup in latest.items():
-        if hour_start + 3600 <= start:
+        if hour_start + 3600 <= start or not (rollup.final or include_open):
             continue
         row = totals.setdefault((t, c, m), [0, 0, 0, 0, 0.0])
         row[0] += rollup.requests
@@ -138,7 +145,11 @@ def render(rows: list[CostRow], fmt: str) -> str:
 
 def _cmd_cost(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
-    rows = asyncio.run(cost_report(settings, parse_duration(args.since), team=args.team))
+    rows = asyncio.run(
+        cost_report(
+            settings, parse_duration(args.since), team=args.team, include_open=args.include_open
+        )
+    )
     sys.stdout.write(render(rows, args.format))
     return 0
 
@@ -151,4 +162,9 @@ def add_report_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     cost.add_argument("--since", default="7d", help="window, e.g. 7d, 24h (default 7d)")
     cost.add_argument("--team", default=None)
     cost.add_argument("--format", choices=["table", "csv"], default="table")
+    cost.add_argument(
+        "--include-open",
+        action="store_true",
+        help="count hours still open too, as their latest provisional record has them",
+    )
     cost.set_defaults(func=_cmd_cost)

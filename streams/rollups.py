@@ -60,6 +60,7 @@ def new_rollup(team: str, cls: str, model: str, hour: int, partition: int) -> Ro
         "routes": {},
         "rev": 0,
         "emitted": 0,
+        "closed": False,
     }
 
 
@@ -101,7 +102,10 @@ def percentile(histogram: Mapping[str, int], q: float) -> float | None:
     return round(_bucket_upper_ms(max(int(b) for b in histogram)), 3)  # pragma: no cover
 
 
-def to_record(rollup: Rollup, *, now: float) -> HourlyRollup:
+def to_record(rollup: Rollup, *, now: float, final: bool = True) -> HourlyRollup:
+    """The rollup as published: ``final`` once its hour has closed (its revision then counts
+    one more than its events, so a final record outranks a provisional one of the same
+    events)."""
     statuses: dict[str, int] = rollup["statuses"]
     latency: dict[str, int] = rollup["latency"]
     start = int(rollup["hour"]) * HOUR_S
@@ -127,6 +131,7 @@ def to_record(rollup: Rollup, *, now: float) -> HourlyRollup:
             p999=percentile(latency, 0.999),
         ),
         cost=round(rollup["cost"], 6),
-        revision=rollup["rev"],
+        revision=rollup["rev"] + (1 if final else 0),
+        final=final,
         ts=now,
     )

@@ -76,6 +76,12 @@ class StreamsSettings(CommonSettings):
     rollup_flush_interval_s: float = Field(
         1.0, gt=0, description="rollups: how often closed hours are published"
     )
+    rollup_provisional_s: float = Field(
+        10.0,
+        ge=0,
+        description="rollups: the open hour of each team/class/model is published this often "
+        "while it changes, with final=false (0: only closed hours)",
+    )
 
     canary_window_s: float = Field(
         60.0, gt=0, description="canary: each step is judged on its traffic over this long"

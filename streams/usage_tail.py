@@ -1,5 +1,9 @@
 """``laneway usage tail``: follow ``laneway.usage`` or ``laneway.usage.hourly`` as a table or
-JSON lines, optionally for one team."""
+JSON lines, optionally for one team.
+
+On a terminal the hourly table is redrawn in place: one line per (team, class, model, hour),
+its latest revision, so the open hour's line moves as its provisional records arrive.
+Elsewhere (a pipe, a file) every record is a line of its own."""
 
 from __future__ import annotations
 
@@ -26,10 +30,19 @@ _USAGE_COLUMNS = (
 _HOURLY_COLUMNS = (
     ("hour", 20), ("team", 12), ("class", 10), ("model", 14), ("requests", 8), ("errors", 6),
     ("prompt_tokens", 9), ("completion_tokens", 9), ("p99_ms", 8), ("cost", 10),
+    ("state", 12),
 )  # fmt: skip
+# Home the cursor and clear the screen (ANSI; every terminal laneway runs in takes it).
+_CLEAR = "\x1b[H\x1b[2J"
+_MAX_DRAWN_ROWS = 200
+_KEY_FIELDS = ("hour", "team", "class", "model")
 
 
 def _cell(record: dict[str, Any], name: str) -> str:
+    if name == "state":
+        state = "final" if record.get("final", True) else "open"
+        revision = record.get("revision")
+        return f"{state} r{revision}" if isinstance(revision, int) else state
     if name == "ts":
         return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
     value = (record.get("latency_ms") or {}).get("p99") if name == "p99_ms" else record.get(name)
@@ -52,8 +65,16 @@ async def tail_usage(
     limit: int | None = None,
     out: TextIO = sys.stdout,
     stop: Callable[[], bool] = lambda: False,
+    redraw: bool | None = None,
 ) -> int:
-    """Print records until ``limit`` were shown or ``stop()``; returns how many were shown."""
+    """Print records until ``limit`` were shown or ``stop()``; returns how many were shown.
+    ``redraw``: hourly table redrawn in place (default: when ``out`` is a terminal)."""
+    if redraw is None:
+        redraw = out.isatty()
+    if hourly and output == "table" and redraw:
+        return await _tail_hourly_in_place(
+            settings, team=team, from_beginning=from_beginning, limit=limit, out=out, stop=stop
+        )
     topics = settings.topics
     topic = topics.usage_hourly if hourly else topics.usage
     columns = _HOURLY_COLUMNS if hourly else _USAGE_COLUMNS
@@ -85,14 +106,79 @@ async def tail_usage(
     return shown
 
 
-def _format(
-    raw: bytes | None, team: str | None, output: str, columns: tuple[tuple[str, int], ...]
-) -> str | None:
+async def _tail_hourly_in_place(
+    settings: CommonSettings,
+    *,
+    team: str | None,
+    from_beginning: bool,
+    limit: int | None,
+    out: TextIO,
+    stop: Callable[[], bool],
+) -> int:
+    """The hourly table, one line per key at its latest revision, redrawn as records come."""
+    consumer = AIOKafkaConsumer(
+        settings.topics.usage_hourly,
+        bootstrap_servers=settings.kafka_bootstrap,
+        enable_auto_commit=False,
+        **kafka_auth(settings),
+        auto_offset_reset="earliest" if from_beginning else "latest",
+    )
+    latest: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    shown = 0
+    await consumer.start()
+    try:
+        _draw(latest, out)
+        while not stop() and (limit is None or shown < limit):
+            batches = await consumer.getmany(timeout_ms=200)
+            changed = False
+            for message in (m for records in batches.values() for m in records):
+                record = _record(message.value, team)
+                if record is None:
+                    continue
+                hour, who, cls, model = (str(record.get(f)) for f in _KEY_FIELDS)
+                key = (hour, who, cls, model)
+                kept = latest.get(key)
+                if kept is None or _revision(record) >= _revision(kept):
+                    latest[key] = record
+                    changed = True
+                shown += 1
+                if limit is not None and shown >= limit:
+                    break
+            if changed:
+                _draw(latest, out)
+    finally:
+        await consumer.stop()
+    return shown
+
+
+def _revision(record: dict[str, Any]) -> int:
+    revision = record.get("revision")
+    return revision if isinstance(revision, int) else -1
+
+
+def _draw(latest: dict[tuple[str, str, str, str], dict[str, Any]], out: TextIO) -> None:
+    rows = [latest[key] for key in sorted(latest)][-_MAX_DRAWN_ROWS:]
+    lines = [_row(_HOURLY_COLUMNS, [name for name, _ in _HOURLY_COLUMNS])]
+    lines += [_row(_HOURLY_COLUMNS, [_cell(r, name) for name, _ in _HOURLY_COLUMNS]) for r in rows]
+    out.write(_CLEAR + "\n".join(lines) + "\n")
+    out.flush()
+
+
+def _record(raw: bytes | None, team: str | None) -> dict[str, Any] | None:
     try:
         record = orjson.loads(raw or b"")
     except orjson.JSONDecodeError:
         return None
     if not isinstance(record, dict) or (team is not None and record.get("team") != team):
+        return None
+    return record
+
+
+def _format(
+    raw: bytes | None, team: str | None, output: str, columns: tuple[tuple[str, int], ...]
+) -> str | None:
+    record = _record(raw, team)
+    if record is None:
         return None
     if output == "json":
         return orjson.dumps(record).decode()
@@ -121,7 +207,12 @@ def add_usage_commands(subparsers: argparse._SubParsersAction) -> None:  # type:
         dest="usage_command", required=True
     )
     tail = usage.add_parser("tail", help="follow laneway.usage (or --hourly rollups)")
-    tail.add_argument("--hourly", action="store_true", help="follow laneway.usage.hourly")
+    tail.add_argument(
+        "--hourly",
+        action="store_true",
+        help="follow laneway.usage.hourly (on a terminal: a table whose open hours update in "
+        "place)",
+    )
     tail.add_argument("--team", help="only this team's records")
     tail.add_argument("--output", "-o", choices=["table", "json"], default="table")
     tail.add_argument(

@@ -33,6 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"requests the HTTP fuzz suite generates (default {FUZZ_EXAMPLES})",
     )
     parser.addoption(
+        "--console-screenshot",
+        default=None,
+        help="tests/test_console_browser.py saves the console's overview here as a PNG "
+        "(the README's docs/img/console.png)",
+    )
+    parser.addoption(
         "--fuzz-seed",
         type=int,
         default=None,

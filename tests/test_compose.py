@@ -365,11 +365,12 @@ def test_proxy_balances_both_ingress_replicas_and_streams_sse() -> None:
 
 def test_the_public_proxy_passes_no_admin_route() -> None:
     conf = list(nginx_directives((COMPOSE / "nginx" / "nginx.conf").read_text()))
-    admin = [w for b, w in conf if b and b[-1] == "location ^~ /admin"]
-    assert admin == [["return", "404"]], "the proxy must answer /admin itself, never pass it"
-    # No other location may serve the admin paths (a regex location would win over "/").
-    others = [b[-1] for b, _ in conf if b and b[-1].startswith("location") and "admin" in b[-1]]
-    assert set(others) == {"location ^~ /admin"}
+    for path in ("/admin", "/console"):  # the admin API and its web console
+        refused = [w for b, w in conf if b and b[-1] == f"location ^~ {path}"]
+        assert refused == [["return", "404"]], f"the proxy must answer {path} itself"
+        # No other location may serve these paths (a regex location would win over "/").
+        others = [b[-1] for b, _ in conf if b and b[-1].startswith("location") and path in b[-1]]
+        assert set(others) == {f"location ^~ {path}"}
     assert not [b for b, _ in conf if b and b[-1].startswith("location ~")]
 
 

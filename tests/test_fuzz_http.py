@@ -18,7 +18,7 @@ import re
 import time
 from collections import Counter
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
@@ -148,6 +148,22 @@ valid_team_bodies = st.fixed_dictionaries(
 )
 key_bodies = st.fixed_dictionaries({}, optional={"team": texts, "surprise": json_values})
 valid_key_bodies = st.fixed_dictionaries({"team": st.text(min_size=1, max_size=50)})
+canary_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "target": texts,
+        "steps": st.lists(st.floats(allow_nan=True) | json_values, max_size=6) | json_values,
+        "surprise": json_values,
+    },
+)
+valid_canary_bodies = st.fixed_dictionaries(
+    {"target": st.text(min_size=1, max_size=50)},
+    optional={
+        "steps": st.lists(st.floats(0.5, 99), min_size=0, max_size=3).map(
+            lambda ws: [*sorted(set(ws)), 100.0]
+        )
+    },
+)
 raw_bodies = st.binary(max_size=300) | st.sampled_from(
     [
         b"",
@@ -160,6 +176,36 @@ raw_bodies = st.binary(max_size=300) | st.sampled_from(
         b"\xff\xfe{}",
         b"{" + b" " * (BODY_LIMIT + 10) + b"}",  # over the body limit
     ]
+)
+
+
+# The console's forms (urlencoded); "CSRF" stands for the session's token, filled in when sent.
+_CSRF = st.sampled_from(["CSRF", "", "x" * 43]) | st.text(max_size=50)
+
+
+def forms(fields: dict[str, st.SearchStrategy[str]]) -> st.SearchStrategy[bytes]:
+    """Forms with the console's fields (the token mostly right) or any bytes."""
+    shaped = st.fixed_dictionaries({"csrf": _CSRF}, optional=fields).map(
+        lambda f: urlencode(f).encode()
+    )
+    return st.one_of(shaped, shaped, shaped, raw_bodies)
+
+
+form_text = st.text(max_size=40) | st.sampled_from(["1", "0", "-1", "nan", "1e400", "9" * 5000])
+console_team_forms = forms(
+    {
+        "size": form_text,
+        "complexity": form_text,
+        "tier": st.sampled_from(["hi", "lo"]) | form_text,
+        "supersede_grace_tokens": form_text,
+    }
+)
+console_forms = forms({"name": st.text(max_size=210), "surprise": form_text})
+login_forms = st.one_of(
+    st.fixed_dictionaries({}, optional={"admin_key": st.just(ADMIN) | st.text(max_size=40)}).map(
+        lambda f: urlencode(f).encode()
+    ),
+    raw_bodies,
 )
 
 
@@ -198,6 +244,18 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("POST", "/admin/keys"): bodies(valid_key_bodies, key_bodies),
     ("GET", "/admin/keys"): NO_BODY,
     ("DELETE", "/admin/keys/{key_or_id}"): NO_BODY,
+    ("GET", "/admin/canary"): NO_BODY,
+    ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
+    ("POST", "/admin/canary/{model}/abort"): NO_BODY,
+    ("GET", "/console"): NO_BODY,
+    ("GET", "/console/static/{name}"): NO_BODY,
+    ("POST", "/console/login"): login_forms,
+    ("POST", "/console/logout"): console_forms,
+    ("POST", "/console/team"): console_forms,
+    ("GET", "/console/teams/{team}"): NO_BODY,
+    ("POST", "/console/teams/{team}"): console_team_forms,
+    ("POST", "/console/teams/{team}/keys"): console_forms,
+    ("POST", "/console/keys/{key_id}/revoke"): console_forms,
     ("GET", "/openapi.json"): NO_BODY,
     ("GET", "/docs"): NO_BODY,
     ("GET", "/docs/oauth2-redirect"): NO_BODY,
@@ -230,9 +288,14 @@ laneway_headers = st.fixed_dictionaries(
 
 
 class Caller:
-    """The keys a request may carry: drawn by name, resolved once the stack is up."""
+    """The keys a request may carry: drawn by name, resolved once the stack is up. The
+    console's session goes as a cookie, and its token into the forms."""
 
-    def __init__(self, team_key: str, revoked_key: str) -> None:
+    def __init__(
+        self, team_key: str, revoked_key: str, console_cookie: str = "", csrf: str = ""
+    ) -> None:
+        self.console_cookie = console_cookie
+        self.csrf = csrf
         self.by_name = {
             "team": f"Bearer {team_key}",
             "admin": f"Bearer {ADMIN}",
@@ -243,8 +306,9 @@ class Caller:
 
 def auth(route: tuple[str, str]) -> st.SearchStrategy[str]:
     """The key a request carries: mostly the right one for the route, else any other."""
-    right = "admin" if route[1].startswith("/admin") else "team"
-    names = [right] * 5 + ["team", "admin", "revoked", "unknown", "none"]
+    prefixes = {"/admin": "admin", "/console": "console"}
+    right = next((who for p, who in prefixes.items() if route[1].startswith(p)), "team")
+    names = [right] * 5 + ["team", "admin", "revoked", "unknown", "none", "console"]
     return st.sampled_from(names) | header_text.map(lambda t: "=" + t)
 
 
@@ -270,9 +334,16 @@ def test_every_route_is_fuzzed(stack: LiveStack) -> None:
         for path, operations in app.openapi()["paths"].items()
         for method in operations
     }
+    # ... and the routers' routes left out of the description (the web console's), from the
+    # routers themselves.
+    included = [
+        sub
+        for route in app.routes
+        for sub in getattr(getattr(route, "original_router", None), "routes", [route])
+    ]
     served |= {
         (method, str(getattr(route, "path", "")))
-        for route in app.routes
+        for route in included
         for method in set(getattr(route, "methods", None) or ()) - {"HEAD"}
     }
     assert served == set(ROUTES), "a route without a body strategy in ROUTES (or one gone)"
@@ -293,7 +364,18 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
     revoked = await stack.api_key("fuzz-team")
     admin = stack.http(ingress, ADMIN)
     assert (await admin.delete(f"/admin/keys/{key_id(hash_key(revoked))}")).status_code == 200
-    caller = Caller(await stack.api_key("fuzz-team", size=1000), revoked)
+    console = stack.http(ingress, follow_redirects=False)
+    assert (await console.post("/console/login", data={"admin_key": ADMIN})).status_code == 303
+    session = console.cookies["laneway_console"]
+    page = (await console.get("/console")).text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert csrf is not None
+    caller = Caller(
+        await stack.api_key("fuzz-team", size=1000),
+        revoked,
+        console_cookie=f"laneway_console={session}",
+        csrf=csrf.group(1),
+    )
     statuses: Counter[int] = Counter()
     hits: Counter[tuple[str, str]] = Counter()
     served: Counter[tuple[str, str]] = Counter()  # 2xx by route
@@ -327,6 +409,9 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
             headers = {k: v.encode("latin-1") for k, v in extra.items()}
             if who.startswith("="):
                 headers["authorization"] = who[1:].encode("latin-1")
+            elif who == "console":
+                headers["cookie"] = caller.console_cookie.encode()
+                body = body.replace(b"csrf=CSRF", b"csrf=" + caller.csrf.encode())
             elif who != "none":
                 headers["authorization"] = caller.by_name[who].encode()
             url = _url(template, param)

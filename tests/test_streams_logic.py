@@ -187,9 +187,63 @@ async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next(
     now[0] += 2
     assert await processor.publish_rollups() == 1
     assert await processor.publish_rollups() == 0
-    assert [(r["requests"], r["revision"]) for r in sent] == [(5, 5), (8, 8)]
+    # Both final (the hour had closed): a revision counts the events, plus one for the close.
+    assert [(r["requests"], r["revision"], r["final"]) for r in sent] == [
+        (5, 6, True),
+        (8, 9, True),
+    ]
     (rollup,) = rollups.values()
     assert rollup["emitted"] == rollup["rev"] == 8
+
+
+async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() -> None:
+    hour_start = (int(time.time()) // 3600 + 5) * 3600  # the processor's clock is set here
+    now = [float(hour_start + 100)]
+    sent: list[dict[str, Any]] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+
+    processor = UsageProcessor(
+        StreamsSettings(rollup_provisional_s=10, rollup_grace_s=30, rollup_idle_s=5),
+        rollups=_Table(),
+        outcomes=_Table(),
+        announcer=None,  # type: ignore[arg-type]
+        redis=None,  # type: ignore[arg-type]
+        keys=None,  # type: ignore[arg-type]
+        send=send,
+        clock=lambda: now[0],
+    )
+    offsets = iter(range(100))
+
+    def fold(count: int, ts: float) -> None:
+        for _ in range(count):
+            processor.handle(usage_event(ts=ts).to_json(), 0, next(offsets))
+
+    fold(3, now[0])
+    assert await processor.publish_rollups() == 1, "the first events go out at once"
+    assert await processor.publish_rollups() == 0, "nothing changed"
+    fold(2, now[0])
+    now[0] += 9
+    assert await processor.publish_rollups() == 0, "not before LANEWAY_ROLLUP_PROVISIONAL_S"
+    now[0] += 1
+    assert await processor.publish_rollups() == 1
+    now[0] += 60
+    assert await processor.publish_rollups() == 0, "an unchanged open hour is not repeated"
+    # An event past the hour's end plus the grace closes it on its partition.
+    fold(1, hour_start + 3600 + 30)
+    assert await processor.publish_rollups() == 2  # the closed hour, final; the next, open
+    fold(1, hour_start + 1000)  # late
+    assert await processor.publish_rollups() == 1
+    this_hour = [r for r in sent if r["hour_start"] == hour_start]
+    assert [(r["requests"], r["revision"], r["final"]) for r in this_hour] == [
+        (3, 3, False),
+        (5, 5, False),
+        (5, 6, True),
+        (6, 7, True),
+    ]
+    (following,) = [r for r in sent if r["hour_start"] != hour_start]
+    assert (following["requests"], following["final"]) == (1, False)
 
 
 def test_a_routes_rate_is_one_that_several_teams_see() -> None:

@@ -55,7 +55,40 @@ async def test_tail_follows_hourly_rollups(stack: LiveStack) -> None:
     )
     row = out.getvalue().splitlines()[1].split()
     assert row[:5] == ["2026-01-01T10:00:00Z", "a", "chat", "m", "7"]
-    assert row[-2:] == ["12.5", "0.2500"]
+    assert row[-3:] == ["12.5", "0.2500", "final"]
+
+
+async def test_tail_redraws_the_open_hour_in_place(stack: LiveStack) -> None:
+    producer = await stack.producer()
+
+    def record(hour: str, requests: int, revision: int, *, final: bool) -> bytes:
+        fields = {"team": "a", "class": "completion", "model": "m", "hour": hour}
+        values = {"requests": requests, "revision": revision, "final": final}
+        return json.dumps({**fields, **values}).encode()
+
+    for value in (
+        record("2026-01-01T09:00:00Z", 4, 5, final=True),
+        record("2026-01-01T10:00:00Z", 2, 2, final=False),
+        record("2026-01-01T10:00:00Z", 6, 6, final=False),
+    ):
+        await producer.send_and_wait(stack.topics.usage_hourly, value, key=b"a")
+    out = io.StringIO()
+    shown = await tail_usage(
+        CommonSettings(**stack.common),
+        hourly=True,
+        from_beginning=True,
+        limit=3,
+        out=out,
+        redraw=True,
+    )
+    assert shown == 3
+    frames = out.getvalue().split("\x1b[H\x1b[2J")
+    header, *rows = frames[-1].splitlines()
+    assert header.split()[0] == "hour"
+    assert [(r.split()[0], r.split()[4], " ".join(r.split()[-2:])) for r in rows] == [
+        ("2026-01-01T09:00:00Z", "4", "final r5"),
+        ("2026-01-01T10:00:00Z", "6", "open r6"),
+    ]
 
 
 def test_cli_registers_usage_tail() -> None:

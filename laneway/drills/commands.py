@@ -1,4 +1,4 @@
-"""``laneway drill surge``: the command line of the drills."""
+"""``laneway drill surge | canary``: the command line of the drills."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
+from laneway.canary import parse_steps
+from laneway.drills.canary import CanaryPlan, CanaryRun, run_canary
+from laneway.drills.canary import judge as canary_judge
+from laneway.drills.canary import summary as canary_summary
+from laneway.drills.canary import table as canary_table
+from laneway.drills.canary import write_timeline as write_canary_timeline
 from laneway.drills.observe import StackObserver
 from laneway.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from laneway.errors import ConfigError, LanewayError
 from laneway.settings import StackSettings, load_settings
+from streams.settings import StreamsSettings
 
 __all__ = ["add_drill_commands"]
 
@@ -42,6 +50,24 @@ def add_drill_commands(sub: Any) -> None:
     surge.add_argument("--max-tokens", type=int, default=16)
     surge.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     surge.set_defaults(func=cmd_drill_surge)
+    canary = drills.add_parser(
+        "canary",
+        help="a healthy canary walks 1 → 5 → 10 → 100 %%, a faulty one is rolled back",
+        description="Runs against `laneway up` started with a faulty route and short canary "
+        "windows (see docs/drills.md); prints a verdict table and writes a PNG timeline.",
+    )
+    canary.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
+    canary.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
+    canary.add_argument("--model", default="laneway-code")
+    canary.add_argument("--to", default="laneway-code-v2", help="the healthy canary's route")
+    canary.add_argument(
+        "--faulty", default="laneway-code-bad", help="a route the engine fails (the rollback)"
+    )
+    canary.add_argument("--steps", default="1,5,10,100")
+    canary.add_argument("--rps", type=float, default=20.0, help="completions per second")
+    canary.add_argument("--sessions", type=int, default=400, help="distinct sessions")
+    canary.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
+    canary.set_defaults(func=cmd_drill_canary)
 
 
 def cmd_drill_surge(args: argparse.Namespace) -> int:
@@ -87,6 +113,56 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
     title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
     rows = judge(run)
     _say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def cmd_drill_canary(args: argparse.Namespace) -> int:
+    key = args.key or os.environ.get("LANEWAY_API_KEY")
+    if not key:
+        raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
+    if args.rps <= 0 or args.sessions < 1:
+        raise ConfigError("--rps must be above 0 and --sessions at least 1")
+    stack = load_settings(StackSettings)
+    judged = load_settings(StreamsSettings)  # the windows the stack's streams app judges by
+    plan = CanaryPlan(
+        model=args.model,
+        good_target=args.to,
+        bad_target=args.faulty,
+        steps=parse_steps(args.steps),
+        rps=args.rps,
+        sessions=args.sessions,
+        window_s=judged.canary_window_s,
+    )
+    url = args.url or f"http://127.0.0.1:{stack.port}"
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    out = Path(args.out or Path(stack.data_dir) / "drills" / f"canary-{stamp}.png")
+    _check_ready(url)
+    need = 100 / plan.steps[0] * judged.canary_min_requests / plan.rps
+    _say(
+        f"canary drill against {url}: {plan.rps:g}/s over {plan.sessions} sessions; steps of "
+        f"{judged.canary_window_s:g} s and ≥ {judged.canary_min_requests} canary requests "
+        f"(the first step about {max(need, judged.canary_window_s):.0f} s)"
+    )
+
+    async def drive() -> CanaryRun:
+        redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{stack.redis_port}/0")
+        try:
+            return await run_canary(
+                plan,
+                base_url=url,
+                key=key,
+                redis=redis,
+                settings=stack,
+                say=_say,
+            )
+        finally:
+            await redis.aclose()
+
+    run = asyncio.run(drive())
+    rows = canary_judge(run)
+    title = f"laneway canary drill {stamp}: {plan.model} → {plan.good_target} / {plan.bad_target}"
+    path = write_canary_timeline(run, out, title)
+    _say(f"{canary_summary(run)}\n\n{canary_table(rows)}\n\ntimeline: {path}")
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -1,0 +1,301 @@
+"""The console's pages: ``/console`` (log in, then the overview) and ``/console/teams/T``
+(edit the team, its keys, its last day). Server-rendered HTML; forms post back here, carry
+the session's token and are checked against the page's own origin."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+from fastapi import APIRouter, FastAPI, Request
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.responses import RedirectResponse, Response
+
+from ingress.admin import (
+    TeamBody,
+    create_team_key,
+    revoke_team_key,
+    save_team,
+    team_budget,
+    team_keys,
+)
+from ingress.console import overview
+from ingress.console.feed import ConsoleFeed
+from ingress.console.session import COOKIE, ConsoleSession, ConsoleSessions
+from ingress.state import IngressState
+from laneway.errors import BadRequest, NotFound
+from laneway.openai_api import validate_body
+from laneway.settings import IngressSettings
+from quota import Team, get_team
+
+__all__ = ["Console", "ConsoleRefusal", "console_router", "install_console"]
+
+console_router = APIRouter(prefix="/console", include_in_schema=False)
+
+HOUR_S = 3600
+_MAX_FORM_FIELDS = 20
+_STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    # Not no-referrer: under it a browser sends "Origin: null" with the forms, which would
+    # then be refused as cross-site.
+    "Referrer-Policy": "same-origin",
+}
+
+
+def _clock(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(ts)))
+
+
+class Console:
+    """What the console keeps for the ingress's lifetime: sessions, templates, the feed."""
+
+    def __init__(self, settings: IngressSettings) -> None:
+        self.sessions = ConsoleSessions(
+            settings.admin_key.get_secret_value(), settings.console_session_s
+        )
+        self.feed = ConsoleFeed(settings)
+        self.templates = Environment(
+            loader=PackageLoader("ingress.console", "templates"),
+            autoescape=select_autoescape(default=True),
+            enable_async=False,
+        )
+        self.templates.filters["clock"] = _clock
+
+    async def stop(self) -> None:
+        await self.feed.stop()
+
+    def page(self, name: str, status_code: int = 200, **context: Any) -> Response:
+        html = self.templates.get_template(name).render(**context)
+        return Response(html, status_code=status_code, media_type="text/html", headers=_HEADERS)
+
+
+def _console(request: Request) -> tuple[IngressState, Console]:
+    state: IngressState = request.app.state.laneway
+    console: Console | None = getattr(request.app.state, "console", None)
+    if console is None or not state.settings.admin_key.get_secret_value():
+        raise NotFound("the console is disabled (set LANEWAY_ADMIN_KEY)")
+    return state, console
+
+
+def _session(request: Request, console: Console) -> ConsoleSession | None:
+    return console.sessions.verify(request.cookies.get(COOKIE))
+
+
+def _to_login() -> Response:
+    return RedirectResponse("/console", status_code=303, headers=_HEADERS)
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """A urlencoded form's fields (the first value of each); ``BadRequest`` if it is not one."""
+    try:
+        text = (await request.body()).decode()
+        fields = parse_qs(text, keep_blank_values=True, max_num_fields=_MAX_FORM_FIELDS)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"not a form: {exc}") from None
+    return {name: values[0] for name, values in fields.items()}
+
+
+def _same_origin(request: Request) -> bool:
+    """A browser names the page a form came from; it must be this console's."""
+    origin = request.headers.get("origin")
+    if origin is None or origin == "null":
+        return origin is None
+    return urlsplit(origin).netloc == request.headers.get("host")
+
+
+@dataclass(frozen=True, slots=True)
+class _Posted:
+    state: IngressState
+    console: Console
+    session: ConsoleSession
+    form: dict[str, str]
+
+
+class ConsoleRefusal(Exception):
+    """A console request turned away with a page or a redirect (not an API error)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def _posted(request: Request) -> _Posted:
+    """A form posted by a logged-in page of this console; ``ConsoleRefusal`` otherwise."""
+    state, console = _console(request)
+    session = _session(request, console)
+    if session is None:
+        raise ConsoleRefusal(_to_login())
+    form = await _form(request)
+    if not _same_origin(request) or not console.sessions.csrf_ok(session, form.get("csrf", "")):
+        raise ConsoleRefusal(
+            console.page(
+                "login.html", 403, error="this form is stale or came from another site; reload"
+            )
+        )
+    return _Posted(state, console, session, form)
+
+
+def _hour_now() -> int:
+    return int(time.time()) // HOUR_S * HOUR_S
+
+
+@console_router.get("/static/{name}")
+async def static(name: str) -> Response:
+    media_type = _STATIC.get(name)
+    if media_type is None:
+        raise NotFound(f"no console file {name!r}")
+    body = resources.files("ingress.console").joinpath("static", name).read_bytes()
+    return Response(body, media_type=media_type, headers={"Cache-Control": "max-age=300"})
+
+
+@console_router.get("")
+async def console_home(request: Request) -> Response:
+    state, console = _console(request)
+    session = _session(request, console)
+    if session is None:
+        return console.page("login.html")
+    await console.feed.ready()
+    hour = _hour_now()
+    return console.page(
+        "overview.html",
+        csrf=console.sessions.csrf_token(session),
+        teams=await overview.teams(state),
+        usage=overview.usage_rows(console.feed, hour),
+        hour_label=_clock(hour)[:-3],
+        breakers=await overview.breaker_levels(state),
+        changes=overview.recent_changes(console.feed),
+        pools=await overview.pools(state),
+        probes=overview.probes(state, console.feed),
+    )
+
+
+@console_router.post("/login")
+async def login(request: Request) -> Response:
+    _, console = _console(request)
+    form = await _form(request)
+    if not _same_origin(request):
+        return console.page("login.html", 403, error="this form came from another site")
+    if not console.sessions.admin_key_matches(form.get("admin_key", "")):
+        return console.page("login.html", 401, error="wrong admin key")
+    response = RedirectResponse("/console", status_code=303, headers=_HEADERS)
+    response.set_cookie(
+        COOKIE,
+        console.sessions.issue(),
+        max_age=int(console.sessions.ttl_s),
+        path="/console",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https",
+    )
+    return response
+
+
+@console_router.post("/logout")
+async def logout(request: Request) -> Response:
+    await _posted(request)
+    response = _to_login()
+    response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
+    return response
+
+
+@console_router.post("/team")
+async def open_team(request: Request) -> Response:
+    name = (await _posted(request)).form.get("name", "").strip()
+    if not name or len(name) > 200:
+        raise BadRequest("a team name has 1 to 200 characters", param="name")
+    return RedirectResponse(f"/console/teams/{quote(name, safe='')}", status_code=303)
+
+
+async def _team_page(
+    state: IngressState,
+    console: Console,
+    session: ConsoleSession,
+    team: str,
+    *,
+    status_code: int = 200,
+    **extra: Any,
+) -> Response:
+    await console.feed.ready()
+    try:
+        budget, known = await team_budget(state, team), True
+    except NotFound:
+        budget, known = await state.quota.enforcer.snapshot(Team(team)), False
+    hour = _hour_now()
+    return console.page(
+        "team.html",
+        status_code,
+        csrf=console.sessions.csrf_token(session),
+        team=budget,
+        known=known,
+        keys=await team_keys(state, team),
+        usage=overview.usage_rows(console.feed, hour, team),
+        hour_label=_clock(hour)[:-3],
+        charts=overview.team_charts(console.feed, team, hour),
+        **extra,
+    )
+
+
+@console_router.get("/teams/{team}")
+async def team_page(team: str, request: Request) -> Response:
+    state, console = _console(request)
+    session = _session(request, console)
+    if session is None:
+        return _to_login()
+    notes = {"saved": "Saved.", "revoked": "Key revoked: every replica refuses it."}
+    message = next((text for flag, text in notes.items() if flag in request.query_params), None)
+    return await _team_page(state, console, session, team, message=message)
+
+
+@console_router.post("/teams/{team}")
+async def edit_team(team: str, request: Request) -> Response:
+    posted = await _posted(request)
+    state, console, session, form = posted.state, posted.console, posted.session, posted.form
+    current = await get_team(state.redis, state.keys, team)
+    fields = {
+        name: form.get(name, "")
+        for name in ("size", "complexity", "tier", "supersede_grace_tokens")
+    }
+    try:
+        body = validate_body(TeamBody, {**fields, "type_through": current.type_through})
+        await save_team(state, team, body)
+    except BadRequest as exc:
+        return await _team_page(state, console, session, team, status_code=400, error=exc.message)
+    return RedirectResponse(f"/console/teams/{quote(team, safe='')}?saved", status_code=303)
+
+
+@console_router.post("/teams/{team}/keys")
+async def new_key(team: str, request: Request) -> Response:
+    posted = await _posted(request)
+    created = await create_team_key(posted.state, team)
+    return await _team_page(posted.state, posted.console, posted.session, team, new_key=created)
+
+
+@console_router.post("/keys/{key_id}/revoke")
+async def revoke(key_id: str, request: Request) -> Response:
+    revoked = await revoke_team_key((await _posted(request)).state, key_id)
+    return RedirectResponse(
+        f"/console/teams/{quote(str(revoked['team']), safe='')}?revoked", status_code=303
+    )
+
+
+def install_console(app: FastAPI) -> None:
+    """Serve the console's routes on ``app`` (they answer 404 while the admin key is unset)."""
+
+    async def on_refusal(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ConsoleRefusal)
+        return exc.response
+
+    app.add_exception_handler(ConsoleRefusal, on_refusal)
+    app.include_router(console_router)

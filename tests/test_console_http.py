@@ -1,0 +1,206 @@
+"""The console's door over plain HTTP: the login, the session cookie's flags, forms refused
+without the session's token or from another site, and the edits reaching Redis and the
+request path (the browser tests in test_console_browser.py drive the same pages)."""
+
+from __future__ import annotations
+
+import re
+import time
+from http.cookies import SimpleCookie
+
+import httpx
+import orjson
+
+from ingress.console.session import COOKIE, ConsoleSessions
+from laneway.constants import RedisKeys
+from quota.teams import get_team
+from tests.stack import Ingress, LiveStack
+
+ADMIN = "console-admin-key-0123456789"
+_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+async def _logged_in(stack: LiveStack, ingress: Ingress) -> tuple[httpx.AsyncClient, str]:
+    http = stack.http(ingress, follow_redirects=False)
+    response = await http.post("/console/login", data={"admin_key": ADMIN})
+    assert response.status_code == 303, response.text
+    page = await http.get("/console")
+    assert page.status_code == 200
+    match = _CSRF.search(page.text)
+    assert match is not None, page.text[:500]
+    return http, match.group(1)
+
+
+async def test_the_console_is_off_without_an_admin_key(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    response = await stack.http(ingress).get("/console")
+    assert response.status_code == 404
+
+
+async def test_login_sets_a_strict_http_only_session_and_a_wrong_key_gets_none(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    http = stack.http(ingress, follow_redirects=False)
+    page = await http.get("/console")
+    assert page.status_code == 200
+    assert 'name="admin_key"' in page.text
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+
+    wrong = await http.post("/console/login", data={"admin_key": "not-it"})
+    assert wrong.status_code == 401
+    assert "set-cookie" not in wrong.headers
+
+    right = await http.post("/console/login", data={"admin_key": ADMIN})
+    assert right.status_code == 303
+    cookie = SimpleCookie(right.headers["set-cookie"])[COOKIE]
+    assert cookie["httponly"] is True
+    assert cookie["samesite"] == "strict"
+    assert cookie["path"] == "/console"
+    assert int(cookie["max-age"]) == 8 * 3600
+    assert ADMIN not in right.headers["set-cookie"]
+    assert ADMIN not in right.headers.get("location", "")
+    overview = await http.get("/console")
+    assert 'id="teams"' in overview.text
+
+    # A forged or expired cookie is no session.
+    http.cookies.set(COOKIE, cookie.value[:-2] + "xx", path="/console")
+    assert 'name="admin_key"' in (await http.get("/console")).text
+    expired = ConsoleSessions(ADMIN, 60, clock=lambda: 0.0).issue()
+    http.cookies.set(COOKIE, expired, path="/console")
+    assert 'name="admin_key"' in (await http.get("/console")).text
+
+
+async def test_forms_need_the_sessions_token_and_the_consoles_own_origin(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.api_key("team-f", size=3)
+    http, csrf = await _logged_in(stack, ingress)
+    form = {"size": "9", "complexity": "1", "tier": "hi", "supersede_grace_tokens": "0"}
+
+    no_token = await http.post("/console/teams/team-f", data=form)
+    assert no_token.status_code == 403
+    other_site = await http.post(
+        "/console/teams/team-f",
+        data={**form, "csrf": csrf},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert other_site.status_code == 403
+    anonymous = await stack.http(ingress, follow_redirects=False).post(
+        "/console/teams/team-f", data={**form, "csrf": csrf}
+    )
+    assert anonymous.status_code == 303
+    assert (await get_team(stack.redis, RedisKeys(stack.prefix), "team-f")).size == 3
+
+    bad = await http.post("/console/teams/team-f", data={**form, "size": "0", "csrf": csrf})
+    assert bad.status_code == 400
+    assert "size" in bad.text
+    saved = await http.post("/console/teams/team-f", data={**form, "csrf": csrf})
+    assert saved.status_code == 303
+    assert (await get_team(stack.redis, RedisKeys(stack.prefix), "team-f")).size == 9
+    page = await http.get(saved.headers["location"])
+    assert "Saved." in page.text
+
+
+async def test_a_key_made_on_the_console_works_and_one_revoked_there_is_refused(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.start_worker("completion")
+    http, csrf = await _logged_in(stack, ingress)
+    made = await http.post("/console/teams/team-k/keys", data={"csrf": csrf})
+    assert made.status_code == 200
+    match = re.search(r'<pre id="new-key">([^<]+)</pre>', made.text)
+    assert match is not None
+    key = match.group(1)
+    body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 4}
+    served = await stack.http(ingress, key).post("/v1/completions", json=body)
+    assert served.status_code == 200, served.text
+
+    key_id = re.search(r'data-key="(key-[0-9a-f]+)"', made.text)
+    assert key_id is not None
+    revoked = await http.post(f"/console/keys/{key_id.group(1)}/revoke", data={"csrf": csrf})
+    assert revoked.status_code == 303
+    refused = await stack.http(ingress, key).post("/v1/completions", json=body)
+    assert refused.status_code == 401
+    page = await http.get(revoked.headers["location"])
+    assert key_id.group(1) not in page.text
+
+
+async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -> None:
+    """Rollups (the latest revision of each hour), breaker levels and their changes."""
+    now = time.time()
+    hour = int(now) // 3600 * 3600
+    producer = await stack.producer()
+
+    def rollup(hour_start: int, requests: int, *, final: bool) -> bytes:
+        return orjson.dumps(
+            {
+                "v": 1,
+                "team": "team-p",
+                "class": "chat",
+                "model": "laneway-chat",
+                "hour": time.strftime("%Y-%m-%dT%H:00:00Z", time.gmtime(hour_start)),
+                "hour_start": hour_start,
+                "requests": requests,
+                "ok": requests - 1,
+                "errors": 0,
+                "dropped": 1,
+                "statuses": {"ok": requests - 1, "superseded": 1},
+                "prompt_tokens": 100 * requests,
+                "completion_tokens": 10 * requests,
+                "cost": 0.01 * requests,
+                "latency_ms": {"p50": 40.0, "p99": 310.0, "p999": 400.0},
+                "revision": requests + final,
+                "final": final,
+                "ts": now,
+            }
+        )
+
+    for value in (
+        rollup(hour - 5 * 3600, 30, final=True),
+        rollup(hour, 4, final=False),
+        rollup(hour, 9, final=False),
+        b"not json",
+    ):
+        await producer.send_and_wait(stack.topics.usage_hourly, value, key=b"team-p")
+    change = {
+        "v": 1,
+        "kind": "breaker",
+        "subject": "breaker:laneway-chat:team-p",
+        "route": "laneway-chat",
+        "team": "team-p",
+        "level": 2,
+        "previous": 1,
+        "rate": 0.125,
+        "requests": 80,
+        "since": now,
+        "ts": now,
+    }
+    await producer.send_and_wait(stack.topics.control, orjson.dumps(change), key=b"x")
+    keys = RedisKeys(stack.prefix)
+    level = {"level": 2, "rate": 0.125, "since": now, "requests": 80, "cooldown_s": 30.0}
+    level |= {"route": "laneway-chat", "team": "team-p"}  # as the streams app writes it
+    await stack.redis.set(keys.breaker("laneway-chat", "team-p"), orjson.dumps(level))
+
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.api_key("team-p", size=2)
+    http, _ = await _logged_in(stack, ingress)
+    page = (await http.get("/console")).text
+    row = re.search(r'<tr data-team="team-p" data-class="chat".*?</tr>', page, re.S)
+    assert row is not None, page
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row.group(0), re.S)
+    assert cells[3:6] == ["9", "990", "0.0900"]  # the latest revision of the open hour
+    assert "superseded 1" in row.group(0)
+    assert "provisional r9" in row.group(0)
+    breaker = page[page.index('id="breakers"') :]
+    assert '<tr class="level-2"><td>laneway-chat</td><td>team-p</td>' in breaker
+    assert "1 → 2" in breaker
+
+    team_page = (await http.get("/console/teams/team-p")).text
+    plots = team_page[team_page.index('id="plots"') :]
+    assert plots.count("<svg") == 2
+    assert plots.count("<rect") == 4  # prompt and completion bars of two hours
+    assert "chat p99" in plots
+    assert "<polyline" in plots
