@@ -13,6 +13,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/pytest --cov --cov-report=term:skip-covered
 
 # Opt-in: vLLM's CPU build in .venv-vllm (about 4 minutes the first time), then the vLLM tests.
@@ -24,6 +25,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 fmt: setup
 	$(BIN)/ruff format .

@@ -27,8 +27,8 @@ import redis.asyncio as aioredis
 
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys, Topics
-from laneway.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
 from laneway.settings import CommonSettings
+from ops.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
 from quota import Team, set_team
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import httpx
 import orjson
 
 from bench._stack import ROOT
-from laneway.devstack import stop_processes
+from ops.devstack import stop_processes
 
 __all__ = ["Upstream", "upstream_process"]
 

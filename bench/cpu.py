@@ -40,7 +40,7 @@ from bench._http import HttpPool
 from bench._proc import machine, stat_cpu_seconds
 from bench._stack import BenchStack, bench_stack
 from bench._upstream import upstream_process
-from laneway.devstack import stop_processes
+from ops.devstack import stop_processes
 
 UPSTREAM_PORT = 31890
 LITELLM_PORT = 31895

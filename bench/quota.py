@@ -26,7 +26,7 @@ from bench._stack import BenchStack, bench_stack
 from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
-from laneway.devstack import RedisServer
+from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, set_team
 
 RESERVATION = 10 + 16  # "y" * 40 → 10 prompt tokens, plus max_tokens 16

@@ -7,9 +7,10 @@ import sys
 import uvicorn
 
 from ingress.app import create_app
+from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
-from laneway.settings import IngressSettings, load_settings
+from laneway.settings import load_settings
 
 
 def main() -> int:

@@ -10,12 +10,12 @@ from starlette.datastructures import Headers
 
 from ingress.auth import Caller
 from ingress.headers import LanewayHeaders
+from ingress.settings import IngressSettings
 from laneway.clock import RedisClock
 from laneway.constants import RequestClass
 from laneway.openai_api import ChatRequest, CompletionRequest
 from laneway.requests import shape_request
 from laneway.schema import RequestEnvelope
-from laneway.settings import IngressSettings
 
 __all__ = ["Admission", "affinity_key", "new_request_id"]
 

@@ -13,8 +13,8 @@ from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
+from ingress.settings import IngressSettings
 from ingress.state import IngressState
-from laneway.settings import IngressSettings
 
 __all__ = ["create_app"]
 

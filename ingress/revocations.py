@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from ingress.settings import IngressSettings
 from laneway.clients import make_consumer
 from laneway.errors import MalformedMessage
 from laneway.schema import KeyRevocation, decode
-from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 
 __all__ = ["RevokedKeys"]

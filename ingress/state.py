@@ -23,12 +23,12 @@ from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from ingress.revocations import RevokedKeys
+from ingress.settings import IngressSettings
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.loops import keep_running
 from laneway.schema import CancelRecord, RequestEnvelope
-from laneway.settings import IngressSettings
 from laneway.tasks import stop_task
 from quota import CancelRateLimit, QuotaEnforcer, QuotaPolicy
 

@@ -1,22 +1,22 @@
-"""Shared core of laneway: settings, wire schema, names, client factories and the CLI."""
+"""Shared core of laneway: common settings, wire schema, names, errors, client factories.
+
+Every other package builds on it and it imports none of them (``lint-imports``).
+"""
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import LanewayError
 from laneway.schema import CancelRecord, Reply, RequestEnvelope, UsageEvent
-from laneway.settings import CommonSettings, IngressSettings, StackSettings, WorkerSettings
+from laneway.settings import CommonSettings
 
 __all__ = [
     "CancelRecord",
     "CommonSettings",
-    "IngressSettings",
     "LanewayError",
     "RedisKeys",
     "Reply",
     "RequestEnvelope",
-    "StackSettings",
     "Topics",
     "UsageEvent",
-    "WorkerSettings",
 ]
 
 __version__ = "0.1.0"

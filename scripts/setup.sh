@@ -85,7 +85,7 @@ say "checking the Kafka broker jars"
 .venv/bin/python -c '
 import logging
 logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from laneway.devstack import ServiceError, kafka_classpath
+from ops.devstack import ServiceError, kafka_classpath
 try:
     kafka_classpath()
 except ServiceError as exc:

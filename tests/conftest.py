@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from laneway.devstack import KafkaBroker, RedisServer
+from ops.devstack import KafkaBroker, RedisServer
 from tests.secured import SecuredServices
 from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 

@@ -1,6 +1,6 @@
 """The secured test pair: Kafka with SASL/SCRAM and ACLs, Redis with ACL users.
 
-Each test makes principals of its own (named after its prefix) with ``laneway.principals``,
+Each test makes principals of its own (named after its prefix) with ``ops.principals``,
 the code ``laneway principals create`` runs; the Redis users are made once per session.
 """
 
@@ -10,9 +10,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from laneway.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
-from laneway.principals import Role, create_principal
 from laneway.settings import CommonSettings
+from ops.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
+from ops.principals import Role, create_principal
 from tests.stack import PARTITIONS, LiveStack, Services
 
 # Every test prefix starts with "t": a service user may touch the keys of any test's prefix.

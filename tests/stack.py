@@ -24,14 +24,15 @@ import uvicorn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from ingress import create_app
+from ingress.settings import IngressSettings
 from laneway.apikeys import create_key
-from laneway.devstack import create_topics, port_in_use
 from laneway.schema import RequestEnvelope
-from laneway.settings import IngressSettings, WorkerSettings
+from ops.devstack import create_topics, port_in_use
 from quota.teams import Team, set_team
 from workers.factory import create_worker
 from workers.pool import PoolWorker
 from workers.select import choose_engine
+from workers.settings import WorkerSettings
 from workers.sim import SimEngine
 from workers.types import Engine, EngineRequest
 

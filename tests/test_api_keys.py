@@ -51,7 +51,7 @@ async def _cli(stack: LiveStack, *argv: str, redis_url: str | None = None) -> tu
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "laneway.cli",
+        "ops.cli",
         *argv,
         env=env,
         stdout=asyncio.subprocess.PIPE,

@@ -7,10 +7,12 @@ import asyncio
 import orjson
 import pytest
 
+from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
-from laneway.settings import IngressSettings, WorkerSettings, load_settings
+from laneway.settings import load_settings
 from tests.stack import LiveStack
 from workers import metrics
+from workers.settings import WorkerSettings
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from laneway.canary import CanaryState
-from laneway.drills.canary import CanaryPlan, CanaryRun, Phase, Sent, judge, write_timeline
+from ops.drills.canary import CanaryPlan, CanaryRun, Phase, Sent, judge, write_timeline
 
 PLAN = CanaryPlan(steps=(1.0, 5.0, 100.0))
 

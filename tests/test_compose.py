@@ -26,14 +26,11 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from ingress.settings import IngressSettings
 from laneway.constants import POOLS
-from laneway.settings import (
-    CommonSettings,
-    IngressSettings,
-    StackSettings,
-    WorkerSettings,
-    known_variables,
-)
+from laneway.settings import CommonSettings, known_variables
+from ops.settings import StackSettings
+from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"

@@ -11,7 +11,7 @@ import redis
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from laneway.devstack import (
+from ops.devstack import (
     KafkaBroker,
     RedisServer,
     ServiceError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from laneway.settings import settings_table
+from ops.settings_docs import settings_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -12,5 +12,5 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 def test_readme_settings_table_is_current() -> None:
     assert settings_table() in README.read_text(), (
         "README's settings table is stale: paste the output of `.venv/bin/python -c "
-        "'from laneway.settings import settings_table; print(settings_table())'`"
+        "'from ops.settings_docs import settings_table; print(settings_table())'`"
     )

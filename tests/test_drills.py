@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from laneway.cli import main
-from laneway.drills.load import Outcome
-from laneway.drills.observe import Sample
-from laneway.drills.surge import SurgePlan, SurgeRun, judge, p99, phase_summary, table
-from laneway.drills.timeline import write_timeline
 from laneway.errors import ConfigError
 from laneway.schema import ScalingDecision
+from ops.cli import main
+from ops.drills.load import Outcome
+from ops.drills.observe import Sample
+from ops.drills.surge import SurgePlan, SurgeRun, judge, p99, phase_summary, table
+from ops.drills.timeline import write_timeline
 
 PLAN = SurgePlan(baseline_rps=2, baseline_s=20, surge_s=30, after_s=10, warmup_s=5)
 

@@ -324,7 +324,7 @@ def _url(template: str, param: str) -> str:
 
 def test_every_route_is_fuzzed(stack: LiveStack) -> None:
     from ingress import create_app  # noqa: PLC0415 - the app's routes, without a lifespan
-    from laneway.settings import IngressSettings  # noqa: PLC0415
+    from ingress.settings import IngressSettings  # noqa: PLC0415
 
     app = create_app(IngressSettings(**stack.common))
     # The routers' routes, from the OpenAPI description; the plain Starlette ones (the two

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from laneway.group_members import GroupMembers
+from ops.group_members import GroupMembers
 from tests.stack import Services
 
 

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from ingress.settings import IngressSettings
 from laneway.constants import POOLS, Topics
-from laneway.settings import IngressSettings, StackSettings, WorkerSettings
+from ops.settings import StackSettings
 from streams.settings import StreamsSettings
 from workers.scaling import DESIRED_REPLICAS
+from workers.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "compose" / "kubernetes"

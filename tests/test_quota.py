@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from laneway.constants import RedisKeys, Topics
-from laneway.devstack import RedisServer
 from laneway.errors import QuotaExceeded
 from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
+from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, envelope, free_port, wait_for
 from workers import metrics

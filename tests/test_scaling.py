@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from laneway.errors import ConfigError
-from laneway.settings import StackSettings, WorkerSettings, load_settings
+from laneway.settings import load_settings
+from ops.settings import StackSettings
 from workers.scaling import PoolLoad, ScalingPolicy, ScalingRule, desired_replicas, pool_load
+from workers.settings import WorkerSettings
 
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=4, target_utilisation=0.5)
 

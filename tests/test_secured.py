@@ -28,11 +28,11 @@ from aiokafka.errors import (
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from laneway.constants import Topics
-from laneway.devstack import BrokerAdmin
 from laneway.errors import ConfigError, ServiceError
-from laneway.principals import Role, acl_rules, show_acls
 from laneway.schema import BatchRequest
 from laneway.settings import CommonSettings, load_settings
+from ops.devstack import BrokerAdmin
+from ops.principals import Role, acl_rules, show_acls
 from tests.secured import Principals, SecuredServices
 from tests.stack import LiveStack
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event

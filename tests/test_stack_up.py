@@ -135,7 +135,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     output = data / "up.out"
     with output.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "laneway.cli", "up"],
+            [sys.executable, "-m", "ops.cli", "up"],
             env=_stack_env(data, kafka_port, redis_port, port, metrics),
             cwd=ROOT,
             stdout=out,

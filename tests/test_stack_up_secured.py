@@ -36,7 +36,7 @@ def _start(tmp_path: Path) -> tuple[UpStack, dict[str, str]]:
     output = tmp_path / "up.out"
     with output.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "laneway.cli", "up"],
+            [sys.executable, "-m", "ops.cli", "up"],
             env=env,
             cwd=ROOT,
             stdout=out,
@@ -56,7 +56,7 @@ def _start(tmp_path: Path) -> tuple[UpStack, dict[str, str]]:
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "laneway.cli", *args],
+        [sys.executable, "-m", "ops.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

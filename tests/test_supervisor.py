@@ -18,12 +18,13 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from laneway.devstack import RedisServer
 from laneway.errors import ConfigError
-from laneway.local_stack import stack_processes, standby_processes
-from laneway.settings import StackSettings, load_settings
-from laneway.supervised import LocalServer, ServiceProcess
-from laneway.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
+from laneway.settings import load_settings
+from ops.devstack import RedisServer
+from ops.local_stack import stack_processes, standby_processes
+from ops.settings import StackSettings
+from ops.supervised import LocalServer, ServiceProcess
+from ops.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
 from tests.stack import free_port, wait_for
 
 FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)
@@ -80,7 +81,7 @@ async def supervising(supervisor: Supervisor) -> AsyncIterator[asyncio.Task[None
 async def test_a_killed_process_is_restarted_while_the_others_keep_running(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "laneway.supervisor")
+    caplog.set_level(logging.INFO, "ops.supervisor")
     victim, bystander = _python("victim", SLEEPER, tmp_path), _python("other", SLEEPER, tmp_path)
     supervisor = Supervisor([victim, bystander], FAST)
     async with supervising(supervisor):
@@ -140,7 +141,7 @@ async def test_a_restart_that_cannot_start_counts_as_a_crash(tmp_path: Path) -> 
 async def test_an_exit_while_a_needed_server_was_away_is_not_held_against_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "laneway.supervisor")
+    caplog.set_level(logging.INFO, "ops.supervisor")
     server = _python("server", SLEEPER, tmp_path)
     client = _python("client", SLEEPER, tmp_path, needs=["server"])
     # Two counted exits would stop the stack: the client exits twice, one of them counted.

@@ -21,12 +21,12 @@ import pytest
 
 from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
 from laneway.schema import ChatMessage
-from laneway.settings import WorkerSettings
 from tests import fake_vllm
 from tests.stack import LiveStack, wait_for
 from tests.vllm_fixtures import make_tiny_model
 from workers.profiles import build_profile
 from workers.select import vllm_installed
+from workers.settings import WorkerSettings
 from workers.types import EngineDelta, EngineRequest
 from workers.vllm_engine import VllmEngine
 

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from laneway.errors import ConfigError
-from laneway.settings import WorkerSettings
 from tests.vllm_fixtures import make_tiny_model, recorded_engine_arg_fields
 from workers import select
 from workers.profiles import (
@@ -27,6 +26,7 @@ from workers.profiles import (
     check_engine_args,
     quantized_variant,
 )
+from workers.settings import WorkerSettings
 from workers.sim import SimEngine
 from workers.upstream import OpenAICompatibleEngine
 from workers.vllm_engine import VllmEngine

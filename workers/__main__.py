@@ -12,9 +12,10 @@ from collections.abc import Callable
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
 from laneway.metrics import serve_metrics
-from laneway.settings import WorkerSettings, load_settings
+from laneway.settings import load_settings
 from workers.factory import create_worker
 from workers.select import choose_engine
+from workers.settings import WorkerSettings
 
 log = logging.getLogger("workers")
 

@@ -23,7 +23,6 @@ from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
-from laneway.settings import WorkerSettings
 from quota import Team, get_team
 from workers import metrics
 from workers.batch import (
@@ -37,6 +36,7 @@ from workers.batch import (
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
 from workers.pool import PoolWorker
+from workers.settings import WorkerSettings
 from workers.types import Engine
 
 __all__ = ["BatchPoolWorker"]

@@ -19,8 +19,8 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 
 from laneway.clients import make_producer
-from laneway.settings import WorkerSettings
 from workers.batch import KafkaRecord
+from workers.settings import WorkerSettings
 
 __all__ = ["PartitionTransactions"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from laneway.settings import WorkerSettings
 from workers.batch_pool import BatchPoolWorker
 from workers.pool import PoolWorker
+from workers.settings import WorkerSettings
 from workers.types import Engine
 
 __all__ = ["create_worker"]

@@ -30,7 +30,6 @@ from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
-from laneway.settings import WorkerSettings
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
 from workers.dispatch import Dispatcher, DispatchQueue, Work
@@ -40,6 +39,7 @@ from workers.offsets import OffsetTracker
 from workers.replies import Outbox
 from workers.reuse import Follower, ReuseRegistry
 from workers.scaling import ScalingSignal
+from workers.settings import WorkerSettings
 from workers.shield import CancelShield
 from workers.types import Engine
 

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from laneway.errors import ConfigError
-from laneway.settings import WorkerSettings
+from workers.settings import WorkerSettings
 
 __all__ = [
     "COMPLETION_MAX_TOKENS",

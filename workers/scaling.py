@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from laneway.constants import HEARTBEAT_TTL_S, SCALING_DECISION_TTL_S
 from laneway.schema import ScalingDecision
-from laneway.settings import WorkerSettings
+from workers.settings import WorkerSettings
 
 __all__ = [
     "DESIRED_REPLICAS",

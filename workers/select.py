@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from laneway.errors import ConfigError
-from laneway.settings import WorkerSettings
+from workers.settings import WorkerSettings
 from workers.sim import SimEngine, SimProfile
 from workers.types import Engine
 from workers.upstream import OpenAICompatibleEngine

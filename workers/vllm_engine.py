@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
-from laneway.settings import WorkerSettings
 from workers.integrity import model_digest
 from workers.profiles import EngineProfile, build_profile, check_engine_args
+from workers.settings import WorkerSettings
 from workers.types import EngineDelta, EngineRequest, EngineStats
 
 __all__ = ["VllmEngine"]

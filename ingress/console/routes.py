@@ -25,10 +25,10 @@ from ingress.admin import (
 from ingress.console import overview
 from ingress.console.feed import ConsoleFeed
 from ingress.console.session import COOKIE, ConsoleSession, ConsoleSessions
+from ingress.settings import IngressSettings
 from ingress.state import IngressState
 from laneway.errors import BadRequest, NotFound
 from laneway.openai_api import validate_body
-from laneway.settings import IngressSettings
 from quota import Team, get_team
 
 __all__ = ["Console", "ConsoleRefusal", "console_router", "install_console"]

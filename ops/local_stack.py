@@ -15,14 +15,15 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from laneway.autoscale import LocalAutoscaler
 from laneway.constants import POOLS, RequestClass
-from laneway.devstack import KafkaBroker, RedisServer, create_topics
-from laneway.group_members import GroupMembers
-from laneway.secured_stack import StackSecrets
-from laneway.settings import CommonSettings, StackSettings
-from laneway.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
-from laneway.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+from laneway.settings import CommonSettings
+from ops.autoscale import LocalAutoscaler
+from ops.devstack import KafkaBroker, RedisServer, create_topics
+from ops.group_members import GroupMembers
+from ops.secured_stack import StackSecrets
+from ops.settings import StackSettings
+from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
+from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
 __all__ = ["pool_replicas", "run_local_stack", "stack_processes", "standby_processes"]
 

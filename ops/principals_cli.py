@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 from aiokafka.errors import KafkaError
 
 from laneway.errors import ServiceError
-from laneway.principals import ROLES, Role, create_principal, delete_principal, show_acls
-from laneway.settings import StackSettings, load_settings
+from laneway.settings import load_settings
+from ops.principals import ROLES, Role, create_principal, delete_principal, show_acls
+from ops.settings import StackSettings
 
 __all__ = ["add_principal_commands"]
 

@@ -13,8 +13,8 @@ from redis.exceptions import RedisError
 
 from laneway.constants import POOLS, RedisKeys, Topics
 from laneway.errors import MalformedMessage
-from laneway.group_members import GroupMembers
 from laneway.schema import ScalingDecision, decode
+from ops.group_members import GroupMembers
 
 __all__ = ["Sample", "StackObserver"]
 

@@ -195,7 +195,7 @@ class ServiceProcess:
 
 
 class _Server(Protocol):
-    """What ``laneway.devstack`` servers offer (start and stop block until done)."""
+    """What ``ops.devstack`` servers offer (start and stop block until done)."""
 
     name: str
 
@@ -217,7 +217,7 @@ class _Server(Protocol):
 
 
 class LocalServer:
-    """Kafka or Redis of ``laneway.devstack`` as a supervised process; its blocking start,
+    """Kafka or Redis of ``ops.devstack`` as a supervised process; its blocking start,
     wait and stop run on threads. ``on_ready`` runs after every start (e.g. topic creation)."""
 
     needs: tuple[str, ...] = ()

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from laneway.errors import ConfigError, ServiceError
-from laneway.settings import StackSettings
-from laneway.supervised import Supervised
+from ops.settings import StackSettings
+from ops.supervised import Supervised
 
 __all__ = [
     "CrashLoop",

@@ -29,9 +29,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from laneway.canary import CanaryState, delete_canary, get_canary, start_canary
 from laneway.clients import kafka_auth, topic_partitions
 from laneway.constants import RedisKeys
-from laneway.drills.surge import Verdict
 from laneway.errors import LanewayError, NotFound
 from laneway.settings import CommonSettings
+from ops.drills.surge import Verdict
 
 __all__ = ["CanaryPlan", "CanaryRun", "judge", "run_canary", "table", "write_timeline"]
 
@@ -322,7 +322,7 @@ def summary(run: CanaryRun) -> str:
 
 def write_timeline(run: CanaryRun, path: Path, title: str) -> Path:
     """Canary weight, request rate and error rate per route over time (PNG)."""
-    from laneway.drills.timeline import _pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import _pyplot  # noqa: PLC0415 - matplotlib is optional
 
     plt = _pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from laneway.drills.load import OpenLoopLoad, Outcome
-from laneway.drills.observe import Sample, StackObserver
 from laneway.errors import ConfigError
+from ops.drills.load import OpenLoopLoad, Outcome
+from ops.drills.observe import Sample, StackObserver
 
 __all__ = [
     "SurgePlan",

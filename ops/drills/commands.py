@@ -14,15 +14,16 @@ import httpx
 import redis.asyncio as aioredis
 
 from laneway.canary import parse_steps
-from laneway.drills.canary import CanaryPlan, CanaryRun, run_canary
-from laneway.drills.canary import judge as canary_judge
-from laneway.drills.canary import summary as canary_summary
-from laneway.drills.canary import table as canary_table
-from laneway.drills.canary import write_timeline as write_canary_timeline
-from laneway.drills.observe import StackObserver
-from laneway.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from laneway.errors import ConfigError, LanewayError
-from laneway.settings import StackSettings, load_settings
+from laneway.settings import load_settings
+from ops.drills.canary import CanaryPlan, CanaryRun, run_canary
+from ops.drills.canary import judge as canary_judge
+from ops.drills.canary import summary as canary_summary
+from ops.drills.canary import table as canary_table
+from ops.drills.canary import write_timeline as write_canary_timeline
+from ops.drills.observe import StackObserver
+from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
+from ops.settings import StackSettings
 from streams.settings import StreamsSettings
 
 __all__ = ["add_drill_commands"]
@@ -108,7 +109,7 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
             return await run_surge(plan, base_url=url, key=key, observer=observer)
 
     run = asyncio.run(drive())
-    from laneway.drills.timeline import write_timeline  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import write_timeline  # noqa: PLC0415 - matplotlib is optional
 
     title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
     rows = judge(run)

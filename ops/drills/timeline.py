@@ -7,8 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from laneway.drills.surge import WINDOW_S, SurgeRun, baseline_p99, window_p99s
 from laneway.errors import ConfigError
+from ops.drills.surge import WINDOW_S, SurgeRun, baseline_p99, window_p99s
 
 __all__ = ["write_timeline"]
 

@@ -20,9 +20,9 @@ from redis.exceptions import RedisError
 
 from laneway.constants import RedisKeys, RequestClass, Topics
 from laneway.errors import MalformedMessage
-from laneway.group_members import GroupMembers
 from laneway.schema import ScalingDecision, decode
-from laneway.supervisor import Supervisor, SupervisorMetrics
+from ops.group_members import GroupMembers
+from ops.supervisor import Supervisor, SupervisorMetrics
 
 __all__ = ["LocalAutoscaler"]
 

@@ -17,16 +17,17 @@ from tqdm import tqdm
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.batch import BatchClient, output_line
-from laneway.canary_cli import add_canary_commands
 from laneway.clients import kafka_auth, make_producer, make_redis
-from laneway.devstack import create_topics
-from laneway.drills import add_drill_commands
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
-from laneway.local_stack import run_local_stack
 from laneway.logs import setup_logging
-from laneway.principals_cli import add_principal_commands
 from laneway.schema import BatchResult
-from laneway.settings import CommonSettings, StackSettings, load_settings
+from laneway.settings import CommonSettings, load_settings
+from ops.canary_cli import add_canary_commands
+from ops.devstack import create_topics
+from ops.drills import add_drill_commands
+from ops.local_stack import run_local_stack
+from ops.principals_cli import add_principal_commands
+from ops.settings import StackSettings
 from quota.teams import Team, set_team
 from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands

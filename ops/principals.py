@@ -23,7 +23,6 @@ from pydantic import SecretStr
 
 from laneway.clients import kafka_auth, make_admin
 from laneway.constants import POOLS, RequestClass, Topics
-from laneway.devstack import create_topics_async
 from laneway.errors import ConfigError, ServiceError
 from laneway.kafka_acl import (
     AclRule,
@@ -37,6 +36,7 @@ from laneway.kafka_acl import (
     upsert_scram,
 )
 from laneway.settings import CommonSettings
+from ops.devstack import create_topics_async
 
 __all__ = ["ROLES", "Role", "acl_rules", "create_principal", "delete_principal", "show_acls"]
 

@@ -18,9 +18,9 @@ import orjson
 from pydantic import SecretStr
 
 from laneway.constants import POOLS
-from laneway.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
-from laneway.principals import Role, create_principal
 from laneway.settings import CommonSettings
+from ops.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
+from ops.principals import Role, create_principal
 
 __all__ = ["StackSecrets", "service_identity"]
 

@@ -1,0 +1,81 @@
+"""Settings of the HTTP ingress (``python -m ingress``)."""
+
+from __future__ import annotations
+
+import secrets
+
+from pydantic import (
+    Field,
+    SecretStr,
+)
+
+from laneway.settings import CommonSettings
+
+__all__ = ["IngressSettings"]
+
+
+class IngressSettings(CommonSettings):
+    """The OpenAI-compatible HTTP ingress."""
+
+    host: str = Field("127.0.0.1", description="ingress listen address")
+    port: int = Field(8000, ge=0, le=65535, description="ingress listen port")
+    instance_id: str = Field(
+        default_factory=lambda: f"ingress-{secrets.token_hex(4)}",
+        description="names this replica's reply stream; unique per replica",
+    )
+    admin_key: SecretStr = Field(
+        SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
+    )
+    console_session_s: float = Field(
+        8 * 3600.0,
+        gt=0,
+        le=7 * 86400,
+        description="web console (/console, on with the admin key): a login lasts this long",
+    )
+    completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
+    chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
+    reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="largest request body accepted; a longer one gets 413 before it is read "
+        "to its end (a 32k-token chat is about 130 kB of JSON)",
+    )
+    cancels_per_s: int = Field(
+        50,
+        gt=0,
+        description="DELETE /v1/requests/{id} calls one team may make per second, over all "
+        "replicas (429 beyond): each tombstone reaches every worker",
+    )
+    cancel_hold_ms: int = Field(
+        25,
+        ge=0,
+        le=1000,
+        description="a gone client's tombstone (with a session and seq) waits this long before "
+        "its Kafka record is written; none is if this ingress stores a newer seq of the session "
+        "on the same topic meanwhile (Redis gets it at once either way; 0: no wait)",
+    )
+    breaker_routes: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: {
+            "laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"},
+            "laneway-chat": {"quantized": "laneway-chat-int8", "fallback": "laneway-chat-small"},
+        },
+        description="breaker: model → {quantized, fallback} routes of levels 1 and 2 (JSON)",
+    )
+    probe_interval_s: float = Field(
+        300.0, ge=0, description="health probe of every pool this often (0: off)"
+    )
+    probe_timeout_s: float = Field(10.0, gt=0, description="a probe slower than this fails")
+    affinity_prefix_chars: int = Field(
+        256, gt=0, description="prompt prefix hashed into the affinity key without a session"
+    )
+    quota_lease_share: float = Field(
+        0.01,
+        ge=0,
+        le=0.1,
+        description="share of a team's hourly interactive budget this replica takes from "
+        "Redis at once and admits from locally (0: one Redis reservation per request)",
+    )
+    quota_lease_idle_s: float = Field(
+        10.0, gt=0, description="an unused quota lease goes back to its pool after this long"
+    )

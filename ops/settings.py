@@ -1,0 +1,107 @@
+"""Settings of ``laneway up``, the local single-node stack."""
+
+from __future__ import annotations
+
+from pydantic import (
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from laneway.constants import RequestClass
+from laneway.settings import CommonSettings
+
+__all__ = ["StackSettings"]
+
+
+def _default_local_replicas() -> dict[RequestClass, tuple[int, int]]:
+    return {"completion": (1, 3), "chat": (1, 1), "batch": (1, 1)}
+
+
+class StackSettings(CommonSettings):
+    """``laneway up``: the local single-node stack."""
+
+    kafka_port: int = Field(
+        19092, gt=0, le=65535, description="`laneway up`: Kafka port (controller: +1)"
+    )
+    redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
+    partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
+    data_dir: str = Field(
+        ".run", description="where broker and Redis keep their data and `laneway up` its logs"
+    )
+    replication_factor: int = Field(
+        1, ge=1, le=7, description="`laneway topics create`: replicas of each topic"
+    )
+    kafka_heap_mb: int = Field(768, ge=256, description="`laneway up`: broker JVM heap")
+    port: int = Field(8000, ge=0, le=65535, description="ingress port")
+    supervisor_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="`laneway up`: serve /metrics (restarts and state of every process) "
+        "here (0: off)",
+    )
+    restart_backoff_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="`laneway up`: wait before restarting a process that exited; doubles "
+        "with each further exit within LANEWAY_CRASH_WINDOW_S; jittered down by up to half",
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, gt=0, le=600, description="`laneway up`: longest wait before a restart"
+    )
+    crash_limit: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="`laneway up`: a process that exits this often within "
+        "LANEWAY_CRASH_WINDOW_S stops the stack",
+    )
+    crash_window_s: float = Field(
+        60.0, gt=0, le=86_400, description="`laneway up`: window of LANEWAY_CRASH_LIMIT"
+    )
+
+    local_replicas: dict[RequestClass, tuple[int, int]] = Field(
+        default_factory=_default_local_replicas,
+        description="`laneway up`: fewest and most worker processes per pool, started and "
+        "stopped by the pool's scaling signal (JSON {pool: [min, max]}; a pool left out: [1, 1])",
+    )
+    secured: bool = Field(
+        False,
+        description="`laneway up`: Kafka with SASL/SCRAM and ACLs and Redis with ACL users, one "
+        "principal per service (passwords generated into <data dir>/secrets; docs/security.md)",
+    )
+    autoscale_interval_s: float = Field(
+        1.0, gt=0, le=60, description="`laneway up`: how often the local autoscaler looks"
+    )
+
+    @field_validator("local_replicas")
+    @classmethod
+    def _replicas_in_range(
+        cls, value: dict[RequestClass, tuple[int, int]], info: ValidationInfo
+    ) -> dict[RequestClass, tuple[int, int]]:
+        partitions = info.data.get("partitions") or 256
+        for pool, (low, high) in value.items():
+            if not 1 <= low <= high or low > partitions:
+                raise ValueError(
+                    f"{pool}: [{low}, {high}] needs 1 <= min <= max and min <= "
+                    f"LANEWAY_PARTITIONS ({partitions})"
+                )
+        return value
+
+    def replicas_of(self, pool: RequestClass) -> tuple[int, int]:
+        """(min, max) worker processes of ``pool`` under ``laneway up``; the max is cut to
+        the partition count (a member beyond it would idle)."""
+        low, high = self.local_replicas.get(pool, (1, 1))
+        return low, min(high, self.partitions)
+
+    @field_validator("restart_backoff_max_s")
+    @classmethod
+    def _backoff_max_not_below_first(cls, value: float, info: ValidationInfo) -> float:
+        first = info.data.get("restart_backoff_s")
+        if first is not None and value < first:
+            raise ValueError(
+                f"must be at least LANEWAY_RESTART_BACKOFF_S ({first}), the first wait"
+            )
+        return value
