@@ -147,7 +147,8 @@ def stack_processes(
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
-    logging.getLogger("laneway").setLevel(logging.INFO)
+    for name in ("laneway", "ops"):
+        logging.getLogger(name).setLevel(logging.INFO)
     metrics = SupervisorMetrics()
     secured = stack_secrets(settings)
     supervisor = Supervisor(
