@@ -98,7 +98,7 @@ async def session(
         # is still running when the stack is torn down.
         lasts = args.warmup + args.rounds * len(runs) * (args.seconds + 5) + 10
         async with BatchClient(stack.settings()) as client:
-            await client.submit(documents(int(lasts * 40) + 200), api_key=key)
+            await client.submit(documents(int(lasts * 40) + 200), team="typists")
         background = [
             asyncio.create_task(chat_user(stack, key, i, stop, chat)) for i in range(CHAT_USERS)
         ]

@@ -209,7 +209,7 @@ async def _round(
         # Enough lines to outlast the three windows that need the job running.
         lines = int(args.slots / (BATCH_TOKENS * args.token_ms / 1000) * (3 * args.seconds + 30))
         async with BatchClient(stack.settings()) as client:
-            job = await client.submit(_job_lines(round_, lines), api_key=key)
+            job = await client.submit(_job_lines(round_, lines), team="fleet")
             await asyncio.sleep(3)  # the job reaches the upstream
             await window("batch", "completions")
             await window("batch+chat", "completions", "chats")

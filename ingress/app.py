@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ingress.admin import admin_router
 from ingress.admin_canary import canary_router
+from ingress.batch_routes import FILES_PATH, batch_router
 from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
@@ -40,9 +41,14 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # An upload carries its multipart framing on top of the file.
+    upload_limit = settings.max_file_bytes + 64 * 1024
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, per_path={FILES_PATH: upload_limit}
+    )
     app.router.routes.extend(HOT_ROUTES)  # tried before the included routers
     app.include_router(router)
+    app.include_router(batch_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     install_console(app)

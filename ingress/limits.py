@@ -16,19 +16,23 @@ __all__ = ["BodyLimit"]
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, per_path: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.per_path = per_path or {}  # paths with a limit of their own (file uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.per_path.get(scope["path"], self.max_bytes)
         length = _content_length(scope)
         if length is not None:
             # The server reads no more than Content-Length says: the header is the size.
-            if length > self.max_bytes:
-                await self._refuse(length, scope, receive, send)
+            if length > limit:
+                await self._refuse(length, limit, scope, receive, send)
                 return
             await self.app(scope, receive, send)
             return
@@ -42,8 +46,8 @@ class BodyLimit:
                 await self.app(scope, _replay(message, receive), send)
                 return
             body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._refuse(len(body), scope, receive, send, at_least=True)
+            if len(body) > limit:
+                await self._refuse(len(body), limit, scope, receive, send, at_least=True)
                 return
             if not message.get("more_body", False):
                 break
@@ -51,14 +55,19 @@ class BodyLimit:
         await self.app(scope, _replay(whole, receive), send)
 
     async def _refuse(
-        self, size: int, scope: Scope, receive: Receive, send: Send, *, at_least: bool = False
+        self,
+        size: int,
+        limit: int,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        at_least: bool = False,
     ) -> None:
         # A chunked body is cut off where it passed the limit: its size is not known.
         size_part = "" if at_least else f" is {size} bytes,"
-        exc = BodyTooLarge(
-            f"request body{size_part} over the limit of {self.max_bytes} bytes "
-            "(LANEWAY_MAX_BODY_BYTES)"
-        )
+        setting = "LANEWAY_MAX_BODY_BYTES" if limit == self.max_bytes else "LANEWAY_MAX_FILE_BYTES"
+        exc = BodyTooLarge(f"request body{size_part} over the limit of {limit} bytes ({setting})")
         response = error_response(exc)
         response.headers["connection"] = "close"  # the rest of the body is not read
         await response(scope, receive, send)

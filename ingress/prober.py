@@ -21,7 +21,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
-from laneway.apikeys import create_key, hash_key
+from laneway.apikeys import hash_key
 from laneway.clients import make_consumer
 from laneway.constants import POOLS, RequestClass
 from laneway.errors import ProbeFailed
@@ -37,10 +37,6 @@ __all__ = ["PROBE_TEAM", "ProbeResult", "Prober"]
 log = logging.getLogger(__name__)
 
 PROBE_TEAM = "laneway-probe"
-# Each batch probe gets a key of its own that works this long (a minute at least): a batch
-# line carries its key on the batch topic, so the probe's is dead by the time anyone could
-# read it there, and no probe key is ever kept, in Redis or anywhere.
-_PROBE_KEY_MIN_TTL_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +129,13 @@ class Prober:
         finally:
             state.replies.close(env.id)
 
-    async def _probe_key(self) -> str:
-        ttl_s = max(_PROBE_KEY_MIN_TTL_S, int(3 * self.settings.probe_timeout_s))
-        return await create_key(self.state.redis, self.state.keys, PROBE_TEAM, ttl_s=ttl_s)
-
     async def _probe_batch(self) -> None:
         state = self.state
         job = f"probe-{secrets.token_hex(6)}"
         line = BatchRequest(
             job_id=job,
             line_id="probe",
-            api_key=await self._probe_key(),
+            team=PROBE_TEAM,
             url="/v1/completions",
             body={"model": self.settings.models[0], "prompt": "probe", "max_tokens": 1},
         )

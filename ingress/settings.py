@@ -41,6 +41,15 @@ class IngressSettings(CommonSettings):
         description="largest request body accepted; a longer one gets 413 before it is read "
         "to its end (a 32k-token chat is about 130 kB of JSON)",
     )
+    max_file_bytes: int = Field(
+        100 * 1024 * 1024,
+        ge=1024,
+        description="largest file POST /v1/files accepts (a batch input file; its bytes go to "
+        "Kafka, never to Redis)",
+    )
+    batch_max_lines: int = Field(
+        50_000, gt=0, description="most lines (requests) a batch input file may have"
+    )
     cancels_per_s: int = Field(
         50,
         gt=0,

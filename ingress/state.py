@@ -16,9 +16,11 @@ from redis.exceptions import RedisError
 from ingress import metrics
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
+from ingress.batches import BatchBook
 from ingress.breaker import BreakerGate
 from ingress.canary_gate import CanaryGate
 from ingress.cancels import CancelOutbox
+from ingress.files import FileStore
 from ingress.prober import Prober
 from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
@@ -69,6 +71,8 @@ class IngressState:
         self.breaker = BreakerGate(self.redis, self.keys, settings)
         self.canaries = CanaryGate(self.redis, self.keys)
         self.prober = Prober(self)
+        self.files = FileStore(settings, self.redis, self.producer)
+        self.batches = BatchBook(settings, self.redis, self.files)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
             QuotaEnforcer(self.redis, self.keys, policy),
@@ -108,10 +112,12 @@ class IngressState:
         )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
         self._clock_sync = asyncio.create_task(self._sync_clock(), name="clock-sync")
+        await self.batches.start()
         await self.prober.start()
 
     async def stop(self) -> None:
         await self.prober.stop()
+        await self.batches.stop()
         await self.cancels.stop()  # while Kafka and Redis are still there
         for task in (self._clock_sync, self._lease_returns, self._tail):
             await stop_task(task)

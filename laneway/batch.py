@@ -8,24 +8,29 @@ Jobs use the OpenAI Batch formats: each input line is ``{"custom_id", "method": 
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
-from laneway.apikeys import lookup_team
-from laneway.clients import make_consumer, make_producer, make_redis
-from laneway.errors import BadRequest, Unauthorized
+from laneway.clients import make_consumer, make_producer
+from laneway.errors import BadRequest
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
 
-__all__ = ["BatchClient", "JobStatus", "output_line", "parse_input"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "BatchClient",
+    "JobStatus",
+    "new_job_id",
+    "output_line",
+    "output_line_bytes",
+    "parse_input",
+]
 
 _URLS = ("/v1/chat/completions", "/v1/completions")
 
@@ -45,49 +50,68 @@ class JobStatus:
         return self.lines > 0 and self.done >= self.lines
 
 
-def parse_input(lines: Iterable[str], *, job_id: str, api_key: str) -> Iterator[BatchRequest]:
-    """OpenAI Batch input lines → batch requests; a bad line becomes an error line."""
+# A line becomes one Kafka record: it must fit one (the broker's and the producers' limit is
+# 1 MiB), with room for the record's other fields.
+MAX_LINE_BYTES = 1_000_000
+
+
+def parse_input(
+    lines: Iterable[str], *, job_id: str, team: str, endpoint: str | None = None
+) -> Iterator[BatchRequest]:
+    """OpenAI Batch input lines → batch requests of ``team``; a bad line becomes an error
+    line. ``endpoint``: the batch's endpoint, which every line's ``url`` must name."""
     seen: set[str] = set()
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         fallback_id = f"line-{number}"
+
+        def failed(line_id: str, problem: str, number: int = number) -> BatchRequest:
+            return BatchRequest(
+                job_id=job_id, line_id=line_id, team=team, error=f"line {number}: {problem}"
+            )
+
+        size = len(text.encode())
+        if size > MAX_LINE_BYTES:
+            yield failed(fallback_id, f"{size} bytes, over the {MAX_LINE_BYTES} a line may have")
+            continue
         try:
             item = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            yield BatchRequest(
-                job_id=job_id,
-                line_id=fallback_id,
-                api_key=api_key,
-                error=f"line {number}: invalid JSON: {exc}",
-            )
+            yield failed(fallback_id, f"invalid JSON: {exc}")
             continue
         if not isinstance(item, dict):
-            yield BatchRequest(
-                job_id=job_id,
-                line_id=fallback_id,
-                api_key=api_key,
-                error=f"line {number}: not a JSON object",
-            )
+            yield failed(fallback_id, "not a JSON object")
             continue
-        line_id = str(item.get("custom_id") or fallback_id)
-        problem = None
+        line_id = str(item.get("custom_id") or fallback_id)[:500]
         if line_id in seen:
-            problem = f"line {number}: custom_id {line_id!r} repeats an earlier line"
-            line_id = f"{line_id}#{number}"
-        elif item.get("url") not in _URLS:
-            problem = f"line {number}: url {item.get('url')!r} must be one of {list(_URLS)}"
-        elif str(item.get("method", "POST")).upper() != "POST":
-            problem = f"line {number}: method must be POST"
-        elif not isinstance(item.get("body"), dict):
-            problem = f"line {number}: body must be a JSON object"
+            problem: str | None = f"custom_id {line_id!r} repeats an earlier line"
+            line_id = f"{line_id[:480]}#{number}"
+        else:
+            problem = _line_problem(item, endpoint)
         seen.add(line_id)
         if problem:
-            yield BatchRequest(job_id=job_id, line_id=line_id, api_key=api_key, error=problem)
+            yield failed(line_id, problem)
         else:
             yield BatchRequest(
-                job_id=job_id, line_id=line_id, api_key=api_key, url=item["url"], body=item["body"]
+                job_id=job_id, line_id=line_id, team=team, url=item["url"], body=item["body"]
             )
+
+
+def _line_problem(item: dict[str, Any], endpoint: str | None) -> str | None:
+    """What is wrong with a decoded input line (None: nothing)."""
+    custom_id = item.get("custom_id")
+    if custom_id is not None and not isinstance(custom_id, str):
+        return "custom_id must be a string"
+    if item.get("url") not in _URLS:
+        return f"url {item.get('url')!r} must be one of {list(_URLS)}"
+    if endpoint is not None and item["url"] != endpoint:
+        return f"url {item['url']!r} is not the batch's endpoint {endpoint!r}"
+    if str(item.get("method", "POST")).upper() != "POST":
+        return "method must be POST"
+    if not isinstance(item.get("body"), dict):
+        return "body must be a JSON object"
+    return None
 
 
 def output_line(result: BatchResult) -> dict[str, Any]:
@@ -108,6 +132,16 @@ def output_line(result: BatchResult) -> dict[str, Any]:
     }
 
 
+def new_job_id() -> str:
+    """A batch's id (the Batches API's ``batch_…``), which is also its job id on Kafka."""
+    return f"batch_{secrets.token_hex(12)}"
+
+
+def output_line_bytes(result: BatchResult) -> bytes:
+    """The output line as the Files API serves it (its size is the file's ``bytes``)."""
+    return orjson.dumps(output_line(result)) + b"\n"
+
+
 class BatchClient:
     """Submits jobs to ``laneway.req.batch`` and reads ``laneway.results.batch``."""
 
@@ -115,19 +149,15 @@ class BatchClient:
         self.settings = settings
         self.topics = settings.topics
         self._producer: AIOKafkaProducer | None = None
-        self._redis: aioredis.Redis | None = None
 
     async def __aenter__(self) -> BatchClient:
         self._producer = make_producer(self.settings, linger_ms=20)
         await self._producer.start()
-        self._redis = make_redis(self.settings)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._producer is not None:
             await self._producer.stop()
-        if self._redis is not None:
-            await self._redis.aclose()
 
     @property
     def producer(self) -> AIOKafkaProducer:
@@ -139,18 +169,17 @@ class BatchClient:
         self,
         lines: Iterable[str],
         *,
-        api_key: str,
+        team: str,
         job_id: str | None = None,
         source: str = "",
         progress: Callable[[int], None] | None = None,
     ) -> str:
-        """Queue every line of a job; returns the job id once all are stored by Kafka."""
-        assert self._redis is not None
-        team = await lookup_team(self._redis, self.settings.keys, api_key)
-        if team is None:
-            raise Unauthorized("unknown API key (create one with `laneway keys create --team T`)")
-        job_id = job_id or f"batch_{time.strftime('%Y%m%d')}_{secrets.token_hex(6)}"
-        requests = list(parse_input(lines, job_id=job_id, api_key=api_key))
+        """Queue every line of a job of ``team``; returns the job id once Kafka stored all.
+
+        The direct path, for service principals: Kafka's ACLs are what vouch for ``team``
+        (tenants submit over HTTP, ``laneway.http_batch``, where their key does)."""
+        job_id = job_id or new_job_id()
+        requests = list(parse_input(lines, job_id=job_id, team=team))
         if not requests:
             raise BadRequest("the job has no lines")
         header = BatchJob(job_id=job_id, team=team, lines=len(requests), source=source)

@@ -9,6 +9,7 @@ __all__ = [
     "API_KEY_CACHE_S",
     "BANDS",
     "CLASSES",
+    "FILE_RETENTION_S",
     "HEARTBEAT_TTL_S",
     "INTERACTIVE_CLASSES",
     "POOLS",
@@ -49,6 +50,10 @@ API_KEY_CACHE_S: Final = 4.0
 # one read per replica per 30 s. Keys are random, so none is looked up before it exists.
 UNKNOWN_KEY_CACHE_S: Final = 30.0
 
+# Files (uploads and a batch's output) and batch objects live this long: the retention of
+# laneway.results.batch and laneway.files, so no object outlives its bytes.
+FILE_RETENTION_S: Final = 7 * 24 * 3600
+
 
 class Topics:
     """Kafka topic names under one prefix (``LANEWAY_TOPIC_PREFIX``)."""
@@ -64,6 +69,8 @@ class Topics:
         self.replies = f"{prefix}.replies"
         # Revoked API keys (by hash), read by every ingress: refused even while Redis is away.
         self.keys = f"{prefix}.keys"
+        # Bytes of files uploaded through the Files API, in chunks keyed by file id.
+        self.files = f"{prefix}.files"
 
     def request(self, cls: RequestClass, band: Band = "hi") -> str:
         """The request topic of a class; batch has a single band."""
@@ -135,10 +142,12 @@ class Topics:
                 },
             ),
             (self.usage, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
-            (self.results_batch, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+            (self.results_batch, partitions, {"retention.ms": str(FILE_RETENTION_S * 1000)}),
             (self.control, 1, {"retention.ms": day_ms}),
             (self.replies, partitions, {"retention.ms": str(10 * 60 * 1000)}),
             (self.usage_hourly, partitions, {"retention.ms": str(90 * 24 * 3600 * 1000)}),
+            # As long as the results: a batch's input is readable while its output is.
+            (self.files, partitions, {"retention.ms": str(FILE_RETENTION_S * 1000)}),
             # Compacted and kept for good: a revocation must outlive every copy of its key.
             (self.keys, 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
         ]
@@ -187,6 +196,22 @@ class RedisKeys:
         """Where versions before key hashing kept the prober's API key in plain text (the
         prober deletes it, and the key's record, when it starts)."""
         return f"{self.prefix}:probe:key"
+
+    def file(self, file_id: str) -> str:
+        """An uploaded or result file of the Files API: its object and where its bytes are."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch of the Batches API: its object and how far its results were counted."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def team_batches(self, team: str) -> str:
+        """A team's batch ids scored by creation time (``GET /v1/batches``)."""
+        return f"{self.prefix}:batches:{team}"
+
+    def batch_cancelled(self, job_id: str) -> str:
+        """Set while a batch job is cancelled: workers answer its remaining lines at once."""
+        return f"{self.prefix}:batch:cancelled:{job_id}"
 
     def cancel_rate(self, team: str) -> str:
         """``DELETE /v1/requests/{id}`` calls of a team in the current second (a counter)."""

@@ -191,23 +191,35 @@ class UsageEvent(_Wire):
 
 
 class BatchRequest(_Wire):
-    """One line of a batch job on ``laneway.req.batch`` or a team's own batch topic.
+    """One line of a batch job, keyed ``<job_id>:<line_id>``, on ``laneway.req.batch`` or on a
+    team's own topic ``<prefix>.req.batch.team.<team>``.
 
-    ``body`` is the OpenAI request body of ``url``. On a team's topic
-    (``<prefix>.req.batch.team.<team>``, writable by that team's principal alone) the team is
-    the topic's and the line needs no key; on ``laneway.req.batch`` ``api_key`` is the team's
-    key, checked by the batch worker. A line the submitter could not parse carries ``error``
-    instead of a body and comes back as an error result.
+    ``team`` is the team the line runs and is charged for. It is taken from the door the line
+    came through: the authenticated API key at ``POST /v1/batches``, a batch service
+    principal whose ACL lets it write ``laneway.req.batch`` (an operator's pipeline), or the
+    topic of a team's own principal, whose ACL lets it write that topic alone (there a
+    ``team`` in the line is not read). No key travels with the line.
+    ``body`` is the OpenAI request body of ``url``. A line the submitter could not parse
+    carries ``error`` instead of a body and comes back as an error result.
     """
 
     v: Literal[1] = 1
     job_id: str = Field(min_length=1, max_length=200)
     line_id: str = Field(min_length=1, max_length=500, description="the line's custom_id")
-    api_key: str | None = None
+    team: str | None = Field(None, min_length=1, max_length=200)
+    api_key: str | None = Field(
+        None,
+        description="lines written before teams were named here carried the team's key; "
+        "still read (so a line queued before an upgrade runs), never written",
+    )
     url: Literal["/v1/completions", "/v1/chat/completions"] = "/v1/chat/completions"
     body: dict[str, Any] | None = None
     error: str | None = None
     submitted_ts: float = Field(default_factory=time.time)
+
+    def to_json(self) -> bytes:
+        # A key is never written back: a re-queued legacy line leaves it behind.
+        return self.model_dump_json(by_alias=True, exclude={"api_key"}).encode()
 
 
 class BatchJob(_Wire):

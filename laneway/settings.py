@@ -81,6 +81,10 @@ class CommonSettings(BaseSettings):
         "text", description="log lines as text (fields as key=value) or one JSON object a line"
     )
 
+    ingress_url: str = Field(
+        "http://127.0.0.1:8000/v1",
+        description="the CLI's batch commands: OpenAI base URL of an ingress",
+    )
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],
         description="model names served (JSON list)",

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
-from tqdm import tqdm
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
-from laneway.batch import BatchClient, output_line
 from laneway.clients import kafka_auth, make_producer, make_redis
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.logs import setup_logging
-from laneway.schema import BatchResult
 from laneway.settings import CommonSettings, load_settings
+from ops.batch_cli import add_batch_commands
 from ops.canary_cli import add_canary_commands
 from ops.devstack import create_topics
 from ops.drills import add_drill_commands
@@ -125,89 +120,6 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
     return _run_redis(store)
 
 
-def _api_key(args: argparse.Namespace) -> str:
-    key: str | None = args.key or os.environ.get("LANEWAY_API_KEY")
-    if not key:
-        raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
-    return key
-
-
-def cmd_batch_submit(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    if not path.is_file():
-        raise ConfigError(f"no such file: {path}")
-    lines = path.read_text().splitlines()
-    settings = load_settings(CommonSettings)
-
-    async def submit() -> int:
-        async with BatchClient(settings) as client:
-            with tqdm(
-                total=sum(1 for x in lines if x.strip()), unit="line", desc="submitting"
-            ) as bar:
-                job = await client.submit(
-                    lines,
-                    api_key=_api_key(args),
-                    job_id=args.job_id,
-                    source=path.name,
-                    progress=bar.update,
-                )
-            print(f"submitted job {job}")
-            if args.wait:
-                await _wait_for(client, job, args.timeout)
-        print(job)
-        return 0
-
-    return asyncio.run(submit())
-
-
-async def _wait_for(client: BatchClient, job: str, give_up_s: float) -> None:
-    deadline = time.monotonic() + give_up_s
-    status = await client.status(job)
-    with tqdm(total=status.lines, unit="line", desc="running") as bar:
-        while True:
-            bar.update(status.done - bar.n)
-            if status.complete:
-                break
-            if time.monotonic() > deadline:
-                raise LanewayError(
-                    f"job {job} not done after {give_up_s:.0f}s ({status.done}/{status.lines})"
-                )
-            await asyncio.sleep(1.0)
-            status = await client.status(job)
-    print(f"job {job}: {status.ok} ok, {status.failed} failed of {status.lines}")
-
-
-def cmd_batch_status(args: argparse.Namespace) -> int:
-    settings = load_settings(CommonSettings)
-
-    async def status() -> int:
-        async with BatchClient(settings) as client:
-            st = await client.status(args.job)
-        state = "complete" if st.complete else "running"
-        print(f"job {st.job_id} (team {st.team}): {state}, {st.done}/{st.lines} done,", end=" ")
-        print(f"{st.ok} ok, {st.failed} failed")
-        return 0
-
-    return asyncio.run(status())
-
-
-def cmd_batch_results(args: argparse.Namespace) -> int:
-    settings = load_settings(CommonSettings)
-
-    async def results() -> list[BatchResult]:
-        async with BatchClient(settings) as client:
-            return await client.results(args.job)
-
-    found = asyncio.run(results())
-    text = "".join(orjson.dumps(output_line(r)).decode() + "\n" for r in found)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        Path(args.output).write_text(text)
-        print(f"wrote {len(found)} results to {args.output}")
-    return 0
-
-
 def cmd_topics_create(args: argparse.Namespace) -> int:
     settings = load_settings(StackSettings)
     specs = settings.topics.specs(args.partitions or settings.partitions)
@@ -275,23 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     tset.set_defaults(func=cmd_teams_set)
 
-    batch = sub.add_parser("batch", help="batch jobs (OpenAI Batch format)").add_subparsers(
-        dest="batch_command", required=True
-    )
-    bsubmit = batch.add_parser("submit", help="submit a JSONL file of OpenAI Batch input lines")
-    bsubmit.add_argument("file")
-    bsubmit.add_argument("--key", help="the team's API key (or LANEWAY_API_KEY)")
-    bsubmit.add_argument("--job-id", default=None, help="default: a new id")
-    bsubmit.add_argument("--wait", action="store_true", help="follow the job until it is done")
-    bsubmit.add_argument("--timeout", type=float, default=24 * 3600, help="--wait: give up after")
-    bsubmit.set_defaults(func=cmd_batch_submit)
-    bstatus = batch.add_parser("status", help="lines done, ok and failed")
-    bstatus.add_argument("job")
-    bstatus.set_defaults(func=cmd_batch_status)
-    bresults = batch.add_parser("results", help="write the OpenAI Batch output lines")
-    bresults.add_argument("job")
-    bresults.add_argument("-o", "--output", default="-", help="file (default: stdout)")
-    bresults.set_defaults(func=cmd_batch_results)
+    add_batch_commands(sub)
 
     topics = sub.add_parser("topics", help="Kafka topics").add_subparsers(
         dest="topics_command", required=True

@@ -646,7 +646,11 @@ def redis_acl_file(users: Sequence[RedisUser]) -> str:
 
 class RedisServer(_ServerProcess):
     """A Redis bound to 127.0.0.1: throwaway, or ``persistent`` (an append-only file in
-    ``data_dir``, so API keys and team records outlive a crash and a restart)."""
+    ``data_dir``, so API keys, team records and quota buckets outlive a crash and a restart).
+
+    ``maxmemory`` bounds it with policy ``noeviction``: full, it refuses writes (an error
+    laneway reports) rather than silently forget a quota bucket or a key (docs/security.md).
+    """
 
     name = "redis"
     port_setting = "LANEWAY_REDIS_PORT"
@@ -658,10 +662,12 @@ class RedisServer(_ServerProcess):
         port: int,
         data_dir: Path,
         persistent: bool = False,
+        maxmemory: str = "1gb",
         users: Sequence[RedisUser] = (),
     ) -> None:
         super().__init__(port=port, data_dir=data_dir)
         self.persistent = persistent
+        self.maxmemory = maxmemory
         self.url = f"redis://127.0.0.1:{port}/0"
         # Secured mode: these ACL users, the default user off (no password, no access).
         self.users = tuple(users)
@@ -693,6 +699,8 @@ class RedisServer(_ServerProcess):
             # Every write is on disk within a second: a killed server loses at most that.
             "appendonly": "yes" if self.persistent else "no",
             "appendfsync": "everysec",
+            "maxmemory": self.maxmemory,
+            "maxmemory-policy": "noeviction",
             "daemonize": "no",
             "logfile": "",  # stdout, i.e. redis.log, next to any start-up error
         }

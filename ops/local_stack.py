@@ -79,6 +79,7 @@ def stack_processes(
         data_dir=data / "redis",
         persistent=True,
         users=secured.redis_users(settings.redis_prefix) if secured else (),
+        maxmemory=settings.redis_maxmemory,
     )
     kafka = KafkaBroker(
         port=settings.kafka_port,
@@ -147,7 +148,7 @@ def stack_processes(
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
-    for name in ("laneway", "ops"):
+    for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
     metrics = SupervisorMetrics()
     secured = stack_secrets(settings)

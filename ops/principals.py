@@ -40,7 +40,7 @@ from ops.devstack import create_topics_async
 
 __all__ = ["ROLES", "Role", "acl_rules", "create_principal", "delete_principal", "show_acls"]
 
-ROLES = ("ingress", "worker:<pool>", "streams", "tenant:<team>", "analyst")
+ROLES = ("ingress", "worker:<pool>", "streams", "tenant:<team>", "analyst", "batch-service")
 # A team name becomes part of two topic names (Kafka: [A-Za-z0-9._-], 249 characters); no dot,
 # so one team's topic can never be a prefix-match of another's.
 _TEAM = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
@@ -55,7 +55,7 @@ class Role:
     @classmethod
     def parse(cls, text: str) -> Role:
         kind, _, arg = text.partition(":")
-        if kind in ("ingress", "streams", "analyst") and not arg:
+        if kind in ("ingress", "streams", "analyst", "batch-service") and not arg:
             return cls(kind)
         if kind == "worker" and arg in get_args(RequestClass):
             return cls(kind, arg)
@@ -99,11 +99,14 @@ def acl_rules(
     rules: list[AclRule] = []
     if role.kind == "ingress":
         interactive = [t for pool in ("completion", "chat") for t in topics.pool_topics(pool)]
-        # The HTTP Batches API is the one door to req.batch: it writes each line with the team
-        # of the caller's key. Its files live on <prefix>.files.
-        files = f"{topics.prefix}.files"
+        # The HTTP Batches API is the one door to req.batch: it writes each job's lines with
+        # the team of the caller's key and its header on results.batch, in one transaction
+        # per batch (ingress/batches.py). Its files live on <prefix>.files.
+        files = topics.files
         rules += topic([*interactive, topics.request("batch"), topics.cancel], writes)
-        rules += topic([topics.control, topics.keys, files], writes)
+        rules += topic([topics.control, topics.keys, files, topics.results_batch], writes)
+        txn = f"{topics.prefix}.batches."
+        rules += _on(principal, "transactional_id", [txn], writes, "prefixed")
         # Reply chunks while Redis is away, revocations, batch results (probe and Batches API),
         # and what the operator's console shows (rollups, breaker and probe records).
         rules += topic([topics.replies, topics.keys, topics.results_batch, files], reads)
@@ -143,6 +146,11 @@ def acl_rules(
         rules += topic([topics.results_batch_team(team)], reads)
         # Consumer groups of its own for reading its results, under one prefix.
         rules += _on(principal, "group", [f"{topics.prefix}.team.{team}."], _GROUP, "prefixed")
+    elif role.kind == "batch-service":
+        # A pipeline the operator runs for teams (`laneway batch submit --kafka --team T`): the
+        # `team` of its lines is trusted, so it is an operator's principal, never a tenant's.
+        rules += topic([topics.request("batch"), topics.results_batch], writes)
+        rules += topic([topics.results_batch], reads)
     elif role.kind == "analyst":
         rules += topic([topics.usage, topics.usage_hourly], reads)
         rules += _on(principal, "group", [f"{topics.prefix}.analyst."], _GROUP, "prefixed")

@@ -25,6 +25,12 @@ class StackSettings(CommonSettings):
         19092, gt=0, le=65535, description="`laneway up`: Kafka port (controller: +1)"
     )
     redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
+    redis_maxmemory: str = Field(
+        "1gb",
+        pattern=r"^[1-9][0-9]*(kb|mb|gb)$",
+        description="`laneway up`: Redis memory bound; full, Redis refuses writes "
+        "(noeviction) rather than forget a quota bucket or a key",
+    )
     partitions: int = Field(6, gt=0, le=256, description="partitions of each request topic")
     data_dir: str = Field(
         ".run", description="where broker and Redis keep their data and `laneway up` its logs"

@@ -49,7 +49,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     root = tmp_path_factory.mktemp("services")
-    redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis")
+    # As `make up` runs it: an append-only file, and noeviction under a memory bound.
+    redis = RedisServer(port=REDIS_PORT, data_dir=root / "redis", persistent=True)
     kafka = KafkaBroker(
         port=KAFKA_PORT, data_dir=root / "kafka", heap_mb=512, partitions=PARTITIONS
     )

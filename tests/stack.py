@@ -222,6 +222,10 @@ class LiveStack:
         self._clients.append(client)
         return client
 
+    def track(self, client: Any) -> None:
+        """Close ``client`` (aclose, close or stop) when the stack stops."""
+        self._clients.append(client)
+
     async def producer(self) -> AIOKafkaProducer:
         producer = AIOKafkaProducer(
             bootstrap_servers=self.services.bootstrap, **self.services.admin_auth

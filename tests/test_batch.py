@@ -58,12 +58,12 @@ async def _status_when(
 
 @pytest.mark.slow
 async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack) -> None:
-    key = await stack.api_key("docs", size=1000)
+    await stack.api_key("docs", size=1000)
     settings = CommonSettings(**stack.common)
     worker = _spawn_batch_worker(stack)
     try:
         async with BatchClient(settings) as client:
-            job = await client.submit([_line(i) for i in range(1000)], api_key=key)
+            job = await client.submit([_line(i) for i in range(1000)], team="docs")
             for kill_at in (250, 600):
                 await _status_when(client, job, kill_at, 120)
                 worker.send_signal(signal.SIGKILL)
@@ -86,6 +86,8 @@ async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack
 async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     stack: LiveStack, tmp_path: Path
 ) -> None:
+    """The CLI goes through the ingress's Batches API with the team's key (no Kafka)."""
+    ingress = await stack.start_ingress()
     await stack.start_worker("batch")
     key = await stack.api_key("docs", size=100)
     lines = [_line(i) for i in range(95)]
@@ -98,29 +100,29 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     ]
     source = tmp_path / "job.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    env = stack.process_env(LANEWAY_API_KEY=key)
+    env = stack.process_env(LANEWAY_API_KEY=key, LANEWAY_INGRESS_URL=f"{ingress.base_url}/v1")
+    # Nothing of Kafka or Redis: a tenant holds its key and the ingress's address only.
+    env["LANEWAY_KAFKA_BOOTSTRAP"] = "127.0.0.1:1"
+    env["LANEWAY_REDIS_URL"] = "redis://127.0.0.1:1/0"
     laneway = str(Path(sys.executable).parent / "laneway")
-    submit = await asyncio.to_thread(
-        subprocess.run,
-        [laneway, "batch", "submit", str(source), "--wait", "--timeout", "120"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [laneway, "batch", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+
+    submit = await asyncio.to_thread(run, "submit", str(source), "--wait", "--timeout", "120")
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().splitlines()[-1]
-    assert "95 ok, 5 failed of 100" in submit.stdout
+    assert "completed, 95 ok, 5 failed of 100" in submit.stdout
 
     out = tmp_path / "out.jsonl"
-    fetched = await asyncio.to_thread(
-        subprocess.run,
-        [laneway, "batch", "results", job, "-o", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    fetched = await asyncio.to_thread(run, "results", job, "-o", str(out))
     assert fetched.returncode == 0, fetched.stderr
     rows = {row["custom_id"]: row for row in map(orjson.loads, out.read_text().splitlines())}
     assert len(rows) == 100
@@ -132,15 +134,64 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     assert "invalid JSON" in rows["line-96"]["error"]["message"]
     assert rows["doc-98"]["response"]["body"]["error"]["param"] == "body.max_tokens"
 
-    status = await asyncio.to_thread(
+    status = await asyncio.to_thread(run, "status", job)
+    assert "completed, 100/100 done, 95 ok, 5 failed" in status.stdout, status.stderr
+    # Another team's key sees no such batch.
+    env["LANEWAY_API_KEY"] = await stack.api_key("rivals")
+    foreign = await asyncio.to_thread(run, "status", job)
+    assert foreign.returncode == 2
+    assert "404" in foreign.stderr
+
+
+async def test_the_kafka_path_names_the_team_and_carries_no_key(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """``--kafka``: a service principal writes the lines itself, for the team it names."""
+    await stack.start_worker("batch")
+    source = tmp_path / "job.jsonl"
+    source.write_text("\n".join(_line(i) for i in range(5)) + "\n")
+    laneway = str(Path(sys.executable).parent / "laneway")
+    env = stack.process_env()
+    refused = await asyncio.to_thread(
         subprocess.run,
-        [laneway, "batch", "status", job],
+        [laneway, "batch", "submit", str(source), "--kafka"],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert "complete, 100/100 done, 95 ok, 5 failed" in status.stdout
+    assert refused.returncode == 2
+    assert "--team" in refused.stderr
+    submit = await asyncio.to_thread(
+        subprocess.run,
+        [laneway, "batch", "submit", str(source), "--kafka", "--team", "docs", "--wait"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert submit.returncode == 0, submit.stderr
+    assert "5 ok, 0 failed of 5" in submit.stdout
+    lines = await stack.read_all(stack.topics.request("batch"))
+    assert [line["team"] for line in lines] == ["docs"] * 5
+    assert not any("api_key" in line for line in lines)
+
+
+async def test_a_line_queued_with_a_key_by_an_older_client_still_runs(stack: LiveStack) -> None:
+    """Lines written before teams travelled on the topic carry a key: they run for its team,
+    and one re-queued goes back with the team and without the key."""
+    await stack.start_worker("batch")
+    key = await stack.api_key("docs", size=100)
+    producer = await stack.producer()
+    legacy = orjson.loads(_line(0))
+    record = {"v": 1, "job_id": "old-job", "line_id": "doc-0", "api_key": key, **legacy}
+    await producer.send_and_wait(
+        stack.topics.request("batch"), orjson.dumps(record), key=b"old-job:doc-0"
+    )
+    results = await stack.read_topic(
+        stack.topics.results_batch, count=1, where=lambda r: r.get("job_id") == "old-job"
+    )
+    assert [(r["team"], r["status_code"]) for r in results] == [("docs", 200)]
 
 
 async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> None:
@@ -169,13 +220,13 @@ async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack
         max_inflight=6,
         batch_memory_high=0.9,
     )
-    key = await stack.api_key("docs", size=100)
+    await stack.api_key("docs", size=100)
     lines = [
         _line(i, messages=[{"role": "user", "content": f"doc {i} " * 200}], max_tokens=30)
         for i in range(12)
     ]
     async with BatchClient(CommonSettings(**stack.common)) as client:
-        job = await client.submit(lines, api_key=key)
+        job = await client.submit(lines, team="docs")
         status = await _status_when(client, job, 12, 120)
     assert (status.done, status.ok, status.duplicates) == (12, 12, 0)
     await stack.read_topic(  # every line's final event, then all the job's events so far
@@ -212,12 +263,12 @@ async def test_a_paused_batch_worker_cannot_commit_what_its_partitions_new_owner
     """A worker frozen past its session (a long GC, a SIGSTOP) is expelled from the group and
     its partitions go to the other; when it wakes it still holds finished lines of them. Its
     transactions are fenced by the new owner's producers, so nothing is written twice."""
-    key = await stack.api_key("docs", size=1000)
+    await stack.api_key("docs", size=1000)
     first = _spawn_batch_worker_as(stack, "batch-a")
     second = _spawn_batch_worker_as(stack, "batch-b")
     try:
         async with BatchClient(CommonSettings(**stack.common)) as client:
-            job = await client.submit([_line(i, max_tokens=16) for i in range(400)], api_key=key)
+            job = await client.submit([_line(i, max_tokens=16) for i in range(400)], team="docs")
             await _status_when(client, job, 40, 120)
             first.send_signal(signal.SIGSTOP)
             try:

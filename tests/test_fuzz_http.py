@@ -229,6 +229,53 @@ def bodies(
 
 
 NO_BODY = st.just(b"") | raw_bodies
+
+
+def _multipart(fields: dict[str, bytes]) -> bytes:
+    """A multipart/form-data body with boundary ``x`` (the fuzzed content-type may say so)."""
+    parts = b""
+    for name, value in fields.items():
+        filename = b'; filename="in.jsonl"' if name == "file" else b""
+        parts += b'--x\r\nContent-Disposition: form-data; name="' + name.encode() + b'"'
+        parts += filename + b"\r\n\r\n" + value + b"\r\n"
+    return parts + b"--x--\r\n"
+
+
+batch_lines = st.lists(
+    valid_chat_bodies.map(
+        lambda body: {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": body,
+        }
+    ).map(_encoded)
+    | st.binary(max_size=80),
+    max_size=4,
+).map(b"\n".join)
+file_bodies = st.one_of(
+    st.fixed_dictionaries({"purpose": st.just(b"batch"), "file": batch_lines}).map(_multipart),
+    st.dictionaries(
+        st.sampled_from(["purpose", "file", "x"]), st.binary(max_size=100), max_size=3
+    ).map(_multipart),
+    raw_bodies,
+)
+batch_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "input_file_id": texts,
+        "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/completions"]) | texts,
+        "completion_window": st.just("24h") | texts,
+        "metadata": json_values,
+    },
+)
+valid_batch_bodies = st.fixed_dictionaries(
+    {
+        "input_file_id": st.sampled_from(["file-0", "file-" + "0" * 24]),
+        "endpoint": st.just("/v1/chat/completions"),
+        "completion_window": st.just("24h"),
+    }
+)
 # Each route of the app and the bodies it is sent; test_every_route_is_fuzzed keeps this in
 # step with the app.
 ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
@@ -244,6 +291,13 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("POST", "/admin/keys"): bodies(valid_key_bodies, key_bodies),
     ("GET", "/admin/keys"): NO_BODY,
     ("DELETE", "/admin/keys/{key_or_id}"): NO_BODY,
+    ("POST", "/v1/files"): file_bodies,
+    ("GET", "/v1/files/{file_id}"): NO_BODY,
+    ("GET", "/v1/files/{file_id}/content"): NO_BODY,
+    ("POST", "/v1/batches"): bodies(valid_batch_bodies, batch_bodies),
+    ("GET", "/v1/batches"): NO_BODY,
+    ("GET", "/v1/batches/{batch_id}"): NO_BODY,
+    ("POST", "/v1/batches/{batch_id}/cancel"): NO_BODY,
     ("GET", "/admin/canary"): NO_BODY,
     ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
     ("POST", "/admin/canary/{model}/abort"): NO_BODY,
@@ -314,7 +368,7 @@ def auth(route: tuple[str, str]) -> st.SearchStrategy[str]:
 
 path_params = st.text(max_size=60) | st.sampled_from(["team-a", "cmpl-0", "key-0000000000000000"])
 queries = st.none() | st.dictionaries(
-    st.sampled_from(["team", "x", "limit"]), st.text(max_size=30), max_size=2
+    st.sampled_from(["team", "x", "limit", "after"]), st.text(max_size=30), max_size=2
 )
 
 
@@ -435,7 +489,8 @@ async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
 
     def fuzz_all() -> None:
         # The interactive paths get half the requests: they are where bodies matter most.
-        share = {r: 4 if r[1].startswith("/v1/") and r[0] == "POST" else 1 for r in ROUTES}
+        interactive = ("/v1/completions", "/v1/chat/completions")
+        share = {r: 4 if r[1] in interactive else 1 for r in ROUTES}
         unit = examples / sum(share.values())
         for route in sorted(ROUTES):
             fuzz_route(route, max(1, round(unit * share[route])))

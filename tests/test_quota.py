@@ -358,11 +358,11 @@ async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def _batch_line(api_key: str, job: str, line: int) -> BatchRequest:
+def _batch_line(team: str, job: str, line: int) -> BatchRequest:
     return BatchRequest(
         job_id=job,
         line_id=str(line),
-        api_key=api_key,
+        team=team,
         url="/v1/completions",
         body={"model": "laneway-code", "prompt": f"document {line} " * 5, "max_tokens": 64},
     )
@@ -380,7 +380,7 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
     for line in range(200):  # 200 × 84 tokens ≫ the batch pool
         await producer.send(
             stack.topics.request("batch"),
-            _batch_line(key, job, line).to_json(),
+            _batch_line(team, job, line).to_json(),
             key=f"{job}:{line}".encode(),
         )
     await producer.flush()
@@ -439,7 +439,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         for line in range(5):
             await producer.send_and_wait(
                 stack.topics.request("batch"),
-                _batch_line(key, job, line).to_json(),
+                _batch_line("ops", job, line).to_json(),
                 key=f"{job}:{line}".encode(),
             )
         # The lane took the lines up and paused on Redis; nothing of the job was written.

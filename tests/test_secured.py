@@ -208,8 +208,8 @@ async def test_service_principals_serve_the_whole_path(
     )
     assert result.choices[0].text.strip()
 
-    # The line carries a valid key of team-a: were the line believed, team-a would pay.
-    line = _batch_line("job-pay", "doc-1", api_key=key)
+    # The line names team-a and carries a valid key of it: were it believed, team-a would pay.
+    line = _batch_line("job-pay", "doc-1", api_key=key, team="team-a")
     await _produce(
         principals.auth("pay"), stack.services.bootstrap, topics.batch_team("payments"), line
     )

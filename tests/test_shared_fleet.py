@@ -78,7 +78,7 @@ async def test_completions_start_at_once_while_batch_fills_the_upstream(
     http = stack.http(ingress, key)
     preempted_before = metrics.FLEET_PREEMPTIONS.labels("gpu-fleet")._value.get()
     async with BatchClient(CommonSettings(**stack.common)) as client:
-        job = await client.submit([_line(i, 40) for i in range(24)], api_key=key)
+        job = await client.submit([_line(i, 40) for i in range(24)], team="team-a")
         # Batch takes every slot but the reserve (one): three lines of 800 ms each.
         await upstream.until(lambda running, _: running == 3, "batch to fill its share")
         body = {"model": "laneway-code", "max_tokens": 4}
@@ -115,7 +115,7 @@ async def test_chat_ranks_between_completions_and_batch(
     key = await stack.api_key(size=1000)
     http = stack.http(ingress, key)
     async with BatchClient(CommonSettings(**stack.common)) as client:
-        job = await client.submit([_line(i, 10) for i in range(12)], api_key=key)
+        job = await client.submit([_line(i, 10) for i in range(12)], team="team-a")
         await upstream.until(lambda running, _: running == 2, "batch on both slots")
 
         def chat(name: str, max_tokens: int) -> Any:

@@ -18,11 +18,18 @@ from aiokafka import TopicPartition
 from laneway.apikeys import lookup_team
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, RedisKeys, Topics
-from laneway.errors import BadRequest, LanewayError, Unauthorized
+from laneway.errors import BadRequest, Cancelled, LanewayError, Unauthorized
 from laneway.openai_api import ChatRequest, CompletionRequest, validate_body
 from laneway.openai_format import error_body, final_body
 from laneway.requests import shape_request
-from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope, UsageEvent
+from laneway.schema import (
+    BatchRequest,
+    BatchResult,
+    Outcome,
+    Reply,
+    RequestEnvelope,
+    UsageEvent,
+)
 from laneway.settings import CommonSettings
 
 __all__ = ["BatchIntake", "BatchLedger", "KafkaRecord", "batch_result", "error_result"]
@@ -39,42 +46,62 @@ _STATUS_CODES = {
 }
 
 
+# A cancelled job's lines stop within this long of the cancel on every worker.
+_CANCEL_CHECK_S = 1.0
+
+
 def batch_request_id(job_id: str, line_id: str) -> str:
     # Deterministic: a line re-run after a crash settles the same quota reservation.
     return f"batch-{job_id}-{line_id}"
 
 
 class BatchIntake:
-    """Turns a batch line into an envelope, or raises the error that becomes its result."""
+    """Turns a batch line into an envelope, or raises the error that becomes its result.
+
+    The line's team is the one its door vouched for (the ingress's authenticated key, or
+    the ACL of the Kafka principal that wrote it); a line from before teams travelled on
+    the topic names its team by its key, looked up once here.
+    """
 
     def __init__(self, settings: CommonSettings, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = keys
         self._teams: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
+        self._cancelled: TtlCache[bool] = TtlCache(_CANCEL_CHECK_S)
 
-    async def _team(self, api_key: str) -> str:
-        team = self._teams.get(api_key)
+    async def team_of(self, line: BatchRequest) -> str:
+        """The team a line runs for (``Unauthorized`` for a legacy line's unknown key)."""
+        if line.team is not None:
+            return line.team
+        if line.api_key is None:
+            raise Unauthorized("batch line names no team")
+        team = self._teams.get(line.api_key)
         if team is None:
-            team = await lookup_team(self.redis, self.keys, api_key)
-            if team is None:
+            found = await lookup_team(self.redis, self.keys, line.api_key)
+            if found is None:
                 raise Unauthorized("unknown API key in this batch line")
-            self._teams.put(api_key, team)
+            self._teams.put(line.api_key, found)
+            team = found
         return team
 
-    async def envelope(self, line: BatchRequest, topic_team: str | None = None) -> RequestEnvelope:
-        """``topic_team``: the team whose own topic the line came from; it is the line's team
-        whatever the line says (only that team's principal may write the topic)."""
+    async def job_cancelled(self, job_id: str) -> bool:
+        """Whether the job was cancelled (``POST /v1/batches/{id}/cancel``); read at most
+        every ``_CANCEL_CHECK_S`` per job, so a job costs Redis one read a second."""
+        cancelled = self._cancelled.get(job_id)
+        if cancelled is None:
+            cancelled = bool(await self.redis.exists(self.keys.batch_cancelled(job_id)))
+            self._cancelled.put(job_id, cancelled)
+        return cancelled
+
+    async def envelope(self, line: BatchRequest) -> RequestEnvelope:
         if line.error is not None:
             raise BadRequest(line.error)
         if line.body is None:
             raise BadRequest("batch line has no body", param="body")
-        if topic_team is not None:
-            team = topic_team
-        elif line.api_key is None:
-            raise Unauthorized("batch line has no api_key")
-        else:
-            team = await self._team(line.api_key)
+        team = await self.team_of(line)
+        if await self.job_cancelled(line.job_id):
+            raise Cancelled(f"batch {line.job_id} was cancelled before this line ran")
         body: CompletionRequest | ChatRequest
         if line.url == "/v1/completions":
             body = validate_body(CompletionRequest, line.body, prefix="body.")
@@ -92,18 +119,22 @@ class BatchIntake:
         )
 
 
-def error_result(line: BatchRequest, exc: LanewayError, team: str = "") -> BatchResult:
+def error_result(line: BatchRequest, exc: LanewayError) -> BatchResult:
+    status: Outcome = "rejected"
     status_code = int(getattr(exc, "status_code", 500))
-    code = getattr(exc, "code", None)
-    param = getattr(exc, "param", None)
+    code: str | None = getattr(exc, "code", None)
+    param: str | None = getattr(exc, "param", None)
+    kind = "invalid_request_error"
+    if isinstance(exc, Cancelled):
+        status, status_code, code = "cancelled", _STATUS_CODES["cancelled"], "cancelled"
     return BatchResult(
         job_id=line.job_id,
         line_id=line.line_id,
         request_id=batch_request_id(line.job_id, line.line_id),
-        team=team,
-        status="rejected",
+        team=line.team or "",
+        status=status,
         status_code=status_code,
-        body=error_body(str(exc), type_="invalid_request_error", code=code, param=param),
+        body=error_body(str(exc), type_=kind, code=code, param=param),
     )
 
 

@@ -83,13 +83,15 @@ class BatchPoolWorker(PoolWorker):
             return None
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
-        # it); a line there cannot speak for another.
+        # it): whatever team or key the line names is not read.
         topic_team = self.topics.team_of_batch_topic(tp.topic)
+        if topic_team is not None:
+            line = line.model_copy(update={"team": topic_team, "api_key": None})
         while True:
             try:
-                env = await self.intake.envelope(line, topic_team)
+                env = await self.intake.envelope(line)
             except LanewayError as exc:
-                result = error_result(line, exc, topic_team or "")
+                result = error_result(line, exc)
                 records = result_records(self.topics, result, input_topic=tp.topic)
                 self.ledger.add(tp, record.offset, records)
                 return None
@@ -99,7 +101,13 @@ class BatchPoolWorker(PoolWorker):
                 await backoff.wait()
             else:
                 key = record.key or f"{line.job_id}:{line.line_id}".encode()
-                self._lines[env.id] = (tp.topic, key, record.value)
+                # A legacy line goes back (when re-queued) with its team and without its key.
+                value = (
+                    record.value
+                    if line.api_key is None
+                    else line.model_copy(update={"team": env.team}).to_json()
+                )
+                self._lines[env.id] = (tp.topic, key, value)
                 return env
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
@@ -175,6 +183,8 @@ class BatchPoolWorker(PoolWorker):
                 team = await self._team(env.team)
                 await self.quota.reserve(team, "batch", env.id, amount)
             except QuotaExceeded as exc:
+                if await self._job_cancelled(env):
+                    return  # dropped as cancelled when it would start; nothing reserved
                 metrics.QUOTA_WAITS.labels(env.team).inc()
                 await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
             except (RedisError, OSError) as exc:
@@ -182,6 +192,19 @@ class BatchPoolWorker(PoolWorker):
                 await backoff.wait()
             else:
                 return
+
+    async def _job_cancelled(self, env: RequestEnvelope) -> bool:
+        """Whether ``env``'s job was cancelled (the shield then drops its lines not started
+        yet); False while Redis cannot say."""
+        if env.job_id is None:
+            return False
+        try:
+            cancelled = await self.intake.job_cancelled(env.job_id)
+        except (RedisError, OSError):
+            return False
+        if cancelled:
+            self.shield.cancel_job(env.job_id, env.team)
+        return cancelled
 
     async def _team(self, name: str) -> Team:
         team = self._teams.get(name)
@@ -266,6 +289,9 @@ class BatchPoolWorker(PoolWorker):
     async def _after_heartbeat(self) -> None:
         await self._relieve_memory()
         await self._yield_to_interactive()
+        # Lines of a job cancelled after they were fetched: dropped when they would start.
+        for work in {w.env.job_id: w for w in self.queue if w.env.job_id}.values():
+            await self._job_cancelled(work.env)
 
     async def _relieve_memory(self) -> None:
         """Over ``batch_memory_high`` KV usage: abort the newest quarter of our work."""

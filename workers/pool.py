@@ -115,6 +115,9 @@ class PoolWorker:
             # The batch pool subscribes by pattern: a team topic created later is found at
             # the next metadata refresh.
             metadata_max_age_ms=30_000 if settings.pool == "batch" else 300_000,
+            # Batch lines are written in transactions (a job submitted over HTTP, a line
+            # re-queued for memory): a line of an aborted one must never run.
+            isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
         self.quota: QuotaEnforcer | None = None

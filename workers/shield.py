@@ -103,6 +103,8 @@ class CancelShield:
         self.ttl_s = ttl_s
         self._clock = clock
         self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Cancelled batch jobs: job id → its team.
+        self._cancelled_jobs: OrderedDict[str, str] = OrderedDict()
         # Latest seq by (team, session): a session is a team's own name, so one team's
         # counter never supersedes another team's keystrokes of a session of the same name.
         self._latest_seq: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -157,6 +159,12 @@ class CancelShield:
         self._trim(self._cancelled)
         return None
 
+    def cancel_job(self, job_id: str, team: str) -> None:
+        """A batch job of ``team`` was cancelled: its lines not started yet are dropped."""
+        self._cancelled_jobs[job_id] = team
+        self._cancelled_jobs.move_to_end(job_id)
+        self._trim(self._cancelled_jobs)
+
     # --- decisions ----------------------------------------------------------------------
 
     def verdict(self, env: RequestEnvelope, now: float | None = None) -> Dropped | None:
@@ -167,6 +175,8 @@ class CancelShield:
         cancel = self._cancelled.get(env.id)
         if cancel is not None and cancel[0] == env.team:
             return Cancelled("cancelled before it started")
+        if env.job_id is not None and self._cancelled_jobs.get(env.job_id) == env.team:
+            return Cancelled(f"batch {env.job_id} was cancelled before this line started")
         if env.session is not None and env.seq is not None:
             latest = self._latest_seq.get((env.team, env.session))
             if latest is not None and latest > env.seq:

@@ -1,0 +1,394 @@
+"""The Batches API: a batch is a job on the batch lane, submitted by the ingress for the
+team of the key that created it.
+
+Creating one reads its input file (``ingress.files``) and writes the job's header and every
+line to Kafka in one transaction: the batch workers read ``read_committed``, so a submission
+cut short runs no line at all. Progress is counted off ``laneway.results.batch`` (the
+exactly-once results) when someone asks: each read goes on from where the last stopped, and
+a compare-and-set in Redis keeps replicas that read at once from counting a result twice.
+Once every line has its result the batch's output and error files are ranges of that topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch, Status
+from ingress.files import FileRecord, FileStore
+from ingress.settings import IngressSettings
+from laneway.batch import output_line_bytes, parse_input
+from laneway.clients import make_consumer, make_producer
+from laneway.constants import FILE_RETENTION_S
+from laneway.errors import BadRequest, LanewayError, NotFound
+from laneway.schema import BatchJob, BatchRequest, BatchResult
+from laneway.tasks import stop_task
+
+__all__ = ["BatchBook"]
+
+log = logging.getLogger(__name__)
+
+_COUNTING: tuple[Status, ...] = ("in_progress", "cancelling")
+# A batch still validating this long after its creation, with no line written, lost the
+# replica that was submitting it (a submission takes seconds).
+_VALIDATING_GIVE_UP_S = 600
+# Others leave a batch this young to the replica submitting it.
+_VALIDATING_OWNED_S = 30
+
+
+class BatchBook:
+    """Creates, follows and cancels the batches of this replica's callers."""
+
+    def __init__(
+        self,
+        settings: IngressSettings,
+        redis: aioredis.Redis,
+        files: FileStore,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.files = files
+        self.topics = settings.topics
+        self.keys = settings.keys
+        # One reader of the results topic, for the short counting reads (file downloads
+        # have consumers of their own).
+        self.records = BatchRecords(redis, settings.keys)
+        self._reader = make_consumer(settings, isolation_level="read_committed")
+        self._reading = asyncio.Lock()
+        self._submitting: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        await self._reader.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Submissions under way get ``grace_s`` to finish; one cut short writes nothing."""
+        pending = list(self._submitting.values())
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        for task in list(self._submitting.values()):
+            await stop_task(task)
+        await self._reader.stop()
+
+    # --- the API ------------------------------------------------------------------------
+
+    async def create(self, team: str, body: CreateBatch, batch_id: str) -> BatchRecord:
+        file = await self.files.get(body.input_file_id, team, param="input_file_id")
+        if file.purpose != "batch":
+            raise BadRequest(
+                f"file {file.id} has purpose {file.purpose!r}; a batch reads a file uploaded "
+                "with purpose 'batch'",
+                param="input_file_id",
+            )
+        now = int(time.time())
+        record = BatchRecord(
+            id=batch_id,
+            team=team,
+            endpoint=body.endpoint,
+            input_file_id=file.id,
+            metadata=body.metadata,
+            created_at=now,
+            expires_at=now + 24 * 3600,
+        )
+        await self.records.insert(record)
+        task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
+        self._submitting[batch_id] = task
+        task.add_done_callback(lambda _: self._submitting.pop(batch_id, None))
+        return record
+
+    async def get(self, batch_id: str, team: str) -> BatchRecord:
+        """The team's batch, its counts brought up to date; another team's is "not found"."""
+        record = await self.records.load(batch_id)
+        if record is None or record.team != team:
+            raise NotFound(f"no batch {batch_id[:200]!r} of team {team!r}", param="batch_id")
+        return await self._refresh(record)
+
+    async def page(self, team: str, after: str | None, limit: int) -> dict[str, Any]:
+        ids = await self.records.team_ids(team)
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page: list[BatchRecord] = []
+        for batch_id in ids:
+            if len(page) > limit:
+                break
+            record = await self.records.load(batch_id)
+            if record is None:
+                await self.records.forget(team, batch_id)  # expired with its results
+                continue
+            page.append(await self._refresh(record) if len(page) < limit else record)
+        data = [r.public() for r in page[:limit]]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(page) > limit,
+        }
+
+    async def cancel(self, batch_id: str, team: str) -> BatchRecord:
+        record = await self.get(batch_id, team)
+        if record.status in ("cancelling", "cancelled"):
+            return record
+        if record.status not in ("validating", "in_progress"):
+            raise BadRequest(
+                f"batch {batch_id} is {record.status}: only a validating or in-progress batch "
+                "can be cancelled",
+                param="batch_id",
+            )
+        # Workers answer the lines they have not started yet with a "cancelled" result.
+        await self.redis.set(self.keys.batch_cancelled(batch_id), b"1", ex=FILE_RETENTION_S)
+        now = int(time.time())
+
+        def cancelling(current: BatchRecord) -> BatchRecord | None:
+            if current.status not in ("validating", "in_progress"):
+                return None
+            return current.model_copy(update={"status": "cancelling", "cancelling_at": now})
+
+        return await self._refresh(await self.records.update(batch_id, cancelling))
+
+    # --- submission ---------------------------------------------------------------------
+
+    async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
+        """Queue the lines of ``file``, or fail the batch saying why."""
+        try:
+            text = await self.files.text(file)
+            # Parsed one at a time as they are sent: a large file is never held as objects.
+            requests = parse_input(
+                text.split("\n"), job_id=record.id, team=record.team, endpoint=record.endpoint
+            )
+            producer = make_producer(
+                self.settings,
+                transactional_id=f"{self.topics.prefix}.batches.{record.id}",
+                linger_ms=20,
+            )
+            await producer.start()
+            try:
+                await self._write(producer, record, file.id, requests)
+            finally:
+                await producer.stop()
+        except LanewayError as exc:
+            await self._fail(record.id, "invalid_file", str(exc))
+        except (KafkaError, RedisError, OSError) as exc:
+            log.warning("batch %s not queued: %r", record.id, exc)
+            await self._fail(
+                record.id, "not_queued", "the batch's lines could not be queued; create it again"
+            )
+
+    async def _write(
+        self,
+        producer: AIOKafkaProducer,
+        batch: BatchRecord,
+        source: str,
+        requests: Iterable[BatchRequest],
+    ) -> None:
+        """The lines, then the job's header, in one transaction. The header's offset is
+        stored before the commit: whoever finds the batch still validating later can tell
+        from it whether the transaction committed."""
+        batch_id = batch.id
+        key = batch_id.encode()
+        async with producer.transaction():
+            topic = self.topics.request("batch")
+            lines = 0
+            for request in requests:
+                line_key = f"{batch_id}:{request.line_id}".encode()
+                await producer.send(topic, request.to_json(), key=line_key)
+                lines += 1
+            if not lines:
+                raise BadRequest("the input file has no request lines", param="input_file_id")
+            header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
+            meta = await (await producer.send(self.topics.results_batch, header.to_json(), key=key))
+            await self.records.update(
+                batch_id,
+                lambda current: current.model_copy(
+                    update={
+                        "partition": meta.partition,
+                        "header_offset": meta.offset,
+                        "scanned_to": meta.offset + 1,
+                        "total": lines,
+                    }
+                ),
+            )
+        now = int(time.time())
+
+        def started(current: BatchRecord) -> BatchRecord | None:
+            if current.status == "validating":
+                return current.model_copy(update={"status": "in_progress", "in_progress_at": now})
+            if current.status == "cancelling":
+                return current.model_copy(update={"in_progress_at": now})
+            return None
+
+        await self.records.update(batch_id, started)
+
+    async def _fail(self, batch_id: str, code: str, message: str) -> None:
+        now = int(time.time())
+
+        def failed(current: BatchRecord) -> BatchRecord | None:
+            if current.status not in ("validating", "cancelling"):
+                return None
+            error = {"code": code, "message": message, "param": "input_file_id", "line": None}
+            if current.status == "cancelling":
+                return current.model_copy(update={"status": "cancelled", "cancelled_at": now})
+            return current.model_copy(
+                update={"status": "failed", "failed_at": now, "errors": [error]}
+            )
+
+        with contextlib.suppress(RedisError, OSError):
+            await self.records.update(batch_id, failed)
+
+    # --- progress -----------------------------------------------------------------------
+
+    async def _refresh(self, record: BatchRecord) -> BatchRecord:
+        if record.status == "validating" and record.id not in self._submitting:
+            record = await self._recover(record)
+        if record.status in _COUNTING and record.scanned_to is not None:
+            record = await self._count(record)
+        if record.status == "finalizing":
+            record = await self._finalize(record)
+        return record
+
+    async def _count(self, record: BatchRecord) -> BatchRecord:
+        """Count the results written since the last count."""
+        assert record.partition is not None
+        assert record.scanned_to is not None
+        tp = TopicPartition(self.topics.results_batch, record.partition)
+        job = record.id.encode()
+        completed = failed = output_bytes = error_bytes = 0
+        async with self._reading:
+            self._reader.assign([tp])
+            self._reader.seek(tp, record.scanned_to)
+            end = (await self._reader.end_offsets([tp]))[tp]
+            while await self._reader.position(tp) < end:
+                batches = await self._reader.getmany(tp, timeout_ms=1000)
+                for kafka_record in batches.get(tp, []):
+                    if kafka_record.offset >= end or kafka_record.key != job:
+                        continue
+                    item = orjson.loads(kafka_record.value)
+                    if item.get("type") != "result":
+                        continue
+                    result = BatchResult.model_validate(item)
+                    size = len(output_line_bytes(result))
+                    if result.status_code == 200:
+                        completed, output_bytes = completed + 1, output_bytes + size
+                    else:
+                        failed, error_bytes = failed + 1, error_bytes + size
+        if end <= record.scanned_to:
+            return record
+        now = int(time.time())
+
+        def counted(current: BatchRecord) -> BatchRecord | None:
+            if current.scanned_to != record.scanned_to or current.status not in _COUNTING:
+                return None  # another replica counted these already
+            update: dict[str, Any] = {
+                "scanned_to": end,
+                "completed": current.completed + completed,
+                "failed": current.failed + failed,
+                "output_bytes": current.output_bytes + output_bytes,
+                "error_bytes": current.error_bytes + error_bytes,
+            }
+            if update["completed"] + update["failed"] >= current.total > 0:
+                update.update(status="finalizing", finalizing_at=now)
+            return current.model_copy(update=update)
+
+        return await self.records.update(record.id, counted)
+
+    async def _finalize(self, record: BatchRecord) -> BatchRecord:
+        """Every line has its result: the output and error files, then the final status."""
+        assert record.partition is not None
+        assert record.header_offset is not None
+        assert record.scanned_to is not None
+        made: dict[str, str] = {}
+        for kind, ok, count, size in (
+            ("output", True, record.completed, record.output_bytes),
+            ("errors", False, record.failed, record.error_bytes),
+        ):
+            if not count:
+                continue
+            # Named after the batch: replicas finalizing at once write the same object.
+            file = FileRecord(
+                id=f"file-{record.id}-{kind}",
+                team=record.team,
+                purpose="batch_output",
+                filename=f"{record.id}_{kind}.jsonl",
+                bytes=size,
+                created_at=record.finalizing_at or int(time.time()),
+                expires_at=record.created_at + FILE_RETENTION_S,
+                partition=record.partition,
+                first_offset=record.header_offset,
+                last_offset=record.scanned_to - 1,
+                job_id=record.id,
+                results_ok=ok,
+            )
+            await self.files.put(file)
+            made[kind] = file.id
+        now = int(time.time())
+
+        def finished(current: BatchRecord) -> BatchRecord | None:
+            if current.status != "finalizing":
+                return None
+            update: dict[str, Any] = {
+                "output_file_id": made.get("output"),
+                "error_file_id": made.get("errors"),
+            }
+            if current.cancelling_at is not None:
+                update.update(status="cancelled", cancelled_at=now)
+            else:
+                update.update(status="completed", completed_at=now)
+            return current.model_copy(update=update)
+
+        return await self.records.update(record.id, finished)
+
+    async def _recover(self, record: BatchRecord) -> BatchRecord:
+        """A batch left validating by a replica that stopped: its transaction either
+        committed (the lines run: in progress) or not (nothing runs: failed)."""
+        age = time.time() - record.created_at
+        if age < _VALIDATING_OWNED_S:
+            return record
+        if record.header_offset is None or record.partition is None:
+            if age > _VALIDATING_GIVE_UP_S:
+                await self._fail(
+                    record.id,
+                    "not_queued",
+                    "the ingress submitting this batch stopped before "
+                    "it queued a line; create the batch again",
+                )
+                return await self.records.load(record.id) or record
+            return record
+        tp = TopicPartition(self.topics.results_batch, record.partition)
+        committed: bool | None = None
+        async with self._reading:
+            self._reader.assign([tp])
+            end = (await self._reader.end_offsets([tp]))[tp]
+            if end <= record.header_offset:
+                return record  # its transaction is still open
+            self._reader.seek(tp, record.header_offset)
+            while committed is None and await self._reader.position(tp) < end:
+                batches = await self._reader.getmany(tp, timeout_ms=1000)
+                for kafka_record in batches.get(tp, []):
+                    committed = kafka_record.offset == record.header_offset
+                    break
+            committed = bool(committed)
+        if not committed:
+            await self._fail(
+                record.id,
+                "not_queued",
+                "the batch's submission was cut short; create the batch again",
+            )
+            return await self.records.load(record.id) or record
+        now = int(time.time())
+        return await self.records.update(
+            record.id,
+            lambda current: (
+                current.model_copy(update={"status": "in_progress", "in_progress_at": now})
+                if current.status == "validating"
+                else None
+            ),
+        )

@@ -1,0 +1,211 @@
+"""The Files API's storage: bytes on Kafka, objects in Redis.
+
+An uploaded file goes to ``laneway.files`` in chunks keyed by its id (one partition, in
+order); Redis keeps its object and where the chunks are. A batch's output and error files
+are not copies: they are ranges of ``laneway.results.batch``, the exactly-once results
+themselves, filtered to the batch and to ok (output) or not (errors). Redis holds only small
+objects, so a large upload can never fill the memory that quota buckets and keys live in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import IO, Any, Literal
+
+import orjson
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from pydantic import BaseModel, ConfigDict
+
+from ingress.settings import IngressSettings
+from laneway.batch import output_line_bytes
+from laneway.clients import make_consumer
+from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
+from laneway.errors import BadRequest, BodyTooLarge, NotFound
+from laneway.schema import BatchResult
+
+__all__ = ["FileRecord", "FileStore", "read_range"]
+
+# A chunk is one Kafka record: well below the 1 MiB a record may have by default.
+_CHUNK_BYTES = 512 * 1024
+
+
+class FileRecord(BaseModel):
+    """A file's object and where its bytes are, as Redis keeps it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    team: str
+    purpose: Literal["batch", "batch_output"]
+    filename: str
+    bytes: int
+    created_at: int
+    expires_at: int
+    partition: int
+    # upload: the offsets of its first and last chunk on laneway.files
+    first_offset: int = 0
+    last_offset: int = -1
+    # a batch's output or errors: the range of laneway.results.batch that holds them
+    job_id: str | None = None
+    results_ok: bool = True
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+class FileStore:
+    def __init__(
+        self, settings: IngressSettings, redis: aioredis.Redis, producer: AIOKafkaProducer
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.producer = producer
+        self.topics: Topics = settings.topics
+        self.keys: RedisKeys = settings.keys
+
+    async def get(self, file_id: str, team: str, *, param: str = "file_id") -> FileRecord:
+        """The team's file ``file_id``; another team's is "not found" like a missing one."""
+        raw = await self.redis.get(self.keys.file(file_id)) if len(file_id) <= 200 else None
+        record = FileRecord.model_validate_json(raw) if raw is not None else None
+        if record is None or record.team != team:
+            raise NotFound(f"no file {file_id[:200]!r} of team {team!r}", param=param)
+        return record
+
+    async def put(self, record: FileRecord) -> None:
+        ttl = max(1, record.expires_at - int(time.time()))
+        await self.redis.set(self.keys.file(record.id), record.model_dump_json(), ex=ttl)
+
+    async def upload(self, team: str, filename: str, data: IO[bytes]) -> FileRecord:
+        """Check an uploaded batch input file, then store it; ``BadRequest`` names what is
+        wrong with it (nothing is stored then)."""
+        # A read of the whole file: off the event loop (it may be on disk, 100 MiB).
+        size, _ = await asyncio.to_thread(_check_upload, data, self.settings)
+        file_id = new_file_id()
+        data.seek(0)
+        sent = []
+        while chunk := data.read(_CHUNK_BYTES):
+            sent.append(await self.producer.send(self.topics.files, chunk, key=file_id.encode()))
+        stored = [await future for future in sent]
+        now = int(time.time())
+        record = FileRecord(
+            id=file_id,
+            team=team,
+            purpose="batch",
+            filename=filename[:255] or "input.jsonl",
+            bytes=size,
+            created_at=now,
+            expires_at=now + FILE_RETENTION_S,
+            partition=stored[0].partition,
+            first_offset=stored[0].offset,
+            last_offset=stored[-1].offset,
+        )
+        await self.put(record)
+        return record
+
+    async def content(self, record: FileRecord) -> AsyncIterator[bytes]:
+        """The file's bytes, as uploaded (or as the batch's output lines)."""
+        if record.job_id is None:
+            tp = TopicPartition(self.topics.files, record.partition)
+            key = record.id.encode()
+            async for _, chunk_key, chunk in read_range(
+                self.settings, tp, record.first_offset, record.last_offset + 1
+            ):
+                if chunk_key == key:
+                    yield chunk
+            return
+        tp = TopicPartition(self.topics.results_batch, record.partition)
+        job = record.job_id.encode()
+        async for _, rkey, value in read_range(
+            self.settings, tp, record.first_offset, record.last_offset + 1, committed=True
+        ):
+            if rkey != job:
+                continue
+            item = orjson.loads(value)
+            if item.get("type") != "result":
+                continue
+            result = BatchResult.model_validate(item)
+            if (result.status_code == 200) == record.results_ok:
+                yield output_line_bytes(result)
+
+    async def text(self, record: FileRecord) -> str:
+        parts = [chunk async for chunk in self.content(record)]
+        return b"".join(parts).decode()
+
+
+def _check_upload(data: IO[bytes], settings: IngressSettings) -> tuple[int, int]:
+    """Size and line count of an upload, which must be UTF-8 text of JSON lines."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    size = lines = 0
+    last = b"\n"
+    data.seek(0)
+    while chunk := data.read(_CHUNK_BYTES):
+        size += len(chunk)
+        if size > settings.max_file_bytes:
+            raise BodyTooLarge(
+                f"file over the limit of {settings.max_file_bytes} bytes (LANEWAY_MAX_FILE_BYTES)",
+                param="file",
+            )
+        try:
+            decoder.decode(chunk)
+        except UnicodeDecodeError as exc:
+            raise BadRequest(
+                f"file is not UTF-8 text (byte {size - len(chunk) + exc.start}): a batch input "
+                "file has one JSON request per line",
+                param="file",
+            ) from None
+        lines += chunk.count(b"\n")
+        last = chunk[-1:]
+    if size == 0:
+        raise BadRequest(
+            "file is empty: a batch input file has one JSON request per line", param="file"
+        )
+    lines += last != b"\n"
+    if lines > settings.batch_max_lines:
+        raise BadRequest(
+            f"file has {lines} lines, over the limit of {settings.batch_max_lines} "
+            "(LANEWAY_BATCH_MAX_LINES)",
+            param="file",
+        )
+    return size, lines
+
+
+async def read_range(
+    settings: IngressSettings, tp: TopicPartition, start: int, end: int, *, committed: bool = False
+) -> AsyncIterator[tuple[int, bytes | None, bytes]]:
+    """(offset, key, value) of the records of ``tp`` from ``start`` up to ``end`` (or the
+    partition's end, if sooner), on a consumer of its own."""
+    consumer: AIOKafkaConsumer = make_consumer(
+        settings, isolation_level="read_committed" if committed else "read_uncommitted"
+    )
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        consumer.seek(tp, start)
+        end = min(end, (await consumer.end_offsets([tp]))[tp])
+        while await consumer.position(tp) < end:
+            batches = await consumer.getmany(tp, timeout_ms=1000)
+            for record in batches.get(tp, []):
+                if record.offset >= end:
+                    return
+                yield record.offset, record.key, record.value
+    finally:
+        await consumer.stop()

@@ -1,0 +1,373 @@
+"""OpenAI's Files and Batches API on the real stack, driven by the official OpenAI SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from aiokafka import AIOKafkaProducer
+from openai import AsyncOpenAI
+from openai.types import Batch
+
+from ingress.batch_records import BatchRecord
+from ingress.settings import IngressSettings
+from laneway.schema import BatchJob, BatchRequest
+from tests.stack import Ingress, LiveStack, wait_for
+from workers import metrics
+
+
+def _line(i: int, **body: Any) -> bytes:
+    request = {
+        "model": "laneway-chat",
+        "messages": [{"role": "user", "content": f"summarise doc {i}"}],
+        "max_tokens": 8,
+    }
+    request.update(body)
+    line = {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions"}
+    return orjson.dumps({**line, "body": request})
+
+
+def _client(stack: LiveStack, ingress: Ingress, key: str) -> AsyncOpenAI:
+    client = AsyncOpenAI(base_url=f"{ingress.base_url}/v1", api_key=key, max_retries=0)
+    stack.track(client)
+    return client
+
+
+async def _until_done(client: AsyncOpenAI, batch_id: str, within_s: float = 120) -> Batch:
+    deadline = asyncio.get_running_loop().time() + within_s
+    seen = []
+    while True:
+        batch = await client.batches.retrieve(batch_id)
+        seen.append(batch.status)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"batch {batch_id} still {batch.status} after {within_s}s")
+        await asyncio.sleep(0.2)
+
+
+async def _until(client: AsyncOpenAI, batch_id: str, status: str, within_s: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while (await client.batches.retrieve(batch_id)).status != status:
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"batch {batch_id} not {status} after {within_s}s")
+        await asyncio.sleep(0.1)
+
+
+async def _lines(client: AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [orjson.loads(line) for line in content.content.splitlines()]
+
+
+async def test_sdk_batch_end_to_end_one_result_per_line(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    key = await stack.api_key("docs", size=100)
+    client = _client(stack, ingress, key)
+    good = [_line(i) for i in range(20)]
+    bad = [
+        b"{this is not json",
+        _line(20, model="no-such-model"),
+        _line(21, max_tokens="lots"),
+        orjson.dumps({"custom_id": "doc-22", "url": "/v1/completions", "body": {}}),
+    ]
+    data = b"\n".join(good[:10] + bad + good[10:]) + b"\n"
+
+    uploaded = await client.files.create(file=("docs.jsonl", data), purpose="batch")
+    assert (uploaded.purpose, uploaded.bytes, uploaded.filename) == (
+        "batch",
+        len(data),
+        "docs.jsonl",
+    )
+    assert (await client.files.content(uploaded.id)).content == data
+    created = await client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly docs"},
+    )
+    assert created.status == "validating"
+    assert created.metadata == {"job": "nightly docs"}
+    batch = await _until_done(client, created.id)
+
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (24, 20, 4)
+    assert batch.completed_at is not None
+    assert batch.finalizing_at is not None
+    assert batch.in_progress_at is not None
+    output = await _lines(client, batch.output_file_id)
+    errors = await _lines(client, batch.error_file_id)
+    ids = [row["custom_id"] for row in output + errors]
+    assert sorted(ids) == sorted([f"doc-{i}" for i in range(23)] + ["line-11"])
+    assert {row["custom_id"] for row in output} == {f"doc-{i}" for i in range(20)}
+    for row in output:
+        assert row["error"] is None
+        assert row["response"]["status_code"] == 200
+        assert row["response"]["body"]["object"] == "chat.completion"
+    by_id = {row["custom_id"]: row for row in errors}
+    assert by_id["line-11"]["response"]["status_code"] == 400
+    assert "invalid JSON" in by_id["line-11"]["error"]["message"]
+    assert by_id["doc-20"]["response"]["status_code"] == 404
+    assert by_id["doc-21"]["response"]["body"]["error"]["param"] == "body.max_tokens"
+    assert "not the batch's endpoint" in by_id["doc-22"]["error"]["message"]
+    # The file objects say how big their content is.
+    assert batch.output_file_id is not None
+    output_file = await client.files.retrieve(batch.output_file_id)
+    content = (await client.files.content(batch.output_file_id)).content
+    assert (output_file.purpose, output_file.bytes) == ("batch_output", len(content))
+    listed = await client.batches.list()
+    assert [b.id for b in listed.data] == [batch.id]
+
+    # The lines went on the batch lane with the team, and no key.
+    lines = await stack.read_all(stack.topics.request("batch"))
+    assert len(lines) == 24
+    assert {line["team"] for line in lines} == {"docs"}
+    raw = orjson.dumps(lines).decode()
+    assert key not in raw
+    assert "api_key" not in raw
+
+
+async def test_another_team_cannot_see_or_cancel_a_batch(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    owner = _client(stack, ingress, await stack.api_key("docs", size=100))
+    other = _client(stack, ingress, await stack.api_key("rivals", size=100))
+    uploaded = await owner.files.create(file=("a.jsonl", _line(0) + b"\n"), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        await other.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    batch = await owner.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await _until_done(owner, batch.id)
+    assert done.output_file_id is not None
+    for attempt in (
+        other.batches.retrieve(batch.id),
+        other.batches.cancel(batch.id),
+        other.files.retrieve(uploaded.id),
+        other.files.content(uploaded.id),
+        other.files.retrieve(done.output_file_id),
+        other.files.content(done.output_file_id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await attempt
+    assert (await other.batches.list()).data == []
+    with pytest.raises(openai.BadRequestError, match="is completed"):
+        await owner.batches.cancel(batch.id)
+
+
+async def test_cancel_answers_the_lines_not_started(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress()
+    # Slow lines, two at a time: most of the job is still queued when it is cancelled.
+    await stack.start_worker("batch", sim_decode_ms_per_step=40.0, max_inflight=2)
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    data = b"\n".join(_line(i, max_tokens=16) for i in range(60))
+    uploaded = await client.files.create(file=("slow.jsonl", data), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    await _until(client, batch.id, "in_progress")
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    assert cancelling.cancelling_at is not None
+    done = await _until_done(client, batch.id)
+
+    assert done.status == "cancelled"
+    assert done.request_counts is not None
+    counts = done.request_counts
+    assert counts.total == 60
+    assert counts.completed + counts.failed == 60
+    assert counts.completed < 30, "the cancel stopped nothing"
+    output = await _lines(client, done.output_file_id)
+    errors = await _lines(client, done.error_file_id)
+    assert sorted(r["custom_id"] for r in output + errors) == sorted(f"doc-{i}" for i in range(60))
+    assert {r["error"]["code"] for r in errors} == {"cancelled"}
+    assert (await client.batches.cancel(batch.id)).status == "cancelled"  # says so again
+
+
+async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(max_file_bytes=64 * 1024, batch_max_lines=10)
+    key = await stack.api_key("docs", size=100)
+    client = _client(stack, ingress, key)
+
+    async def refused(call: Any, status: int, param: str | None, words: str) -> None:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await call
+        assert caught.value.status_code == status, caught.value.body
+        body = caught.value.body
+        assert isinstance(body, dict)
+        assert body.get("param") == param, body
+        assert words in body["message"], body
+
+    await refused(
+        client.files.create(file=("a.jsonl", _line(0)), purpose="fine-tune"),
+        400,
+        "purpose",
+        "purpose 'fine-tune' is not supported",
+    )
+    await refused(client.files.create(file=("a.jsonl", b""), purpose="batch"), 400, "file", "empty")
+    await refused(
+        client.files.create(file=("a.jsonl", b"\xff\xfe{}"), purpose="batch"),
+        400,
+        "file",
+        "not UTF-8",
+    )
+    await refused(
+        client.files.create(file=("a.jsonl", b"\n".join([_line(0)] * 11)), purpose="batch"),
+        400,
+        "file",
+        "11 lines, over the limit of 10 (LANEWAY_BATCH_MAX_LINES)",
+    )
+    await refused(
+        client.files.create(file=("a.jsonl", b"x" * 100_000), purpose="batch"),
+        413,
+        "file",
+        "file over the limit of 65536 bytes (LANEWAY_MAX_FILE_BYTES)",
+    )
+    uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+    await refused(
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",  # type: ignore[arg-type]
+            completion_window="24h",
+        ),
+        400,
+        "endpoint",
+        "endpoint",
+    )
+    await refused(
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="48h",  # type: ignore[arg-type]
+        ),
+        400,
+        "completion_window",
+        "completion_window",
+    )
+    await refused(
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+        404,
+        "input_file_id",
+        "no file 'file-nope'",
+    )
+    await refused(client.batches.retrieve("batch_nope"), 404, "batch_id", "no batch")
+
+
+async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: LiveStack) -> None:
+    """A replica that stopped mid-submission leaves its batch validating with its lines in an
+    open transaction; Kafka aborts it. Another replica finds the batch later: aborted → failed
+    (no line ran: the workers read committed), committed → in progress, and it completes."""
+    ingress = await stack.start_ingress()
+    worker = await stack.start_worker("batch")
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+    settings = IngressSettings(**stack.common)
+    request_topic = stack.topics.request("batch")
+    ended: dict[str, str] = {}
+    for outcome in ("aborted", "committed"):
+        batch_id = f"batch_{outcome}_{stack.prefix}"
+        producer = AIOKafkaProducer(
+            bootstrap_servers=stack.services.bootstrap, transactional_id=f"test-{batch_id}"
+        )
+        await producer.start()
+        stack.track(producer)
+        await producer.begin_transaction()
+        for i in range(3):
+            line = BatchRequest(
+                job_id=batch_id,
+                line_id=f"doc-{i}",
+                team="docs",
+                body=orjson.loads(_line(i))["body"],
+            )
+            await producer.send(request_topic, line.to_json(), key=f"{batch_id}:doc-{i}".encode())
+        header = BatchJob(job_id=batch_id, team="docs", lines=3)
+        sent = await producer.send(
+            stack.topics.results_batch, header.to_json(), key=batch_id.encode()
+        )
+        meta = await sent
+        now = int(time.time())
+        record = BatchRecord(
+            id=batch_id,
+            team="docs",
+            endpoint="/v1/chat/completions",
+            input_file_id=uploaded.id,
+            created_at=now - 120,  # its replica's grace is over
+            expires_at=now + 3600,
+            partition=meta.partition,
+            header_offset=meta.offset,
+            scanned_to=meta.offset + 1,
+            total=3,
+        )
+        await stack.redis.set(settings.keys.batch(batch_id), record.model_dump_json(), ex=3600)
+        assert (await client.batches.retrieve(batch_id)).status == "validating"  # still open
+        if outcome == "aborted":
+            await producer.abort_transaction()
+        else:
+            await producer.commit_transaction()
+        ended[outcome] = (await _until_done(client, batch_id)).status
+
+    assert ended == {"aborted": "failed", "committed": "completed"}
+    failed = await client.batches.retrieve(f"batch_aborted_{stack.prefix}")
+    assert failed.errors is not None
+    assert failed.errors.data
+    assert "cut short" in (failed.errors.data[0].message or "")
+    # The worker has fetched past every line of both transactions (reading committed, it
+    # was never handed the aborted ones); only the committed ran.
+    ends = await worker.consumer.end_offsets(list(worker.consumer.assignment()))
+
+    async def read_past_all() -> bool:
+        return all([await worker.consumer.position(tp) >= end for tp, end in ends.items()])
+
+    deadline = time.monotonic() + 30
+    while not await read_past_all():
+        assert time.monotonic() < deadline, "the worker did not get past the aborted lines"
+        await asyncio.sleep(0.1)
+    results = await stack.read_all(stack.topics.results_batch)
+    ran = sorted(r["job_id"] for r in results if r.get("type") == "result")
+    assert ran == [f"batch_committed_{stack.prefix}"] * 3
+
+
+async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack) -> None:
+    """Lines held back by an exhausted batch budget wait (they never fail); a cancel ends
+    them at once, as cancelled, without waiting for the budget."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch", max_inflight=8, quota_offpeak="")
+    # 1,000 tokens an hour in the batch pool: about ten of these lines, then it waits.
+    key = await stack.api_key("docs", size=1, complexity=0.02)
+    client = _client(stack, ingress, key)
+    data = b"\n".join(_line(i, max_tokens=64) for i in range(40))
+    uploaded = await client.files.create(file=("big.jsonl", data), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    waits_before = metrics.QUOTA_WAITS.labels("docs")._value.get()
+    await wait_for(
+        lambda: metrics.QUOTA_WAITS.labels("docs")._value.get() > waits_before,
+        60,
+        "the batch to wait for its budget",
+    )
+    await client.batches.cancel(batch.id)
+    done = await _until_done(client, batch.id, within_s=60)
+
+    assert done.status == "cancelled"
+    assert done.request_counts is not None
+    assert done.request_counts.total == 40
+    assert done.request_counts.completed < 40
+    errors = await _lines(client, done.error_file_id)
+    output = await _lines(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in output + errors) == sorted(f"doc-{i}" for i in range(40))
+    assert {r["response"]["status_code"] for r in errors} == {499}
