@@ -25,6 +25,7 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
     TransactionalIdAuthorizationFailed,
 )
+from openai.types import Batch
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from laneway.constants import Topics
@@ -88,6 +89,27 @@ def _batch_line(job: str, line: str, **fields: object) -> bytes:
         "max_tokens": 8,
     }
     return BatchRequest(job_id=job, line_id=line, body=body, **fields).to_json()  # type: ignore[arg-type]
+
+
+def _http_line(i: int) -> bytes:
+    body = {
+        "model": "laneway-chat",
+        "messages": [{"role": "user", "content": f"summarise doc {i}"}],
+        "max_tokens": 8,
+    }
+    line = {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions"}
+    return orjson.dumps({**line, "body": body})
+
+
+async def _until_done(client: openai.AsyncOpenAI, batch_id: str, within_s: float = 120) -> Batch:
+    deadline = time.monotonic() + within_s
+    while True:
+        batch = await client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id} still {batch.status} after {within_s}s")
+        await asyncio.sleep(0.2)
 
 
 async def test_tenant_writes_its_own_batch_topic_and_nothing_internal(
@@ -226,6 +248,19 @@ async def test_service_principals_serve_the_whole_path(
     assert usage[0]["team"] == "payments"
     # The shared results topic holds none of it: only its team reads this result.
     assert not await stack.read_all(topics.results_batch, where=lambda r: r["job_id"] == "job-pay")
+
+    # The Batches API over HTTP: the ingress writes the lines in its own transaction, the
+    # batch pool answers, the ingress reads the results back.
+    jsonl = b"".join(_http_line(i) + b"\n" for i in range(2))
+    uploaded = await client.files.create(file=("docs.jsonl", jsonl), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await _until_done(client, batch.id)
+    assert done.status == "completed", done
+    assert done.output_file_id is not None
+    output = (await client.files.content(done.output_file_id)).content.splitlines()
+    assert sorted(orjson.loads(line)["custom_id"] for line in output) == ["doc-0", "doc-1"]
 
 
 async def test_a_worker_is_confined_to_its_pool(secured: tuple[LiveStack, Principals]) -> None:
