@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -10,7 +11,40 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from laneway.settings import CommonSettings
 
-__all__ = ["make_consumer", "make_producer", "make_redis", "topic_partitions"]
+__all__ = [
+    "kafka_auth",
+    "make_admin",
+    "make_consumer",
+    "make_producer",
+    "make_redis",
+    "topic_partitions",
+]
+
+
+def kafka_auth(settings: CommonSettings) -> dict[str, Any]:
+    """The SASL options of this service's Kafka principal, for any aiokafka client."""
+    protocol = settings.kafka_security_protocol
+    if protocol == "PLAINTEXT":
+        return {}
+    options: dict[str, Any] = {
+        "security_protocol": protocol,
+        "sasl_mechanism": settings.kafka_sasl_mechanism,
+        "sasl_plain_username": settings.kafka_username,
+        "sasl_plain_password": settings.kafka_password.get_secret_value(),
+    }
+    if protocol == "SASL_SSL":
+        options["ssl_context"] = ssl.create_default_context(
+            cafile=settings.kafka_ssl_cafile or None
+        )
+    return options
+
+
+def make_admin(settings: CommonSettings, **overrides: Any) -> AIOKafkaAdminClient:
+    """An admin client as this service's principal."""
+    options: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap}
+    options.update(kafka_auth(settings))
+    options.update(overrides)
+    return AIOKafkaAdminClient(**options)
 
 
 def make_producer(settings: CommonSettings, **overrides: Any) -> AIOKafkaProducer:
@@ -22,6 +56,7 @@ def make_producer(settings: CommonSettings, **overrides: Any) -> AIOKafkaProduce
         # Interactive traffic: send at once; batches still form under load.
         "linger_ms": 0,
         "request_timeout_ms": 10_000,
+        **kafka_auth(settings),
     }
     options.update(overrides)
     return AIOKafkaProducer(**options)
@@ -36,6 +71,7 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
         # A long poll: the broker answers as soon as one record is there (fetch_min_bytes=1),
         # so this only bounds idle polling; shorter only burns broker CPU on idle consumers.
         "fetch_max_wait_ms": 500,
+        **kafka_auth(settings),
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
@@ -57,7 +93,7 @@ def make_redis(settings: CommonSettings) -> aioredis.Redis:
 
 async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:
     """Partition numbers of ``topic``; empty when it does not exist."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = make_admin(settings)
     await admin.start()
     try:
         described = await admin.describe_topics([topic])
