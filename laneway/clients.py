@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ssl
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from redis.asyncio.sentinel import Sentinel
 
+from laneway.errors import ConfigError
 from laneway.settings import CommonSettings
 
 __all__ = [
@@ -17,6 +20,7 @@ __all__ = [
     "make_consumer",
     "make_producer",
     "make_redis",
+    "sentinel_redis",
     "topic_partitions",
 ]
 
@@ -78,7 +82,12 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
 
 
 def make_redis(settings: CommonSettings) -> aioredis.Redis:
-    """A client whose pool waits for a free connection instead of failing under a burst."""
+    """A client whose pool waits for a free connection instead of failing under a burst.
+
+    ``redis+sentinel://`` URLs reach the master a set of Sentinels names, and follow it
+    when they fail over."""
+    if settings.redis_url.startswith(SENTINEL_SCHEMES):
+        return sentinel_redis(settings.redis_url)
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=64,
@@ -89,6 +98,57 @@ def make_redis(settings: CommonSettings) -> aioredis.Redis:
     )
     # from_pool: the client owns the pool, so aclose() closes its connections too.
     return aioredis.Redis.from_pool(pool)
+
+
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+
+
+class _SentinelRedis(aioredis.Redis):
+    """The master's client; closing it closes the connections to the Sentinels too."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        manager = getattr(self.connection_pool, "sentinel_manager", None)
+        await super().aclose(close_connection_pool)
+        for sentinel in getattr(manager, "sentinels", ()):
+            await sentinel.aclose()
+
+
+def sentinel_redis(url: str) -> aioredis.Redis:
+    """A client of the master that Sentinels name, from
+    ``redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>]`` (the user
+    and password are the data nodes'; the Sentinels themselves take none)."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    path = [p for p in parts.path.split("/") if p]
+    try:
+        sentinels = [
+            (host, int(port)) for host, _, port in (h.rpartition(":") for h in hosts.split(","))
+        ]
+        db = int(path[1]) if len(path) > 1 else 0
+    except ValueError:
+        sentinels, db = [], -1
+    if not sentinels or any(not host for host, _ in sentinels) or not path or db < 0:
+        raise ConfigError(
+            "LANEWAY_REDIS_URL: a Sentinel URL is "
+            "redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>]"
+        )
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinels,
+        sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+        ssl=parts.scheme.startswith("rediss"),
+    )
+    client: aioredis.Redis = sentinel.master_for(
+        path[0],
+        redis_class=_SentinelRedis,
+        db=db,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        health_check_interval=15,
+    )
+    return client
 
 
 async def topic_partitions(settings: CommonSettings, topic: str) -> list[int]:

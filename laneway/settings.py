@@ -71,7 +71,8 @@ class CommonSettings(BaseSettings):
     kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
     redis_url: str = Field(
         "redis://127.0.0.1:16379/0",
-        description="Redis URL; with Redis ACL users redis://<user>:<password>@host:port/0 "
+        description="Redis URL; with Redis ACL users redis://<user>:<password>@host:port/0; "
+        "behind Sentinels redis+sentinel://[user:password@]host:port[,...]/<service>[/<db>] "
         "(never logged)",
     )
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
