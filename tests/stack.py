@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,19 @@ TEST_HOT_TIMEOUT_MS = 2000
 class Services:
     bootstrap: str
     redis_url: str
+    # A secured broker: the admin principal's SASL options, which the stack's own set-up and
+    # reads use (the components under test get principals of their own).
+    admin_auth: dict[str, Any] = field(default_factory=dict)
+
+    def admin_settings(self) -> dict[str, Any]:
+        """Settings fields that make a laneway client the admin principal (none if plain)."""
+        if not self.admin_auth:
+            return {}
+        return {
+            "kafka_security_protocol": self.admin_auth["security_protocol"],
+            "kafka_username": self.admin_auth["sasl_plain_username"],
+            "kafka_password": self.admin_auth["sasl_plain_password"],
+        }
 
 
 def free_port() -> int:
@@ -152,6 +165,7 @@ class LiveStack:
             "topic_prefix": prefix,
             "redis_prefix": prefix,
             "redis_hot_timeout_ms": TEST_HOT_TIMEOUT_MS,
+            **services.admin_settings(),
         }
         self.redis = redis_client(services.redis_url)
         self.ingresses: list[Ingress] = []
@@ -164,7 +178,11 @@ class LiveStack:
 
     async def create_topics(self) -> None:
         await asyncio.to_thread(
-            create_topics, self.services.bootstrap, self.topics.specs(PARTITIONS)
+            create_topics,
+            self.services.bootstrap,
+            self.topics.specs(PARTITIONS),
+            1,
+            self.services.admin_auth,
         )
 
     async def start_ingress(self, **overrides: Any) -> Ingress:
@@ -229,7 +247,9 @@ class LiveStack:
         self._clients.append(client)
 
     async def producer(self) -> AIOKafkaProducer:
-        producer = AIOKafkaProducer(bootstrap_servers=self.services.bootstrap)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.services.bootstrap, **self.services.admin_auth
+        )
         await producer.start()
         self._clients.append(producer)
         return producer
@@ -242,6 +262,7 @@ class LiveStack:
             auto_offset_reset="earliest",
             enable_auto_commit=False,
             isolation_level="read_committed",
+            **self.services.admin_auth,
         )
 
     async def read_topic(

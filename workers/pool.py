@@ -118,6 +118,9 @@ class PoolWorker:
             # Range keeps partition N of every band on one worker, so a session's keystrokes
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
+            # The batch pool subscribes by pattern: a team topic created later is found at
+            # the next metadata refresh.
+            metadata_max_age_ms=30_000 if settings.pool == "batch" else 300_000,
             # Batch lines are written in transactions (a job submitted over HTTP, a line
             # re-queued for memory): a line of an aborted one must never run.
             isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
@@ -176,9 +179,15 @@ class PoolWorker:
         self._digest = self.engine.model_digest()
         await self.producer.start()
         await self.cancels.start()
-        self.consumer.subscribe(
-            self.topics.pool_topics(self.settings.pool), listener=_CommitOnRevoke(self)
-        )
+        if self.settings.pool == "batch":
+            # The lane and every team's own batch topic, those created later included.
+            self.consumer.subscribe(
+                pattern=self.topics.batch_pattern(), listener=_CommitOnRevoke(self)
+            )
+        else:
+            self.consumer.subscribe(
+                self.topics.pool_topics(self.settings.pool), listener=_CommitOnRevoke(self)
+            )
         await self.consumer.start()
         self._loops = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
@@ -664,7 +673,8 @@ class PoolWorker:
 
     async def _record_lag(self) -> int:
         total = 0
-        for topic in self.topics.pool_topics(self.settings.pool):
+        assigned = {tp.topic for tp in self.consumer.assignment()}
+        for topic in sorted(assigned | set(self.topics.pool_topics(self.settings.pool))):
             lag = await self.lag([tp for tp in self.consumer.assignment() if tp.topic == topic])
             CONSUMER_LAG.labels(self.pool, topic).set(lag)
             total += lag
