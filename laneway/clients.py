@@ -12,6 +12,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio.sentinel import Sentinel
 
 from laneway.errors import ConfigError
+from laneway.redis_circuit import attach_circuit
 from laneway.settings import CommonSettings
 
 __all__ = [
@@ -82,22 +83,34 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
 
 
 def make_redis(settings: CommonSettings) -> aioredis.Redis:
-    """A client whose pool waits for a free connection instead of failing under a burst.
+    """A client whose pool waits for a free connection instead of failing under a burst, with
+    the process's Redis circuit (``laneway.redis_circuit``) attached.
 
     ``redis+sentinel://`` URLs reach the master a set of Sentinels names, and follow it
     when they fail over."""
+    client: aioredis.Redis
     if settings.redis_url.startswith(SENTINEL_SCHEMES):
-        return sentinel_redis(settings.redis_url)
-    pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=64,
-        timeout=5.0,
-        socket_connect_timeout=2.0,
-        socket_timeout=5.0,
-        health_check_interval=15,
+        client = sentinel_redis(settings.redis_url)
+    else:
+        # These timeouts bound the background calls (blocking stream reads, heartbeats); the
+        # request path's calls go through the circuit, which cuts them off far sooner.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=64,
+            timeout=5.0,
+            socket_connect_timeout=2.0,
+            socket_timeout=5.0,
+            health_check_interval=15,
+        )
+        # from_pool: the client owns the pool, so aclose() closes its connections too.
+        client = aioredis.Redis.from_pool(pool)
+    attach_circuit(
+        client,
+        hot_timeout_ms=settings.redis_hot_timeout_ms,
+        failures=settings.redis_circuit_failures,
+        probe_interval_ms=settings.redis_probe_interval_ms,
     )
-    # from_pool: the client owns the pool, so aclose() closes its connections too.
-    return aioredis.Redis.from_pool(pool)
+    return client
 
 
 SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")

@@ -85,6 +85,12 @@ class RequestEnvelope(_Wire):
         description="tokens the ingress admitted it for from its quota lease (settled against "
         "the team's interactive pool); 0: a reservation in Redis, or no quota",
     )
+    quota_local: int = Field(
+        0,
+        ge=0,
+        description="tokens the ingress's local limiter admitted it for while Redis did not "
+        "answer (nothing was taken from the pool: its settlement charges what it used); 0: none",
+    )
     supersede_grace_tokens: int = Field(
         0,
         ge=0,

@@ -25,6 +25,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import ConfigError
+from laneway.redis_circuit import (
+    DEFAULT_FAILURES,
+    DEFAULT_HOT_TIMEOUT_MS,
+    DEFAULT_PROBE_INTERVAL_MS,
+)
 
 __all__ = [
     "SETTINGS_GROUP",
@@ -77,6 +82,30 @@ class CommonSettings(BaseSettings):
     )
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
+    redis_hot_timeout_ms: int = Field(
+        DEFAULT_HOT_TIMEOUT_MS,
+        ge=1,
+        le=10_000,
+        description="a Redis call on the request path (keys, breaker levels, quota, replies, "
+        "settlement, cancels) gives up after Redis was silent this long, and its fallback "
+        "answers",
+    )
+    redis_circuit_failures: int = Field(
+        DEFAULT_FAILURES,
+        ge=1,
+        le=1000,
+        description="after this many Redis calls in a row failed (refused; one given up "
+        "because Redis answered nothing for LANEWAY_REDIS_HOT_TIMEOUT_MS is enough), a "
+        "process stops calling Redis on the request path and uses its fallbacks until a "
+        "probe gets an answer",
+    )
+    redis_probe_interval_ms: int = Field(
+        DEFAULT_PROBE_INTERVAL_MS,
+        ge=10,
+        le=60_000,
+        description="while a process does not call Redis, it sends a PING this often; the "
+        "first answer within LANEWAY_REDIS_HOT_TIMEOUT_MS switches it back",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text (fields as key=value) or one JSON object a line"

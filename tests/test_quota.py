@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from laneway.constants import RedisKeys, Topics
@@ -24,7 +23,7 @@ from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, envelope, free_port, wait_for
+from tests.stack import LiveStack, Services, envelope, free_port, redis_client, wait_for
 from workers import metrics
 from workers.replies import Outbox
 
@@ -63,7 +62,7 @@ def test_offpeak_window_wraps_midnight() -> None:
 
 @pytest.fixture
 async def enforcer(services: Services) -> Any:
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     keys = RedisKeys(f"q{uuid.uuid4().hex[:8]}")
     policy = QuotaPolicy(unit_tokens=1000, units_per_member=1, offpeak="", borrow_reserve=0.3)
     yield QuotaEnforcer(redis, keys, policy), redis, keys
@@ -117,6 +116,31 @@ async def test_a_debt_outlives_the_idle_expiry_of_its_bucket(enforcer: Any) -> N
     assert await redis.ttl(bucket) > 2 * 3600 + 3500
     with pytest.raises(QuotaExceeded):
         await quota.reserve(team, "interactive", "next", 10)
+
+
+async def test_requests_admitted_locally_are_charged_once_when_redis_answers(
+    enforcer: Any,
+) -> None:
+    """While Redis did not answer, an ingress admitted with its local limiter (nothing taken
+    from the pool): the settlement charges what the request used, once, however often it is
+    sent (a worker sends again what may not have reached Redis)."""
+    quota, redis, keys = enforcer
+    team = Team("zeta", size=1)  # 1,000 tokens an hour
+    await quota.reserve(team, "interactive", "before", 100)  # the bucket exists: 900 left
+    now = time.time()
+    settled = await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)
+    assert (settled.found, settled.reserved, settled.charged) == (True, 120, 40)
+    assert not (await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)).found
+    # Its reservation reached Redis after all (the call timed out, then ran): settled against
+    # the reservation, once.
+    await quota.reserve(team, "interactive", "late-1", 50)
+    settled = await quota.settle("zeta", "late-1", 30, local=50, accepted_ts=now)
+    assert (settled.found, settled.charged) == (True, 30)
+    assert not (await quota.settle("zeta", "late-1", 30, local=50, accepted_ts=now)).found
+    bucket = await redis.hget(keys.quota_bucket("zeta", "interactive"), "tokens")
+    assert float(bucket) == pytest.approx(1000 - 100 - 40 - 30, abs=1)
+    pool = (await quota.snapshot(team))["pools"]["interactive"]
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40 + 30, 1)  # "before"
 
 
 def test_estimates_count_dense_text_denser() -> None:

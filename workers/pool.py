@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -29,6 +30,7 @@ from laneway.constants import HEARTBEAT_TTL_S
 from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
+from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
@@ -49,6 +51,10 @@ log = logging.getLogger(__name__)
 
 # The last commit of a stopping worker waits no longer than this.
 _STOP_COMMIT_S = 10.0
+# A heartbeat is written within this long or counted as a Redis failure (every 2 s by default).
+_BEAT_TIMEOUT_S = 1.0
+# Redis's early-cancel channel is read in waits this long, so a circuit that opened is noticed.
+_CANCEL_POLL_S = 1.0
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -240,8 +246,14 @@ class PoolWorker:
         await self.consumer.stop()
         await self.cancels.stop()
         await self.producer.stop()
+        circuit = circuit_of(self.redis)
         with contextlib.suppress(Exception):
-            await self.redis.zrem(self.keys.workers(self.pool), self.settings.worker_id)
+            await circuit.background(
+                partial(self.redis.zrem, self.keys.workers(self.pool), self.settings.worker_id),
+                timeout_s=_BEAT_TIMEOUT_S,
+            )
+        await self.outbox.close()  # settlements owed since a Redis outage: one last try
+        await circuit.stop()
         await self.redis.aclose()
         await self.engine.stop()
 
@@ -560,15 +572,25 @@ class PoolWorker:
     async def _early_cancel_loop(self) -> None:
         """Tombstones the ingress also publishes on Redis: they reach a running request a
         Kafka hop sooner. The compacted topic stays the record (replayed at start, and the
-        only path while Redis is away); a tombstone seen twice changes nothing."""
+        only path while Redis is away); a tombstone seen twice changes nothing. While Redis
+        does not answer (its circuit open) the loop waits, then subscribes anew: a
+        subscription that lived through a partition may be dead without a word."""
         channel, backoff = self.keys.cancels(), 0.5
-        while True:
+        circuit = circuit_of(self.redis)
+        # The stop flag too: redis-py's timed read swallows a cancellation now and then.
+        while not self._stopping.is_set():
+            await circuit.wait_closed()
+            closings = circuit.closings
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(channel)
                     backoff = 0.5
-                    async for message in pubsub.listen():
-                        await self._on_cancel(message["data"], channel)
+                    while circuit.closings == closings and not circuit.open:
+                        if self._stopping.is_set():
+                            return
+                        message = await pubsub.get_message(timeout=_CANCEL_POLL_S)
+                        if message is not None:
+                            await self._on_cancel(message["data"], channel)
             except (RedisError, OSError) as exc:
                 log.info("early cancels paused (%s); the cancel topic still carries them", exc)
                 await asyncio.sleep(backoff)
@@ -596,6 +618,7 @@ class PoolWorker:
         key = self.keys.workers(self.pool)
         info_key = self.keys.worker_info(self.settings.worker_id)
         scaling = ScalingSignal(self.settings, self.redis, self.producer)
+        circuit = circuit_of(self.redis)
         while True:
             now = self.clock.now()  # Redis's clock, as the ingress reads the beats on it
             stats = self.engine.stats()
@@ -624,21 +647,29 @@ class PoolWorker:
                 "ts": now,
             }
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(key, {self.settings.worker_id: now})
-                    pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
-                    pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
-                    await pipe.execute()
+                # Skipped at once while Redis does not answer (the circuit says so).
+                await circuit.background(
+                    partial(self._beat, key, info_key, info, now), timeout_s=_BEAT_TIMEOUT_S
+                )
                 await self.clock.sync(self.redis)
             except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
-                log.warning("heartbeat to Redis failed: %s", exc)
+                if not circuit.open:  # an open circuit said so once already
+                    log.warning("heartbeat to Redis failed: %s", exc)
             metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
             metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
             metrics.ENGINE_CAPACITY.labels(self.pool).set(self.dispatcher.capacity_seen)
             metrics.INFLIGHT.labels(self.pool).set(self.held)
-            await scaling.beat()
+            if not circuit.open:  # the signal reads every beat from Redis
+                await scaling.beat()
             await self._after_heartbeat()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _beat(self, key: str, info_key: str, info: dict[str, Any], now: float) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {self.settings.worker_id: now})
+            pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
+            pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
+            await pipe.execute()
 
     async def _record_lag(self) -> int:
         total = 0
