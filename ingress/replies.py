@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from laneway.constants import REPLY_STREAM_TTL_S
 from laneway.errors import MalformedMessage
 from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 from laneway.schema import Reply, decode
 from laneway.tasks import stop_task
 
@@ -219,7 +220,7 @@ class ReplyRouter:
 
     async def _read_loop(self) -> None:
         last_id = b"$"
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         refreshed = 0.0
         while True:
             await self.circuit.wait_closed()  # meanwhile replies come through Kafka
@@ -239,14 +240,14 @@ class ReplyRouter:
                 )
                 response: Any = await self.circuit.background(read, timeout_s=None)
                 self._reading = True
-                backoff = 0.1
+                backoff.reset()
             except (RedisError, OSError) as exc:
                 self._reading = False
+                wait = backoff.next_wait()
                 log.warning(
-                    "reply stream %s unreadable (%s); retrying in %.1fs", self.stream, exc, backoff
+                    "reply stream %s unreadable (%s); retrying in %.1fs", self.stream, exc, wait
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(wait)
                 continue
             for _stream, messages in response:
                 for message_id, fields in messages:

@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 
 from laneway.constants import HEARTBEAT_TTL_S, RedisKeys
 from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 from workers import metrics
 
 __all__ = ["CLASSES", "FleetShare", "Member", "allocate"]
@@ -301,7 +302,7 @@ class FleetShare:
             self.on_change()
 
     async def _listen(self) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not self._stopping:
             # While Redis does not answer, wait; then subscribe anew (a subscription that
             # lived through a partition may be dead without a word).
@@ -311,7 +312,7 @@ class FleetShare:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.key)
                     await self._read_all()
-                    backoff = 0.2
+                    backoff.reset()
                     while self.circuit.closings == closings and not self.circuit.open:
                         if self._stopping:
                             return
@@ -320,8 +321,7 @@ class FleetShare:
                             self._heard(message["data"])
             except (RedisError, OSError) as exc:
                 self._lost(exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
 
     async def _refresh(self) -> None:
         while True:
