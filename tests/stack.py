@@ -6,6 +6,7 @@ Each test gets its own topic and key prefix, so tests never see each other's rec
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import subprocess
@@ -115,12 +116,22 @@ def envelope(**fields: Any) -> RequestEnvelope:
     return RequestEnvelope(**{**values, **fields})
 
 
-async def wait_for(predicate: Callable[[], bool], within_s: float, what: str) -> None:
+async def eventually(
+    check: Callable[[], Any], within_s: float, what: str, *, every_s: float = 0.05
+) -> Any:
+    """Poll a sync or async ``check`` until it returns something truthy, and return that;
+    ``TimeoutError`` naming ``what`` after ``within_s``. The one polling helper of the tests:
+    what a test waits for is a condition, never a sleep."""
     deadline = time.monotonic() + within_s
-    while not predicate():
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(every_s)
 
 
 class Ingress:
@@ -145,7 +156,7 @@ class Ingress:
     async def start(self) -> None:
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._task = asyncio.create_task(self.server.serve())
-        await wait_for(lambda: self.server.started or self._task.done(), 30, "ingress start")  # type: ignore[union-attr]
+        await eventually(lambda: self.server.started or self._task.done(), 30, "ingress start")  # type: ignore[union-attr]
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -224,7 +235,7 @@ class LiveStack:
         await worker.start()
         self.workers.append(worker)
         if wait_assigned:
-            await wait_for(
+            await eventually(
                 lambda: bool(worker.consumer.assignment()), 30, f"{pool} worker assignment"
             )
         return worker

@@ -23,7 +23,7 @@ from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, envelope, free_port, redis_client, wait_for
+from tests.stack import LiveStack, Services, envelope, eventually, free_port, redis_client
 from workers import metrics
 from workers.replies import Outbox
 
@@ -370,16 +370,13 @@ async def test_two_ingress_processes_never_overspend(
 
 
 async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    async def answers() -> bool:
         try:
-            if (await http.get(url)).status_code == 200:
-                return
+            return (await http.get(url)).status_code == 200
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(url)
-        await asyncio.sleep(0.1)
+            return False
+
+    await eventually(answers, 30, f"{url} to answer 200")
 
 
 def _batch_line(team: str, job: str, line: int) -> BatchRequest:
@@ -409,7 +406,7 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
         )
     await producer.flush()
     waits_before = metrics.QUOTA_WAITS.labels(team)._value.get()
-    await wait_for(
+    await eventually(
         lambda: metrics.QUOTA_WAITS.labels(team)._value.get() > waits_before, 30, "batch throttled"
     )
 
@@ -450,7 +447,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
 
         with contextlib.suppress(RedisConnectionError):
             await stack.redis.shutdown(save=True)  # keeps its data for the restart
-        await wait_for(lambda: not server.running, 10, "redis to stop")
+        await eventually(lambda: not server.running, 10, "redis to stop")
         server.stop()  # reaps the process and closes its log
 
         for i in range(5):
@@ -467,7 +464,9 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
                 key=f"{job}:{line}".encode(),
             )
         # The lane took the lines up and paused on Redis; nothing of the job was written.
-        await wait_for(lambda: "paused, Redis unreachable" in caplog.text, 30, "the lane to pause")
+        await eventually(
+            lambda: "paused, Redis unreachable" in caplog.text, 30, "the lane to pause"
+        )
         assert await stack.read_all(stack.topics.results_batch) == []
 
         server = RedisServer(port=port, data_dir=tmp_path / "redis")
@@ -476,7 +475,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         assert len(results) == 5
         response = await http.post("/v1/completions", json={**body, "prompt": "after"})
         assert response.status_code == 200
-        await wait_for(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
+        await eventually(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
         response = await http.post("/v1/completions", json={**body, "prompt": "after 2"})
         assert response.status_code == 200
         # 8 completions (1 before, 5 during, 2 after the outage) and the 5 batch lines
@@ -526,11 +525,12 @@ async def wait_for_budget_used(
     snapshot: Callable[[], Awaitable[dict[str, Any]]], tokens: int, within_s: float = 10
 ) -> None:
     """Until the team snapshot says the workers settled ``tokens`` of its interactive pool."""
-    deadline = time.monotonic() + within_s
-    while (await snapshot())["pools"]["interactive"]["used_tokens_this_hour"] < tokens:
-        if time.monotonic() > deadline:
-            raise TimeoutError("usage never settled")
-        await asyncio.sleep(0.05)
+
+    async def settled() -> bool:
+        used: int = (await snapshot())["pools"]["interactive"]["used_tokens_this_hour"]
+        return used >= tokens
+
+    await eventually(settled, within_s, f"{tokens} tokens settled")
 
 
 async def _json(response: Awaitable[httpx.Response]) -> dict[str, Any]:

@@ -20,8 +20,7 @@ from laneway.constants import RedisKeys
 from laneway.errors import ConfigError
 from laneway.settings import CommonSettings
 from quota.teams import Team, get_team, set_team
-from tests.stack import free_port
-from tests.test_streams_process import wait_until
+from tests.stack import eventually, free_port
 
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 
@@ -73,7 +72,7 @@ async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
             except RedisError:
                 return False
 
-        await wait_until(writable, 30, "the Sentinel's master to take writes, replicated")
+        await eventually(writable, 30, "the Sentinel's master to take writes, replicated")
         key = await create_key(redis, keys, "alpha")
         assert await redis.execute_command("WAIT", 1, 2000) == 1
 
@@ -87,7 +86,7 @@ async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
                 return False
             return True
 
-        await wait_until(promoted, 60, "the Sentinel to promote the replica")
+        await eventually(promoted, 60, "the Sentinel to promote the replica")
         # What the old master had replicated is served by the new one, through the same client.
         assert (await get_team(redis, keys, "alpha")).size == 3
         assert await redis.exists(keys.api_key(hash_key(key))) == 1
