@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python -m bench.streams
 	$(BIN)/python -m bench.broker_jit
 	$(BIN)/python -m bench.hops
+	$(BIN)/python -m bench.redis_pause
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

@@ -47,6 +47,12 @@ class BenchStack:
     streams: bool = False  # run the streams app too (its CPU per usage event counts)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # every process of the stack, by role
+    # The ingress shows /readyz's checks only to the admin key (``ingress_admin_env``).
+    admin_key: str = "bench-admin"
+
+    @property
+    def ingress_admin_env(self) -> dict[str, str]:
+        return {"LANEWAY_ADMIN_KEY": self.admin_key}
 
     @property
     def base_url(self) -> str:
@@ -112,7 +118,11 @@ class BenchStack:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             try:
-                checks = httpx.get(self.base_url + "/readyz", timeout=2).json()["checks"]
+                checks = httpx.get(
+                    self.base_url + "/readyz",
+                    headers={"Authorization": f"Bearer {self.admin_key}"},
+                    timeout=2,
+                ).json()["checks"]
                 if (
                     all(checks.get(f"workers.{p}", {}).get("ok") for p in pools)
                     and checks["kafka"]["ok"]
@@ -153,7 +163,11 @@ def bench_stack(stack: BenchStack) -> Iterator[BenchStack]:
     """``services`` plus the ingress and the workers of ``stack``, each a process."""
     with services(stack):
         try:
-            ingress_env = {"LANEWAY_PORT": str(stack.ingress_port), "LANEWAY_PROBE_INTERVAL_S": "0"}
+            ingress_env = {
+                "LANEWAY_PORT": str(stack.ingress_port),
+                "LANEWAY_PROBE_INTERVAL_S": "0",
+                **stack.ingress_admin_env,
+            }
             stack.spawn("ingress", {**ingress_env, **stack.ingress_env})
             for i, worker in enumerate(stack.workers):
                 stack.spawn(

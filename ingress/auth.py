@@ -3,7 +3,9 @@
 Keys are known by their hash here too (no key is kept in memory longer than a request). A
 revoked key is refused first, from the revocations every replica reads off Kafka, so it
 stays refused while Redis is away; an unknown key is refused from memory for a while, so a
-client repeating a wrong key cannot make each request a Redis read.
+client repeating a wrong key cannot make each request a Redis read. Redis reads go through
+the process's Redis circuit: the hot timeout at most, none while Redis does not answer (then
+a key seen before works on its last record, as when Redis refuses connections).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from laneway.apikeys import hash_key, key_id, lookup_hash, well_formed
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, UNKNOWN_KEY_CACHE_S, RedisKeys
 from laneway.errors import ServiceUnavailable, Unauthorized
+from laneway.redis_circuit import circuit_of
 from quota.teams import Team, get_team
 
 __all__ = ["Caller", "CallerResolver"]
@@ -41,6 +44,7 @@ class CallerResolver:
         self.redis = redis
         self.keys = keys
         self.revoked = revoked
+        self.circuit = circuit_of(redis)
         self._teams_by_key: TtlCache[str] = TtlCache(API_KEY_CACHE_S)  # by key hash
         self._unknown: TtlCache[bool] = TtlCache(UNKNOWN_KEY_CACHE_S)
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
@@ -59,22 +63,25 @@ class CallerResolver:
         try:
             team_name = self._teams_by_key.get(digest)
             if team_name is None:
-                team_name = await lookup_hash(self.redis, self.keys, digest)
+                team_name = await self.circuit.hot(
+                    lambda: lookup_hash(self.redis, self.keys, digest)
+                )
                 if team_name is None:
                     self._unknown.put(digest, True)
                     raise Unauthorized(_UNKNOWN)
                 self._teams_by_key.put(digest, team_name)
             team = self._teams.get(team_name)
             if team is None:
-                team = await get_team(self.redis, self.keys, team_name)
+                named = team_name
+                team = await self.circuit.hot(lambda: get_team(self.redis, self.keys, named))
                 self._teams.put(team_name, team)
         except (RedisError, OSError) as exc:
-            # Redis is down: a key seen before keeps working on its last known record (a
-            # revoked one does not: the check above reads Kafka's revocations, not Redis).
+            # Redis is down or hangs: a key seen before keeps working on its last known record
+            # (a revoked one does not: the check above reads Kafka's revocations, not Redis).
             team_name = self._teams_by_key.get(digest, stale_ok=True)
             team = self._teams.get(team_name, stale_ok=True) if team_name else None
             if team is None:
-                log.warning("API key %s not checked, Redis unreachable: %s", key_id(digest), exc)
+                log.warning("API key %s not checked, Redis not answering: %s", key_id(digest), exc)
                 raise ServiceUnavailable(
                     "cannot check this API key now (the key store does not answer); retry shortly",
                     retry_after=2,

@@ -11,7 +11,8 @@ gate reads both for a request's model and acts on the higher one:
 | 3     | refused: 503 + Retry-After   | (the team, or everyone when the route is at 3) |
 
 Levels are cached in-process for at most one second per (model, team), so the admission path
-does not pay a Redis round trip per request.
+does not pay a Redis round trip per request. The read goes through the process's Redis circuit
+(the hot timeout at most); while Redis does not answer, the last levels read stay in force.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import orjson
@@ -29,6 +30,7 @@ from redis.exceptions import RedisError
 from laneway.constants import RedisKeys
 from laneway.errors import ServiceUnavailable
 from laneway.metrics import BREAKER_LEVEL
+from laneway.redis_circuit import circuit_of
 
 __all__ = ["BREAKER_CACHE_S", "BreakerGate", "BreakerGateSettings", "RouteDecision"]
 
@@ -87,6 +89,7 @@ class BreakerGate:
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.circuit = circuit_of(redis)
         self.routes = settings.breaker_routes
         self.clock = clock
         self._cache: dict[tuple[str, str], _Levels] = {}
@@ -116,11 +119,15 @@ class BreakerGate:
         cached = self._cache.get((model, team))
         if cached is not None and cached.expires > now:
             return cached
+        names = [self.keys.breaker(model), self.keys.breaker(model, team)]
         try:
-            raw_route, raw_team = await self.redis.mget(
-                [self.keys.breaker(model), self.keys.breaker(model, team)]
-            )
-        except RedisError as exc:
+            raw_route, raw_team = await self.circuit.hot(lambda: self.redis.mget(names))
+        except (RedisError, OSError) as exc:
+            if cached is not None:
+                # The streams app cannot move a level while Redis is away either: the last
+                # levels read stay, until Redis answers.
+                self._cache[(model, team)] = replace(cached, expires=now + BREAKER_CACHE_S)
+                return cached
             # Fail open: an unreachable Redis must not take the whole service down with it.
             log.warning("breaker levels unreadable (%s): serving %s at level 0", exc, model)
             raw_route = raw_team = None

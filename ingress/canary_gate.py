@@ -2,7 +2,9 @@
 
 A Redis that fails or a record that does not parse sends everything to the stable route: a
 canary is an experiment, and without its state the safe answer is the route that was there
-before it.
+before it. The read goes through the process's Redis circuit (``laneway.redis_circuit``): a
+Redis that hangs holds a request back by the hot timeout at most, and not at all once the
+circuit is open.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from redis.exceptions import RedisError
 from laneway.canary import CanaryState, canary_route, get_canary
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError
+from laneway.redis_circuit import circuit_of
 
 __all__ = ["CANARY_CACHE_S", "CanaryGate"]
 
@@ -35,6 +38,7 @@ class CanaryGate:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = redis
+        self.circuit = circuit_of(redis)
         self.keys = keys
         self.clock = clock
         self._cache: dict[str, tuple[float, CanaryState | None]] = {}
@@ -49,9 +53,10 @@ class CanaryGate:
         if cached is not None and cached[0] > now:
             return cached[1]
         try:
-            state = await get_canary(self.redis, self.keys, model)
+            state = await self.circuit.hot(lambda: get_canary(self.redis, self.keys, model))
         except (RedisError, OSError) as exc:
-            log.warning("canary of %s unreadable (%s): stable route only", model, exc)
+            if not self.circuit.open:  # an open circuit has said so once already
+                log.warning("canary of %s unreadable (%s): stable route only", model, exc)
             state = None
         except (ValidationError, LanewayError) as exc:
             log.error(  # noqa: TRY400 - the record is bad, not our code: no traceback

@@ -18,7 +18,9 @@ goes out after all when the Redis publish failed: then the record is the only wa
 
 Tombstones due together share one Redis pipeline and are queued on the producer together,
 which batches them. Sends run in tasks of their own, so a slow broker or Redis delays no
-later tombstone.
+later tombstone. The Redis publish goes through the process's Redis circuit: a Redis that
+hangs holds a Kafka record back by the hot timeout at most, and not at all once the circuit
+is open.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from redis.exceptions import RedisError
 
 from ingress import metrics
 from laneway.constants import RedisKeys, Topics
+from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope
 
 __all__ = ["CancelOutbox"]
@@ -78,6 +81,7 @@ class CancelOutbox:
     ) -> None:
         self._producer = producer
         self._redis = redis
+        self._circuit = circuit_of(redis)
         self._topics = topics
         self._keys = keys
         self._hold_s = hold_s
@@ -244,11 +248,15 @@ class CancelOutbox:
     ) -> None:
         """Publish on the Redis channel; never raises (the topic still carries them)."""
         ok = True
-        try:
+
+        async def publish() -> None:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for record in records:
                     pipe.publish(self._keys.cancels(), record.to_json())
                 await pipe.execute()
+
+        try:
+            await self._circuit.hot(publish)
         except (RedisError, OSError) as exc:
             ok = False
             log.debug("cancels not published on Redis (the topic still carries them): %s", exc)

@@ -1,5 +1,10 @@
 """Quota admission at the ingress: a lease when the budget is big enough, Redis per request
-when it is not, and a local limiter while Redis does not answer."""
+when it is not, and a local limiter while Redis does not answer.
+
+Every Redis call here is on the request path and goes through the process's Redis circuit
+(``laneway.redis_circuit``): it waits the hot timeout at most, and not at all while the
+circuit is open. What the local limiter admits meanwhile is charged when it is settled.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
 from laneway.metrics import team_label
+from laneway.redis_circuit import RedisUnavailable, circuit_of
 from quota import Admitted, LocalLimiter, QuotaEnforcer, QuotaPolicy, Team
 
 __all__ = ["QUOTA_FALLBACK", "QuotaGate"]
@@ -19,7 +26,7 @@ __all__ = ["QUOTA_FALLBACK", "QuotaGate"]
 log = logging.getLogger(__name__)
 
 QUOTA_FALLBACK = Gauge(
-    "laneway_quota_fallback_active", "1 while Redis is unreachable and the local limiter admits"
+    "laneway_quota_fallback_active", "1 while Redis does not answer and the local limiter admits"
 )
 QUOTA_REMAINING = Gauge(
     "laneway_quota_remaining_tokens",
@@ -32,9 +39,8 @@ QUOTA_LEASED = Gauge(
     ["team"],
 )
 
-# After a Redis failure, try it again this often; in between the local limiter answers
-# at once instead of every request waiting for a connect timeout.
-_RETRY_REDIS_S = 1.0
+# Giving idle leases back is background work: it may wait this long for Redis.
+_GIVE_BACK_TIMEOUT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -72,11 +78,20 @@ class QuotaGate:
         self.lease_idle_s = lease_idle_s
         self.local = LocalLimiter()
         self._leases: dict[str, _Lease] = {}
-        self._redis_down_until = 0.0
+        self.circuit = circuit_of(enforcer.redis)
+        self.circuit.listen(self._on_circuit)
 
     @property
     def degraded(self) -> bool:
-        return self._redis_down_until > time.monotonic()
+        """Whether the local limiter admits (Redis does not answer)."""
+        return self.circuit.open
+
+    def _on_circuit(self, opened: bool) -> None:
+        QUOTA_FALLBACK.set(1 if opened else 0)
+        if opened:
+            log.warning("Redis does not answer: admitting interactive traffic locally")
+        else:
+            log.warning("Redis answers again: quota admission is exact again")
 
     async def admit(self, team: Team, request_id: str, tokens: int) -> Admitted | None:
         """Reserve interactive budget; raises ``QuotaExceeded`` when the team is over it."""
@@ -91,16 +106,18 @@ class QuotaGate:
                 if chunk >= tokens:
                     admitted = await self._from_lease(team, tokens, chunk)
                 else:
-                    admitted = await self.enforcer.reserve(team, "interactive", request_id, tokens)
+                    admitted = await self.circuit.hot(
+                        lambda: self.enforcer.reserve(team, "interactive", request_id, tokens)
+                    )
             except (RedisError, OSError) as exc:
-                self._redis_down(exc)
+                log.info("quota of %s admitted locally: %s", request_id, exc)
             else:
-                self._redis_up()
                 QUOTA_REMAINING.labels(team_label(team.name), "interactive").set(admitted.remaining)
                 return admitted
         capacity = self.policy.budget_tokens(team, "interactive")
         remaining = self.local.reserve(team.name, tokens, capacity)
-        return Admitted("interactive", int(remaining), int(capacity), 0.0)
+        # Charged in full by its settlement (nothing was taken from the pool for it).
+        return Admitted("interactive", int(remaining), int(capacity), 0.0, local=tokens)
 
     async def _from_lease(self, team: Team, tokens: int, chunk: int) -> Admitted:
         lease = self._leases.setdefault(team.name, _Lease())
@@ -108,9 +125,11 @@ class QuotaGate:
             # Smaller requests may spend from the lease while a refill is in flight: loop.
             while lease.tokens < tokens:
                 if self.degraded:  # a refill before this one found Redis gone
-                    raise OSError("Redis unreachable: a lease refill just failed")
+                    raise RedisUnavailable("Redis does not answer: a lease refill just failed")
                 need = tokens - lease.tokens
-                got = await self.enforcer.lease(team, need=need, want=need + chunk)
+                got = await self.circuit.hot(
+                    partial(self.enforcer.lease, team, need=need, want=need + chunk)
+                )
                 lease.tokens += got.taken
                 lease.remaining, lease.capacity = got.remaining, got.capacity
             return self._spend(team, lease, tokens)
@@ -133,8 +152,9 @@ class QuotaGate:
         """Give back what ``admit`` took for a request whose produce to Kafka failed.
 
         The produce may have stored the request all the same (a timeout): a request admitted
-        from a lease is then settled in Redis, whose mark makes the worker's own settle a
-        no-op, instead of going back to the lease and being refunded a second time.
+        from a lease (or locally) is then settled in Redis, whose mark makes the worker's own
+        settle a no-op, instead of going back to the lease and being refunded a second time
+        (or charged by the worker).
         """
         if not self.enabled or admitted is None:
             return
@@ -143,16 +163,19 @@ class QuotaGate:
             try:
                 # No minimum charge: the request never reached a lane, through no fault of
                 # the team's.
-                await self.enforcer.settle(
-                    team.name,
-                    request_id,
-                    0,
-                    leased=admitted.leased,
-                    accepted_ts=accepted_ts,
-                    min_charge=0,
+                await self.circuit.hot(
+                    lambda: self.enforcer.settle(
+                        team.name,
+                        request_id,
+                        0,
+                        leased=admitted.leased,
+                        local=admitted.local,
+                        accepted_ts=accepted_ts,
+                        min_charge=0,
+                    )
                 )
             except (RedisError, OSError) as exc:
-                self._redis_down(exc)
+                log.info("budget of %s not given back in Redis: %s", request_id, exc)
             else:
                 return
         if admitted.leased and lease is not None:
@@ -167,17 +190,19 @@ class QuotaGate:
         for team, lease in list(self._leases.items()):
             if lease.tokens <= 0 or now - lease.used < idle_s or lease.refill.locked():
                 continue
+            if self.degraded:
+                break  # kept until Redis answers: a lease is spent without Redis meanwhile
             tokens, lease.tokens = lease.tokens, 0
             QUOTA_LEASED.labels(team_label(team)).set(0)
             try:
-                await self.enforcer.give_back(team, tokens)
+                await self.circuit.background(
+                    partial(self.enforcer.give_back, team, tokens), timeout_s=_GIVE_BACK_TIMEOUT_S
+                )
             except (RedisError, OSError) as exc:
                 # Lost rather than kept: the script may have run before the error, and
                 # tokens counted twice would be budget nobody granted.
                 log.warning("%d leased tokens of team %r not given back: %s", tokens, team, exc)
-                self._redis_down(exc)
                 break
-            self._redis_up()
             returned += tokens
         return returned
 
@@ -189,17 +214,3 @@ class QuotaGate:
                 await self.return_idle()
             except Exception:
                 log.exception("giving idle quota leases back failed; trying again")
-
-    def _redis_up(self) -> None:
-        if self._redis_down_until:
-            log.warning("Redis is back: quota enforcement is exact again")
-            self._redis_down_until = 0.0
-            QUOTA_FALLBACK.set(0)
-
-    def _redis_down(self, exc: BaseException) -> None:
-        if not self._redis_down_until:
-            log.warning(
-                "Redis unreachable (%s): admitting interactive traffic with the local limiter", exc
-            )
-        self._redis_down_until = time.monotonic() + _RETRY_REDIS_S
-        QUOTA_FALLBACK.set(1)

@@ -1,7 +1,10 @@
 """Replies from workers: one Redis stream per ingress instance, demultiplexed in-process.
 
 A single reader task blocks on the stream (``XREAD BLOCK``) and hands each message to the
-waiting request's channel, so a request costs no Redis call of its own while it waits.
+waiting request's channel, so a request costs no Redis call of its own while it waits. While
+Redis does not answer (the process's Redis circuit is open), workers send replies through
+the ``replies`` topic, which ``tail_kafka`` reads; the reader waits for the circuit to close
+and goes on from where it was, so what reached the stream meanwhile is read too.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -18,6 +22,8 @@ from redis.exceptions import RedisError
 
 from laneway.constants import REPLY_STREAM_TTL_S
 from laneway.errors import MalformedMessage
+from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 from laneway.schema import Reply, decode
 from laneway.tasks import stop_task
 
@@ -177,7 +183,13 @@ class ReplyRouter:
         self.block_ms = block_ms
         self._channels: dict[str, ReplyChannel] = {}
         self._task: asyncio.Task[None] | None = None
-        self.healthy = False
+        self.circuit = circuit_of(redis)
+        self._reading = False  # the last read of the stream succeeded
+
+    @property
+    def healthy(self) -> bool:
+        """Whether replies come through the stream (else through Kafka only)."""
+        return self._reading and not self.circuit.open
 
     def open(self, request_id: str, team: str) -> ReplyChannel:
         channel = ReplyChannel(request_id, team)
@@ -208,39 +220,48 @@ class ReplyRouter:
 
     async def _read_loop(self) -> None:
         last_id = b"$"
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         refreshed = 0.0
         while True:
+            await self.circuit.wait_closed()  # meanwhile replies come through Kafka
             try:
                 if last_id == b"$":
-                    # Start after what is there now; remember the position from then on.
-                    info = (
-                        await self.redis.xinfo_stream(self.stream)
-                        if await self.redis.exists(self.stream)
-                        else None
-                    )
-                    last_id = info["last-generated-id"] if info else b"0-0"
+                    last_id = await self.circuit.background(self._stream_end, timeout_s=None)
                 now = time.monotonic()
                 if now - refreshed > REPLY_STREAM_TTL_S / 10:
-                    await self.redis.expire(self.stream, REPLY_STREAM_TTL_S)
+                    await self.circuit.background(
+                        lambda: self.redis.expire(self.stream, REPLY_STREAM_TTL_S), timeout_s=None
+                    )
                     refreshed = now
-                response: Any = await self.redis.xread(
-                    {self.stream: last_id}, block=self.block_ms, count=1000
+                # Not the hot timeout: the read blocks for block_ms when nothing comes. The
+                # socket timeout bounds it; the request path never waits on it.
+                read = partial(
+                    self.redis.xread, {self.stream: last_id}, block=self.block_ms, count=1000
                 )
-                self.healthy = True
-                backoff = 0.1
-            except RedisError as exc:
-                self.healthy = False
+                response: Any = await self.circuit.background(read, timeout_s=None)
+                self._reading = True
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                self._reading = False
+                wait = backoff.next_wait()
                 log.warning(
-                    "reply stream %s unreadable (%s); retrying in %.1fs", self.stream, exc, backoff
+                    "reply stream %s unreadable (%s); retrying in %.1fs", self.stream, exc, wait
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(wait)
                 continue
             for _stream, messages in response:
                 for message_id, fields in messages:
                     last_id = message_id
                     self._dispatch(fields.get(b"d"))
+
+    async def _stream_end(self) -> bytes:
+        """The id after which to read: what is there now is for an earlier run."""
+        info = (
+            await self.redis.xinfo_stream(self.stream)
+            if await self.redis.exists(self.stream)
+            else None
+        )
+        return info["last-generated-id"] if info else b"0-0"
 
     async def tail_kafka(self, consumer: AIOKafkaConsumer) -> None:
         """Replies that workers sent through Kafka while Redis was unreachable."""

@@ -3,13 +3,15 @@
 Each replica reads the topic from its start and keeps the hashes in memory, so a revoked key
 is refused within moments of its revocation on every replica, and stays refused while Redis
 is away (when a replica would otherwise serve a key it knows from its cache). A revocation
-made while Redis was away left the key's record there: the replicas delete it as they read.
+made while Redis was away left the key's record there: the replicas delete it as they read,
+or once Redis answers again (never waiting on a Redis that hangs: the topic comes first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
@@ -18,6 +20,7 @@ from redis.exceptions import RedisError
 from ingress.settings import IngressSettings
 from laneway.clients import make_consumer
 from laneway.errors import MalformedMessage
+from laneway.redis_circuit import circuit_of
 from laneway.schema import KeyRevocation, decode
 from laneway.tasks import stop_task
 
@@ -26,6 +29,9 @@ __all__ = ["RevokedKeys"]
 log = logging.getLogger(__name__)
 
 _DELETE_CHUNK = 500  # records deleted per Redis call while the topic is replayed
+# Deleting records is background work, but it shares the loop that reads revocations: a
+# Redis that hangs may hold that loop back this long, once (then the circuit is open).
+_DELETE_TIMEOUT_S = 1.0
 
 
 class RevokedKeys:
@@ -34,6 +40,7 @@ class RevokedKeys:
     def __init__(self, settings: IngressSettings, redis: aioredis.Redis) -> None:
         self.keys = settings.keys
         self.redis = redis
+        self.circuit = circuit_of(redis)
         self._consumer = make_consumer(settings, settings.topics.keys, auto_offset_reset="earliest")
         self._hashes: set[str] = set()
         self._records_left: list[str] = []  # Redis records not deleted yet
@@ -80,9 +87,11 @@ class RevokedKeys:
 
     async def _delete_records(self) -> None:
         while self._records_left:
-            chunk = self._records_left[:_DELETE_CHUNK]
+            names = [self.keys.api_key(h) for h in self._records_left[:_DELETE_CHUNK]]
             try:
-                await self.redis.delete(*(self.keys.api_key(h) for h in chunk))
+                await self.circuit.background(
+                    partial(self.redis.delete, *names), timeout_s=_DELETE_TIMEOUT_S
+                )
             except (RedisError, OSError):
                 return  # still refused from memory; deleted at the next record or start
-            del self._records_left[: len(chunk)]
+            del self._records_left[: len(names)]

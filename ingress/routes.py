@@ -139,13 +139,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     clock = _Stages(state.clock)
     route = await _route(state, env, body.model)
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
-    update: dict[str, Any] = {}
-    if route != env.route:
-        update["route"] = route
-    if admitted is not None and admitted.leased:
-        update["quota_leased"] = admitted.leased
-    if update:
-        env = env.model_copy(update=update)
+    env = _admitted_envelope(env, route, admitted)
     clock.stage("admit")
     headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
@@ -182,6 +176,21 @@ async def _serve(request: Request, model: type[B]) -> Response:
         if not handed_over:
             disconnect.cancel()
             state.replies.close(env.id)
+
+
+def _admitted_envelope(
+    env: RequestEnvelope, route: str, admitted: Admitted | None
+) -> RequestEnvelope:
+    """``env`` with its route, and how its quota was admitted (a lease, or the local limiter
+    while Redis did not answer): its worker settles it by these."""
+    update: dict[str, Any] = {}
+    if route != env.route:
+        update["route"] = route
+    if admitted is not None and admitted.leased:
+        update["quota_leased"] = admitted.leased
+    if admitted is not None and admitted.local:
+        update["quota_local"] = admitted.local
+    return env.model_copy(update=update) if update else env
 
 
 async def _route(state: IngressState, env: RequestEnvelope, model: str) -> str:

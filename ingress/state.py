@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,6 +31,7 @@ from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.loops import keep_running
+from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope
 from laneway.tasks import stop_task
 from quota import CancelRateLimit, QuotaEnforcer, QuotaPolicy
@@ -50,6 +52,9 @@ class IngressState:
         self.keys = settings.keys
         self.reply_stream = self.keys.reply_stream(settings.instance_id)
         self.redis: aioredis.Redis = make_redis(settings)
+        # Shared by every component below (they find it by the client): one learns that
+        # Redis hangs, and none of the others waits on it.
+        self.circuit = circuit_of(self.redis)
         self.producer: AIOKafkaProducer = make_producer(settings)
         # Tombstones have a producer (a connection) of their own: a Kafka client keeps one
         # produce request in flight per broker, so on a shared producer a storm of tombstones
@@ -129,6 +134,7 @@ class IngressState:
             await self.producer.stop()
         finally:
             await self.cancel_producer.stop()
+        await self.circuit.stop()
         await self.redis.aclose()
 
     async def _sync_clock(self) -> None:
@@ -174,17 +180,22 @@ class IngressState:
             log.warning("readiness: Kafka does not answer: %r", exc)
             checks["kafka"] = {"ok": False, "error": type(exc).__name__}
         try:
-            await self.redis.ping()
+            # Through the circuit: a load balancer's probe must not wait on a Redis that hangs.
+            await self.circuit.hot(self.redis.ping)
             checks["redis"] = {"ok": True}
             now = self.clock.now()  # workers stamp their beats on Redis's clock
             for pool in POOLS:
-                live = await self.redis.zcount(
-                    self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
+                live = await self.circuit.hot(
+                    partial(
+                        self.redis.zcount, self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
+                    )
                 )
                 checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
         except (RedisError, OSError) as exc:
-            # Degraded, not down: replies fall back to Kafka and quota to the local limiter.
-            log.warning("readiness: Redis does not answer: %r", exc)
+            # Degraded, not down: keys and breaker levels come from memory, quota from the
+            # local limiter, replies through Kafka.
+            if not self.circuit.open:
+                log.warning("readiness: Redis does not answer: %r", exc)
             checks["redis"] = {"ok": False, "degraded": True, "error": type(exc).__name__}
         checks["replies"] = {"ok": self.replies.healthy, "degraded": not self.replies.healthy}
         for probed, probe in self.prober.results.items():

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import BadRequest, NotFound
+from laneway.redis_circuit import circuit_of
 from laneway.schema import KeyRevocation
 
 __all__ = [
@@ -167,9 +168,11 @@ async def revoke_key(
 
     With Redis away, a key given as itself (not by id) is revoked all the same: its record
     goes once the ingresses, which delete what they read on the topic, reach Redis again.
+    While Redis's circuit is open (it hangs), no Redis call waits at all.
     """
+    circuit = circuit_of(redis)
     try:
-        record = await find_key(redis, keys, key_or_id)
+        record = await circuit.background(lambda: find_key(redis, keys, key_or_id), timeout_s=None)
     except (RedisError, OSError):
         if not well_formed(key_or_id):
             raise
@@ -181,6 +184,7 @@ async def revoke_key(
         )
     revocation = KeyRevocation(hash=record.hash, id=record.id, team=record.team)
     await producer.send_and_wait(topics.keys, revocation.to_json(), key=record.hash.encode())
+    stored = keys.api_key(record.hash)
     with contextlib.suppress(RedisError, OSError):
-        await redis.delete(keys.api_key(record.hash))
+        await circuit.background(lambda: redis.delete(stored), timeout_s=None)
     return record

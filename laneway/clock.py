@@ -4,7 +4,9 @@ The ingress stamps ``accepted_ts`` and ``deadline_ts`` on this clock and the wor
 deadlines on it, so a machine whose own clock is off (NTP down, a VM resumed) neither drops
 work that is still fresh nor runs work that is long stale. Each process learns how far its
 clock is from Redis's (half a round trip is the error) and reads its own clock plus that.
-The quota scripts read ``TIME`` inside Redis and need none of this.
+The quota scripts read ``TIME`` inside Redis and need none of this. While Redis does not
+answer (its circuit is open, ``laneway.redis_circuit``), the last offset stays and no sync
+waits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections import deque
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
+
+from laneway.redis_circuit import circuit_of
 
 __all__ = ["RedisClock"]
 
@@ -29,6 +33,9 @@ _SAMPLES = 8
 _MATERIAL_OFFSET_S = 0.02
 # Offsets this large are worth a warning: the machine's clock should be fixed.
 _WARN_OFFSET_S = 1.0
+# A sync runs in the background, never on the request path: a round trip may take this long
+# (a slower one says little about the offset anyway) before Redis counts as not answering.
+_SYNC_TIMEOUT_S = 1.0
 
 
 class RedisClock:
@@ -53,10 +60,12 @@ class RedisClock:
         return ts - self.offset
 
     async def sync(self, redis: aioredis.Redis, samples: int = 1) -> None:
-        """``samples`` ``TIME`` round trips; raises Redis's errors (the last offset stays)."""
+        """``samples`` ``TIME`` round trips; raises Redis's errors (the last offset stays),
+        at once while Redis's circuit is open."""
+        circuit = circuit_of(redis)
         for _ in range(samples):
             sent = self.local()
-            seconds, micros = await redis.time()
+            seconds, micros = await circuit.background(redis.time, timeout_s=_SYNC_TIMEOUT_S)
             got = self.local()
             trip = max(0.0, got - sent)
             self._samples.append((trip, seconds + micros / 1e6 - (sent + got) / 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Final, Literal
 
 __all__ = [
@@ -82,6 +83,42 @@ class Topics:
         if pool == "batch":
             return [self.request("batch")]
         return [self.request(pool, band) for band in BANDS]
+
+    # Direct-Kafka tenants (docs/security.md): a team's batch input and results each have a
+    # topic of their own, so an ACL on the name decides who writes and reads them (Kafka
+    # ACLs cannot filter the records of a shared topic). The worker takes a line's team from
+    # the name of the topic it came from, never from the line.
+    def batch_team(self, team: str) -> str:
+        """Batch input that ``team``'s principal alone may write."""
+        return f"{self.prefix}.req.batch.team.{team}"
+
+    def results_batch_team(self, team: str) -> str:
+        """Results of the lines of ``batch_team(team)``, readable by that team alone."""
+        return f"{self.prefix}.results.batch.team.{team}"
+
+    def team_of_batch_topic(self, topic: str) -> str | None:
+        """The team of a tenant's batch topic; None for the ingress's ``req.batch``."""
+        head = f"{self.prefix}.req.batch.team."
+        if not topic.startswith(head):
+            return None
+        return topic[len(head) :] or None
+
+    def batch_results_for(self, input_topic: str) -> str:
+        """Where the results of lines read from ``input_topic`` go."""
+        team = self.team_of_batch_topic(input_topic)
+        return self.results_batch if team is None else self.results_batch_team(team)
+
+    def batch_pattern(self) -> str:
+        """Regex of every topic the batch pool consumes: the lane and each tenant's topic."""
+        return rf"^{re.escape(self.prefix)}\.req\.batch(\.team\.[A-Za-z0-9_-]+)?$"
+
+    def team_specs(self, team: str, partitions: int) -> list[tuple[str, int, dict[str, str]]]:
+        """(name, partitions, config) of a direct-Kafka tenant's two topics."""
+        week_ms = str(7 * 24 * 3600 * 1000)
+        return [
+            (self.batch_team(team), partitions, {"retention.ms": week_ms}),
+            (self.results_batch_team(team), partitions, {"retention.ms": week_ms}),
+        ]
 
     def consumer_group(self, pool: RequestClass) -> str:
         return f"{self.prefix}.workers.{pool}"

@@ -85,6 +85,12 @@ class RequestEnvelope(_Wire):
         description="tokens the ingress admitted it for from its quota lease (settled against "
         "the team's interactive pool); 0: a reservation in Redis, or no quota",
     )
+    quota_local: int = Field(
+        0,
+        ge=0,
+        description="tokens the ingress's local limiter admitted it for while Redis did not "
+        "answer (nothing was taken from the pool: its settlement charges what it used); 0: none",
+    )
     supersede_grace_tokens: int = Field(
         0,
         ge=0,
@@ -191,11 +197,14 @@ class UsageEvent(_Wire):
 
 
 class BatchRequest(_Wire):
-    """One line of a batch job on ``laneway.req.batch``, keyed ``<job_id>:<line_id>``.
+    """One line of a batch job, keyed ``<job_id>:<line_id>``, on ``laneway.req.batch`` or on a
+    team's own topic ``<prefix>.req.batch.team.<team>``.
 
     ``team`` is the team the line runs and is charged for. It is taken from the door the line
-    came through: the authenticated API key at ``POST /v1/batches``, or the Kafka principal's
-    ACL for a service principal that writes the topic itself. No key travels with the line.
+    came through: the authenticated API key at ``POST /v1/batches``, a batch service
+    principal whose ACL lets it write ``laneway.req.batch`` (an operator's pipeline), or the
+    topic of a team's own principal, whose ACL lets it write that topic alone (there a
+    ``team`` in the line is not read). No key travels with the line.
     ``body`` is the OpenAI request body of ``url``. A line the submitter could not parse
     carries ``error`` instead of a body and comes back as an error result.
     """

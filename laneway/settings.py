@@ -16,12 +16,20 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import ConfigError
+from laneway.redis_circuit import (
+    DEFAULT_FAILURES,
+    DEFAULT_HOT_TIMEOUT_MS,
+    DEFAULT_PROBE_INTERVAL_MS,
+)
 
 __all__ = [
     "SETTINGS_GROUP",
@@ -66,9 +74,38 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid")
 
     kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
-    redis_url: str = Field("redis://127.0.0.1:16379/0", description="Redis URL")
+    redis_url: str = Field(
+        "redis://127.0.0.1:16379/0",
+        description="Redis URL; with Redis ACL users redis://<user>:<password>@host:port/0; "
+        "behind Sentinels redis+sentinel://[user:password@]host:port[,...]/<service>[/<db>] "
+        "(never logged)",
+    )
     topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
     redis_prefix: str = Field("laneway", description="prefix of every Redis key")
+    redis_hot_timeout_ms: int = Field(
+        DEFAULT_HOT_TIMEOUT_MS,
+        ge=1,
+        le=10_000,
+        description="a Redis call on the request path (keys, breaker levels, quota, replies, "
+        "settlement, cancels) gives up after Redis was silent this long, and its fallback "
+        "answers",
+    )
+    redis_circuit_failures: int = Field(
+        DEFAULT_FAILURES,
+        ge=1,
+        le=1000,
+        description="after this many Redis calls in a row failed (refused; one given up "
+        "because Redis answered nothing for LANEWAY_REDIS_HOT_TIMEOUT_MS is enough), a "
+        "process stops calling Redis on the request path and uses its fallbacks until a "
+        "probe gets an answer",
+    )
+    redis_probe_interval_ms: int = Field(
+        DEFAULT_PROBE_INTERVAL_MS,
+        ge=10,
+        le=60_000,
+        description="while a process does not call Redis, it sends a PING this often; the "
+        "first answer within LANEWAY_REDIS_HOT_TIMEOUT_MS switches it back",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level")
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text (fields as key=value) or one JSON object a line"
@@ -123,6 +160,43 @@ class CommonSettings(BaseSettings):
         description="a request that used more tokens than it reserved (its prompt was longer "
         "than estimated) is charged at most this share of its reservation on top",
     )
+
+    # Kafka authentication (docs/security.md): one principal per service, its ACLs say what
+    # it may read and write.
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description="Kafka listener protocol: SASL_SSL in production, SASL_PLAINTEXT for the "
+        "local secured mode (LANEWAY_SECURED), PLAINTEXT: no authentication",
+    )
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"] = Field(
+        "SCRAM-SHA-256",
+        description="SASL mechanism of the Kafka principal (PLAIN: the compose admin only, "
+        "whose login the brokers' own configuration holds)",
+    )
+    kafka_password: SecretStr = Field(
+        SecretStr(""), description="password of LANEWAY_KAFKA_USERNAME (never logged)"
+    )
+    kafka_username: str = Field(
+        "",
+        validate_default=True,
+        description="Kafka principal (SASL user) of this service",
+    )
+    kafka_ssl_cafile: str = Field(
+        "", description="SASL_SSL: CA bundle that signed the brokers' certificates ('': system)"
+    )
+
+    @field_validator("kafka_username")
+    @classmethod
+    def _kafka_login_complete(cls, value: str, info: ValidationInfo) -> str:
+        # On the user name, not the password: an error message shows the value it is about.
+        protocol = info.data.get("kafka_security_protocol", "PLAINTEXT")
+        password = info.data.get("kafka_password")
+        if protocol != "PLAINTEXT" and not (value and password and password.get_secret_value()):
+            raise ValueError(
+                f"LANEWAY_KAFKA_SECURITY_PROTOCOL={protocol} needs LANEWAY_KAFKA_USERNAME and "
+                "LANEWAY_KAFKA_PASSWORD (this service's principal)"
+            )
+        return value
 
     def price_of(self, route: str) -> Price:
         return self.prices.get(route) or self.prices.get("*") or Price()
@@ -183,5 +257,8 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
             value = err.get("input")
+            known = cls.model_fields.get(field)
+            if known is not None and known.annotation is SecretStr:
+                value = "(secret)"
             problems.append(f"LANEWAY_{field.upper()}={value!r}: {err['msg']}")
         raise ConfigError("bad setting: " + "; ".join(problems)) from None

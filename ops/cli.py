@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
-from laneway.clients import make_producer, make_redis
+from laneway.clients import kafka_auth, make_producer, make_redis
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.logs import setup_logging
 from laneway.settings import CommonSettings, load_settings
@@ -21,6 +21,7 @@ from ops.canary_cli import add_canary_commands
 from ops.devstack import create_topics
 from ops.drills import add_drill_commands
 from ops.local_stack import run_local_stack
+from ops.principals_cli import add_principal_commands
 from ops.settings import StackSettings
 from quota.teams import Team, set_team
 from streams.report import add_report_commands
@@ -127,7 +128,7 @@ def cmd_topics_create(args: argparse.Namespace) -> int:
     if args.partitions < 0:
         raise ConfigError(f"--partitions must be at least 1, not {args.partitions}")
     specs = settings.topics.specs(args.partitions or settings.partitions)
-    create_topics(settings.kafka_bootstrap, specs, replicas)
+    create_topics(settings.kafka_bootstrap, specs, replicas, kafka_auth(settings))
     for name, partitions, _ in specs:
         print(f"{name} ({partitions} partitions, {replicas} replicas)")
     return 0
@@ -208,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     add_report_commands(sub)
     add_drill_commands(sub)
     add_canary_commands(sub)
+    add_principal_commands(sub)
     return parser
 
 

@@ -21,26 +21,34 @@ import subprocess
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
+from urllib.parse import quote
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from laneway.clients import kafka_auth
 from laneway.errors import ConfigError, ServiceError
+from laneway.kafka_acl import scram_salted
+from laneway.settings import CommonSettings
 
 __all__ = [
+    "BrokerAdmin",
     "KafkaBroker",
     "KafkaCluster",
     "RedisServer",
+    "RedisUser",
     "Replication",
     "ServiceError",
     "cache_dir",
     "create_topics",
+    "create_topics_async",
     "kafka_classpath",
     "port_in_use",
+    "redis_acl_file",
     "stop_processes",
 ]
 
@@ -374,6 +382,90 @@ def new_cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
+@dataclass(frozen=True)
+class BrokerAdmin:
+    """The super user of a secured broker: SASL/SCRAM on the client listener (the one every
+    client and the broker itself use), SASL/PLAIN on the controller listener (KRaft reads no
+    SCRAM credential there), the ACL authorizer on, nothing allowed that no ACL allows."""
+
+    username: str
+    password: str = field(repr=False)
+    mechanism: str = "SCRAM-SHA-256"
+
+    _MARKER = "laneway-sasl-admin"
+
+    @property
+    def auth(self) -> dict[str, Any]:
+        return {
+            "security_protocol": "SASL_PLAINTEXT",
+            "sasl_mechanism": self.mechanism,
+            "sasl_plain_username": self.username,
+            "sasl_plain_password": self.password,
+        }
+
+    def broker_properties(self, bootstrap: str, controller: str) -> dict[str, str]:
+        user, secret, mechanism = self.username, self.password, self.mechanism
+        scram = "org.apache.kafka.common.security.scram.ScramLoginModule"
+        plain = "org.apache.kafka.common.security.plain.PlainLoginModule"
+        return {
+            "listeners": f"CLIENT://{bootstrap},CONTROLLER://{controller}",
+            "advertised.listeners": f"CLIENT://{bootstrap}",
+            "inter.broker.listener.name": "CLIENT",
+            "listener.security.protocol.map": "CLIENT:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+            "listener.name.client.sasl.enabled.mechanisms": mechanism,
+            f"listener.name.client.{mechanism.lower()}.sasl.jaas.config": (
+                f'{scram} required username="{user}" password="{secret}";'
+            ),
+            "sasl.mechanism.inter.broker.protocol": mechanism,
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config": (
+                f'{plain} required username="{user}" password="{secret}" user_{user}="{secret}";'
+            ),
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": f"User:{user}",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+
+    def format_args(self) -> list[str]:
+        """``kafka-storage format --add-scram`` with the salted password, not the password
+        (the command line is visible to every local user while it runs)."""
+        salt, salted, iterations = scram_salted(self.password, self.mechanism)
+        encode = base64.b64encode
+        return [
+            "--add-scram",
+            f"{self.mechanism}=[name={self.username},iterations={iterations},"
+            f'salt="{encode(salt).decode()}",saltedpassword="{encode(salted).decode()}"]',
+        ]
+
+    def _fingerprint(self) -> str:
+        return f"{self.username} {hashlib.sha256(self.password.encode()).hexdigest()}"
+
+    def mark_formatted(self, log_dir: Path) -> None:
+        (log_dir / self._MARKER).write_text(self._fingerprint())
+
+    def check_formatted(self, log_dir: Path) -> None:
+        """Refuse storage formatted without this admin (or with another password): the
+        broker could not log in to itself, nor anyone administer it."""
+        if not (log_dir / "meta.properties").is_file():
+            return
+        marker = log_dir / self._MARKER
+        found = marker.read_text().strip() if marker.is_file() else None
+        if found == self._fingerprint():
+            return
+        if found is None:
+            why = "without SASL"
+        elif found.split()[0] != self.username:
+            why = f"with admin {found.split()[0]!r}"
+        else:
+            why = "with another admin password (were its secrets lost?)"
+        raise ServiceError(
+            f"the Kafka data in {log_dir} was formatted {why}, so admin {self.username!r} "
+            "cannot log in; secured mode needs its own data: remove that directory (its "
+            "topics are lost) or use another LANEWAY_DATA_DIR"
+        )
+
+
 class KafkaBroker(_ServerProcess):
     """A KRaft Kafka node (broker and controller in one JVM): alone by default, for
     development and tests, or one voter of a ``KafkaCluster``.
@@ -399,6 +491,7 @@ class KafkaBroker(_ServerProcess):
         voters: str = "",
         cluster_id: str = "",
         replication: Replication | None = None,
+        admin: BrokerAdmin | None = None,
     ) -> None:
         super().__init__(port=port, data_dir=data_dir)
         self.heap_mb = heap_mb
@@ -413,6 +506,13 @@ class KafkaBroker(_ServerProcess):
         self.replication = replication or Replication.single()
         # Ready once metadata names every voter as a live broker (all nodes are both).
         self.expected_brokers = len(self.voters.split(","))
+        # Secured mode: SASL on every listener, ACLs enforced, ``admin`` the super user.
+        self.admin = admin
+
+    @property
+    def auth(self) -> dict[str, Any]:
+        """aiokafka options that connect as the admin principal ({} on a PLAINTEXT broker)."""
+        return self.admin.auth if self.admin is not None else {}
 
     @property
     def _log_dir(self) -> Path:
@@ -461,6 +561,8 @@ class KafkaBroker(_ServerProcess):
             "num.io.threads": "2",
             "num.recovery.threads.per.data.dir": "1",
         }
+        if self.admin is not None:
+            settings.update(self.admin.broker_properties(self.bootstrap, controller))
         return "".join(f"{key}={value}\n" for key, value in settings.items())
 
     def _java(self, classpath: str, heap_mb: int, *args: str) -> list[str]:
@@ -499,8 +601,13 @@ class KafkaBroker(_ServerProcess):
             "--config",
             str(properties),
             "--ignore-formatted",
+            # The admin's SCRAM credential, there before the broker serves anyone: the broker
+            # authenticates to itself with it, and it creates every other principal.
+            *(self.admin.format_args() if self.admin is not None else ()),
         )
         result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
+        if result.returncode == 0 and self.admin is not None:
+            self.admin.mark_formatted(self._log_dir)
         if result.returncode != 0:
             raise ServiceError(
                 f"kafka storage format failed (exit {result.returncode}) for {self._log_dir}:\n"
@@ -525,7 +632,11 @@ class KafkaBroker(_ServerProcess):
         classpath = kafka_classpath()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         properties = self.data_dir / "server.properties"
+        properties.touch()
+        properties.chmod(0o600)  # in secured mode it holds the admin's password
         properties.write_text(self._server_properties())
+        if self.admin is not None:
+            self.admin.check_formatted(self._log_dir)
         (self.data_dir / "log4j2.properties").write_text(_LOG4J2)
         self._format_storage(classpath, properties)
         argv = self._java(classpath, self.heap_mb, "kafka.Kafka", str(properties))
@@ -544,7 +655,7 @@ class KafkaBroker(_ServerProcess):
         except OSError as exc:
             return False, str(exc)
         try:
-            brokers = _run_sync(_metadata_brokers(self.bootstrap))
+            brokers = _run_sync(_metadata_brokers(self.bootstrap, self.auth))
         except Exception as exc:  # noqa: BLE001 - any failure here means "not ready yet"
             return False, f"{type(exc).__name__}: {exc}"
         if len(brokers) < self.expected_brokers:
@@ -641,8 +752,8 @@ class KafkaCluster(_StartedInside):
             node.stop(max(0.5, deadline - time.monotonic()))
 
 
-async def _metadata_brokers(bootstrap: str) -> list[Any]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+async def _metadata_brokers(bootstrap: str, auth: dict[str, Any]) -> list[Any]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **auth)
     try:
         await admin.start()
         cluster = await admin.describe_cluster()
@@ -650,6 +761,33 @@ async def _metadata_brokers(bootstrap: str) -> list[Any]:
         await admin.close()
     brokers: list[Any] = cluster["brokers"]
     return brokers
+
+
+@dataclass(frozen=True)
+class RedisUser:
+    """A Redis ACL user: a service (its keys and channels under laneway's prefix, no admin
+    or dangerous commands) or, with ``admin``, the operator's (everything)."""
+
+    name: str
+    password: str = field(repr=False)
+    prefix: str = "laneway"
+    admin: bool = False
+
+    def acl_line(self) -> str:
+        # Only the password's SHA-256 is stored in the file.
+        digest = hashlib.sha256(self.password.encode()).hexdigest()
+        if self.admin:
+            rules = "~* &* +@all"
+        else:
+            rules = f"~{self.prefix}:* &{self.prefix}:* +@all -@admin -@dangerous"
+        return f"user {self.name} on #{digest} {rules}"
+
+
+def redis_acl_file(users: Sequence[RedisUser]) -> str:
+    """A Redis ACL file: ``users`` and the default user off."""
+    # Spelt out: a file that left the default user out would leave it on, with no password.
+    lines = ["user default off resetpass resetkeys resetchannels -@all"]
+    return "".join(line + "\n" for line in lines + [user.acl_line() for user in users])
 
 
 class RedisServer(_ServerProcess):
@@ -665,12 +803,31 @@ class RedisServer(_ServerProcess):
     cmdline_marker = b"redis-server"
 
     def __init__(
-        self, *, port: int, data_dir: Path, persistent: bool = False, maxmemory: str = "1gb"
+        self,
+        *,
+        port: int,
+        data_dir: Path,
+        persistent: bool = False,
+        maxmemory: str = "1gb",
+        users: Sequence[RedisUser] = (),
     ) -> None:
         super().__init__(port=port, data_dir=data_dir)
         self.persistent = persistent
         self.maxmemory = maxmemory
         self.url = f"redis://127.0.0.1:{port}/0"
+        # Secured mode: these ACL users, the default user off (no password, no access).
+        self.users = tuple(users)
+
+    def url_of(self, user: RedisUser) -> str:
+        """The Redis URL that logs in as ``user``."""
+        return f"redis://{quote(user.name)}:{quote(user.password, safe='')}@127.0.0.1:{self.port}/0"
+
+    def _acl_file(self) -> Path:
+        path = self.data_dir / "users.acl"
+        path.touch()
+        path.chmod(0o600)
+        path.write_text(redis_acl_file(self.users))
+        return path
 
     def start(self, timeout: float = 20.0) -> None:
         """Start redis-server and wait until it answers PING."""
@@ -693,6 +850,9 @@ class RedisServer(_ServerProcess):
             "daemonize": "no",
             "logfile": "",  # stdout, i.e. redis.log, next to any start-up error
         }
+        if self.users:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            options["aclfile"] = str(self._acl_file())
         self._spawn(
             [binary, *(arg for key, value in options.items() for arg in (f"--{key}", value))]
         )
@@ -705,23 +865,41 @@ class RedisServer(_ServerProcess):
                 reply = sock.recv(64)
         except OSError as exc:
             return False, str(exc)
-        return reply.startswith(b"+PONG"), reply.decode(errors="replace").strip()
+        # With ACL users a PING without AUTH is refused, by a server that is up all the same.
+        ready = reply.startswith((b"+PONG", b"-NOAUTH"))
+        return ready, reply.decode(errors="replace").strip()
 
 
 def create_topics(
-    bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]], replication: int = 1
+    bootstrap: str,
+    specs: Sequence[tuple[str, int, dict[str, str]]],
+    replication: int = 1,
+    auth: dict[str, Any] | None = None,
 ) -> None:
-    """Create the topics in ``specs`` (name, partitions, config) that do not exist yet.
+    """Create the topics in ``specs`` (name, partitions, config) that do not exist yet;
+    ``auth``: SASL options of a principal allowed to (laneway.clients.kafka_auth).
 
     Synchronous (runs its own event loop): call it from set-up code, not from a coroutine.
     """
-    _run_sync(_create_topics(bootstrap, specs, replication))
+    _run_sync(_create_topics(bootstrap, specs, replication, auth or {}))
+
+
+async def create_topics_async(
+    settings: CommonSettings,
+    specs: Sequence[tuple[str, int, dict[str, str]]],
+    replication: int = 1,
+) -> None:
+    """``create_topics`` from a coroutine, as the settings' principal."""
+    await _create_topics(settings.kafka_bootstrap, specs, replication, kafka_auth(settings))
 
 
 async def _create_topics(
-    bootstrap: str, specs: Sequence[tuple[str, int, dict[str, str]]], replication: int
+    bootstrap: str,
+    specs: Sequence[tuple[str, int, dict[str, str]]],
+    replication: int,
+    auth: dict[str, Any],
 ) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **auth)
     try:
         await admin.start()
         existing = set(await admin.list_topics())

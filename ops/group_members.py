@@ -78,8 +78,9 @@ class _DescribeGroups(Request[DescribeGroupsRequest_v2]):  # type: ignore[misc]
 class GroupMembers:
     """Counts and removes consumer-group members (``start``/``stop`` or ``async with``)."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, **auth: Any) -> None:
         self.bootstrap = bootstrap
+        self._auth = auth  # SASL options of the principal (laneway.clients.kafka_auth)
         self._client: AIOKafkaClient | None = None
 
     async def start(self) -> None:
@@ -87,7 +88,9 @@ class GroupMembers:
 
     async def _connected(self) -> AIOKafkaClient:
         if self._client is None:
-            client = AIOKafkaClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+            client = AIOKafkaClient(
+                bootstrap_servers=self.bootstrap, request_timeout_ms=5000, **self._auth
+            )
             await client.bootstrap()
             self._client = client
         return self._client

@@ -20,6 +20,7 @@ from laneway.settings import CommonSettings
 from ops.autoscale import LocalAutoscaler
 from ops.devstack import KafkaBroker, RedisServer, create_topics
 from ops.group_members import GroupMembers
+from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
 from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
@@ -61,13 +62,23 @@ def standby_processes(settings: StackSettings) -> list[str]:
     ]
 
 
-def stack_processes(settings: StackSettings) -> list[Supervised]:
+def stack_secrets(settings: StackSettings) -> StackSecrets | None:
+    """The secured mode's passwords (generated on first use), or None when it is off."""
+    if not settings.secured:
+        return None
+    return StackSecrets.load_or_create(Path(settings.data_dir).resolve() / "secrets")
+
+
+def stack_processes(
+    settings: StackSettings, secured: StackSecrets | None = None
+) -> list[Supervised]:
     """The processes of the stack in start order, servers first."""
     data = Path(settings.data_dir).resolve()
     redis = RedisServer(
         port=settings.redis_port,
         data_dir=data / "redis",
         persistent=True,
+        users=secured.redis_users(settings.redis_prefix) if secured else (),
         maxmemory=settings.redis_maxmemory,
     )
     kafka = KafkaBroker(
@@ -75,12 +86,24 @@ def stack_processes(settings: StackSettings) -> list[Supervised]:
         data_dir=data / "kafka",
         heap_mb=settings.kafka_heap_mb,
         partitions=settings.partitions,
+        admin=secured.kafka_admin if secured else None,
     )
     specs = settings.topics.specs(settings.partitions)
     env = {k: v for k, v in os.environ.items() if k.upper() not in _STACK_ONLY}
     env.update(LANEWAY_KAFKA_BOOTSTRAP=kafka.bootstrap, LANEWAY_REDIS_URL=redis.url)
+
+    def login(service: str, pool: str = "") -> dict[str, str]:
+        # Secured: each service logs in as its own Kafka principal and Redis user.
+        return secured.service_env(service, redis, pool) if secured else {}
+
+    def kafka_ready() -> None:
+        create_topics(kafka.bootstrap, specs, auth=kafka.auth)
+        if secured:
+            secured.ensure_principals(settings, kafka)
+            secured.write_admin_env(kafka, redis)
+
     # (name, module run as `python -m`, its own settings)
-    services = [("ingress", "ingress", {"LANEWAY_PORT": str(settings.port)})]
+    services = [("ingress", "ingress", {"LANEWAY_PORT": str(settings.port), **login("ingress")})]
     ids = worker_ids(settings)
     for pool, names in pool_replicas(settings).items():
         low, high = settings.replicas_of(pool)
@@ -93,13 +116,20 @@ def stack_processes(settings: StackSettings) -> list[Supervised]:
                 # The signal asks for no more than the stack will run.
                 "LANEWAY_SCALE_MIN_REPLICAS": str(low),
                 "LANEWAY_SCALE_MAX_REPLICAS": str(high),
+                **login("worker", pool),
             }
             services.append((name, "workers", worker))
-    services.append(("streams", "streams", {"LANEWAY_STREAMS_DATA_DIR": str(data / "streams")}))
+    services.append(
+        (
+            "streams",
+            "streams",
+            {"LANEWAY_STREAMS_DATA_DIR": str(data / "streams"), **login("streams")},
+        )
+    )
     width = max(len(name) for name, _, _ in services)
     processes: list[Supervised] = [
         LocalServer(redis),
-        LocalServer(kafka, on_ready=lambda: create_topics(kafka.bootstrap, specs)),
+        LocalServer(kafka, on_ready=kafka_ready),
     ]
     for name, module, extra in services:
         processes.append(
@@ -121,8 +151,9 @@ def run_local_stack(settings: StackSettings) -> None:
     for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
     metrics = SupervisorMetrics()
+    secured = stack_secrets(settings)
     supervisor = Supervisor(
-        stack_processes(settings),
+        stack_processes(settings, secured),
         RestartPolicy.from_settings(settings),
         metrics=metrics,
         standby=standby_processes(settings),
@@ -137,7 +168,13 @@ def run_local_stack(settings: StackSettings) -> None:
         print(  # noqa: T201 - the one line a user waits for
             f"laneway is up: OpenAI base URL http://127.0.0.1:{settings.port}/v1 "
             "(create a key: .venv/bin/laneway keys create --team myteam). Ctrl-C stops.\n"
-            f"Logs: {data / 'logs'}; restarts and what is down: "
+            + (
+                f"Secured: the operator's Kafka and Redis logins are in {secured.directory}/"
+                "admin.env (set -a; . that file; set +a before laneway keys|teams|principals)\n"
+                if secured
+                else ""
+            )
+            + f"Logs: {data / 'logs'}; restarts and what is down: "
             + (
                 f"http://127.0.0.1:{settings.supervisor_port}/metrics"
                 if settings.supervisor_port
@@ -150,9 +187,14 @@ def run_local_stack(settings: StackSettings) -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(signum, supervisor.request_stop)
-        groups = GroupMembers(f"127.0.0.1:{settings.kafka_port}")
+        # The autoscaler acts as the operator: the Kafka admin and Redis's operator user.
+        local_redis = RedisServer(port=settings.redis_port, data_dir=data / "redis")
+        groups = GroupMembers(
+            f"127.0.0.1:{settings.kafka_port}", **(secured.kafka_admin.auth if secured else {})
+        )
         redis = aioredis.Redis.from_url(
-            f"redis://127.0.0.1:{settings.redis_port}/0", socket_timeout=5.0
+            secured.operator_redis_url(local_redis) if secured else local_redis.url,
+            socket_timeout=5.0,
         )
         autoscaler = LocalAutoscaler(
             supervisor,

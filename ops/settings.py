@@ -73,6 +73,11 @@ class StackSettings(CommonSettings):
         description="`laneway up`: fewest and most worker processes per pool, started and "
         "stopped by the pool's scaling signal (JSON {pool: [min, max]}; a pool left out: [1, 1])",
     )
+    secured: bool = Field(
+        False,
+        description="`laneway up`: Kafka with SASL/SCRAM and ACLs and Redis with ACL users, one "
+        "principal per service (passwords generated into <data dir>/secrets; docs/security.md)",
+    )
     autoscale_interval_s: float = Field(
         1.0, gt=0, le=60, description="`laneway up`: how often the local autoscaler looks"
     )

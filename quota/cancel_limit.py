@@ -2,8 +2,8 @@
 
 Each cancel becomes a tombstone that every worker reads, whoever's request it names, so a
 team must not be able to send them without bound. One counter per team and second in Redis
-(the second by Redis's clock) holds the limit across replicas; while Redis does not answer,
-each replica counts on its own.
+(the second by Redis's clock) holds the limit across replicas; while Redis does not answer
+(within the hot timeout of the process's Redis circuit), each replica counts on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from laneway.constants import RedisKeys
 from laneway.errors import RateLimited
+from laneway.redis_circuit import circuit_of
 
 __all__ = ["CancelRateLimit"]
 
@@ -40,12 +41,16 @@ class CancelRateLimit:
     def __init__(self, redis: aioredis.Redis, keys: RedisKeys, per_s: int) -> None:
         self.keys = keys
         self.per_s = per_s
+        self._circuit = circuit_of(redis)
         self._count = redis.register_script(_COUNT)
         self._local: dict[str, tuple[int, int]] = {}  # team → (second, cancels in it)
 
     async def check(self, team: str) -> None:
+        counter = self.keys.cancel_rate(team)
         try:
-            wait_us = int(await self._count(keys=[self.keys.cancel_rate(team)], args=[self.per_s]))
+            wait_us = int(
+                await self._circuit.hot(lambda: self._count(keys=[counter], args=[self.per_s]))
+            )
         except (RedisError, OSError):
             wait_us = self._check_locally(team)
         if wait_us > 0:

@@ -12,6 +12,8 @@ tokens when they are leased, as it does reserved ones; what leases cost is preci
 edge (a replica may refuse a request while another holds unused lease) and a lease's unused
 tokens for as long as a crashed replica would have held them. Requests admitted from a lease
 carry the amount in their envelope and are settled against the pool like reservations.
+While Redis does not answer, an ingress admits with its local limiter (``quota.fallback``);
+those requests carry their amount too (``quota_local``) and are charged in full when settled.
 
 The scripts (``quota.scripts``) read the time in Redis, so no caller's clock enters a bucket.
 A settlement charges what the request used (``min_charge_tokens`` when it used none: a request
@@ -59,6 +61,7 @@ class Admitted:
     capacity: int
     reset_s: float  # seconds until the bucket is full again
     leased: int = 0  # tokens taken from the ingress's lease (0: a reservation in Redis)
+    local: int = 0  # tokens the local limiter admitted it for, Redis not answering
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,7 @@ class QuotaEnforcer:
         actual_tokens: int,
         *,
         leased: int = 0,
+        local: int = 0,
         accepted_ts: float = 0.0,
         min_charge: int | None = None,
     ) -> Settled:
@@ -164,15 +168,18 @@ class QuotaEnforcer:
         (up to the policy's ``max_excess``); ``min_charge`` (default: the policy's) when the
         request used no tokens.
 
-        ``leased`` is what the ingress admitted the request for from its lease (the envelope
-        carries it, with ``accepted_ts``); then there is no reservation record in Redis.
-        Idempotent: a second settle of the same request (a re-run after a crash) is a no-op.
+        ``leased`` is what the ingress admitted the request for from its lease, ``local``
+        what its local limiter admitted it for while Redis did not answer (the envelope
+        carries both, with ``accepted_ts``); then there is no reservation record in Redis.
+        Idempotent: a second settle of the same request (a re-run after a crash, a settle
+        sent again after a timeout) is a no-op.
         """
         keys, args = self._settle_call(
             team,
             request_id,
             actual_tokens,
             leased=leased,
+            local=local,
             accepted_ts=accepted_ts,
             min_charge=min_charge,
         )
@@ -187,6 +194,7 @@ class QuotaEnforcer:
         actual_tokens: int,
         *,
         leased: int = 0,
+        local: int = 0,
         accepted_ts: float = 0.0,
     ) -> None:
         """``settle`` as one command of a pipeline (the worker sends it with its reply).
@@ -196,7 +204,7 @@ class QuotaEnforcer:
         and lost its script cache), the caller runs ``settle``, which loads the script.
         """
         keys, args = self._settle_call(
-            team, request_id, actual_tokens, leased=leased, accepted_ts=accepted_ts
+            team, request_id, actual_tokens, leased=leased, local=local, accepted_ts=accepted_ts
         )
         pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
 
@@ -207,6 +215,7 @@ class QuotaEnforcer:
         actual_tokens: int,
         *,
         leased: int,
+        local: int = 0,
         accepted_ts: float,
         min_charge: int | None = None,
     ) -> tuple[list[str], list[Any]]:
@@ -231,6 +240,7 @@ class QuotaEnforcer:
             policy.min_charge_tokens if min_charge is None else min_charge,
             policy.max_excess,
             _BUCKET_TTL_S,
+            local,
         ]
 
     async def lease(self, team: Team, need: int, want: int) -> Lease:

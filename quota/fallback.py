@@ -1,8 +1,11 @@
-"""Per-instance limiter used while Redis is unreachable, so interactive traffic keeps flowing.
+"""Per-instance limiter used while Redis does not answer, so interactive traffic keeps flowing.
 
-It is deliberately approximate: each instance grants up to a team's full interactive
-budget on its own, so N replicas may admit up to N budgets during an outage. Correctness
-returns with Redis, by itself, at the next admission after the retry interval.
+It decides admission only, and approximately: each instance grants up to a team's full
+interactive budget on its own, so N replicas may admit up to N budgets during an outage.
+What it admits is still charged: each request carries its amount (``quota_local``) and is
+charged to the team's pool when its worker settles it, once Redis answers again (a pool
+whose bucket expired meanwhile, two hours unused, is full and is not charged; its hourly
+usage counter is). Exact admission returns with Redis, when its circuit closes.
 """
 
 from __future__ import annotations

@@ -120,23 +120,34 @@ return 1
 # The charge of a request: what it used; the minimum charge when it used nothing (dropped
 # before it ran: not free), and at most its reservation plus the excess share (a prompt
 # that tokenizes denser than estimated costs its team more, but not without bound).
+# A request admitted from a lease (ARGV 4) or by an ingress's local limiter while Redis did
+# not answer (ARGV 9) has no reservation record: a mark per request id makes its settle
+# happen once, however often it is sent (a re-run after a crash, a settle that timed out
+# and is sent again once Redis answers). The lease took its tokens from the pool already;
+# the local limiter took none, so such a request is charged in full here.
 # KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
-#       6 settled marks (request ids admitted from a lease and settled already)
+#       6 settled marks (request ids admitted from a lease or locally, settled already)
 # ARGV: 1 request id, 2 actual tokens, 3 used ttl, 4 leased tokens (0: none), 5 marks ttl,
-#       6 minimum charge, 7 excess share, 8 bucket ttl
+#       6 minimum charge, 7 excess share, 8 bucket ttl, 9 locally admitted tokens (0: none)
 # Returns {found 0|1, pool, reserved, charged}.
 SETTLE = (
     _BUCKET
     + """
+local leased, unpooled = tonumber(ARGV[4]), tonumber(ARGV[9] or '0')
+if leased > 0 or unpooled > 0 then
+  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then return {0, '', '0', '0'} end
+  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
+end
 local held = redis.call('HGET', KEYS[1], ARGV[1])
-local pool, amount
+local pool, amount, taken
 if held then
   pool, amount = string.match(held, '^(%S+) (%S+)$')
   amount = tonumber(amount)
-elseif tonumber(ARGV[4]) > 0 then
-  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then return {0, '', '0', '0'} end
-  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
-  pool, amount = 'interactive', tonumber(ARGV[4])
+  taken = amount
+elseif leased > 0 then
+  pool, amount, taken = 'interactive', leased, leased
+elseif unpooled > 0 then
+  pool, amount, taken = 'interactive', unpooled, 0
 else
   return {0, '', '0', '0'}
 end
@@ -145,7 +156,7 @@ if actual == 0 then actual = math.min(tonumber(ARGV[6]), amount) end
 local charged = math.min(actual, amount + math.floor(amount * tonumber(ARGV[7])))
 local bucket, used = KEYS[2], KEYS[4]
 if pool == 'batch' then bucket, used = KEYS[3], KEYS[5] end
-credit(bucket, amount - charged, clock(), tonumber(ARGV[8]))
+credit(bucket, taken - charged, clock(), tonumber(ARGV[8]))
 if held then redis.call('HDEL', KEYS[1], ARGV[1]) end
 if charged > 0 then
   redis.call('INCRBY', used, charged)

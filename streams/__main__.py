@@ -8,9 +8,10 @@ import logging
 import signal
 import sys
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from laneway.clients import make_admin
 from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
 from laneway.metrics import serve_metrics
@@ -23,7 +24,7 @@ log = logging.getLogger("streams")
 
 async def usage_partitions(settings: StreamsSettings) -> int:
     """Partitions of ``laneway.usage``: the changelog topics must have as many."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = make_admin(settings)
     try:
         await admin.start()
         described = await admin.describe_topics([settings.topics.usage])
@@ -46,7 +47,7 @@ async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
     the first event's table write finds no changelog in the metadata yet and the agent
     crashes (PartitionsMismatch) on it."""
     names = [f"{settings.app_id}-{table}-changelog" for table in TABLES]
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = make_admin(settings)
     try:
         await admin.start()
         new = [

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from laneway.clients import make_redis
+from laneway.clients import kafka_auth, make_redis
 from laneway.errors import LanewayError
 from streams.announce import Announcer
 from streams.canary import CanaryWatch
@@ -43,6 +43,19 @@ _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a 
 register()
 
 
+def _broker_credentials(settings: StreamsSettings) -> faust.SASLCredentials | None:
+    """The streams principal's SASL credentials (None on a PLAINTEXT cluster)."""
+    auth = kafka_auth(settings)
+    if not auth:
+        return None
+    return faust.SASLCredentials(
+        username=auth["sasl_plain_username"],
+        password=auth["sasl_plain_password"],
+        mechanism=auth["sasl_mechanism"],
+        ssl_context=auth.get("ssl_context"),
+    )
+
+
 class StreamsApp:
     """The Faust app plus the clients it needs; ``start()``/``stop()`` own all of them."""
 
@@ -54,6 +67,7 @@ class StreamsApp:
             # Faust's aiokafka transport reading committed records only: usage of an aborted
             # batch transaction is not counted (streams/transport.py).
             broker=[f"{SCHEME}://{server}" for server in settings.kafka_bootstrap.split(",")],
+            broker_credentials=_broker_credentials(settings),
             store="memory://",
             datadir=settings.streams_data_dir,
             web_enabled=False,

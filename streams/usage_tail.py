@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import orjson
 from aiokafka import AIOKafkaConsumer
 
+from laneway.clients import kafka_auth
 from laneway.settings import CommonSettings, load_settings
 
 __all__ = ["add_usage_commands", "tail_usage"]
@@ -82,6 +83,7 @@ async def tail_usage(
         topic,
         bootstrap_servers=settings.kafka_bootstrap,
         enable_auto_commit=False,
+        **kafka_auth(settings),
         auto_offset_reset="earliest" if from_beginning else "latest",
     )
     shown = 0
@@ -118,6 +120,7 @@ async def _tail_hourly_in_place(
         settings.topics.usage_hourly,
         bootstrap_servers=settings.kafka_bootstrap,
         enable_auto_commit=False,
+        **kafka_auth(settings),
         auto_offset_reset="earliest" if from_beginning else "latest",
     )
     latest: dict[tuple[str, str, str, str], dict[str, Any]] = {}

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from ops.devstack import KafkaBroker, RedisServer
+from tests.secured import SecuredServices
 from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 
 KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
@@ -59,6 +60,31 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         kafka.start()
         try:
             yield Services(kafka.bootstrap, redis.url)
+        finally:
+            kafka.stop()
+    finally:
+        redis.stop()
+
+
+@pytest.fixture(scope="session")
+def secured_services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredServices]:
+    """A second Kafka and Redis in the secured mode (SASL/SCRAM, ACLs, Redis ACL users),
+    started only for the tests that ask for it; the rest of the suite keeps the plain pair."""
+    root = tmp_path_factory.mktemp("secured")
+    secured = SecuredServices.generate()
+    redis = RedisServer(port=free_port(), data_dir=root / "redis", users=secured.redis_users)
+    kafka = KafkaBroker(
+        port=free_port_pair(),
+        data_dir=root / "kafka",
+        heap_mb=512,
+        partitions=PARTITIONS,
+        admin=secured.kafka_admin,
+    )
+    redis.start()
+    try:
+        kafka.start()
+        try:
+            yield secured.started(kafka, redis)
         finally:
             kafka.stop()
     finally:

@@ -15,7 +15,7 @@ from aiokafka import TopicPartition
 
 from laneway.batch import BatchClient, JobStatus
 from laneway.settings import CommonSettings
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, eventually
 from workers import batch_pool
 
 
@@ -205,11 +205,11 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     http = stack.http(ingress, await stack.api_key("ide", size=100))
     body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 16}
     burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
-    await wait_for(lambda: batch.yielding, 10, "batch to yield to the interactive backlog")
+    await eventually(lambda: batch.yielding, 10, "batch to yield to the interactive backlog")
     assert set(batch.consumer.paused()) == batch.consumer.assignment()
     responses = await asyncio.gather(*burst)
     assert {r.status_code for r in responses} == {200}
-    await wait_for(lambda: not batch.yielding, 10, "batch to resume")
+    await eventually(lambda: not batch.yielding, 10, "batch to resume")
     assert not batch.consumer.paused()
 
 

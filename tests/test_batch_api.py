@@ -16,7 +16,7 @@ from openai.types import Batch
 from ingress.batch_records import BatchRecord
 from ingress.settings import IngressSettings
 from laneway.schema import BatchJob, BatchRequest
-from tests.stack import Ingress, LiveStack, wait_for
+from tests.stack import Ingress, LiveStack, eventually
 from workers import metrics
 
 
@@ -355,7 +355,7 @@ async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     waits_before = metrics.QUOTA_WAITS.labels("docs")._value.get()
-    await wait_for(
+    await eventually(
         lambda: metrics.QUOTA_WAITS.labels("docs")._value.get() > waits_before,
         60,
         "the batch to wait for its budget",

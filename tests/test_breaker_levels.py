@@ -20,8 +20,8 @@ from ingress.breaker import BreakerGate
 from laneway.constants import RedisKeys
 from laneway.errors import ServiceUnavailable
 from laneway.schema import RequestEnvelope
-from tests.stack import LiveStack, envelope
-from tests.test_streams_process import StreamsProcess, wait_until
+from tests.stack import LiveStack, envelope, eventually
+from tests.test_streams_process import StreamsProcess
 
 ROUTES = {"laneway-code": {"quantized": "laneway-code-fp8", "fallback": "laneway-code-small"}}
 REQUESTS = 400
@@ -126,7 +126,7 @@ async def test_failure_rate_moves_the_breaker_and_back_after_cooldown(
             return (await _level(stack), await _level(stack, "team-a")) == (expected, expected)
 
         try:
-            await wait_until(both_at_expected, 40, f"level {expected}", every_s=0.05)
+            await eventually(both_at_expected, 40, f"level {expected}", every_s=0.05)
         except TimeoutError:
             control = await stack.read_all(stack.topics.control)
             raise AssertionError(f"control: {control}\n{streams.log()[-3000:]}") from None
@@ -148,7 +148,7 @@ async def test_failure_rate_moves_the_breaker_and_back_after_cooldown(
                 True,
             )
 
-        await wait_until(
+        await eventually(
             lambda: _level_is_zero(stack), 40, "the breaker back at level 0", every_s=0.1
         )
     finally:

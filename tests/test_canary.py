@@ -11,9 +11,9 @@ from typing import Any
 
 from laneway.canary import CanaryState, bucket, get_canary, put_canary
 from laneway.constants import RedisKeys
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, eventually
 from tests.test_breaker_levels import Webhook
-from tests.test_streams_process import StreamsProcess, produce_usage, usage_event, wait_until
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
 ADMIN = "ops-secret"
 
@@ -75,7 +75,7 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
         )
         return bool(event["route"] == "laneway-code")
 
-    await wait_until(back_on_stable, 10, "the aborted canary's sessions back on the stable route")
+    await eventually(back_on_stable, 10, "the aborted canary's sessions back on the stable route")
     listed = (await admin.get("/admin/canary")).json()["data"]
     assert [(c["model"], c["status"], c["weight"]) for c in listed] == [
         ("laneway-code", "aborted", 0)
@@ -134,8 +134,8 @@ async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
             done = code.status != "running" and chat.status != "running"
             return (code, chat) if done else None
 
-        code, chat = await wait_until(settled, 60, "both canaries judged to the end")
-        await wait_for(lambda: bool(pages()), 10, "the on-call webhook")
+        code, chat = await eventually(settled, 60, "both canaries judged to the end")
+        await eventually(lambda: bool(pages()), 10, "the on-call webhook")
     finally:
         feeding.cancel()
         assert await streams.stop() == 0, streams.log()

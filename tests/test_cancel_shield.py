@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import LiveStack, await_chain, envelope, free_port, long_prompt, wait_for
+from tests.stack import LiveStack, await_chain, envelope, eventually, free_port, long_prompt
 from workers.shield import CancelShield
 
 STEP_MS = 20.0
@@ -167,7 +167,7 @@ async def test_tombstone_on_redis_alone_aborts_a_running_request(stack: LiveStac
     await _subscribed(stack, channel)
     env = _envelope(stack, max_tokens=128, prompt=long_prompt(100))
     await _send(stack, env)
-    await wait_for(lambda: worker.engine.stats().running > 0, 10, "the request to start")
+    await eventually(lambda: worker.engine.stats().running > 0, 10, "the request to start")
     await stack.redis.publish(channel, b"{not a tombstone")
     await stack.redis.publish(channel, CancelRecord(id=env.id, team="team-b").to_json())
     await stack.redis.publish(channel, CancelRecord(id=env.id, team=env.team).to_json())
@@ -219,10 +219,10 @@ async def test_client_disconnect_cancels_and_frees_the_handler(stack: LiveStack)
     ) as http:
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/completions", json=other, timeout=0.3)
-    await wait_for(lambda: ingress.state.replies.open_channels == 0, 10, "handlers to let go")
+    await eventually(lambda: ingress.state.replies.open_channels == 0, 10, "handlers to let go")
     # Nothing of the two requests is left in the ingress's loop: no handler, and no task
     # still waiting for their replies (until LANEWAY_REPLY_TIMEOUT_S, 300 s).
-    await wait_for(lambda: not _waiting_for_replies(), 5, "no task to wait for replies")
+    await eventually(lambda: not _waiting_for_replies(), 5, "no task to wait for replies")
     events = await stack.read_topic(stack.topics.usage, count=2)
     by_id = {e["id"]: e for e in events}
     assert by_id[request_id]["status"] == "cancelled"
@@ -357,7 +357,7 @@ async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
     assert usage[old_id]["status"] in ("cancelled", "superseded")
     assert usage[old_id]["completion_tokens"] < 128
     assert usage[new_id]["status"] == "ok"
-    await wait_for(lambda: ingress.state.cancels.held == 0, 10, "the hold to end")
+    await eventually(lambda: ingress.state.cancels.held == 0, 10, "the hold to end")
     assert _tombstones_left_out() == left_out + 1
     # The hold ended by leaving the tombstone out (counted above), so the topic as it is now
     # shows whether one was sent.
@@ -388,7 +388,7 @@ async def test_a_superseded_keystrokes_kafka_record_is_left_out_only_when_redis_
         old = _envelope(stack, session="doc-6", seq=1, affinity="s:doc-6")
         outbox.accepted(_envelope(stack, session="doc-6", seq=2, affinity="s:doc-6"))
         outbox.add(old)
-        await wait_for(lambda: outbox.held == 0, 10, "the hold to end")
+        await eventually(lambda: outbox.held == 0, 10, "the hold to end")
         # A marker sent after it: the read below sees it, whatever became of the old one.
         marker = CancelRecord(id="marker-" + old.id, team=old.team)
         await outbox.send_now(marker)

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,18 @@ def services() -> dict[str, dict[str, Any]]:
     return compose()["services"]
 
 
-_INTERPOLATION = re.compile(r"\$\{\w+(?::?-([^}]*)|:?\?[^}]*)?\}")
+_INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*)|(:?\?)[^}]*)?\}")
 
 
 def env(service: str) -> dict[str, str]:
-    """The service's environment as Compose would set it with no variables given."""
+    """The service's environment as Compose would set it with no variables given but the
+    required ones (``${VAR:?...}``, the secrets of compose/.env), which read ``secret-VAR``."""
     environment = services()[service].get("environment") or {}
-    return {
-        k: _INTERPOLATION.sub(lambda m: m.group(1) or "", str(v)) for k, v in environment.items()
-    }
+
+    def value(m: re.Match[str]) -> str:
+        return f"secret-{m.group(1)}" if m.group(3) else m.group(2) or ""
+
+    return {k: _INTERPOLATION.sub(value, str(v)) for k, v in environment.items()}
 
 
 def laneway_services() -> dict[str, dict[str, Any]]:
@@ -215,7 +219,7 @@ def test_kafka_is_three_kraft_nodes_with_replication_factor_3_and_min_isr_2() ->
         assert services()[name]["image"].startswith("apache/kafka:")
         assert set(s["KAFKA_PROCESS_ROLES"].split(",")) >= {"broker", "controller"}
         assert dict(v.split("@") for v in s["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")) == voters
-        assert f"PLAINTEXT://{name}:9092" in s["KAFKA_ADVERTISED_LISTENERS"]
+        assert f"INTERNAL://{name}:9092" in s["KAFKA_ADVERTISED_LISTENERS"]
         assert s["KAFKA_DEFAULT_REPLICATION_FACTOR"] == "3"
         assert s["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
         assert s["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "3"
@@ -232,7 +236,7 @@ def _settings_class(command: list[str]) -> type[CommonSettings] | None:
         return IngressSettings
     if command[:3] == ["python", "-m", "workers"]:
         return WorkerSettings
-    if command[:2] == ["laneway", "topics"]:
+    if command[:2] == ["laneway", "topics"] or "laneway topics create" in " ".join(command):
         return StackSettings
     if command[:3] == ["python", "-m", "streams"]:
         try:
@@ -295,7 +299,7 @@ def _seconds(duration: str) -> float:
 
 def test_topic_init_creates_topics_before_any_laneway_service_starts() -> None:
     init = services()["topic-init"]
-    assert init["command"] == ["laneway", "topics", "create"]
+    assert init["command"][-1].startswith("laneway topics create\n")
     assert init["restart"] == "no"
     assert env("topic-init")["LANEWAY_REPLICATION_FACTOR"] == "3"
     assert set(init["depends_on"]) == {n for n in services() if n.startswith("kafka-")}
@@ -508,3 +512,75 @@ def test_grafana_is_provisioned_with_the_compose_prometheus_and_the_dashboard_fo
     ]
     mounts = dict(v.split(":")[:2][::-1] for v in services()["grafana"]["volumes"])
     assert (COMPOSE / mounts[provider["options"]["path"]]).resolve() == DASHBOARD.parent
+
+
+# --- Kafka and Redis as trust boundaries (docs/security.md) ------------------------------
+
+
+def test_every_kafka_listener_asks_for_a_login_and_acls_decide() -> None:
+    for name in (n for n in services() if n.startswith("kafka-")):
+        s = env(name)
+        protocols = dict(p.split(":") for p in s["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+        listeners = [lst.split("://")[0] for lst in s["KAFKA_LISTENERS"].split(",")]
+        assert {protocols[lst] for lst in listeners} <= {"SASL_PLAINTEXT", "SASL_SSL"}, name
+        assert s["KAFKA_AUTHORIZER_CLASS_NAME"].endswith("StandardAuthorizer")
+        assert s["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
+        assert s["KAFKA_SUPER_USERS"] == "User:admin"
+        for listener in listeners:
+            mechanisms = s[f"KAFKA_LISTENER_NAME_{listener}_SASL_ENABLED_MECHANISMS"].split(",")
+            for mechanism in mechanisms:
+                key = mechanism.replace("-", "___")
+                assert f"KAFKA_LISTENER_NAME_{listener}_{key}_SASL_JAAS_CONFIG" in s, (
+                    name,
+                    listener,
+                    mechanism,
+                )
+
+
+def test_each_laneway_service_logs_in_as_its_own_principal_and_redis_user() -> None:
+    seen: dict[str, str] = {}
+    for name, svc in laneway_services().items():
+        s = env(name)
+        assert s["LANEWAY_KAFKA_SECURITY_PROTOCOL"] == "SASL_PLAINTEXT", name
+        assert "@redis:6379" in s["LANEWAY_REDIS_URL"], f"{name}: Redis without a user"
+        user = s["LANEWAY_KAFKA_USERNAME"]
+        if name == "topic-init":
+            assert user == "admin"
+            continue
+        command = svc["command"]
+        pool = command[-1] if "--pool" in command else ""
+        expected = f"worker-{pool}" if pool else command[2]
+        assert user == expected, name
+        raw = services()[name]["environment"]
+        # The password comes from compose/.env, never from this file.
+        assert str(raw["LANEWAY_KAFKA_PASSWORD"]).startswith("${"), name
+        seen[name] = user
+    # topic-init creates exactly the principals the services log in as.
+    script = services()["topic-init"]["command"][-1]
+    for user in set(seen.values()):
+        assert f"{user}:" in script, user
+
+
+def test_redis_reads_its_users_from_the_file_compose_secrets_writes(tmp_path: Path) -> None:
+    redis = services()["redis"]
+    command = redis["command"]
+    acl = command[command.index("--aclfile") + 1]
+    assert f"./redis/users.acl:{acl}:ro" in redis["volumes"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compose_secrets.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "redis" / "users.acl").read_text().splitlines()
+    assert lines[0].startswith("user default off")
+    names = {line.split()[1] for line in lines[1:]}
+    users = {env(n)["LANEWAY_REDIS_URL"].split("//")[1].split(":")[0] for n in laneway_services()}
+    assert users <= names
+    dotenv = (tmp_path / ".env").read_text()
+    referenced = set(re.findall(r"\$\{(\w+):\?", (COMPOSE / "docker-compose.yml").read_text()))
+    assert referenced <= {line.split("=")[0] for line in dotenv.splitlines()}
+    for line in dotenv.splitlines():
+        assert line.split("=", 1)[1] not in (tmp_path / "redis" / "users.acl").read_text()

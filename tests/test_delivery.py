@@ -13,7 +13,7 @@ import pytest
 from aiokafka.partitioner import murmur2
 
 from ingress.admission import affinity_key
-from tests.stack import PARTITIONS, LiveStack, wait_for
+from tests.stack import PARTITIONS, LiveStack, eventually
 from workers.sim import SimEngine
 from workers.types import EngineRequest
 
@@ -26,7 +26,7 @@ async def test_same_session_same_partition_same_worker(stack: LiveStack) -> None
     ingress = await stack.start_ingress()
     first = await stack.start_worker("completion")
     second = await stack.start_worker("completion", wait_assigned=False)
-    await wait_for(
+    await eventually(
         lambda: bool(first.consumer.assignment()) and bool(second.consumer.assignment()),
         30,
         "both workers assigned",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 
 from laneway.constants import RedisKeys
@@ -215,7 +216,8 @@ def _member(worker: str, cls: str, running: int, queued: int = 0) -> Member:
 
 
 def test_batch_gives_back_what_interactive_work_needs_and_no_more() -> None:
-    fleet = FleetShare(None, RedisKeys("t"), "gpu", "batch-1", "batch", reserve_min=1)  # type: ignore[arg-type]
+    # A client that never connects: the view below is set by hand.
+    fleet = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "batch-1", "batch", reserve_min=1)
     fleet.connected = True
     fleet.members = {"c": _member("c", "completion", running=1, queued=2)}
     fleet._mine = _member("batch-1", "batch", running=7, queued=10)
@@ -227,11 +229,11 @@ def test_batch_gives_back_what_interactive_work_needs_and_no_more() -> None:
 
 
 def test_without_a_view_batch_starts_nothing_and_interactive_runs_alone() -> None:
-    batch = FleetShare(None, RedisKeys("t"), "gpu", "b", "batch")  # type: ignore[arg-type]
+    batch = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "b", "batch")
     batch._mine = _member("b", "batch", running=2)
     assert batch.room(2, 0) == 0
     assert batch.excess() == 0  # what runs finishes; nothing new starts
-    completion = FleetShare(None, RedisKeys("t"), "gpu", "c", "completion")  # type: ignore[arg-type]
+    completion = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "c", "completion")
     completion._mine = _member("c", "completion", running=2)
     assert completion.room(2, 0) == 6
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
@@ -13,7 +12,7 @@ from laneway import metrics as shared_metrics
 from laneway.settings import CommonSettings
 from streams.records import HourlyRollup, LatencySummary
 from streams.report import cost_report, render
-from tests.stack import LiveStack, free_port, wait_for
+from tests.stack import LiveStack, eventually, free_port
 
 
 def _families(text: str) -> dict[str, set[frozenset[str]]]:
@@ -74,7 +73,7 @@ async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
     )
     try:
         info_key = f"{stack.prefix}:worker:scraped"
-        await wait_for_async(lambda: stack.redis.exists(info_key), 30)
+        await eventually(lambda: stack.redis.exists(info_key), 30, "the worker's heartbeat record")
         info = orjson.loads(await stack.redis.get(info_key))
         assert info["engine"] == "sim"
         assert info["simulation"] is True
@@ -91,15 +90,6 @@ async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
         proc.wait(timeout=20)
 
 
-async def wait_for_async(check: object, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if await check():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("condition not met")
-
-
 async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) -> None:
     ingress = await stack.start_ingress(
         probe_interval_s=0.5, probe_timeout_s=1.5, admin_key="ops-secret"
@@ -111,30 +101,26 @@ async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) ->
         response = await http.get("/readyz")
         return response.status_code, response.json()["checks"]
 
-    await wait_for(
+    await eventually(
         lambda: ingress.state.prober.results.get("batch") is not None, 20, "a batch probe"
     )
-    deadline = time.monotonic() + 20
-    while (await ready())[0] != 200:
-        assert time.monotonic() < deadline, await ready()
-        await asyncio.sleep(0.2)
+
+    async def is_ready() -> bool:
+        return (await ready())[0] == 200
+
+    await eventually(is_ready, 20, "the ingress ready with every pool probed")
+
+    async def completion_probe_failed() -> tuple[int, dict[str, dict[str, object]]] | None:
+        status, checks = await ready()
+        return (status, checks) if checks.get("probe.completion", {}).get("ok") is False else None
 
     await workers["completion"].stop()
-    stopped_at = time.monotonic()
-    while True:
-        status, checks = await ready()
-        if checks.get("probe.completion", {}).get("ok") is False:
-            break
-        assert time.monotonic() - stopped_at < 5, checks
-        await asyncio.sleep(0.1)
+    status, checks = await eventually(completion_probe_failed, 5, "the completion probe to fail")
     assert status == 503
     assert checks["probe.chat"]["ok"] is True
 
     await stack.start_worker("completion")
-    deadline = time.monotonic() + 20
-    while (await ready())[0] != 200:
-        assert time.monotonic() < deadline, await ready()
-        await asyncio.sleep(0.2)
+    await eventually(is_ready, 20, "the ingress ready again")
     control = await stack.read_topic(
         stack.topics.control, count=6, where=lambda r: r.get("kind") == "probe"
     )

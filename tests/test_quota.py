@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from laneway.constants import RedisKeys, Topics
@@ -24,7 +23,7 @@ from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, envelope, free_port, wait_for
+from tests.stack import LiveStack, Services, envelope, eventually, free_port, redis_client
 from workers import metrics
 from workers.replies import Outbox
 
@@ -63,7 +62,7 @@ def test_offpeak_window_wraps_midnight() -> None:
 
 @pytest.fixture
 async def enforcer(services: Services) -> Any:
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     keys = RedisKeys(f"q{uuid.uuid4().hex[:8]}")
     policy = QuotaPolicy(unit_tokens=1000, units_per_member=1, offpeak="", borrow_reserve=0.3)
     yield QuotaEnforcer(redis, keys, policy), redis, keys
@@ -117,6 +116,31 @@ async def test_a_debt_outlives_the_idle_expiry_of_its_bucket(enforcer: Any) -> N
     assert await redis.ttl(bucket) > 2 * 3600 + 3500
     with pytest.raises(QuotaExceeded):
         await quota.reserve(team, "interactive", "next", 10)
+
+
+async def test_requests_admitted_locally_are_charged_once_when_redis_answers(
+    enforcer: Any,
+) -> None:
+    """While Redis did not answer, an ingress admitted with its local limiter (nothing taken
+    from the pool): the settlement charges what the request used, once, however often it is
+    sent (a worker sends again what may not have reached Redis)."""
+    quota, redis, keys = enforcer
+    team = Team("zeta", size=1)  # 1,000 tokens an hour
+    await quota.reserve(team, "interactive", "before", 100)  # the bucket exists: 900 left
+    now = time.time()
+    settled = await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)
+    assert (settled.found, settled.reserved, settled.charged) == (True, 120, 40)
+    assert not (await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)).found
+    # Its reservation reached Redis after all (the call timed out, then ran): settled against
+    # the reservation, once.
+    await quota.reserve(team, "interactive", "late-1", 50)
+    settled = await quota.settle("zeta", "late-1", 30, local=50, accepted_ts=now)
+    assert (settled.found, settled.charged) == (True, 30)
+    assert not (await quota.settle("zeta", "late-1", 30, local=50, accepted_ts=now)).found
+    bucket = await redis.hget(keys.quota_bucket("zeta", "interactive"), "tokens")
+    assert float(bucket) == pytest.approx(1000 - 100 - 40 - 30, abs=1)
+    pool = (await quota.snapshot(team))["pools"]["interactive"]
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40 + 30, 1)  # "before"
 
 
 def test_estimates_count_dense_text_denser() -> None:
@@ -346,16 +370,13 @@ async def test_two_ingress_processes_never_overspend(
 
 
 async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    async def answers() -> bool:
         try:
-            if (await http.get(url)).status_code == 200:
-                return
+            return (await http.get(url)).status_code == 200
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(url)
-        await asyncio.sleep(0.1)
+            return False
+
+    await eventually(answers, 30, f"{url} to answer 200")
 
 
 def _batch_line(team: str, job: str, line: int) -> BatchRequest:
@@ -385,7 +406,7 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
         )
     await producer.flush()
     waits_before = metrics.QUOTA_WAITS.labels(team)._value.get()
-    await wait_for(
+    await eventually(
         lambda: metrics.QUOTA_WAITS.labels(team)._value.get() > waits_before, 30, "batch throttled"
     )
 
@@ -426,7 +447,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
 
         with contextlib.suppress(RedisConnectionError):
             await stack.redis.shutdown(save=True)  # keeps its data for the restart
-        await wait_for(lambda: not server.running, 10, "redis to stop")
+        await eventually(lambda: not server.running, 10, "redis to stop")
         server.stop()  # reaps the process and closes its log
 
         for i in range(5):
@@ -443,7 +464,9 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
                 key=f"{job}:{line}".encode(),
             )
         # The lane took the lines up and paused on Redis; nothing of the job was written.
-        await wait_for(lambda: "paused, Redis unreachable" in caplog.text, 30, "the lane to pause")
+        await eventually(
+            lambda: "paused, Redis unreachable" in caplog.text, 30, "the lane to pause"
+        )
         assert await stack.read_all(stack.topics.results_batch) == []
 
         server = RedisServer(port=port, data_dir=tmp_path / "redis")
@@ -452,7 +475,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         assert len(results) == 5
         response = await http.post("/v1/completions", json={**body, "prompt": "after"})
         assert response.status_code == 200
-        await wait_for(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
+        await eventually(lambda: not ingress.state.quota.degraded, 10, "exact quota again")
         response = await http.post("/v1/completions", json={**body, "prompt": "after 2"})
         assert response.status_code == 200
         # 8 completions (1 before, 5 during, 2 after the outage) and the 5 batch lines
@@ -502,11 +525,12 @@ async def wait_for_budget_used(
     snapshot: Callable[[], Awaitable[dict[str, Any]]], tokens: int, within_s: float = 10
 ) -> None:
     """Until the team snapshot says the workers settled ``tokens`` of its interactive pool."""
-    deadline = time.monotonic() + within_s
-    while (await snapshot())["pools"]["interactive"]["used_tokens_this_hour"] < tokens:
-        if time.monotonic() > deadline:
-            raise TimeoutError("usage never settled")
-        await asyncio.sleep(0.05)
+
+    async def settled() -> bool:
+        used: int = (await snapshot())["pools"]["interactive"]["used_tokens_this_hour"]
+        return used >= tokens
+
+    await eventually(settled, within_s, f"{tokens} tokens settled")
 
 
 async def _json(response: Awaitable[httpx.Response]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ops.devstack import RedisServer
-from tests.stack import Ingress, LiveStack, Services, free_port, wait_for
+from tests.stack import Ingress, LiveStack, Services, eventually, free_port
 
 ADMIN = "admin-secret"
 # complexity 0.1, size 1: a 5,000-token hourly budget that refills 1.4 tokens a second.
@@ -91,7 +91,9 @@ async def _restart_scenario(stack: LiveStack, redis_server: RedisServer) -> None
         served_before_restart = len(codes)
         redis_server.start()
         # Traffic goes on against the restarted Redis.
-        await wait_for(lambda: len(codes) > served_before_restart + 10, 60, "traffic after restart")
+        await eventually(
+            lambda: len(codes) > served_before_restart + 10, 60, "traffic after restart"
+        )
     finally:
         stop.set()
         await traffic

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaProducer
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
 from laneway.schema import Reply, UsageEvent, decode
-from tests.stack import Services, envelope, free_port
+from tests.stack import Services, envelope, free_port, redis_client
 from workers.replies import ChunkStream, Outbox
 
 
@@ -152,7 +152,7 @@ class _ReplyStream:
 
 @pytest.fixture
 async def reply_stream(services: Services) -> AsyncIterator[_ReplyStream]:
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     stream = _ReplyStream(redis)
     try:
         yield stream
@@ -200,7 +200,7 @@ async def test_chunk_stream_with_an_interval_sends_the_first_text_at_once_then_e
 
 async def test_chunks_that_come_together_share_one_round_trip(services: Services) -> None:
     # One engine step gives every running sequence a token: their chunks go out together.
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     streams = [f"c{uuid.uuid4().hex[:8]}:reply:test" for _ in range(2)]
     outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
     pipelines = _Pipelines(redis)
@@ -228,7 +228,7 @@ async def test_chunks_that_come_together_share_one_round_trip(services: Services
 async def test_final_replies_that_come_together_share_one_round_trip(services: Services) -> None:
     # Requests that end on the same engine step: their final replies (and, with quotas, their
     # settlements) go to the ingress in one pipeline, behind the chunks queued before them.
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
     outbox = Outbox(redis, None, Topics("c"), capture=True)  # type: ignore[arg-type]
     pipelines = _Pipelines(redis)
@@ -265,7 +265,7 @@ async def test_final_replies_that_come_together_share_one_round_trip(services: S
 
 
 async def test_a_writer_whose_commands_fail_to_queue_fails_alone(services: Services) -> None:
-    redis = aioredis.Redis.from_url(services.redis_url)
+    redis = redis_client(services.redis_url)
     stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
     outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
     pipelines = _Pipelines(redis)
@@ -298,7 +298,7 @@ async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply
 ) -> None:
     # Redis is not listening and the replies topic does not exist (the broker creates none on
     # its own): the write fails on both paths.
-    redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    redis = redis_client(f"redis://127.0.0.1:{free_port()}/0")
     producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, request_timeout_ms=1000)
     await producer.start()
     outbox = Outbox(redis, producer, Topics(f"missing{uuid.uuid4().hex[:8]}"))

@@ -13,7 +13,7 @@ import pytest
 
 from laneway.batch import BatchClient
 from laneway.settings import CommonSettings
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers import metrics
 from workers.pool import PoolWorker
@@ -128,12 +128,16 @@ async def test_chat_ranks_between_completions_and_batch(
 
         # Batch is preempted for them; chat-1 ends first and frees one slot.
         first = [chat("chat-1", 15), chat("chat-2", 60)]
-        await wait_for(lambda: len(workers["chat"].running) == 2, 10, "both chats on the upstream")
+        await eventually(
+            lambda: len(workers["chat"].running) == 2, 10, "both chats on the upstream"
+        )
         third = chat("chat-3", 10)
-        await wait_for(lambda: len(workers["chat"].queue) == 1, 10, "the third chat to wait")
+        await eventually(lambda: len(workers["chat"].queue) == 1, 10, "the third chat to wait")
         body = {"model": "laneway-code", "prompt": "completion-1", "max_tokens": 4}
         completion = asyncio.create_task(http.post("/v1/completions", json=body))
-        await wait_for(lambda: len(workers["completion"].queue) == 1, 10, "the completion to wait")
+        await eventually(
+            lambda: len(workers["completion"].queue) == 1, 10, "the completion to wait"
+        )
         responses = await asyncio.gather(*first, third, completion)
         assert [r.status_code for r in responses] == [200] * 4
         status, _ = await _results(client, job, 12, 90)

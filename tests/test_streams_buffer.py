@@ -17,8 +17,8 @@ from faust.transport.producer import ProducerBuffer
 from streams.__main__ import ensure_changelogs
 from streams.app import StreamsApp
 from streams.settings import StreamsSettings
-from tests.stack import PARTITIONS, LiveStack
-from tests.test_streams_process import FAST, produce_usage, usage_event, wait_until
+from tests.stack import PARTITIONS, LiveStack, eventually
+from tests.test_streams_process import FAST, produce_usage, usage_event
 
 EVENTS = 12
 STALL_S = 0.15  # longer than the 0.1 s after which Faust's own flush stops waiting
@@ -68,7 +68,7 @@ async def test_no_offset_is_committed_ahead_of_its_table_changelog(
     app.consumer._commit = watched
     await streams.start()
     try:
-        await wait_until(lambda: sum(committed.values()) == EVENTS, 60, "every event committed")
+        await eventually(lambda: sum(committed.values()) == EVENTS, 60, "every event committed")
     finally:
         await streams.stop()
     assert ahead == []

@@ -10,7 +10,6 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,22 +98,6 @@ async def produce_usage(producer: AIOKafkaProducer, topic: str, events: list[Usa
     """Keyed by team, as the workers do; waits until the broker has all of them."""
     futures = [await producer.send(topic, e.to_json(), key=e.team.encode()) for e in events]
     await asyncio.gather(*futures)
-
-
-async def wait_until(
-    check: Callable[[], Any], within_s: float, what: str, *, every_s: float = 0.1
-) -> Any:
-    """Poll an async or sync ``check`` until it returns something truthy."""
-    deadline = time.monotonic() + within_s
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
-        await asyncio.sleep(every_s)
 
 
 async def test_streams_process_starts_and_stops_cleanly_on_sigterm(

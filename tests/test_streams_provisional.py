@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.stack import LiveStack
-from tests.test_streams_process import StreamsProcess, produce_usage, usage_event, wait_until
+from tests.stack import LiveStack, eventually
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
 
 async def _hourly(stack: LiveStack, team: str) -> list[dict[str, Any]]:
@@ -38,7 +38,7 @@ async def test_traffic_is_on_the_hourly_topic_within_30s_then_its_hour_closes(
         async def open_hour() -> list[dict[str, Any]]:
             return [r for r in await _hourly(stack, "team-live") if r["requests"] == 3]
 
-        (provisional, *_) = await wait_until(open_hour, 30, "the open hour's record")
+        (provisional, *_) = await eventually(open_hour, 30, "the open hour's record")
         assert time.monotonic() - sent_at < 30
         assert provisional["final"] is False
         assert provisional["class"] == "completion"
@@ -61,7 +61,7 @@ async def test_traffic_is_on_the_hourly_topic_within_30s_then_its_hour_closes(
                 if r["hour_start"] == hour_start and r["final"]
             ]
 
-        (final,) = await wait_until(closed, 30, "the hour's final record")
+        (final,) = await eventually(closed, 30, "the hour's final record")
         assert final["requests"] == 3
         assert final["revision"] > provisional["revision"]
         assert final["completion_tokens"] == provisional["completion_tokens"]

@@ -11,8 +11,8 @@ import pytest
 from laneway.constants import RedisKeys
 from quota.teams import Team, set_team
 from streams.variance import HOUR_S, hour_of
-from tests.stack import LiveStack
-from tests.test_streams_process import StreamsProcess, produce_usage, usage_event, wait_until
+from tests.stack import LiveStack, eventually
+from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
 
 async def test_24h_history_gives_the_expected_factor(stack: LiveStack, tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ async def test_24h_history_gives_the_expected_factor(stack: LiveStack, tmp_path:
             )
             return (steady, bursty) if steady and bursty else None
 
-        steady, bursty = await wait_until(factors, 40, "quota factors in Redis")
+        steady, bursty = await eventually(factors, 40, "quota factors in Redis")
     finally:
         assert await streams.stop() == 0, streams.log()
     if hour_of(time.time()) != current:
@@ -93,7 +93,7 @@ async def test_factor_is_measured_against_the_configured_budget(
             value: bytes | None = await stack.redis.get(keys.quota_factor(team))
             return value
 
-        value = await wait_until(factor, 40, "the team's quota factor in Redis")
+        value = await eventually(factor, 40, "the team's quota factor in Redis")
     finally:
         assert await streams.stop() == 0, streams.log()
     if hour_of(time.time()) != current:

@@ -25,7 +25,7 @@ from ops.local_stack import stack_processes, standby_processes
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess
 from ops.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
-from tests.stack import free_port, wait_for
+from tests.stack import eventually, free_port
 
 FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)
 SLEEPER = "import os, time\nprint('running', os.getpid())\ntime.sleep(600)"
@@ -70,7 +70,7 @@ async def supervising(supervisor: Supervisor) -> AsyncIterator[asyncio.Task[None
     """Run the supervisor until the block ends (then stop it) and wait for its processes."""
     run = asyncio.create_task(supervisor.run())
     names = [p.name for p in supervisor.processes]
-    await wait_for(lambda: run.done() or all(map(supervisor.is_up, names)), 20, "all up")
+    await eventually(lambda: run.done() or all(map(supervisor.is_up, names)), 20, "all up")
     try:
         yield run
     finally:
@@ -85,13 +85,13 @@ async def test_a_killed_process_is_restarted_while_the_others_keep_running(
     victim, bystander = _python("victim", SLEEPER, tmp_path), _python("other", SLEEPER, tmp_path)
     supervisor = Supervisor([victim, bystander], FAST)
     async with supervising(supervisor):
-        await wait_for(lambda: "running" in victim.log_tail(), 10, "the first run's output")
+        await eventually(lambda: "running" in victim.log_tail(), 10, "the first run's output")
         first, other = victim.pid, bystander.pid
         assert first is not None
         assert _sample(supervisor, "laneway_supervisor_restarts_total", "victim") == 0
         os.kill(first, signal.SIGKILL)
-        await wait_for(lambda: supervisor.restarts("victim") == 1, 10, "the restart")
-        await wait_for(lambda: "running" in victim.log_tail(), 10, "the new run's output")
+        await eventually(lambda: supervisor.restarts("victim") == 1, 10, "the restart")
+        await eventually(lambda: "running" in victim.log_tail(), 10, "the new run's output")
         assert victim.pid != first
         assert bystander.pid == other
         assert _sample(supervisor, "laneway_supervisor_restarts_total", "victim") == 1
@@ -130,7 +130,7 @@ async def test_a_restart_that_cannot_start_counts_as_a_crash(tmp_path: Path) -> 
     doomed = _python("doomed", SLEEPER, tmp_path, python=str(python))
     supervisor = Supervisor([doomed], RestartPolicy(backoff_s=0.01, crash_limit=2))
     run = asyncio.create_task(supervisor.run())
-    await wait_for(lambda: "running" in doomed.log_tail(), 20, "the first run")
+    await eventually(lambda: "running" in doomed.log_tail(), 20, "the first run")
     python.unlink()
     assert doomed.pid is not None
     os.kill(doomed.pid, signal.SIGKILL)
@@ -149,11 +149,11 @@ async def test_an_exit_while_a_needed_server_was_away_is_not_held_against_it(
     async with supervising(supervisor) as run:
         assert server.pid is not None
         os.kill(server.pid, signal.SIGKILL)
-        await wait_for(lambda: supervisor.restarts("server") == 1, 10, "the server back")
+        await eventually(lambda: supervisor.restarts("server") == 1, 10, "the server back")
         for restarts in (1, 2):
             assert client.pid is not None
             os.kill(client.pid, signal.SIGKILL)
-            await wait_for(
+            await eventually(
                 lambda n=restarts: supervisor.restarts("client") == n,  # type: ignore[misc]
                 10,
                 "the client's restart",
@@ -186,9 +186,9 @@ async def test_a_restart_waits_for_the_servers_it_needs(tmp_path: Path) -> None:
     supervisor = Supervisor([server, client], FAST)  # type: ignore[list-item]
     async with supervising(supervisor):
         os.kill(server.pid, signal.SIGKILL)
-        await wait_for(lambda: not supervisor.is_up("server"), 10, "the server's exit seen")
+        await eventually(lambda: not supervisor.is_up("server"), 10, "the server's exit seen")
         os.kill(client.pid, signal.SIGKILL)
-        await wait_for(lambda: supervisor.restarts("client") == 1, 20, "the client's restart")
+        await eventually(lambda: supervisor.restarts("client") == 1, 20, "the client's restart")
     # Its own wait is a few ms, the server's start half a second: it waited for the server.
     assert starts == ["server", "client", "server", "client"]
 
@@ -202,7 +202,7 @@ async def test_ctrl_c_stops_services_before_the_servers_they_need(tmp_path: Path
     supervisor = Supervisor([server, *services], FAST)
     async with supervising(supervisor):
         for process in (server, *services):
-            await wait_for(lambda p=process: "ready" in p.log_tail(), 10, "ready")  # type: ignore[misc]
+            await eventually(lambda p=process: "ready" in p.log_tail(), 10, "ready")  # type: ignore[misc]
     stopped = record.read_text().split()
     assert sorted(stopped[:2]) == ["a", "b"]
     assert stopped[2:] == ["server"]
@@ -220,9 +220,9 @@ async def test_a_second_ctrl_c_kills_what_ignores_the_first(tmp_path: Path) -> N
     )
     supervisor = Supervisor([stubborn], FAST, grace_s=600)
     run = asyncio.create_task(supervisor.run())
-    await wait_for(lambda: "ready" in stubborn.log_tail(), 20, "ready")
+    await eventually(lambda: "ready" in stubborn.log_tail(), 20, "ready")
     supervisor.request_stop()
-    await wait_for(lambda: "SIGTERM ignored" in stubborn.log_tail(), 10, "the SIGTERM")
+    await eventually(lambda: "SIGTERM ignored" in stubborn.log_tail(), 10, "the SIGTERM")
     assert not run.done()  # it waits up to the grace for a graceful exit
     supervisor.request_stop()
     await asyncio.wait_for(run, 20)  # far less than the 600 s grace
@@ -241,7 +241,7 @@ async def test_a_killed_redis_comes_back_with_its_data(tmp_path: Path) -> None:
         first = server.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        await wait_for(lambda: supervisor.restarts("redis") == 1, 20, "redis restarted")
+        await eventually(lambda: supervisor.restarts("redis") == 1, 20, "redis restarted")
         second = server.pid
         assert second != first
         after = aioredis.Redis.from_url(server.url)
@@ -341,12 +341,12 @@ async def test_a_standby_process_runs_only_between_activate_and_park(tmp_path: P
     supervisor = Supervisor([base, extra], FAST, standby=["extra"])
     run = asyncio.create_task(supervisor.run())
     try:
-        await wait_for(lambda: supervisor.is_up("base"), 20, "the base process")
+        await eventually(lambda: supervisor.is_up("base"), 20, "the base process")
         assert extra.pid is None
         assert supervisor.is_parked("extra")
         assert await supervisor.activate("extra")
         assert not await supervisor.activate("extra")  # runs already
-        await wait_for(lambda: "running" in extra.log_tail(), 10, "the standby's output")
+        await eventually(lambda: "running" in extra.log_tail(), 10, "the standby's output")
         pid = extra.pid
         assert await supervisor.park("extra")
         assert _gone(pid)

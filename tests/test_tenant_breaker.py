@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.stack import LiveStack
-from tests.test_streams_process import StreamsProcess, wait_until
+from tests.stack import LiveStack, eventually
+from tests.test_streams_process import StreamsProcess
 from tests.upstream_process import UpstreamProcess
 
 CONTEXT = 64  # the upstream's context, in tokens
@@ -73,12 +73,12 @@ async def test_one_teams_over_long_prompts_isolate_that_team_alone(
             return await _level(stack, "team-a") == 3
 
         try:
-            await wait_until(a_isolated, 30, "team-a at level 3", every_s=0.1)
+            await eventually(a_isolated, 30, "team-a at level 3", every_s=0.1)
         except TimeoutError:
             raise AssertionError(streams.log()[-3000:]) from None
 
         # A is refused at the door; B, on the same route, is served as before.
-        await wait_until(lambda: _isolated(a), 10, "team-a refused with 503", every_s=0.1)
+        await eventually(lambda: _isolated(a), 10, "team-a refused with 503", every_s=0.1)
         later = [
             await b.post("/v1/completions", json={**SHORT, "prompt": f"g{i}"}) for i in range(10)
         ]

@@ -14,7 +14,7 @@ import pytest
 from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord
-from tests.stack import LiveStack, envelope, free_port, wait_for
+from tests.stack import LiveStack, envelope, eventually, free_port
 from tests.tcp_proxy import TcpProxy
 
 BODY = {"model": "laneway-code", "prompt": "def handler(request):", "max_tokens": 8}
@@ -144,7 +144,7 @@ async def test_a_newer_keystroke_of_another_team_never_stands_in_for_a_tombstone
         old = envelope(team="team-b", session="doc", seq=1, reply_to=reply_to)
         outbox.accepted(envelope(team="team-a", session="doc", seq=2, reply_to=reply_to))
         outbox.add(old)
-        await wait_for(lambda: outbox.held == 0, 10, "the hold to end")
+        await eventually(lambda: outbox.held == 0, 10, "the hold to end")
         marker = CancelRecord(id="marker-" + old.id, team=old.team)
         await outbox.send_now(marker)
         records = await stack.read_topic(

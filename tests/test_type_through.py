@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.pool import PoolWorker
 
@@ -99,7 +99,7 @@ async def test_typing_the_suggestion_gets_the_rest_without_a_new_engine_request(
     await first.aclose()
     assert second.status_code == 200
     assert _text(second) == _suggestion(12)[len(WORDS[0]) :]
-    await wait_for(lambda: upstream.entry("def main():") is not None, 10, "the generation's end")
+    await eventually(lambda: upstream.entry("def main():") is not None, 10, "the generation's end")
     prompts = [e["prompt"] for e in upstream.entries()]
     assert prompts == ["def main():"]  # one engine request for both keystrokes
     usage = await stack.read_topic(
@@ -122,7 +122,7 @@ async def test_a_diverging_keystroke_supersedes_as_before(
     await first.aclose()
     assert second.status_code == 200
     assert _text(second) == _suggestion(12)
-    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
     outcomes = {e["prompt"]: e["outcome"] for e in upstream.entries()}
     assert outcomes == {"def main():": "gone_running", "def main():zz": "done"}
 
@@ -141,7 +141,7 @@ async def test_another_team_never_reuses_a_generation(
     assert other.status_code == 200
     assert _text(other) == _suggestion(12)  # its own answer, from its own engine request
     await first.aclose()
-    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
     assert sorted(e["prompt"] for e in upstream.entries()) == [
         "def main():",
         "def main():" + WORDS[0],
@@ -168,7 +168,7 @@ async def test_a_finished_suggestion_stays_reusable_and_a_restart_forgets_it(
     after = await http.post("/v1/completions", **_keystroke(typed, 3, stream=False))
     # Nothing to reuse after the restart: it ran, and its answer is its own.
     assert _text(after) == _suggestion(12)
-    await wait_for(lambda: len(upstream.entries()) == 2, 10, "the second request in the log")
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "the second request in the log")
 
 
 async def test_identical_requests_in_flight_share_one_generation(
@@ -181,7 +181,7 @@ async def test_identical_requests_in_flight_share_one_generation(
     both = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(2)))
     assert [r.status_code for r in both] == [200, 200]
     assert [_text(r) for r in both] == [_suggestion(12)] * 2
-    await wait_for(lambda: upstream.entry("import os") is not None, 10, "the log entry")
+    await eventually(lambda: upstream.entry("import os") is not None, 10, "the log entry")
     assert [e["prompt"] for e in upstream.entries()] == ["import os"]
 
 
@@ -195,4 +195,4 @@ async def test_a_team_that_turned_type_through_off_gets_a_request_each(
     typed = "class B:" + WORDS[0]
     again = await http.post("/v1/completions", **_keystroke(typed, 2, stream=False))
     assert (_text(whole), _text(again)) == (_suggestion(12), _suggestion(12))
-    await wait_for(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")

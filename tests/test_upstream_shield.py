@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.stack import Ingress, LiveStack, wait_for
+from tests.stack import Ingress, LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.pool import PoolWorker
 from workers.upstream import OpenAICompatibleEngine
@@ -54,7 +54,7 @@ def _completion(prompt: str, max_tokens: int, *, stream: bool = False) -> dict[s
 async def _idle(worker: PoolWorker, upstream: UpstreamProcess) -> None:
     """Nothing waits in the worker or runs on the upstream: every request the upstream ever
     received has ended, so its log is complete."""
-    await wait_for(
+    await eventually(
         lambda: not len(worker.queue) and not worker.dispatcher.running, 20, "an idle worker"
     )
     await upstream.until(lambda running, waiting: running == waiting == 0, "an idle upstream")
@@ -76,9 +76,9 @@ async def test_a_request_cancelled_while_it_waits_in_laneway_never_starts_upstre
     http = stack.http(ingress, await stack.api_key())
     occupant = await _occupy(http, upstream, "occupant")
     gone = asyncio.create_task(http.post("/v1/completions", json=_completion("never-run", 8)))
-    await wait_for(lambda: len(worker.queue) == 1, 10, "the second request to wait in laneway")
+    await eventually(lambda: len(worker.queue) == 1, 10, "the second request to wait in laneway")
     gone.cancel()  # the client goes away: a tombstone
-    await wait_for(lambda: len(worker.queue) == 0, 10, "the tombstone to drop it")
+    await eventually(lambda: len(worker.queue) == 0, 10, "the tombstone to drop it")
     assert (await occupant).status_code == 200
     await _idle(worker, upstream)
     assert upstream.entry("never-run") is None
@@ -101,7 +101,7 @@ async def test_a_request_cancelled_while_queued_upstream_is_taken_off_its_queue(
     gone = asyncio.create_task(http.post("/v1/completions", json=_completion("queued-up", 8)))
     await upstream.until(lambda _, waiting: waiting > 0, "a request queued upstream")
     gone.cancel()
-    await wait_for(lambda: upstream.entry("queued-up") is not None, 10, "the upstream's record")
+    await eventually(lambda: upstream.entry("queued-up") is not None, 10, "the upstream's record")
     entry = upstream.entry("queued-up")
     assert (entry["outcome"], entry["start"]) == ("gone_queued", None)
     assert (await occupant).status_code == 200
@@ -126,7 +126,7 @@ async def test_a_cancel_between_tokens_stops_the_upstream_within_a_token(
                 break
         cancelled = await http.delete(f"/v1/requests/{rid}")
         assert cancelled.status_code == 200
-    await wait_for(lambda: upstream.entry("cancel-me") is not None, 10, "the upstream's record")
+    await eventually(lambda: upstream.entry("cancel-me") is not None, 10, "the upstream's record")
     entry = upstream.entry("cancel-me")
     assert entry["outcome"] == "gone_running"
     # What it had made when the client cancelled, plus at most the token under way then and
@@ -169,7 +169,7 @@ async def test_a_non_streamed_client_that_leaves_cancels_upstream_too(
     leaving = asyncio.create_task(http.post("/v1/completions", json=_completion("leaver", 60)))
     await upstream.until(lambda running, _: running > 0, "the request to run upstream")
     leaving.cancel()  # closes the connection: the ingress sees the disconnect
-    await wait_for(lambda: upstream.entry("leaver") is not None, 10, "the upstream's record")
+    await eventually(lambda: upstream.entry("leaver") is not None, 10, "the upstream's record")
     entry = upstream.entry("leaver")
     assert entry["outcome"] == "gone_running"
     assert entry["tokens"] < 30  # 60 would have taken 6 s; it stopped within a few tokens

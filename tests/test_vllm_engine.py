@@ -22,7 +22,7 @@ import pytest
 from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
 from laneway.schema import ChatMessage
 from tests import fake_vllm
-from tests.stack import LiveStack, wait_for
+from tests.stack import LiveStack, eventually
 from tests.vllm_fixtures import make_tiny_model
 from workers.profiles import build_profile
 from workers.select import vllm_installed
@@ -197,7 +197,7 @@ async def test_abort_while_vllm_adds_the_request_is_repeated(
             seen.append(delta)
 
     task = asyncio.create_task(consume())
-    await wait_for(lambda: bool(_llm().requests), 5, "the request to reach vLLM")
+    await eventually(lambda: bool(_llm().requests), 5, "the request to reach vLLM")
     await fake_engine.abort("late")  # vLLM does not know the request yet: ignored
     assert _llm().aborted == set()
     with pytest.raises(Aborted):

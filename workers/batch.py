@@ -157,9 +157,11 @@ def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
 
 
 def result_records(
-    topics: Topics, result: BatchResult, usage: UsageEvent | None = None
+    topics: Topics, result: BatchResult, usage: UsageEvent | None = None, input_topic: str = ""
 ) -> list[KafkaRecord]:
-    records = [(topics.results_batch, result.job_id.encode(), result.to_json())]
+    """The result (to the results topic of the line's input topic) and its usage event."""
+    results = topics.batch_results_for(input_topic) if input_topic else topics.results_batch
+    records = [(results, result.job_id.encode(), result.to_json())]
     if usage is not None:
         records.append((topics.usage, usage.team.encode(), usage.to_json()))
     return records

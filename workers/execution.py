@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from aiokafka.errors import KafkaError
 
 from laneway.errors import Dropped, EngineError, EngineRejected, Expired
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
+from laneway.retry import Backoff
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
@@ -96,20 +96,20 @@ class RequestExecutor:
         if pending is None:
             return
         delivery, usage = pending
-        backoff = 0.2
+        backoff = Backoff(0.2, 10.0)
         while True:
             try:
                 await delivery
             except KafkaError as exc:
+                wait = backoff.next_wait()
                 log.warning(
                     "usage event of %s not stored (%s); sending it again in %.1fs",
                     request_id,
                     exc,
-                    backoff,
+                    wait,
                     extra={"request_id": request_id, "team": usage.team},
                 )
-                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, 10.0)
+                await asyncio.sleep(wait)
                 delivery = await self.outbox.send_usage(usage)
             else:
                 return

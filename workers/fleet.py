@@ -15,7 +15,9 @@ channel of the engine's (``RedisKeys.fleet``), and keeps a view of everyone's. F
 - **Preemption.** Batch running beyond its share (interactive work arrived) is aborted and
   queued again at the front of its worker's queue, within a Redis round trip of the news.
 
-Redis unreachable: interactive workers run on their engine as if alone; batch starts nothing.
+Redis unreachable, or hanging (the process's Redis circuit is open): interactive workers run
+on their engine as if alone; batch starts nothing. No dispatch ever waits on Redis: the view
+is fed in the background, and a publish gives up after the circuit's hot timeout.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from laneway.constants import HEARTBEAT_TTL_S, RedisKeys
+from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 from workers import metrics
 
 __all__ = ["CLASSES", "FleetShare", "Member", "allocate"]
@@ -44,6 +49,10 @@ _INTERACTIVE = ("completion", "chat")
 # How often a member's state is written again even when it did not change (and the view
 # read whole), so members that died without a word drop out.
 _REFRESH_S = 2.0
+# Reading the whole view is background work; a read slower than this says Redis hangs.
+_READ_TIMEOUT_S = 1.0
+# The subscription is read in waits this long, so a circuit that opened is noticed.
+_LISTEN_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +122,8 @@ class FleetShare:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
+        self.circuit = circuit_of(redis)
+        self.circuit.listen(self._on_circuit)
         self.key = keys.fleet(engine_id)
         self.engine_id = engine_id
         self.worker = worker_id
@@ -127,7 +138,16 @@ class FleetShare:
         self._publishing: asyncio.Task[None] | None = None
         self._dirty = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.connected = False  # the view is fed (Redis answers)
+        self._stopping = False
+        self.connected = False  # the view was fed (read from Redis) since Redis last failed
+
+    def _fed(self) -> bool:
+        """Whether the view is current: fed, and Redis answering now."""
+        return self.connected and not self.circuit.open
+
+    def _on_circuit(self, opened: bool) -> None:
+        if opened:
+            self._lost(RuntimeError("Redis does not answer (circuit open)"))
 
     # --- the view ---------------------------------------------------------------------------
 
@@ -166,9 +186,10 @@ class FleetShare:
         start: free slots, within its class's share."""
         if (running, queued) != (self._mine.running, self._mine.queued):
             self._mine = replace(self._mine, running=running, queued=queued)
-        if not self.connected and self.cls == "batch":
+        fed = self._fed()
+        if not fed and self.cls == "batch":
             return 0  # without the view, batch could take what interactive work needs
-        if not self.connected:
+        if not fed:
             return max(0, self._mine.capacity - self._mine.running)
         busy = self.running()
         free = self.capacity() - sum(busy.values())
@@ -180,7 +201,7 @@ class FleetShare:
 
         Without a view (Redis away) none: batch starts nothing then, but what runs finishes.
         """
-        if self.cls != "batch" or not self.connected or not self._mine.running:
+        if self.cls != "batch" or not self._fed() or not self._mine.running:
             return 0
         running = self.running()["batch"]
         over = running - self.shares()["batch"]
@@ -230,16 +251,19 @@ class FleetShare:
             self._dirty = False
             mine = self._mine
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.hset(self.key, self.worker, mine.to_json())
-                    pipe.publish(self.key, mine.to_json())
-                    await pipe.execute()
+                await self.circuit.hot(partial(self._write, mine))
                 self._published = (mine.running, mine.queued, mine.capacity)
             except (RedisError, OSError) as exc:
                 self._lost(exc)
                 return
             if not self._dirty:
                 return
+
+    async def _write(self, mine: Member) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.key, self.worker, mine.to_json())
+            pipe.publish(self.key, mine.to_json())
+            await pipe.execute()
 
     # --- feeding the view -----------------------------------------------------------------------
 
@@ -250,6 +274,7 @@ class FleetShare:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True  # redis-py's timed read swallows a cancellation now and then
         for task in [*self._tasks, self._publishing]:
             if task is not None:
                 task.cancel()
@@ -257,10 +282,13 @@ class FleetShare:
                     await task
         gone = Member(self.worker, self.cls, 0, 0, 0, 0.0)
         with contextlib.suppress(RedisError, OSError):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hdel(self.key, self.worker)
-                pipe.publish(self.key, gone.to_json())
-                await pipe.execute()
+            await self.circuit.background(partial(self._leave, gone), timeout_s=_READ_TIMEOUT_S)
+
+    async def _leave(self, gone: Member) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hdel(self.key, self.worker)
+            pipe.publish(self.key, gone.to_json())
+            await pipe.execute()
 
     def _heard(self, raw: bytes) -> None:
         try:
@@ -274,23 +302,32 @@ class FleetShare:
             self.on_change()
 
     async def _listen(self) -> None:
-        backoff = 0.2
-        while True:
+        backoff = Backoff(0.2, 5.0)
+        while not self._stopping:
+            # While Redis does not answer, wait; then subscribe anew (a subscription that
+            # lived through a partition may be dead without a word).
+            await self.circuit.wait_closed()
+            closings = self.circuit.closings
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.key)
                     await self._read_all()
-                    backoff = 0.2
-                    async for message in pubsub.listen():
-                        self._heard(message["data"])
+                    backoff.reset()
+                    while self.circuit.closings == closings and not self.circuit.open:
+                        if self._stopping:
+                            return
+                        message = await pubsub.get_message(timeout=_LISTEN_POLL_S)
+                        if message is not None:
+                            self._heard(message["data"])
             except (RedisError, OSError) as exc:
                 self._lost(exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
 
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(_REFRESH_S)
+            if self.circuit.open:
+                continue  # the view is not fed meanwhile; no read waits on Redis
             try:
                 await self._read_all()
             except (RedisError, OSError) as exc:
@@ -300,7 +337,9 @@ class FleetShare:
             self.local(self._mine.running, self._mine.queued, self._mine.capacity)
 
     async def _read_all(self) -> None:
-        entries = await self.redis.hgetall(self.key)
+        entries = await self.circuit.background(
+            partial(self.redis.hgetall, self.key), timeout_s=_READ_TIMEOUT_S
+        )
         members: dict[str, Member] = {}
         for raw in entries.values():
             with contextlib.suppress(orjson.JSONDecodeError, TypeError):

@@ -13,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import CommitFailedError, KafkaError
@@ -25,16 +23,18 @@ from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
-from laneway.constants import HEARTBEAT_TTL_S
 from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
+from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
+from workers.cancel_feed import CancelFeed, backlog
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
 from workers.fleet import FleetShare
+from workers.heartbeat import Heartbeat
 from workers.offsets import OffsetTracker
 from workers.replies import Outbox
 from workers.reuse import Follower, ReuseRegistry
@@ -112,11 +112,35 @@ class PoolWorker:
             # Range keeps partition N of every band on one worker, so a session's keystrokes
             # reach the same shield whichever band they come in.
             partition_assignment_strategy=(RangePartitionAssignor,),
+            # The batch pool subscribes by pattern: a team topic created later is found at
+            # the next metadata refresh.
+            metadata_max_age_ms=30_000 if settings.pool == "batch" else 300_000,
             # Batch lines are written in transactions (a job submitted over HTTP, a line
             # re-queued for memory): a line of an aborted one must never run.
             isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
+        self.cancel_feed = CancelFeed(
+            pool=self.pool,
+            consumer=self.cancels,
+            redis=self.redis,
+            channel=self.keys.cancels(),
+            fetch_pause_s=settings.cancel_fetch_wait_ms / 1000,
+            apply=self._apply_cancel,
+            after_fetch=self.shield.expire,
+            stopping=self._stopping,
+        )
+        self.heartbeat = Heartbeat(
+            pool=self.pool,
+            worker_id=settings.worker_id,
+            interval_s=settings.heartbeat_interval_s,
+            redis=self.redis,
+            keys=self.keys,
+            clock=self.clock,
+            scaling=ScalingSignal(settings, self.redis, self.producer),
+            describe=self._describe,
+            after=self._after_beat,
+        )
         self.quota: QuotaEnforcer | None = None
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
@@ -170,9 +194,15 @@ class PoolWorker:
         self._digest = self.engine.model_digest()
         await self.producer.start()
         await self.cancels.start()
-        self.consumer.subscribe(
-            self.topics.pool_topics(self.settings.pool), listener=_CommitOnRevoke(self)
-        )
+        if self.settings.pool == "batch":
+            # The lane and every team's own batch topic, those created later included.
+            self.consumer.subscribe(
+                pattern=self.topics.batch_pattern(), listener=_CommitOnRevoke(self)
+            )
+        else:
+            self.consumer.subscribe(
+                self.topics.pool_topics(self.settings.pool), listener=_CommitOnRevoke(self)
+            )
         await self.consumer.start()
         self._loops = [
             asyncio.create_task(self._fetch_loop(), name="fetch"),
@@ -180,9 +210,9 @@ class PoolWorker:
             # A loop that fails starts again: a dead one would stop dispatch, commits, cancels
             # or the heartbeat quietly while the worker looks alive.
             _kept("commit", self._commit_loop),
-            _kept("cancels", self._cancel_loop),
-            _kept("early-cancels", self._early_cancel_loop),
-            _kept("heartbeat", self._heartbeat_loop),
+            _kept("cancels", self.cancel_feed.topic_loop),
+            _kept("early-cancels", self.cancel_feed.redis_loop),
+            _kept("heartbeat", self.heartbeat.loop),
         ]
         log.info(
             "worker %s serving pool %s with engine %s%s",
@@ -231,8 +261,11 @@ class PoolWorker:
         await self.consumer.stop()
         await self.cancels.stop()
         await self.producer.stop()
+        circuit = circuit_of(self.redis)
         with contextlib.suppress(Exception):
-            await self.redis.zrem(self.keys.workers(self.pool), self.settings.worker_id)
+            await self.heartbeat.leave()
+        await self.outbox.close()  # settlements owed since a Redis outage: one last try
+        await circuit.stop()
         await self.redis.aclose()
         await self.engine.stop()
 
@@ -388,7 +421,7 @@ class PoolWorker:
     async def lag(self, partitions: list[TopicPartition] | None = None) -> int:
         """Records fetched by nobody yet on ``partitions`` (default: all assigned)."""
         assigned = self.consumer.assignment() if partitions is None else partitions
-        return await _backlog(self.consumer, assigned)
+        return await backlog(self.consumer, assigned)
 
     async def _prioritise_bands(self) -> None:
         assigned = self.consumer.assignment()
@@ -532,46 +565,8 @@ class PoolWorker:
             except KafkaError as exc:
                 log.warning("offset commit failed (will retry): %s", exc)
 
-    async def _cancel_loop(self) -> None:
-        # Once caught up, the topic is read in batches: every worker of every pool reads all
-        # tombstones, and a fetch for each would cost the broker and each worker a round
-        # trip, while the Redis channel has brought the same tombstone a moment after it was
-        # sent. A lone tombstone still comes at once (the fetch is a long poll).
-        pause = self.settings.cancel_fetch_wait_ms / 1000
-        while True:
-            batches = await self.cancels.getmany(timeout_ms=1000)
-            for records in batches.values():
-                for record in records:
-                    await self._on_cancel(record.value, record.topic, f"@{record.offset}")
-            self.shield.expire(time.time())
-            # Caught up: nothing left behind the records just read (a replay is not).
-            if pause and batches and not await _backlog(self.cancels, batches):
-                await asyncio.sleep(pause)
-
-    async def _early_cancel_loop(self) -> None:
-        """Tombstones the ingress also publishes on Redis: they reach a running request a
-        Kafka hop sooner. The compacted topic stays the record (replayed at start, and the
-        only path while Redis is away); a tombstone seen twice changes nothing."""
-        channel, backoff = self.keys.cancels(), 0.5
-        while True:
-            try:
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(channel)
-                    backoff = 0.5
-                    async for message in pubsub.listen():
-                        await self._on_cancel(message["data"], channel)
-            except (RedisError, OSError) as exc:
-                log.info("early cancels paused (%s); the cancel topic still carries them", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    async def _on_cancel(self, raw: bytes | None, source: str, at: str = "") -> None:
-        try:
-            cancel = decode(CancelRecord, raw)
-        except MalformedMessage as exc:
-            metrics.MALFORMED.labels(self.pool, source).inc()
-            log.warning("skipped cancel record on %s%s: %s", source, at, exc)
-            return
+    async def _apply_cancel(self, cancel: CancelRecord) -> None:
+        """A tombstone: work still queued leaves the queue; work running is aborted."""
         waiting = self.queue.get(cancel.id) if self.shield.enabled else None
         if waiting is not None and waiting.env.team == cancel.team:
             self.queue.remove(cancel.id)
@@ -583,57 +578,45 @@ class PoolWorker:
             # may type through this generation, so the abort waits for it, briefly.
             await self.executor.abort(rid, hold=True)
 
-    async def _heartbeat_loop(self) -> None:
-        key = self.keys.workers(self.pool)
-        info_key = self.keys.worker_info(self.settings.worker_id)
-        scaling = ScalingSignal(self.settings, self.redis, self.producer)
-        while True:
-            now = self.clock.now()  # Redis's clock, as the ingress reads the beats on it
-            stats = self.engine.stats()
-            info: dict[str, Any] = {
-                "pool": self.pool,
-                "engine": self.engine.name,
-                "simulation": self.engine.is_simulation,
-                "inflight": self.held,
-                "dispatch_queue": len(self.queue),
-                "engine_inflight": self.dispatcher.running,
-                "capacity": self.dispatcher.capacity_seen,
-                "backlog": await self._record_lag() + len(self.queue) + stats.waiting,
-                "cancels_held": len(self.shield),
-                "running": stats.running,
-                "waiting": stats.waiting,
-                "kv_cache_usage": stats.kv_cache_usage,
-                "prefix_cache_queries": stats.prefix_cache_queries,
-                "prefix_cache_hits": stats.prefix_cache_hits,
-                "prefix_cache_hit_rate": (
-                    stats.prefix_cache_hits / stats.prefix_cache_queries
-                    if stats.prefix_cache_queries
-                    else None
-                ),
-                "memory_free_bytes": stats.memory_free_bytes,
-                "model_digest": self._digest,
-                "ts": now,
-            }
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(key, {self.settings.worker_id: now})
-                    pipe.zremrangebyscore(key, 0, now - 10 * HEARTBEAT_TTL_S)
-                    pipe.set(info_key, orjson.dumps(info), ex=int(HEARTBEAT_TTL_S * 2))
-                    await pipe.execute()
-                await self.clock.sync(self.redis)
-            except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
-                log.warning("heartbeat to Redis failed: %s", exc)
-            metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
-            metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
-            metrics.ENGINE_CAPACITY.labels(self.pool).set(self.dispatcher.capacity_seen)
-            metrics.INFLIGHT.labels(self.pool).set(self.held)
-            await scaling.beat()
-            await self._after_heartbeat()
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+    async def _describe(self, now: float) -> dict[str, Any]:
+        """This worker's heartbeat record (the ingress, the console and the signal read it)."""
+        stats = self.engine.stats()
+        return {
+            "pool": self.pool,
+            "engine": self.engine.name,
+            "simulation": self.engine.is_simulation,
+            "inflight": self.held,
+            "dispatch_queue": len(self.queue),
+            "engine_inflight": self.dispatcher.running,
+            "capacity": self.dispatcher.capacity_seen,
+            "backlog": await self._record_lag() + len(self.queue) + stats.waiting,
+            "cancels_held": len(self.shield),
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_hit_rate": (
+                stats.prefix_cache_hits / stats.prefix_cache_queries
+                if stats.prefix_cache_queries
+                else None
+            ),
+            "memory_free_bytes": stats.memory_free_bytes,
+            "model_digest": self._digest,
+            "ts": now,
+        }
+
+    async def _after_beat(self) -> None:
+        metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
+        metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
+        metrics.ENGINE_CAPACITY.labels(self.pool).set(self.dispatcher.capacity_seen)
+        metrics.INFLIGHT.labels(self.pool).set(self.held)
+        await self._after_heartbeat()
 
     async def _record_lag(self) -> int:
         total = 0
-        for topic in self.topics.pool_topics(self.settings.pool):
+        assigned = {tp.topic for tp in self.consumer.assignment()}
+        for topic in sorted(assigned | set(self.topics.pool_topics(self.settings.pool))):
             lag = await self.lag([tp for tp in self.consumer.assignment() if tp.topic == topic])
             CONSUMER_LAG.labels(self.pool, topic).set(lag)
             total += lag
@@ -645,18 +628,6 @@ class PoolWorker:
 
 def _kept(name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
     return asyncio.create_task(keep_running(f"the {name} loop", loop), name=name)
-
-
-async def _backlog(consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition]) -> int:
-    """Records on ``partitions`` past the consumer's position, as of its last fetch."""
-    backlog = 0
-    for tp in partitions:
-        high = consumer.highwater(tp)
-        if high is None:
-            continue
-        with contextlib.suppress(KafkaError, AssertionError):
-            backlog += max(0, high - await consumer.position(tp))
-    return backlog
 
 
 async def _cancel(tasks: Collection[asyncio.Task[Any]], ask_again_s: float = 2.0) -> None:

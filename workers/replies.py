@@ -1,25 +1,31 @@
 """Where a worker's output goes: reply streams in Redis, usage and results topics in Kafka.
 
-While Redis is unreachable, reply chunks travel on the ``replies`` Kafka topic instead
-(every ingress tails it), so interactive traffic keeps flowing; quota settlement is then
-skipped (the reservation expires with its hash) and logged.
+Redis writes go through the process's Redis circuit (``laneway.redis_circuit``): they wait
+the hot timeout at most, and none while the circuit is open. Then reply chunks travel on the
+``replies`` Kafka topic instead (every ingress tails it), so interactive traffic keeps
+flowing, and quota settlements are owed: kept, and sent once Redis answers again
+(settlement is idempotent per request id, so one that did reach Redis is not charged twice).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError, RedisError
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
+from laneway.redis_circuit import circuit_of
 from laneway.schema import Reply, RequestEnvelope, UsageEvent
 from quota import QuotaEnforcer
 from workers import metrics
@@ -31,9 +37,25 @@ log = logging.getLogger(__name__)
 # Queues one writer's commands on the shared pipeline.
 _Commands = Callable[[Pipeline], None]
 
-# After a Redis failure, replies go through Kafka for this long before Redis is tried again,
-# so the chunks of one request do not alternate between two paths.
-_REDIS_RETRY_S = 5.0
+# Owed settlements are sent in the background, one at a time, each within this long.
+_OWED_SETTLE_TIMEOUT_S = 1.0
+# Settlements owed at most: an outage's worth at thousands of requests a second. Beyond it
+# the oldest are given up (and logged): a worker's memory is not the record, usage events are.
+_MAX_OWED = 200_000
+# A stopping worker tries to pay what it owes for this long at most.
+_STOP_SETTLE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Owed:
+    """A settlement not known to have reached Redis."""
+
+    team: str
+    request_id: str
+    tokens: int
+    leased: int
+    local: int
+    accepted_ts: float
 
 
 class Outbox:
@@ -55,22 +77,41 @@ class Outbox:
         # Batch: final replies are kept for the worker, which writes them transactionally.
         self.capture = capture
         self.captured: dict[str, Reply] = {}
-        self._redis_down_until = 0.0
+        self.circuit = circuit_of(redis)
+        self.circuit.listen(self._on_circuit)
         # Writes waiting for the next Redis round trip, and the task that makes it.
         self._queued: list[tuple[_Commands, asyncio.Future[list[Any] | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self.owed: dict[str, _Owed] = {}  # by request id, oldest first
+        self._paying: asyncio.Task[int] | None = None
+        self._partitioner = DefaultPartitioner()
 
     def _redis_usable(self) -> bool:
-        return time.monotonic() >= self._redis_down_until
+        return not self.circuit.open
 
     def _redis_failed(self, exc: BaseException) -> None:
-        if self._redis_usable():
-            log.warning("Redis unreachable (%s): replies go through Kafka for now", exc)
-        self._redis_down_until = time.monotonic() + _REDIS_RETRY_S
+        log.info("a Redis write failed (%s): through Kafka instead", exc)
         metrics.REDIS_FALLBACK.inc()
 
+    def _on_circuit(self, opened: bool) -> None:
+        if opened:
+            log.warning("Redis does not answer: replies go through Kafka, settlements wait")
+        else:
+            self._pay_owed_soon()
+
     async def _reply_via_kafka(self, stream: str, reply: Reply) -> None:
-        await self.producer.send_and_wait(self.topics.replies, reply.to_json(), key=stream.encode())
+        # A batch of its own, closed, goes out at once: the producer lingers for the usage
+        # events (50 ms), and a client waits for this. The key's partition, as send() picks
+        # it: one ingress's replies stay in order.
+        key = stream.encode()
+        topic = self.topics.replies
+        partitions = sorted(await self.producer.partitions_for(topic))
+        batch = self.producer.create_batch()
+        batch.append(key=key, value=reply.to_json(), timestamp=None)
+        batch.close()
+        partition = self._partitioner(key, partitions, partitions)
+        delivered = await self.producer.send_batch(batch, topic, partition=partition)
+        await delivered
 
     async def reply(self, stream: str, reply: Reply) -> None:
         """A chunk for the ingress that holds the connection.
@@ -116,7 +157,7 @@ class Outbox:
                             if not done.done():
                                 done.set_exception(exc)
                         counts.append(len(pipe.command_stack) - before)
-                    results = await pipe.execute(raise_on_error=False)
+                    results = await self.circuit.hot(partial(pipe.execute, raise_on_error=False))
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             except BaseException:
@@ -160,46 +201,118 @@ class Outbox:
         self, env: RequestEnvelope, final: Reply, usage: UsageEvent
     ) -> None:
         """Final reply and settlement in one round trip."""
-        actual = usage.prompt_tokens + usage.completion_tokens
+        owed = None
+        if self.quota is not None:
+            owed = _Owed(
+                env.team,
+                env.id,
+                usage.prompt_tokens + usage.completion_tokens,
+                env.quota_leased,
+                env.quota_local,
+                env.accepted_ts,
+            )
         if self._redis_usable():
-
-            def queue(pipe: Pipeline) -> None:
-                if env.reply_to is not None:
-                    _queue_reply(pipe, env.reply_to, final)
-                if self.quota is not None:
-                    self.quota.queue_settle(
-                        pipe,
-                        env.team,
-                        env.id,
-                        actual,
-                        leased=env.quota_leased,
-                        accepted_ts=env.accepted_ts,
-                    )
-
-            results = await self._round_trip(queue)
+            results = await self._round_trip(lambda pipe: self._queue_final(pipe, env, final, owed))
             if results is not None:  # None: Redis not reached
                 try:
                     for result in results:
-                        if isinstance(result, NoScriptError) and self.quota is not None:
+                        if isinstance(result, NoScriptError) and owed is not None:
                             # Redis restarted and lost its scripts; settle is idempotent.
-                            await self.quota.settle(
-                                env.team,
-                                env.id,
-                                actual,
-                                leased=env.quota_leased,
-                                accepted_ts=env.accepted_ts,
-                            )
+                            await self.circuit.hot(lambda: self._settle(owed))
                         elif isinstance(result, Exception):
                             raise result
                 except (RedisError, OSError) as exc:
                     self._redis_failed(exc)
                 else:
+                    if self.owed:
+                        self._pay_owed_soon()  # Redis answers: what an outage left is due
                     return
+        if owed is not None:
+            self._owe(owed)  # first: a failed Kafka send below must not lose the charge
         if env.reply_to is not None:
             await self._reply_via_kafka(env.reply_to, final)
-        log.warning(
-            "quota not settled for %s (Redis unreachable)", env.id, extra={"request_id": env.id}
+
+    def _queue_final(
+        self, pipe: Pipeline, env: RequestEnvelope, final: Reply, owed: _Owed | None
+    ) -> None:
+        if env.reply_to is not None:
+            _queue_reply(pipe, env.reply_to, final)
+        if owed is not None and self.quota is not None:
+            self.quota.queue_settle(
+                pipe,
+                owed.team,
+                owed.request_id,
+                owed.tokens,
+                leased=owed.leased,
+                local=owed.local,
+                accepted_ts=owed.accepted_ts,
+            )
+
+    async def _settle(self, owed: _Owed) -> None:
+        if self.quota is None:
+            return  # nothing is owed without quotas
+        await self.quota.settle(
+            owed.team,
+            owed.request_id,
+            owed.tokens,
+            leased=owed.leased,
+            local=owed.local,
+            accepted_ts=owed.accepted_ts,
         )
+
+    def _owe(self, owed: _Owed) -> None:
+        """Keep a settlement Redis may not have seen, to send once it answers (idempotent:
+        one that did reach it is not charged again)."""
+        if not self.owed:
+            log.warning("quota settlements wait until Redis answers (from %s)", owed.request_id)
+        self.owed[owed.request_id] = owed
+        while len(self.owed) > _MAX_OWED:
+            lost = self.owed.pop(next(iter(self.owed)))
+            log.warning(
+                "settlement of %s given up (over %d owed): %d tokens of team %r not charged",
+                lost.request_id,
+                _MAX_OWED,
+                lost.tokens,
+                lost.team,
+            )
+        if self._redis_usable():
+            self._pay_owed_soon()  # one write failed, Redis still answers others
+
+    def _pay_owed_soon(self) -> None:
+        if self.owed and (self._paying is None or self._paying.done()):
+            self._paying = asyncio.create_task(self.pay_owed(), name="owed-settlements")
+
+    async def pay_owed(self) -> int:
+        """Send the owed settlements, oldest first, until one fails; returns how many went."""
+        paid = 0
+        while self.owed:
+            owed = next(iter(self.owed.values()))
+            try:
+                await self.circuit.background(
+                    partial(self._settle, owed), timeout_s=_OWED_SETTLE_TIMEOUT_S
+                )
+            except (RedisError, OSError) as exc:
+                log.info("owed settlements wait (%d): %s", len(self.owed), exc)
+                break
+            self.owed.pop(owed.request_id, None)
+            paid += 1
+        if paid:
+            log.warning("%d owed settlements sent, %d still owed", paid, len(self.owed))
+        return paid
+
+    async def close(self) -> None:
+        """Stop paying in the background; one last try for what is owed (5 s at most)."""
+        paying, self._paying = self._paying, None
+        if paying is not None:
+            paying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await paying
+        if self.owed and self._redis_usable():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_STOP_SETTLE_S):
+                    await self.pay_owed()
+        if self.owed:
+            log.warning("%d quota settlements owed at stop are not charged", len(self.owed))
 
 
 def _queue_reply(pipe: Pipeline, stream: str, reply: Reply) -> None:

@@ -154,7 +154,7 @@ class ScalingRule:
 
 
 def pool_load(pool: str, beats: Iterable[dict[str, Any]]) -> PoolLoad:
-    """Sum the heartbeat records (``PoolWorker._heartbeat_loop``) of ``pool``'s workers."""
+    """Sum the heartbeat records (``workers.heartbeat.Heartbeat``) of ``pool``'s workers."""
     live = [beat for beat in beats if beat.get("pool") == pool]
     queued = sum(int(b.get("dispatch_queue", 0)) + int(b.get("waiting", 0)) for b in live)
     backlog = sum(int(b.get("backlog", 0)) for b in live)

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from laneway.canary import CanaryState, delete_canary, get_canary, start_canary
-from laneway.clients import topic_partitions
+from laneway.clients import kafka_auth, topic_partitions
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, NotFound
 from laneway.settings import CommonSettings
@@ -198,7 +198,7 @@ async def _routes(run: CanaryRun, settings: CommonSettings, since_wall: float) -
     if not partitions:
         raise LanewayError(f"topic {topic} not found on {settings.kafka_bootstrap}")
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False
+        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, **kafka_auth(settings)
     )
     await consumer.start()
     try:

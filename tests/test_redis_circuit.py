@@ -1,0 +1,107 @@
+"""The Redis circuit on a real redis-server: paused (SIGSTOP), refusing, and a busy caller."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from laneway.redis_circuit import RedisCircuit, RedisUnavailable, attach_circuit
+from ops.devstack import RedisServer
+from tests.stack import free_port
+
+HOT_MS = 50
+
+
+@pytest.fixture
+async def paused_redis(tmp_path: Path) -> AsyncIterator[tuple[RedisServer, aioredis.Redis]]:
+    """A Redis of the test's own (pausing the session's would stall the other tests)."""
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis")
+    server.start()
+    client = aioredis.Redis.from_url(server.url, socket_timeout=5)
+    try:
+        yield server, client
+    finally:
+        if server.running and server.pid is not None:
+            os.kill(server.pid, signal.SIGCONT)
+        await client.aclose()
+        server.stop()
+
+
+def _circuit(client: aioredis.Redis) -> RedisCircuit:
+    return attach_circuit(client, hot_timeout_ms=HOT_MS, failures=3, probe_interval_ms=50)
+
+
+async def test_a_paused_redis_opens_the_circuit_at_once_and_a_probe_closes_it(
+    paused_redis: tuple[RedisServer, aioredis.Redis],
+) -> None:
+    server, client = paused_redis
+    circuit = _circuit(client)
+    told: list[bool] = []
+    circuit.listen(told.append)
+    assert await circuit.hot(lambda: client.set("k", "v")) is True
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        # Given up by the circuit's own timer ("within 50 ms"), not the client's 5 s socket
+        # timeout (which would raise redis-py's TimeoutError).
+        with pytest.raises(RedisUnavailable, match=f"did not answer within {HOT_MS} ms"):
+            await circuit.hot(lambda: client.get("k"))
+        assert circuit.open
+        assert told == [True]
+        # Open: the next calls are refused before they are made, background ones included.
+        with pytest.raises(RedisUnavailable, match="circuit open"):
+            await circuit.hot(lambda: client.get("k"))
+        with pytest.raises(RedisUnavailable, match="circuit open"):
+            await circuit.background(lambda: client.get("k"), timeout_s=None)
+        await asyncio.sleep(0.3)  # several probes, all unanswered
+        assert circuit.open
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    await asyncio.wait_for(circuit.wait_closed(), 10)
+    assert told == [True, False]
+    assert circuit.closings == 1
+    assert await circuit.hot(lambda: client.get("k")) == b"v"
+    await circuit.stop()
+
+
+async def test_a_busy_caller_is_not_taken_for_a_hung_redis(
+    paused_redis: tuple[RedisServer, aioredis.Redis],
+) -> None:
+    _, client = paused_redis
+    circuit = _circuit(client)
+    await circuit.hot(client.ping)  # connected
+
+    call = asyncio.create_task(circuit.hot(lambda: client.incr("n")))
+    await asyncio.sleep(0)  # the call is on its way
+    _busy(4 * HOT_MS / 1000)  # the loop does other work: no answer is read meanwhile
+    assert await call == 1  # its timer fired late: it waited on, and got its answer
+    assert not circuit.open
+
+
+def _busy(seconds: float) -> None:
+    """Hold the event loop, as a burst of CPU work in the process would."""
+    time.sleep(seconds)
+
+
+async def test_refused_connections_open_it_after_the_failures_in_a_row() -> None:
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    circuit = _circuit(client)
+    try:
+        for _ in range(2):
+            with pytest.raises(RedisConnectionError):
+                await circuit.hot(client.ping)
+            assert not circuit.open  # refused at once: no silence, so not yet
+        with pytest.raises(RedisConnectionError):
+            await circuit.hot(client.ping)
+        assert circuit.open
+    finally:
+        await circuit.stop()
+        await client.aclose()
