@@ -11,12 +11,16 @@ from typing import Any
 
 import orjson
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from laneway.batch import BatchClient, JobStatus
+from laneway.clients import make_consumer
+from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, eventually
 from workers import batch_pool
+from workers.batch import BatchIntake
 
 
 def _line(i: int, **body: Any) -> str:
@@ -338,3 +342,120 @@ async def test_commits_that_overlap_write_each_result_once(stack: LiveStack) -> 
             await asyncio.gather(worker.commit(), worker.commit(), worker.commit())
     assert (status.done, status.duplicates) == (150, 0)
     assert not worker._fenced
+
+
+class _HeldRevoke(ConsumerRebalanceListener):
+    """A group member that, once ``hold`` is cleared, rejoins a rebalance only when it is set:
+    the group's rebalance stays open that long, as it does while a member commits or sleeps."""
+
+    def __init__(self) -> None:
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.hold.wait()
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        pass
+
+
+@pytest.mark.slow
+async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group takes a worker's partitions back in a rebalance (and may give them back)
+    while the worker is still going through a batch of lines it fetched before. What is left
+    of that batch belongs to no tenure: were it run and committed during the rebalance, the
+    line the worker was on when its partition was revoked would be skipped for good (the
+    commit goes past it), and a partition given back would run the rest a second time."""
+    await stack.api_key("docs", size=1000)
+    common = CommonSettings(**stack.common)
+    envelope = BatchIntake.envelope
+    on_first, go_on, first_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def first_line_waits(intake: BatchIntake, line: BatchRequest) -> RequestEnvelope:
+        if on_first.is_set():
+            return await envelope(intake, line)
+        on_first.set()
+        await go_on.wait()
+        try:
+            return await envelope(intake, line)
+        finally:
+            first_done.set()
+
+    monkeypatch.setattr(BatchIntake, "envelope", first_line_waits)
+    # Two more members of the worker's group, reading a topic of their own: the first is in
+    # the group before the worker; when the second joins, the first's rejoin is held, and
+    # the rebalance with it.
+    first, second = (
+        make_consumer(
+            common,
+            group_id=stack.topics.consumer_group("batch"),
+            partition_assignment_strategy=(RangePartitionAssignor,),
+        )
+        for _ in range(2)
+    )
+    held = _HeldRevoke()
+    try:
+        await first.start()
+        first.subscribe([stack.topics.results_batch], listener=held)
+        await eventually(first.assignment, 30, "the first member's assignment")
+        async with BatchClient(common) as client:
+            # All of the job is there at the worker's first fetch: one batch of many lines.
+            job = await client.submit([_line(i) for i in range(120)], team="docs")
+            worker = await stack.start_worker("batch", sim_decode_ms_per_step=1.0)
+            assert isinstance(worker, batch_pool.BatchPoolWorker)
+            await asyncio.wait_for(on_first.wait(), 60)  # stuck on the batch's first line
+            revoked, assigned = _noted(worker, monkeypatch)
+            held.hold.clear()
+            await second.start()
+            second.subscribe([stack.topics.results_batch])
+            await asyncio.wait_for(revoked.wait(), 30)
+            # The rebalance is open (the first member has not rejoined): the worker goes on
+            # through its batch until nothing of it is in flight or left to commit.
+            go_on.set()
+            await asyncio.wait_for(first_done.wait(), 30)
+            await eventually(
+                lambda: not worker.offsets.in_flight() and not worker.offsets.committable(),
+                60,
+                "the rest of the fetched batch settled",
+            )
+            held.hold.set()
+            status = await _status_when(client, job, 120, 90)
+            results = await client.results(job)
+        # The worker settles in its group without the two before it stops: a producer's
+        # start cut short leaves aiokafka's bootstrap connection behind.
+        assigned.clear()
+        await asyncio.gather(first.stop(), second.stop())
+        await asyncio.wait_for(assigned.wait(), 30)
+        await eventually(
+            lambda: all(worker.txns.has(tp) for tp in worker.consumer.assignment()),
+            30,
+            "the worker's producers started",
+        )
+    finally:
+        held.hold.set()
+        for member in (first, second):
+            await member.stop()
+    assert (status.done, status.duplicates) == (120, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(120))
+
+
+def _noted(
+    worker: batch_pool.BatchPoolWorker, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Events set once the worker's partitions were revoked and once assigned, from now."""
+    revoke, revoked = worker._revoked, asyncio.Event()
+    assign, assigned = worker._assigned, asyncio.Event()
+
+    async def noted_revoke(partitions: set[TopicPartition]) -> None:
+        await revoke(partitions)
+        revoked.set()
+
+    async def noted_assign(partitions: set[TopicPartition]) -> None:
+        await assign(partitions)
+        assigned.set()
+
+    monkeypatch.setattr(worker, "_revoked", noted_revoke)
+    monkeypatch.setattr(worker, "_assigned", noted_assign)
+    return revoked, assigned

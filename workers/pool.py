@@ -302,11 +302,21 @@ class PoolWorker:
                 # Not started: leave them uncommitted for the next owner.
                 return
             ordered = sorted(batches.items(), key=lambda item: item[0].topic.endswith(".lo"))
+            # The tenure each partition's records were fetched in. A rebalance that revokes a
+            # partition while the batch is handled ends it, though the consumer reports the
+            # partition assigned until the rebalance completes (and again if it is given
+            # back): the rest of its records are its next tenure's to fetch again, from the
+            # committed offset. Taken here, they ran as that tenure's and were committed
+            # past the line in hand, which no one ran (the chaos drill: lines lost, others
+            # written twice).
+            fetched_in = {tp: self.offsets.epoch(tp) for tp in batches}
             accepted: list[Work] = []
             for tp, records in ordered:
                 for record in records:
-                    if tp not in self.consumer.assignment():
-                        break  # taken away while this batch was handled: its next owner's
+                    if tp not in self.consumer.assignment() or not self.offsets.current(
+                        tp, fetched_in[tp]
+                    ):
+                        break  # taken away while this batch was handled: fetched again
                     work = await self._take(tp, record)
                     if work is not None:
                         accepted.append(work)
