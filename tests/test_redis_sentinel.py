@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -75,6 +76,16 @@ async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
         await eventually(writable, 30, "the Sentinel's master to take writes, replicated")
         key = await create_key(redis, keys, "alpha")
         assert await redis.execute_command("WAIT", 1, 2000) == 1
+        # The Sentinel learns of replicas from the master's INFO, every 10 s: a master killed
+        # before it knows one leaves it nothing to promote.
+        port = int(url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        async with aioredis.Redis(port=port) as sentinel:
+
+            async def replica_known() -> bool:
+                replicas = await sentinel.execute_command("SENTINEL", "REPLICAS", "main")
+                return bool(replicas)
+
+            await eventually(replica_known, 30, "the Sentinel to know the replica")
 
         master.send_signal(signal.SIGKILL)
         master.wait(10)
