@@ -32,8 +32,8 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture
-def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """(a Sentinel URL of service "main", the master's process)."""
+def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
+    """(a Sentinel URL of service "main", the Sentinel's port, the master's process)."""
     master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
     common = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
     master = _start(["--port", str(master_port), *common], tmp_path / "master.log")
@@ -50,7 +50,7 @@ def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
     )
     sentinel = _start([str(conf), "--sentinel"], tmp_path / "sentinel.log")
     try:
-        yield f"redis+sentinel://127.0.0.1:{sentinel_port}/main/0", master
+        yield f"redis+sentinel://127.0.0.1:{sentinel_port}/main/0", sentinel_port, master
     finally:
         for process in (sentinel, replica, master):
             if process.poll() is None:
@@ -59,9 +59,9 @@ def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
 
 
 async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
-    sentinel_set: tuple[str, subprocess.Popen[bytes]],
+    sentinel_set: tuple[str, int, subprocess.Popen[bytes]],
 ) -> None:
-    url, master = sentinel_set
+    url, sentinel_port, master = sentinel_set
     redis = make_redis(CommonSettings(redis_url=url, redis_prefix="sentinel"))
     keys = RedisKeys("sentinel")
     try:
@@ -78,8 +78,7 @@ async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
         assert await redis.execute_command("WAIT", 1, 2000) == 1
         # The Sentinel learns of replicas from the master's INFO, every 10 s: a master killed
         # before it knows one leaves it nothing to promote.
-        port = int(url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
-        async with aioredis.Redis(port=port) as sentinel:
+        async with aioredis.Redis(port=sentinel_port) as sentinel:
 
             async def replica_known() -> bool:
                 replicas = await sentinel.execute_command("SENTINEL", "REPLICAS", "main")
