@@ -202,7 +202,7 @@ class Outbox:
     ) -> None:
         """Final reply and settlement in one round trip."""
         owed = None
-        if self.quota is not None:
+        if self.quota is not None and not env.shadow:  # a mirror reserved nothing: owes nothing
             owed = _Owed(
                 env.team,
                 env.id,
