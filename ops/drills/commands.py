@@ -1,4 +1,4 @@
-"""``laneway drill surge | canary``: the command line of the drills."""
+"""``laneway drill surge | canary | storm``: the command line of the drills."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ops.drills.canary import summary as canary_summary
 from ops.drills.canary import table as canary_table
 from ops.drills.canary import write_timeline as write_canary_timeline
 from ops.drills.observe import StackObserver
+from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.settings import StackSettings
 from streams.settings import StreamsSettings
@@ -69,6 +70,7 @@ def add_drill_commands(sub: Any) -> None:
     canary.add_argument("--sessions", type=int, default=400, help="distinct sessions")
     canary.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     canary.set_defaults(func=cmd_drill_canary)
+    add_storm_command(drills)
 
 
 def cmd_drill_surge(args: argparse.Namespace) -> int:
