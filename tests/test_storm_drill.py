@@ -34,8 +34,8 @@ def _run(*, stale_ms: float, storm_ms: float, ran_on: bool = False) -> StormRun:
     completions += [Completion(1015.0, f"s{i}", "ok", 100.0, 0.0) for i in range(10)]
     completions += [Completion(1015.0, f"d{i}", "superseded", 0.0, 0.0) for i in range(20)]
     completions.append(Completion(1025.0, "a", "superseded", 50.0 + stale_ms, stale_ms))
-    if ran_on:
-        completions.append(Completion(1025.0, "r", "ok", 100.0, 40.0))
+    if ran_on:  # the news came, and it ran on for 400 ms of engine time
+        completions.append(Completion(1025.0, "r", "ok", 500.0, 400.0))
     run.engine = EngineTime(completions=completions)
     return run
 
@@ -44,7 +44,10 @@ def test_a_shielded_storm_passes() -> None:
     rows = judge(_run(stale_ms=5.0, storm_ms=120.0))
     assert [r.ok for r in rows] == [True] * 4, rows
     assert rows[0].measured == "0.5% (0.0 of 1.1 engine-s)"
-    assert rows[1].measured == "20 dropped before the engine, 1 aborted while running, 0 ran on"
+    assert rows[1].measured == (
+        "20 dropped before the engine; 1 aborted while running and 0 ended in the step the "
+        "news came in, P99 5 ms after the news"
+    )
     assert rows[2].measured.startswith("1.09× (120 ms vs 110 ms; windows: storm 120–120 ms")
     lines = summary(_run(stale_ms=5.0, storm_ms=120.0)).splitlines()
     assert lines[2].startswith("| calm | 2 | 100 | 100 | 110 | 110 | 1.0 | 0.0 | 0 | 0 |")
