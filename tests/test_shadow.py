@@ -10,7 +10,9 @@ import re
 import time
 from typing import Any
 
+import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from laneway.canary import bucket
 from laneway.constants import RedisKeys
@@ -143,12 +145,40 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
     charged = sum(int(u or 0) for u in used)
     assert charged == sum(by_id[r]["prompt_tokens"] + by_id[r]["completion_tokens"] for r in ids)
 
+    # A model in trouble (its breaker at level 1) serves its quantized route and is not mirrored.
+    await stack.redis.set(keys.breaker("laneway-code"), orjson.dumps({"level": 1, "since": 0}))
+    on_shadow = next(s for s in sessions if bucket("team-a", s) < 50)
+
+    async def degraded() -> bool:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "laneway-code", "prompt": "def g():", "max_tokens": 2},
+            headers={"X-Laneway-Session": on_shadow},
+        )
+        return bool(response.headers["x-laneway-route"] == "laneway-code-fp8")
+
+    await eventually(degraded, 10, "the breaker's level 1 at the ingress")
+    skipped = _shadow_count("skipped_breaker")
+    for _ in range(3):
+        response = await http.post(
+            "/v1/completions",
+            json={"model": "laneway-code", "prompt": "def h():", "max_tokens": 2},
+            headers={"X-Laneway-Session": on_shadow},
+        )
+        assert response.status_code == 200, response.text
+    assert _shadow_count("skipped_breaker") == skipped + 3
+
     await ingress.stop()  # every copy it made is on Kafka now
     copies = await stack.read_all(stack.topics.request("completion", "lo"))
     assert {c["id"] for c in copies if c["id"][: -len("-shadow")] in ids} == shadows
     for copy in copies:
         if copy["id"] in shadows:
             assert (copy["reply_to"], copy["shadow"], copy["route"]) == (None, True, SHADOW)
+
+
+def _shadow_count(outcome: str) -> float:
+    labels = {"model": "laneway-code", "outcome": outcome}
+    return REGISTRY.get_sample_value("laneway_ingress_shadow_total", labels) or 0.0
 
 
 async def _until_mirroring(stack: LiveStack, http: Any) -> None:
