@@ -19,7 +19,7 @@ import time
 from typing import Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from laneway.canary import bucket
 from laneway.constants import RedisKeys
@@ -202,7 +202,12 @@ async def start_shadow(
             f"{current.share:.1%} of requests); stop it first",
             param="model",
         )
-    state = ShadowState(model=model, target=target, share=share)
+    try:
+        state = ShadowState(model=model, target=target, share=share)
+    except ValidationError as exc:  # a name too long or empty: the caller's input
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "model"
+        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.shadow_comparison(model))  # the last shadow's figures are not this one's
         pipe.set(keys.shadow(model), state.to_json())

@@ -100,6 +100,8 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
         bad = await admin.put("/admin/shadow/laneway-code", json=body)
         assert bad.status_code == 400, body
         assert bad.json()["error"]["param"] == param, bad.text
+    long = await admin.put(f"/admin/shadow/{'m' * 201}", json={"target": SHADOW, "share": 0.5})
+    assert (long.status_code, long.json()["error"]["param"]) == (400, "model"), long.text
     started = await admin.put("/admin/shadow/laneway-code", json={"target": SHADOW, "share": 0.5})
     assert started.status_code == 201, started.text
     assert (started.json()["share"], started.json()["comparison"]) == (0.5, None)
@@ -182,8 +184,9 @@ def _shadow_count(outcome: str) -> float:
 
 
 async def _until_mirroring(stack: LiveStack, http: Any) -> None:
-    """Send on a mirrored session of team-w until its copy shows on the usage topic."""
+    """Send on a mirrored session of team-w until a copy of one shows on the usage topic."""
     session = next(f"warm/{i}" for i in range(100) if bucket("team-w", f"warm/{i}") < 50)
+    copies: set[str] = set()
 
     async def copied() -> bool:
         response = await http.post(
@@ -191,11 +194,10 @@ async def _until_mirroring(stack: LiveStack, http: Any) -> None:
             json={"model": "laneway-code", "prompt": "def warm():", "max_tokens": 2},
             headers={"X-Laneway-Session": session},
         )
-        rid = response.json()["id"]
-        found = await stack.read_all(stack.topics.usage, where=lambda e: e["id"] == f"{rid}-shadow")
-        return bool(found)
+        copies.add(f"{response.json()['id']}-shadow")
+        return bool(await stack.read_all(stack.topics.usage, where=lambda e: e["id"] in copies))
 
-    await eventually(copied, 20, "the first mirrored request")
+    await eventually(copied, 30, "the first mirrored request")
 
 
 async def test_the_streams_app_bills_no_mirror_and_compares_it_with_the_primary(
