@@ -102,6 +102,11 @@ class RequestEnvelope(_Wire):
         description="type-through: it may be served from its session's running or recent "
         "generation, or an identical in-flight one of its team (its team's switch)",
     )
+    shadow: bool = Field(
+        False,
+        description="a mirror of a client's request on a shadow route (laneway.shadow): no "
+        "reply, no quota settlement, its usage event marked shadow",
+    )
 
     def text_prompt(self) -> str:
         """The prompt as plain text (chat messages rendered one per line)."""
@@ -193,6 +198,11 @@ class UsageEvent(_Wire):
         None,
         description="served from this request's generation (type-through): no engine time "
         "of its own; its completion_tokens are what it received",
+    )
+    shadow: bool = Field(
+        False,
+        description="a shadow route's mirror of request <id minus '-shadow'>: not billed, not "
+        "in quotas, budgets or breakers; only the shadow comparison counts it",
     )
 
 

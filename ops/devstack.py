@@ -11,6 +11,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import time
 import uuid
+import warnings
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -654,10 +656,17 @@ class KafkaBroker(_ServerProcess):
             socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
         except OSError as exc:
             return False, str(exc)
-        try:
-            brokers = _run_sync(_metadata_brokers(self.bootstrap, self.auth))
-        except Exception as exc:  # noqa: BLE001 - any failure here means "not ready yet"
-            return False, f"{type(exc).__name__}: {exc}"
+        # A broker still starting may drop aiokafka's connection mid-answer; aiokafka then
+        # leaves the transport to the garbage collector, whose ResourceWarning would surface
+        # in whatever runs next. Collected here, on this probe's account.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            try:
+                brokers = _run_sync(_metadata_brokers(self.bootstrap, self.auth))
+            except Exception as exc:  # noqa: BLE001 - any failure here means "not ready yet"
+                return False, f"{type(exc).__name__}: {exc}"
+            finally:
+                gc.collect()
         if len(brokers) < self.expected_brokers:
             return False, f"metadata lists {len(brokers)} of {self.expected_brokers} brokers"
         return True, ""

@@ -101,10 +101,8 @@ async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
     )
     await streams.start()
     producer = await stack.producer()
-    sent = 0
 
     async def traffic() -> None:
-        nonlocal sent
         while True:
             events = []
             for i in range(30):
@@ -116,7 +114,6 @@ async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
                     usage_event(model="chat", route="chat-v2", status="ok" if i % 5 else "error"),
                 ]
             await produce_usage(producer, stack.topics.usage, events)
-            sent += len(events)
             await asyncio.sleep(0.2)
 
     def pages() -> list[dict[str, Any]]:
@@ -154,4 +151,3 @@ async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
     assert rollback["canary"]["error_rate"] > rollback["stable"]["error_rate"]
     assert [(b["model"], b["status"]) for b in pages()] == [("chat", "rolled_back")]
     assert "rolled back" in pages()[0]["text"]
-    assert sent > 0

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -31,8 +32,8 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture
-def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """(a Sentinel URL of service "main", the master's process)."""
+def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
+    """(a Sentinel URL of service "main", the Sentinel's port, the master's process)."""
     master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
     common = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
     master = _start(["--port", str(master_port), *common], tmp_path / "master.log")
@@ -49,7 +50,7 @@ def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
     )
     sentinel = _start([str(conf), "--sentinel"], tmp_path / "sentinel.log")
     try:
-        yield f"redis+sentinel://127.0.0.1:{sentinel_port}/main/0", master
+        yield f"redis+sentinel://127.0.0.1:{sentinel_port}/main/0", sentinel_port, master
     finally:
         for process in (sentinel, replica, master):
             if process.poll() is None:
@@ -58,9 +59,9 @@ def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
 
 
 async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
-    sentinel_set: tuple[str, subprocess.Popen[bytes]],
+    sentinel_set: tuple[str, int, subprocess.Popen[bytes]],
 ) -> None:
-    url, master = sentinel_set
+    url, sentinel_port, master = sentinel_set
     redis = make_redis(CommonSettings(redis_url=url, redis_prefix="sentinel"))
     keys = RedisKeys("sentinel")
     try:
@@ -75,6 +76,15 @@ async def test_keys_and_teams_survive_a_failover_through_the_sentinels(
         await eventually(writable, 30, "the Sentinel's master to take writes, replicated")
         key = await create_key(redis, keys, "alpha")
         assert await redis.execute_command("WAIT", 1, 2000) == 1
+        # The Sentinel learns of replicas from the master's INFO, every 10 s: a master killed
+        # before it knows one leaves it nothing to promote.
+        async with aioredis.Redis(port=sentinel_port) as sentinel:
+
+            async def replica_known() -> bool:
+                replicas = await sentinel.execute_command("SENTINEL", "REPLICAS", "main")
+                return bool(replicas)
+
+            await eventually(replica_known, 30, "the Sentinel to know the replica")
 
         master.send_signal(signal.SIGKILL)
         master.wait(10)

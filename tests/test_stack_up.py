@@ -128,15 +128,14 @@ def _wait_ready(stack: UpStack, within_s: float) -> None:
     pytest.fail(f"laneway up was not ready within {within_s:.0f}s:\n{stack.log()}")
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
-    data = tmp_path_factory.mktemp("up")
+def start_up(data: Path, output: Path, **extra_env: str) -> tuple[UpStack, dict[str, str]]:
+    """``laneway up`` as a child on free ports (its output to ``output``), and its env."""
     kafka_port, redis_port, port, metrics = free_port_pair(), free_port(), free_port(), free_port()
-    output = data / "up.out"
+    env = {**_stack_env(data, kafka_port, redis_port, port, metrics), **extra_env}
     with output.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "up"],
-            env=_stack_env(data, kafka_port, redis_port, port, metrics),
+            env=env,
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -150,6 +149,13 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
         kafka=f"127.0.0.1:{kafka_port}",
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
     )
+    return stack, env
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    data = tmp_path_factory.mktemp("up")
+    stack, _ = start_up(data, data / "up.out")
     try:
         _wait_ready(stack, 120)
         yield stack
@@ -160,8 +166,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
         for name in names:
             with contextlib.suppress(OSError, ValueError):
                 pids[name] = stack.pid(name)
-        process.send_signal(signal.SIGINT)  # Ctrl-C
-        code = process.wait(timeout=90)
+        stack.process.send_signal(signal.SIGINT)  # Ctrl-C
+        code = stack.process.wait(timeout=90)
     assert code == 0, stack.log()
     alive = [name for name, pid in pids.items() if Path(f"/proc/{pid}").exists()]
     assert not alive, f"still running after Ctrl-C: {alive}"

@@ -17,8 +17,8 @@ from aiokafka.errors import KafkaConnectionError
 from redis.exceptions import AuthenticationError, ResponseError
 
 from laneway.apikeys import create_key
-from tests.stack import ROOT, free_port, free_port_pair
-from tests.test_stack_up import KEYS, UpStack, _stack_env, _wait_ready
+from tests.stack import ROOT
+from tests.test_stack_up import KEYS, UpStack, _wait_ready, start_up
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +29,7 @@ def _admin_env(data: Path) -> dict[str, str]:
 
 
 def _start(tmp_path: Path) -> tuple[UpStack, dict[str, str]]:
-    data = tmp_path / "up"
-    kafka_port, redis_port, port, metrics = free_port_pair(), free_port(), free_port(), free_port()
-    env = _stack_env(data, kafka_port, redis_port, port, metrics)
-    env["LANEWAY_SECURED"] = "true"
-    output = tmp_path / "up.out"
-    with output.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ops.cli", "up"],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    stack = UpStack(
-        process,
-        data,
-        output,
-        base_url=f"http://127.0.0.1:{port}",
-        metrics_url=f"http://127.0.0.1:{metrics}/metrics",
-        kafka=f"127.0.0.1:{kafka_port}",
-        redis_url=f"redis://127.0.0.1:{redis_port}/0",
-    )
-    return stack, env
+    return start_up(tmp_path / "up", tmp_path / "up.out", LANEWAY_SECURED="true")
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from workers.reuse import Follower, Generation, ReuseRegistry
 from workers.types import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
-    from workers.replies import Outbox
+    from workers.outbox import Outbox
     from workers.shield import CancelShield
     from workers.types import Engine
 
@@ -139,7 +139,7 @@ class RequestExecutor:
         self.shield.started(env)
         self.live.add(env.id)
         chunks = (
-            ChunkStream(self.outbox, env.reply_to, env.id, self.stream_interval)
+            ChunkStream(self.outbox.replies, env.reply_to, env.id, self.stream_interval)
             if env.stream and env.reply_to
             else None
         )
@@ -411,6 +411,7 @@ class RequestExecutor:
             error=error,
             job_id=env.job_id,
             reused_from=reused_from,
+            shadow=env.shadow,
         )
         final = Reply(
             id=env.id,
@@ -453,6 +454,8 @@ def _record(env: RequestEnvelope, usage: UsageEvent, price: Price) -> None:
     ):
         if count:
             TOKENS.labels(team, env.cls, env.route, kind).inc(count)
+    if env.shadow:
+        return  # a shadow route's mirror is not billed: no cost
     cost = (
         uncached * price.prompt
         + usage.cached_tokens * price.cached

@@ -1,4 +1,4 @@
-"""``laneway drill surge | canary | chaos``: the command line of the drills."""
+"""``laneway drill surge | canary | chaos | storm``: the command line of the drills."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ops.drills.canary import write_timeline as write_canary_timeline
 from ops.drills.chaos import ChaosPlan, run_chaos
 from ops.drills.chaos_report import details, events_table, tally_table
 from ops.drills.observe import StackObserver
+from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.drills.topology import TopologyPlan
 from ops.settings import StackSettings
@@ -100,6 +101,7 @@ def add_drill_commands(sub: Any) -> None:
         "(default: <LANEWAY_DATA_DIR>/drills/chaos-<time>)",
     )
     chaos.set_defaults(func=cmd_drill_chaos)
+    add_storm_command(drills)
 
 
 def cmd_drill_surge(args: argparse.Namespace) -> int:
