@@ -73,7 +73,9 @@ def test_held_work_waits_first_in_line_while_hi_work_starts() -> None:
 
 
 async def test_a_simulated_hold_counts_in_the_engines_kv_usage() -> None:
-    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=50.0, kv_tokens=1000))
+    engine = SimEngine(
+        SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=50.0, kv_tokens=1000)
+    )
     engine.hold_kv(0.5)
     assert engine.stats().kv_cache_usage == 0.5
     stream = engine.generate(EngineRequest(id="a", route="m", prompt="d" * 1600, max_tokens=8))
@@ -195,7 +197,6 @@ async def test_a_drills_hold_in_redis_reaches_the_simulated_engine(stack: LiveSt
     await stack.redis.set(key, "a lot", ex=60)  # bad input: ignored, and said so
     await eventually(lambda: engine.stats().kv_cache_usage == 0.0, 10, "a bad hold ignored")
     await stack.redis.delete(key)
-
 
 
 async def _beat_pressed(stack: LiveStack, worker: Any) -> bool:

@@ -322,9 +322,9 @@ def summary(run: CanaryRun) -> str:
 
 def write_timeline(run: CanaryRun, path: Path, title: str) -> Path:
     """Canary weight, request rate and error rate per route over time (PNG)."""
-    from ops.drills.timeline import _pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)
     for phase in run.phases:
         times = [t for t, _ in phase.samples]
