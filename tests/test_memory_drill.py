@@ -42,7 +42,7 @@ def _run(*, slow_hi: bool = False, lost_line: bool = False, kv: float = 0.93) ->
                 "preempted": int(i == 1),
                 "ts": finished,
                 "total_ms": total_ms,
-            }  # fmt: skip
+            }
         )
     lines = range(3 if lost_line else 4)
     for i in lines:
@@ -78,7 +78,9 @@ def test_shed_then_finished_work_and_a_steady_hi_band_pass() -> None:
     assert rows[1].measured == "1 lines shed; 0 finished while held"
     # lo-1 ran when the hold began; lo-3, sent during it, waited for its end.
     assert rows[3].measured == "1 aborted, 1 held back; 0 finished while held"
-    assert rows[-1].measured == "before 100 ms, while held 100 ms (1.00×)"
+    assert rows[-1].measured == (
+        "before 100 ms (per 5 s 100 ms–100 ms), while held 100 ms (per 5 s 100 ms–100 ms): 1.00×"
+    )
 
 
 def test_a_lost_line_a_slow_hi_band_and_a_low_hold_fail() -> None:

@@ -192,8 +192,10 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     async def drive() -> MemoryRun:
         redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{stack.redis_port}/0")
         try:
+            # The stack `laneway up` runs: its Kafka on LANEWAY_KAFKA_PORT.
+            local = stack.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{stack.kafka_port}"})
             return await run_memory(
-                plan, base_url=url, key=key, redis=redis, settings=stack, say=_say
+                plan, base_url=url, key=key, redis=redis, settings=local, say=_say
             )
         finally:
             await redis.aclose()

@@ -30,13 +30,13 @@ __all__ = ["MemoryPlan", "MemoryRun", "MemorySample", "judge", "summary", "write
 class MemoryPlan:
     """Rates, phase lengths and sizes of one drill."""
 
-    hi_rps: float = 4.0  # hi-band completions per second
+    hi_rps: float = 5.0  # hi-band completions per second
     lo_rps: float = 1.0  # lo-band chats per second
     baseline_s: float = 30.0
     hold_s: float = 25.0
     after_s: float = 20.0
     hold_share: float = 0.93  # of every simulated engine's KV memory
-    batch_lines: int = 300
+    batch_lines: int = 400
     warmup_s: float = 5.0  # the first seconds of the baseline are not judged
     settle_s: float = 5.0  # the hold reaches the engines within a heartbeat or two
     p99_ratio: float = 1.2
@@ -82,7 +82,7 @@ class MemoryPlan:
             "after_s": 4.0,
             "batch_lines": 100,
             "warmup_s": 3.0,
-            "settle_s": 4.0,
+            "settle_s": 5.0,
             "batch_max_tokens": 64,
         }
         return cls(**{**values, **overrides})
@@ -273,15 +273,32 @@ def judge(run: MemoryRun) -> list[Verdict]:
     )
     before, during = hi_p99s(run)
     ratio = during / before if before > 0 else math.nan
+    spread = (
+        _spread(run, plan.warmup_s, plan.hold_start),
+        _spread(run, plan.judged_from, plan.hold_end),
+    )
     rows.append(
         Verdict(
             f"hi completion P99 within {plan.p99_ratio:g}× of before",
             f"P99 while held ≤ {plan.p99_ratio:g}× the baseline's",
-            f"before {_ms(before)}, while held {_ms(during)} ({ratio:.2f}×)",
+            f"before {_ms(before)} ({spread[0]}), while held {_ms(during)} ({spread[1]}): "
+            f"{ratio:.2f}×",
             math.isfinite(ratio) and ratio <= plan.p99_ratio,
         )
     )
     return rows
+
+
+def _spread(run: MemoryRun, start: float, end: float) -> str:
+    """The range of hi P99s over the windows of [start, end): the noise of the measure."""
+    values = []
+    while start + WINDOW_S <= end + 1e-9:
+        values.append(p99(_latencies(run.hi, start, start + WINDOW_S)))
+        start += WINDOW_S
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return "no windows"
+    return f"per {WINDOW_S:g} s {_ms(min(known))}–{_ms(max(known))}"
 
 
 def _ms(seconds: float) -> str:
