@@ -13,8 +13,9 @@ own figure, an upstream's ``/metrics``, the simulation's ``LANEWAY_SIM_KV_TOKENS
   meanwhile re-runs it from Kafka. Nothing is lost; a batch line's result is still written
   once. The client sees only a longer wait (a stream pauses; the re-run repeats the text
   already sent, which the ingress skips), and the request's usage event counts its aborts
-  (``preempted``). Work held keeps its deadline: a lo completion that could not start in
-  time ends as ``expired`` (504), as it would in any queue.
+  (``preempted``). Work shed after it started is not held to its start deadline again (it
+  met it); work that waits without having started keeps it: a lo completion that cannot
+  start within its deadline ends as ``expired`` (504), as it would in any queue.
 
 The pressure ends once usage has stayed below ``LANEWAY_MEMORY_RESUME_AT`` for
 ``LANEWAY_MEMORY_COOLDOWN_S``: one dip does not restart everything at once only to shed it

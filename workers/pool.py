@@ -499,12 +499,17 @@ class PoolWorker:
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
         """Run the work on the engine, or report it ``dropped`` before it got there; None
         when it left the engine to run again later (preempted): it is queued again, first in
-        line, with its offset pending."""
+        line, with its offset pending, and no start deadline (it started in time; that it
+        waits again is the engine's doing, not its client's)."""
         if dropped is not None:
             return await self.executor.drop(work.env, dropped)
         usage = await self.executor.run(work.env)
-        if usage is None and self.offsets.current(work.tp, work.epoch):
-            self.queue.push(work, front=True)
+        if usage is None:
+            if self.offsets.current(work.tp, work.epoch):
+                work.env = work.env.model_copy(update={"deadline_ts": None})
+                self.queue.push(work, front=True)
+            else:  # its partition went away meanwhile: the next owner runs it
+                self.executor.preemptions.pop(work.env.id, None)
         return usage
 
     async def _run(self, work: Work) -> None:

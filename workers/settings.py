@@ -41,7 +41,7 @@ class WorkerSettings(CommonSettings):
         0.9,
         gt=0,
         le=1,
-        description="memory pressure: above this engine KV-cache usage the worker starts no "
+        description="memory pressure: at this engine KV-cache usage or above, the worker starts no "
         "batch or lo-band work and aborts what runs of it (newest first; batch before lo on "
         "a shared engine), to run it again later; hi-band work is never shed",
     )

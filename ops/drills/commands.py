@@ -73,9 +73,7 @@ def add_drill_commands(sub: Any) -> None:
     memory.add_argument("--hi-rps", type=float, help="hi-band completions per second (4)")
     memory.add_argument("--lo-rps", type=float, help="lo-band chats per second (1)")
     memory.add_argument("--baseline-s", type=float, help="before the hold (30)")
-    memory.add_argument(
-        "--hold-s", type=float, help="the hold; shorter than the chat deadline (25)"
-    )
+    memory.add_argument("--hold-s", type=float, help="the hold; the chat deadline bounds it (20)")
     memory.add_argument("--after-s", type=float, help="traffic after the hold (20)")
     memory.add_argument("--hold", type=float, help="share of KV memory held (0.93)")
     memory.add_argument("--batch-lines", type=int, help="lines of the batch job (300)")
@@ -171,11 +169,15 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     workers = load_settings(WorkerSettings)
     plan = memory_plan(args, shed_at=workers.memory_shed_at)
     chat_deadline_s = load_settings(IngressSettings).chat_deadline_ms / 1000
-    if plan.hold_s + 2 > chat_deadline_s:
+    # A lo chat sent as the hold begins waits for all of the pressure: the hold, the
+    # heartbeat that reads its end, and the cool-down.
+    pressure_s = plan.hold_s + workers.heartbeat_interval_s + workers.memory_cooldown_s + 1
+    if pressure_s > chat_deadline_s:
         raise ConfigError(
             f"--hold-s {plan.hold_s:g} is too long for the lo chats' start deadline "
             f"({chat_deadline_s:g} s, LANEWAY_CHAT_DEADLINE_MS): a chat sent as the hold "
-            "begins waits all of it, and would expire"
+            f"begins would wait about {pressure_s:g} s (with the heartbeat and "
+            "LANEWAY_MEMORY_COOLDOWN_S) and expire"
         )
     stack = load_settings(StackSettings)
     url = args.url or f"http://127.0.0.1:{stack.port}"

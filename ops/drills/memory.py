@@ -33,7 +33,7 @@ class MemoryPlan:
     hi_rps: float = 5.0  # hi-band completions per second
     lo_rps: float = 1.0  # lo-band chats per second
     baseline_s: float = 30.0
-    hold_s: float = 25.0
+    hold_s: float = 20.0  # with the cool-down, shorter than a chat's 30 s start deadline
     after_s: float = 20.0
     hold_share: float = 0.93  # of every simulated engine's KV memory
     batch_lines: int = 400
@@ -333,6 +333,16 @@ def summary(run: MemoryRun) -> str:
         f"\nbatch job {run.batch_id}: {run.batch_total} lines, {run.batch_completed} completed, "
         f"{run.batch_failed} failed"
     )
+    for band, outcomes in (("hi", run.hi), ("lo", run.lo)):
+        failed = Counter(o.status for o in outcomes if o.status != 200)
+        if failed:
+            statuses = ", ".join(f"{n}× {status or 'no answer'}" for status, n in failed.items())
+            lines.append(f"{band} not answered 200: {statuses}")
+    for event in run.usage:
+        if event.get("status") != "ok":
+            lines.append(
+                f"usage event {event.get('id')}: {event.get('status')}: {event.get('error')}"
+            )
     return "\n".join(lines)
 
 
