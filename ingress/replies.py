@@ -263,6 +263,17 @@ class ReplyRouter:
         )
         return info["last-generated-id"] if info else b"0-0"
 
+    @staticmethod
+    async def tail_from_now(consumer: AIOKafkaConsumer, within_s: float = 30.0) -> None:
+        """Fix where the Kafka tail starts before this instance takes requests.
+
+        aiokafka looks "latest" up lazily, on the first fetch, and retries while a fresh
+        topic's partitions have no leader yet; a reply a worker sent through Kafka before
+        that lookup landed would be skipped, and its request left waiting for an answer."""
+        async with asyncio.timeout(within_s):
+            for partition in consumer.assignment():
+                await consumer.position(partition)
+
     async def tail_kafka(self, consumer: AIOKafkaConsumer) -> None:
         """Replies that workers sent through Kafka while Redis was unreachable."""
         key = self.stream.encode()

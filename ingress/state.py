@@ -108,6 +108,7 @@ class IngressState:
         await self.revoked.start()
         await self.replies.start()
         await self._reply_fallback.start()
+        await self.replies.tail_from_now(self._reply_fallback)
         self._tail = asyncio.create_task(
             keep_running(
                 "the reply tail on Kafka",

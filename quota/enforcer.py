@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 
 from laneway.constants import RedisKeys
 from laneway.errors import QuotaExceeded
@@ -186,9 +185,8 @@ class QuotaEnforcer:
         found, pool, reserved, charged = await self._settle(keys=keys, args=args)
         return Settled(bool(int(found)), _text(pool), int(float(reserved)), int(float(charged)))
 
-    def queue_settle(
+    def settle_command(
         self,
-        pipe: Pipeline,
         team: str,
         request_id: str,
         actual_tokens: int,
@@ -196,17 +194,18 @@ class QuotaEnforcer:
         leased: int = 0,
         local: int = 0,
         accepted_ts: float = 0.0,
-    ) -> None:
-        """``settle`` as one command of a pipeline (the worker sends it with its reply).
+    ) -> tuple[Any, ...]:
+        """``settle`` as the words of one Redis command, for a pipeline the worker shares
+        with its reply.
 
-        Queued as a bare EVALSHA: a pipeline that holds a registered script first asks Redis
+        A bare EVALSHA: a pipeline that holds a registered script first asks Redis
         ``SCRIPT EXISTS``, a round trip per reply. When Redis answers NOSCRIPT (it restarted
         and lost its script cache), the caller runs ``settle``, which loads the script.
         """
         keys, args = self._settle_call(
             team, request_id, actual_tokens, leased=leased, local=local, accepted_ts=accepted_ts
         )
-        pipe.evalsha(self._settle.sha, len(keys), *keys, *args)
+        return ("EVALSHA", self._settle.sha, len(keys), *keys, *args)
 
     def _settle_call(
         self,

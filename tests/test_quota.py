@@ -25,7 +25,7 @@ from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
 from tests.stack import LiveStack, Services, envelope, eventually, free_port, redis_client
 from workers import metrics
-from workers.replies import Outbox
+from workers.outbox import Outbox
 
 # --- the model --------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ async def test_worker_settles_even_after_redis_lost_its_scripts(enforcer: Any) -
             prompt_tokens=100,
             completion_tokens=tokens,
         )
-        await outbox._final_redis_writes(env, final, usage)
+        await outbox._final_writes(env, final, usage)
 
     await asyncio.gather(finish("r-1", 20), finish("r-2", 30))
     pool = (await quota.snapshot(team))["pools"]["interactive"]

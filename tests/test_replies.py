@@ -11,12 +11,15 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from redis.exceptions import ResponseError
 
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
 from laneway.schema import Reply, UsageEvent, decode
 from tests.stack import Services, envelope, free_port, redis_client
-from workers.replies import ChunkStream, Outbox
+from workers.outbox import Outbox
+from workers.replies import ChunkStream
+from workers.round_trips import RoundTrips
 
 
 class _Pipelines:
@@ -139,7 +142,7 @@ class _ReplyStream:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self.name = f"c{uuid.uuid4().hex[:8]}:reply:test"
-        self.outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]
+        self.writer = Outbox(redis, None, Topics("c")).replies  # type: ignore[arg-type]
 
     async def written(self, chunks: ChunkStream, count: int = 1) -> list[Reply]:
         """The messages in the stream once ``chunks`` has written ``count`` (2 s at most)."""
@@ -164,7 +167,7 @@ async def reply_stream(services: Services) -> AsyncIterator[_ReplyStream]:
 async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_reply(
     reply_stream: _ReplyStream,
 ) -> None:
-    chunks = ChunkStream(reply_stream.outbox, reply_stream.name, "r-3")
+    chunks = ChunkStream(reply_stream.writer, reply_stream.name, "r-3")
     chunks.add("ab")
     chunks.add("c")  # both before the writer ran: one message
     written = await reply_stream.written(chunks)
@@ -183,7 +186,7 @@ async def test_chunk_stream_coalesces_text_and_leaves_the_rest_to_the_final_repl
 async def test_chunk_stream_with_an_interval_sends_the_first_text_at_once_then_every_n_tokens(
     reply_stream: _ReplyStream,
 ) -> None:
-    chunks = ChunkStream(reply_stream.outbox, reply_stream.name, "r-4", interval=3)
+    chunks = ChunkStream(reply_stream.writer, reply_stream.name, "r-4", interval=3)
     chunks.add("a", 1)
     written = await reply_stream.written(chunks, 1)
     assert [(r.n, r.at, r.text) for r in written] == [(0, 0, "a")]  # the first does not wait
@@ -205,7 +208,7 @@ async def test_chunks_that_come_together_share_one_round_trip(services: Services
     outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
     pipelines = _Pipelines(redis)
     try:
-        writers = [ChunkStream(outbox, streams[i % 2], f"r-{i}") for i in range(6)]
+        writers = [ChunkStream(outbox.replies, streams[i % 2], f"r-{i}") for i in range(6)]
         for i, chunks in enumerate(writers):
             chunks.add(f"token {i}")
         for _ in range(200):
@@ -234,7 +237,9 @@ async def test_final_replies_that_come_together_share_one_round_trip(services: S
     pipelines = _Pipelines(redis)
     envs = [envelope(id=f"r-{i}", max_tokens=8, reply_to=stream) for i in range(4)]
     try:
-        chunk = asyncio.create_task(outbox.reply(stream, Reply(id="r-0", n=0, at=0, text="x")))
+        chunk = asyncio.create_task(
+            outbox.replies.reply(stream, Reply(id="r-0", n=0, at=0, text="x"))
+        )
         await asyncio.gather(
             *(
                 outbox.finish(
@@ -264,32 +269,30 @@ async def test_final_replies_that_come_together_share_one_round_trip(services: S
         await redis.aclose()
 
 
-async def test_a_writer_whose_commands_fail_to_queue_fails_alone(services: Services) -> None:
+async def test_a_writer_whose_command_redis_refuses_fails_alone(services: Services) -> None:
+    # Writers share a pipeline: one command Redis refuses (a stream written as a string) is
+    # that writer's error, and the writes before and after it in the pipeline still land.
     redis = redis_client(services.redis_url)
     stream = f"c{uuid.uuid4().hex[:8]}:reply:test"
-    outbox = Outbox(redis, None, Topics("c"))  # type: ignore[arg-type]  # Redis path only
+    wrong_type = f"{stream}:string"
+    await redis.set(wrong_type, "not a stream")
+    round_trips = RoundTrips(redis)
     pipelines = _Pipelines(redis)
-
-    def good(pipe: Any) -> None:
-        pipe.xadd(stream, {"d": b"x"})
-
-    def bad(pipe: Any) -> None:
-        pipe.xadd(stream, {"d": b"y"})
-        raise TypeError("not a reply")
-
+    good = [("XADD", stream, "*", "d", b"x")]
+    bad = [("XADD", wrong_type, "*", "d", b"y")]
     try:
         first, middle, last = await asyncio.gather(
-            outbox._round_trip(good),
-            outbox._round_trip(bad),
-            outbox._round_trip(good),
-            return_exceptions=True,
+            round_trips.send(good), round_trips.send(bad), round_trips.send(good)
         )
-        assert isinstance(middle, TypeError)
-        assert [len(r) for r in (first, last)] == [1, 1]  # type: ignore[arg-type]
+        assert [type(r[0]) if r else None for r in (first, middle, last)] == [
+            bytes,
+            ResponseError,
+            bytes,
+        ]
         assert pipelines.count == 1
         assert [f[b"d"] for _, f in await redis.xrange(stream)] == [b"x", b"x"]
     finally:
-        await redis.delete(stream)
+        await redis.delete(stream, wrong_type)
         await redis.aclose()
 
 
@@ -303,7 +306,7 @@ async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply
     await producer.start()
     outbox = Outbox(redis, producer, Topics(f"missing{uuid.uuid4().hex[:8]}"))
     try:
-        chunks = ChunkStream(outbox, "c:reply:test", "r-5")
+        chunks = ChunkStream(outbox.replies, "c:reply:test", "r-5")
         chunks.add("ab")
         for _ in range(500):
             if chunks._task.done():

@@ -50,7 +50,6 @@ _INTERACTIVE_POOLS = ("completion", "chat")
 class BatchPoolWorker(PoolWorker):
     def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
         super().__init__(settings, engine)
-        self.outbox.capture = True
         self.ledger = BatchLedger()
         self.intake = BatchIntake(settings, self.redis, self.keys)
         self.txns = PartitionTransactions(settings, self.topics.consumer_group("batch"))

@@ -23,7 +23,7 @@ from workers.reuse import Follower, Generation, ReuseRegistry
 from workers.types import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
-    from workers.replies import Outbox
+    from workers.outbox import Outbox
     from workers.shield import CancelShield
     from workers.types import Engine
 
@@ -141,7 +141,7 @@ class RequestExecutor:
         self.shield.started(env)
         self.live.add(env.id)
         chunks = (
-            ChunkStream(self.outbox, env.reply_to, env.id, self.stream_interval)
+            ChunkStream(self.outbox.replies, env.reply_to, env.id, self.stream_interval)
             if env.stream and env.reply_to
             else None
         )

@@ -55,7 +55,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
     env, generation = follower.env, follower.generation
     started = time.time()
     chunks = (
-        ChunkStream(executor.outbox, env.reply_to, env.id, executor.stream_interval)
+        ChunkStream(executor.outbox.replies, env.reply_to, env.id, executor.stream_interval)
         if env.stream and env.reply_to
         else None
     )

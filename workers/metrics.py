@@ -75,7 +75,7 @@ ABORT_SECONDS = Histogram(
 )
 REDIS_FALLBACK = Counter(
     "laneway_worker_redis_fallback_total",
-    "Times a worker found Redis unreachable and sent replies through Kafka",
+    "Replies a worker sent through Kafka because Redis was not reached",
 )
 QUOTA_WAITS = Counter(
     "laneway_quota_waits_total",

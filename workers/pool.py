@@ -39,7 +39,7 @@ from workers.fleet import FleetShare
 from workers.heartbeat import Heartbeat
 from workers.memory import MemoryGuard
 from workers.offsets import OffsetTracker
-from workers.replies import Outbox
+from workers.outbox import Outbox
 from workers.reuse import Follower, ReuseRegistry
 from workers.scaling import ScalingSignal
 from workers.settings import WorkerSettings
@@ -147,7 +147,10 @@ class PoolWorker:
         self.quota: QuotaEnforcer | None = None
         if settings.quota_enabled:
             self.quota = QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
-        self.outbox = Outbox(self.redis, self.producer, self.topics, self.quota)
+        # Batch keeps its final replies for the transaction that writes its results.
+        self.outbox = Outbox(
+            self.redis, self.producer, self.topics, self.quota, capture=settings.pool == "batch"
+        )
         self.fleet: FleetShare | None = None
         if settings.engine_id:
             self.fleet = FleetShare(

@@ -1,0 +1,182 @@
+"""What a finished request is charged: its quota settlement in Redis, its usage event on Kafka.
+
+A settlement rides in the round trip of the request's final reply (``workers.round_trips``).
+When Redis is not reached it is owed: kept, and sent once Redis answers again. Settlement is
+idempotent per request id, so one that did reach Redis (its answer lost) is not charged twice.
+The usage event is the record (billing, quotas' measured factor, the breaker): it is handed
+to the producer, and the caller waits for the broker before the request's offset may move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from redis.exceptions import NoScriptError, RedisError
+
+from laneway.constants import Topics
+from laneway.schema import RequestEnvelope, UsageEvent
+from quota import QuotaEnforcer
+from workers.round_trips import Command, RoundTrips
+
+__all__ = ["Accounting", "Owed"]
+
+log = logging.getLogger(__name__)
+
+# Owed settlements are sent in the background, one at a time, each within this long.
+_OWED_SETTLE_TIMEOUT_S = 1.0
+# Settlements owed at most: an outage's worth at thousands of requests a second. Beyond it
+# the oldest are given up (and logged): a worker's memory is not the record, usage events are.
+_MAX_OWED = 200_000
+# A stopping worker tries to pay what it owes for this long at most.
+_STOP_SETTLE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """A request's settlement, until Redis is known to have it."""
+
+    team: str
+    request_id: str
+    tokens: int
+    leased: int
+    local: int
+    accepted_ts: float
+
+
+class Accounting:
+    def __init__(
+        self,
+        quota: QuotaEnforcer | None,
+        producer: AIOKafkaProducer,
+        topics: Topics,
+        round_trips: RoundTrips,
+    ) -> None:
+        self.quota = quota
+        self.producer = producer
+        self.topics = topics
+        self.circuit = round_trips.circuit
+        self.circuit.listen(self._on_circuit)
+        self.owed: dict[str, Owed] = {}  # by request id, oldest first
+        self._paying: asyncio.Task[int] | None = None
+
+    def settlement(self, env: RequestEnvelope, usage: UsageEvent) -> Owed | None:
+        """What ``env`` is to be charged (None without quotas)."""
+        if self.quota is None:
+            return None
+        return Owed(
+            env.team,
+            env.id,
+            usage.prompt_tokens + usage.completion_tokens,
+            env.quota_leased,
+            env.quota_local,
+            env.accepted_ts,
+        )
+
+    def commands(self, owed: Owed | None) -> list[Command]:
+        """The settlement's Redis command, to share a round trip with the final reply."""
+        if owed is None or self.quota is None:
+            return []
+        return [
+            self.quota.settle_command(
+                owed.team,
+                owed.request_id,
+                owed.tokens,
+                leased=owed.leased,
+                local=owed.local,
+                accepted_ts=owed.accepted_ts,
+            )
+        ]
+
+    async def settled(self, owed: Owed | None, results: list[Any]) -> None:
+        """Check the settlement's results: one that Redis lost with its scripts (it
+        restarted) is sent again, loading the script; raises what Redis refused otherwise."""
+        for result in results:
+            if isinstance(result, NoScriptError) and owed is not None:
+                await self.circuit.hot(partial(self._settle, owed))
+            elif isinstance(result, Exception):
+                raise result
+        if self.owed:
+            self._pay_owed_soon()  # Redis answers: what an outage left is due
+
+    async def send_usage(self, usage: UsageEvent) -> asyncio.Future[object]:
+        """Hand a usage event to the producer; the future says when the broker stored it."""
+        delivery: asyncio.Future[object] = await self.producer.send(
+            self.topics.usage, usage.to_json(), key=usage.team.encode()
+        )
+        return delivery
+
+    def owe(self, owed: Owed) -> None:
+        """Keep a settlement Redis may not have seen, to send once it answers (idempotent:
+        one that did reach it is not charged again)."""
+        if not self.owed:
+            log.warning("quota settlements wait until Redis answers (from %s)", owed.request_id)
+        self.owed[owed.request_id] = owed
+        while len(self.owed) > _MAX_OWED:
+            lost = self.owed.pop(next(iter(self.owed)))
+            log.warning(
+                "settlement of %s given up (over %d owed): %d tokens of team %r not charged",
+                lost.request_id,
+                _MAX_OWED,
+                lost.tokens,
+                lost.team,
+            )
+        if not self.circuit.open:
+            self._pay_owed_soon()  # one write failed, Redis still answers others
+
+    def _on_circuit(self, opened: bool) -> None:
+        if not opened:
+            self._pay_owed_soon()
+
+    def _pay_owed_soon(self) -> None:
+        if self.owed and (self._paying is None or self._paying.done()):
+            self._paying = asyncio.create_task(self.pay_owed(), name="owed-settlements")
+
+    async def pay_owed(self) -> int:
+        """Send the owed settlements, oldest first, until one fails; returns how many went."""
+        paid = 0
+        while self.owed:
+            owed = next(iter(self.owed.values()))
+            try:
+                await self.circuit.background(
+                    partial(self._settle, owed), timeout_s=_OWED_SETTLE_TIMEOUT_S
+                )
+            except (RedisError, OSError) as exc:
+                log.info("owed settlements wait (%d): %s", len(self.owed), exc)
+                break
+            self.owed.pop(owed.request_id, None)
+            paid += 1
+        if paid:
+            log.warning("%d owed settlements sent, %d still owed", paid, len(self.owed))
+        return paid
+
+    async def _settle(self, owed: Owed) -> None:
+        if self.quota is None:
+            return  # nothing is owed without quotas
+        await self.quota.settle(
+            owed.team,
+            owed.request_id,
+            owed.tokens,
+            leased=owed.leased,
+            local=owed.local,
+            accepted_ts=owed.accepted_ts,
+        )
+
+    async def close(self) -> None:
+        """Stop paying in the background; one last try for what is owed (5 s at most)."""
+        paying, self._paying = self._paying, None
+        if paying is not None:
+            paying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await paying
+        if self.owed and not self.circuit.open:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_STOP_SETTLE_S):
+                    await self.pay_owed()
+        if self.owed:
+            log.warning("%d quota settlements owed at stop are not charged", len(self.owed))
