@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,13 +12,16 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from laneway.errors import Aborted
 from laneway.schema import RequestEnvelope
 from tests.stack import LiveStack, envelope, eventually
+from tests.upstream_process import UpstreamProcess
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.memory import PressureGauge, sheddable
 from workers.settings import WorkerSettings
 from workers.sim import SimEngine, SimProfile
 from workers.types import EngineRequest
+from workers.upstream import OpenAICompatibleEngine
 
 
 def test_pressure_begins_at_the_mark_and_ends_only_after_a_low_cooldown() -> None:
@@ -207,3 +211,32 @@ async def _beat_pressed(stack: LiveStack, worker: Any) -> bool:
     raw = await stack.redis.get(worker.keys.worker_info(worker.settings.worker_id))
     beat = orjson.loads(raw) if raw is not None else {}
     return bool(beat.get("memory_pressure")) and beat["kv_cache_usage"] >= 0.9
+
+
+async def test_an_upstreams_kv_cache_usage_is_read_from_its_metrics(tmp_path: Path) -> None:
+    # A separate server publishing vLLM's vllm:kv_cache_usage_perc (its one slot: 0 or 1).
+    upstream = UpstreamProcess(tmp_path / "upstream.jsonl", slots=1, token_ms=40, metrics=True)
+    try:
+        await upstream.ready()
+        engine = OpenAICompatibleEngine(
+            upstream.url,
+            model="up",
+            slots=1,
+            metrics_url=f"http://127.0.0.1:{upstream.port}/metrics",
+            metrics_interval_s=0.05,
+        )
+        await engine.start()
+        try:
+            request = EngineRequest(id="kv", route="up", prompt="def f():", max_tokens=100)
+            stream = engine.generate(request)
+            await anext(stream)
+            await eventually(lambda: engine.stats().kv_cache_usage == 1.0, 10, "a full cache")
+            await engine.abort("kv")
+            with pytest.raises(Aborted):
+                async for _delta in stream:
+                    pass
+            await eventually(lambda: engine.stats().kv_cache_usage == 0.0, 10, "an empty cache")
+        finally:
+            await engine.stop()
+    finally:
+        upstream.stop()
