@@ -385,8 +385,12 @@ def write_timeline(run: MemoryRun, path: Path, title: str) -> Path:
                      label=f"{pool}: shed (cumulative)")  # fmt: skip
         axes[3].plot(times, [s.waiting.get(pool, 0) for s in samples], linestyle=":",
                      label=f"{pool}: waiting in the worker")  # fmt: skip
-    axes[3].plot(times, [_or_nan(s.batch_done) for s in samples], label="batch lines done")
     axes[3].set_ylabel("requests")
+    done = axes[3].twinx()  # hundreds of lines beside a handful shed
+    done.plot(times, [_or_nan(s.batch_done) for s in samples], color="purple",
+              label="batch lines done (right)")  # fmt: skip
+    done.set_ylabel("lines done")
+    done.legend(loc="lower right", fontsize=7)
     axes[3].set_xlabel("seconds since the drill began")
     for ax in axes:
         ax.axvspan(plan.hold_start, plan.hold_end, color="red", alpha=0.08)
