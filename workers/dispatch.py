@@ -144,7 +144,8 @@ class Dispatcher:
     ``capacity`` is how many requests the engine can run at once now; ``start`` runs a work
     (the worker calls ``done`` when the engine is through with it); ``drop`` finishes a work
     that must not run, with the reason; ``held`` says a work may not start yet (memory
-    pressure holds the lo band and batch: as the queue serves hi first, so does the rest).
+    pressure holds the lo band and batch). The queue serves hi first, so what waits behind a
+    held work is held too.
     """
 
     def __init__(

@@ -195,13 +195,15 @@ class PoolWorker:
     @property
     def held(self) -> int:
         """Requests waiting for the engine or on it (``max_inflight`` bounds them); those
-        only reporting their outcome (their usage event on its way) do not count, nor, in an
-        interactive pool, lo-band work held back by memory pressure: its partitions are
-        paused meanwhile, and hi work must still be fetched."""
-        held = len(self.queue) + self.dispatcher.running
-        if self.memory.pressed and self.pool != "batch":
-            held -= sum(1 for work in self.queue if self.memory.holds(work.env))
-        return held
+        only reporting their outcome (their usage event on its way) do not count."""
+        return len(self.queue) + self.dispatcher.running
+
+    def _held_back(self) -> int:
+        """In an interactive pool, lo-band work memory pressure holds back: it leaves room
+        to fetch (its partitions are paused meanwhile, so hi work is what comes)."""
+        if not self.memory.pressed or self.pool == "batch":
+            return 0
+        return sum(1 for work in self.queue if self.memory.holds(work.env))
 
     async def start(self) -> None:
         if self._started:
@@ -313,7 +315,7 @@ class PoolWorker:
 
     async def _fetch(self) -> None:
         while not self._stopping.is_set():
-            room = self.settings.max_inflight - self.held
+            room = self.settings.max_inflight - self.held + self._held_back()
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()
