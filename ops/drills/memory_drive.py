@@ -25,16 +25,15 @@ from typing import Any
 import httpx
 import orjson
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from redis.exceptions import RedisError
 
 from laneway.batch_http import HttpBatchClient
-from laneway.clients import kafka_auth, topic_partitions
 from laneway.constants import HEARTBEAT_TTL_S, POOLS, RedisKeys
 from laneway.errors import LanewayError
 from laneway.settings import CommonSettings
 from ops.drills.load import OpenLoopLoad
 from ops.drills.memory import MemoryPlan, MemoryRun, MemorySample
+from ops.drills.usage_log import usage_events
 
 __all__ = ["run_memory"]
 
@@ -235,45 +234,18 @@ def _progress(sample: MemorySample, lines: int) -> str:
 
 
 async def _usage_events(run: MemoryRun, settings: CommonSettings) -> list[dict[str, Any]]:
-    """The usage events of the drill's requests and of its job's lines, read (committed
-    records only: batch events are written in transactions) until each request and line
-    has one, or for ``_USAGE_WAIT_S`` more."""
-    topic = settings.topics.usage
-    partitions = [TopicPartition(topic, p) for p in await topic_partitions(settings, topic)]
-    if not partitions:
-        raise LanewayError(f"topic {topic} not found on {settings.kafka_bootstrap}")
+    """The usage events of the drill's requests and of its job's lines, until each request
+    and line has one (or for ``_USAGE_WAIT_S``)."""
     wanted = {o.request_id for o in run.hi + run.lo if o.request_id}
-    found: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-        **kafka_auth(settings),
+
+    def ours(event: dict[str, Any]) -> bool:
+        return event.get("id") in wanted or event.get("job_id") == run.batch_id
+
+    def complete(found: list[dict[str, Any]]) -> bool:
+        seen = {e["id"] for e in found}
+        lines = {e["id"] for e in found if e.get("job_id") == run.batch_id}
+        return wanted <= seen and len(lines) >= run.batch_total
+
+    return await usage_events(
+        settings, run.began_wall, ours, complete=complete, within_s=_USAGE_WAIT_S
     )
-    await consumer.start()
-    try:
-        consumer.assign(partitions)
-        starts = await consumer.offsets_for_times(
-            {tp: int((run.began_wall - 60) * 1000) for tp in partitions}
-        )
-        ends = await consumer.end_offsets(partitions)
-        for tp in partitions:
-            hit = starts.get(tp)
-            consumer.seek(tp, hit.offset if hit is not None else ends[tp])
-        deadline = time.monotonic() + _USAGE_WAIT_S
-        while time.monotonic() < deadline:
-            caught_up = all([await consumer.position(tp) >= ends[tp] for tp in partitions])
-            lines = {e["id"] for e in found if e.get("job_id") == run.batch_id}
-            if caught_up and wanted <= seen and len(lines) >= run.batch_total:
-                break
-            batches = await consumer.getmany(timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    event = orjson.loads(record.value)
-                    if event.get("id") in wanted or event.get("job_id") == run.batch_id:
-                        found.append(event)
-                        seen.add(event["id"])
-    finally:
-        await consumer.stop()
-    return found
