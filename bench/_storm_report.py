@@ -9,17 +9,17 @@ from itertools import chain
 
 from bench._proc import machine
 from bench._stats import bootstrap_interval, percentile
-from bench._storm_engine import EngineTime
 from bench._storm_load import (
     CHAT_CONTEXT_CHARS,
     CHAT_MAX_TOKENS,
     CHAT_USERS,
     DOCUMENT_CHARS,
     DOCUMENT_MAX_TOKENS,
-    MAX_TOKENS,
     RunStats,
 )
 from bench._storm_session import BATCH_LINES_AT_ONCE, Scenario
+from ops.drills.engine_time import EngineTime
+from ops.drills.typists import MAX_TOKENS
 
 # Windows at or under this average steal (%) are compared on their own as well: on a shared
 # host, a window the hypervisor slowed says more about the host than about the storm.

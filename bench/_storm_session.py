@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from bench._proc import CpuWatch, StealWatch
 from bench._stack import BenchStack
-from bench._storm_engine import EngineTime, engine_time
 from bench._storm_load import (
     CHAT_USERS,
     ChatCount,
@@ -18,10 +17,11 @@ from bench._storm_load import (
     chat_user,
     documents,
     loop_lag,
-    typist,
     watch_open,
 )
 from laneway.batch import BatchClient
+from ops.drills.engine_time import EngineTime, engine_time
+from ops.drills.typists import typist
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0.05",
@@ -68,7 +68,17 @@ async def _window(
     deadline = time.monotonic() + seconds
     with CpuWatch(stack) as cpu, StealWatch() as steal:
         await asyncio.gather(
-            *(typist(stack, key, i, deadline, storm, stats) for i in range(typists))
+            *(
+                typist(
+                    ("127.0.0.1", stack.ingress_port),
+                    key,
+                    i,
+                    deadline=deadline,
+                    storm=storm,
+                    stats=stats,
+                )
+                for i in range(typists)
+            )
         )
         await asyncio.sleep(2)  # let the ingress notice the last disconnects
     until_ms = int(time.time() * 1000)
@@ -79,7 +89,7 @@ async def _window(
     stop.set()
     await asyncio.gather(watcher, lag)
     await asyncio.sleep(1)  # the worker's usage producer lingers before it sends
-    return stats, await engine_time(stack, since_ms, until_ms, stats.abandoned)
+    return stats, await engine_time(stack.settings(), since_ms, until_ms, stats.abandoned)
 
 
 async def session(
@@ -107,7 +117,17 @@ async def session(
         # Not measured: a fresh broker JVM compiles its hot paths in its first minutes.
         deadline = time.monotonic() + args.warmup
         await asyncio.gather(
-            *(typist(stack, key, i, deadline, True, RunStats()) for i in range(args.typists))
+            *(
+                typist(
+                    ("127.0.0.1", stack.ingress_port),
+                    key,
+                    i,
+                    deadline=deadline,
+                    storm=True,
+                    stats=RunStats(),
+                )
+                for i in range(args.typists)
+            )
         )
         await asyncio.sleep(3)  # its last requests end before the first window opens
     results = {name: (RunStats(), EngineTime()) for name in runs}

@@ -12,13 +12,13 @@ import argparse
 import asyncio
 import time
 
-from bench._http import HttpPool
 from bench._open_loop import open_loop
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack, document_lines
 from bench._stats import percentile
 from laneway.batch import BatchClient
 from laneway.settings import CommonSettings
+from ops.drills.http_pool import HttpPool
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0.05",

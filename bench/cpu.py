@@ -36,11 +36,11 @@ from pathlib import Path
 import httpx
 import uvloop
 
-from bench._http import HttpPool
 from bench._proc import machine, stat_cpu_seconds
 from bench._stack import BenchStack, bench_stack
 from bench._upstream import upstream_process
 from ops.devstack import stop_processes
+from ops.drills.http_pool import HttpPool
 
 UPSTREAM_PORT = 31890
 LITELLM_PORT = 31895

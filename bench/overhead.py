@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import uvloop
 
-from bench._http import HttpPool, server_timing
 from bench._open_loop import open_loop
 from bench._proc import CpuWatch, StealWatch, machine, thread_seconds
 from bench._stack import BenchStack, bench_stack
 from bench._stats import bunches, group_seconds, percentile
+from ops.drills.http_pool import HttpPool, server_timing
 
 # The target for the P99 laneway adds at 200/s; slower requests are shown in bunches.
 SLOW_MS = 15.0

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from bench._http import HttpPool
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack
 from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
 from ops.devstack import RedisServer
+from ops.drills.http_pool import HttpPool
 from quota import QuotaEnforcer, QuotaPolicy, Team, set_team
 
 RESERVATION = 10 + 16  # "y" * 40 → 10 prompt tokens, plus max_tokens 16

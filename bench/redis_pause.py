@@ -35,13 +35,13 @@ from urllib.parse import urlsplit
 import orjson
 import redis.asyncio as aioredis
 
-from bench._http import HttpPool
 from bench._open_loop import open_loop
 from bench._proc import cpu_times, machine
 from bench._stack import BenchStack, services
 from bench._stats import percentile, steal_percent
 from laneway.constants import RedisKeys
 from ops.devstack import stop_processes
+from ops.drills.http_pool import HttpPool
 
 TEAM = "pause-drill"
 

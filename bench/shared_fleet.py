@@ -35,13 +35,13 @@ import httpx
 import orjson
 import uvloop
 
-from bench._http import HttpPool
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack
 from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
 from bench.upstream_storm import drain, usage_events
 from laneway.batch import BatchClient
+from ops.drills.http_pool import HttpPool
 
 UPSTREAM_PORT = 31890
 BATCH_METRICS_PORT = 31892

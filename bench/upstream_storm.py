@@ -41,11 +41,11 @@ import orjson
 import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench._http import HttpPool
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack
 from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
+from ops.drills.http_pool import HttpPool
 
 MAX_TOKENS = 48
 PROMPT_CHARS = 400

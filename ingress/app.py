@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ingress.admin import admin_router
 from ingress.admin_canary import canary_router
+from ingress.admin_shadow import shadow_router
 from ingress.batch_routes import FILES_PATH, batch_router
 from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
@@ -51,5 +52,6 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app.include_router(batch_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
+    app.include_router(shadow_router)
     install_console(app)
     return app

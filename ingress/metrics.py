@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["CLIENT_GONE", "LATENCY", "OPEN_REQUESTS", "RESPONSES", "TOMBSTONES"]
+__all__ = ["CLIENT_GONE", "LATENCY", "OPEN_REQUESTS", "RESPONSES", "SHADOW", "TOMBSTONES"]
 
 RESPONSES = Counter(
     "laneway_ingress_responses_total", "HTTP responses by class and status code", ["cls", "code"]
@@ -26,4 +26,10 @@ TOMBSTONES = Counter(
     "Cancel tombstones of gone clients: sent, or left out as a newer keystroke of the same "
     "session superseded the request",
     ["outcome"],
+)
+SHADOW = Counter(
+    "laneway_ingress_shadow_total",
+    "Copies of requests for a model's shadow route: mirrored (stored on Kafka), failed, or "
+    "skipped (breaker above level 0, too many on their way)",
+    ["model", "outcome"],
 )

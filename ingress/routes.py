@@ -137,7 +137,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     clock = _Stages(state.clock)
-    route = await _route(state, env, body.model)
+    route, breaker_level = await _route(state, env, body.model)
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     env = _admitted_envelope(env, route, admitted)
     clock.stage("admit")
@@ -148,6 +148,7 @@ async def _serve(request: Request, model: type[B]) -> Response:
     try:
         await _store(state, env, caller, admitted)
         clock.stage("enqueue")
+        state.shadows.offer(env, breaker_level=breaker_level)
         first = await _next_reply(state, channel, disconnect)
         clock.stage("worker")
         if not body.stream:
@@ -193,13 +194,14 @@ def _admitted_envelope(
     return env.model_copy(update=update) if update else env
 
 
-async def _route(state: IngressState, env: RequestEnvelope, model: str) -> str:
-    """The breaker's route for ``model`` (level 3: 503), or its canary's for this session."""
+async def _route(state: IngressState, env: RequestEnvelope, model: str) -> tuple[str, int]:
+    """The breaker's route for ``model`` (level 3: 503), or its canary's for this session;
+    and the breaker's level."""
     decision = await state.breaker.route_for(env.team, model)
     if decision.level > 0:  # a degraded model serves its fallbacks, not an experiment
-        return decision.route
+        return decision.route, decision.level
     canary = await state.canaries.route(model, env.team, env.session or env.id)
-    return canary or decision.route
+    return canary or decision.route, decision.level
 
 
 async def _store(

@@ -85,6 +85,12 @@ class IngressSettings(CommonSettings):
         description="share of a team's hourly interactive budget this replica takes from "
         "Redis at once and admits from locally (0: one Redis reservation per request)",
     )
+    shadow_max_in_flight: int = Field(
+        64,
+        gt=0,
+        description="shadow routes: copies of requests this replica may have on their way to "
+        "Kafka at once; more are skipped (a mirror never queues behind, or ahead of, a client)",
+    )
     quota_lease_idle_s: float = Field(
         10.0, gt=0, description="an unused quota lease goes back to its pool after this long"
     )

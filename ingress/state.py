@@ -27,6 +27,7 @@ from ingress.quota_gate import QuotaGate
 from ingress.replies import ReplyRouter
 from ingress.revocations import RevokedKeys
 from ingress.settings import IngressSettings
+from ingress.shadow_mirror import ShadowMirror
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
@@ -75,6 +76,14 @@ class IngressState:
         self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
         self.canaries = CanaryGate(self.redis, self.keys)
+        # Mirrors have a producer of their own, for the reason tombstones do.
+        self.shadows = ShadowMirror(
+            self.redis,
+            self.keys,
+            self.topics,
+            make_producer(settings, linger_ms=5),
+            max_in_flight=settings.shadow_max_in_flight,
+        )
         self.prober = Prober(self)
         self.files = FileStore(settings, self.redis, self.producer)
         self.batches = BatchBook(settings, self.redis, self.files)
@@ -99,7 +108,9 @@ class IngressState:
         await self.producer.start()
         try:
             await self.cancel_producer.start()
+            await self.shadows.start()
         except BaseException:
+            await self.cancel_producer.stop()
             await self.producer.stop()
             raise
         self.cancels.start()
@@ -125,6 +136,7 @@ class IngressState:
         await self.prober.stop()
         await self.batches.stop()
         await self.cancels.stop()  # while Kafka and Redis are still there
+        await self.shadows.stop()
         for task in (self._clock_sync, self._lease_returns, self._tail):
             await stop_task(task)
         await self.revoked.stop()

@@ -16,6 +16,7 @@ __all__ = [
     "REPLY_STREAM_MAXLEN",
     "REPLY_STREAM_TTL_S",
     "SCALING_DECISION_TTL_S",
+    "SHADOW_COMPARISON_TTL_S",
     "UNKNOWN_KEY_CACHE_S",
     "Band",
     "RedisKeys",
@@ -53,6 +54,9 @@ UNKNOWN_KEY_CACHE_S: Final = 30.0
 # Files (uploads and a batch's output) and batch objects live this long: the retention of
 # laneway.results.batch and laneway.files, so no object outlives its bytes.
 FILE_RETENTION_S: Final = 7 * 24 * 3600
+# A shadow's comparison stays readable this long after the streams app last wrote it: a day,
+# so the numbers of a shadow stopped in the evening are still there the next morning.
+SHADOW_COMPARISON_TTL_S: Final = 24 * 3600
 
 
 class Topics:
@@ -249,6 +253,18 @@ class RedisKeys:
     def canaries(self) -> str:
         """The set of models that have a canary record."""
         return f"{self.prefix}:canaries"
+
+    def shadow(self, model: str) -> str:
+        """A model's shadow route (``laneway.shadow.ShadowState`` as JSON)."""
+        return f"{self.prefix}:shadow:{model}"
+
+    def shadows(self) -> str:
+        """The set of models that have a shadow record."""
+        return f"{self.prefix}:shadows"
+
+    def shadow_comparison(self, model: str) -> str:
+        """The streams app's shadow-against-primary figures of a model (JSON)."""
+        return f"{self.prefix}:shadow-comparison:{model}"
 
     def breaker(self, route: str, team: str | None = None) -> str:
         """Breaker state of a model route (or of one team on it): JSON with ``level``."""

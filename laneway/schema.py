@@ -103,6 +103,11 @@ class RequestEnvelope(_Wire):
         description="type-through: it may be served from its session's running or recent "
         "generation, or an identical in-flight one of its team (its team's switch)",
     )
+    shadow: bool = Field(
+        False,
+        description="a mirror of a client's request on a shadow route (laneway.shadow): no "
+        "reply, no quota settlement, its usage event marked shadow",
+    )
 
     def text_prompt(self) -> str:
         """The prompt as plain text (chat messages rendered one per line)."""
@@ -201,6 +206,11 @@ class UsageEvent(_Wire):
         description="times it was aborted on the engine and queued again before this outcome "
         "(memory pressure, or a shared engine's batch making way for interactive work); the "
         "engine time of those attempts is not in engine_ms",
+    )
+    shadow: bool = Field(
+        False,
+        description="a shadow route's mirror of request <id minus '-shadow'>: not billed, not "
+        "in quotas, budgets or breakers; only the shadow comparison counts it",
     )
 
 

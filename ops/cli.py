@@ -23,6 +23,7 @@ from ops.drills import add_drill_commands
 from ops.local_stack import run_local_stack
 from ops.principals_cli import add_principal_commands
 from ops.settings import StackSettings
+from ops.shadow_cli import add_shadow_commands
 from quota.teams import Team, set_team
 from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
@@ -199,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
     add_report_commands(sub)
     add_drill_commands(sub)
     add_canary_commands(sub)
+    add_shadow_commands(sub)
     add_principal_commands(sub)
     return parser
 

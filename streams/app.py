@@ -28,6 +28,7 @@ from streams.faust_buffer import drain_before_commit
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
+from streams.shadow import ShadowWatch
 from streams.transport import SCHEME, register
 
 __all__ = ["StreamsApp"]
@@ -39,6 +40,7 @@ _FORGET_IDS_S = 60.0
 # The app's tables; each has a changelog topic "<app id>-<name>-changelog".
 TABLES = ("rollups", "outcomes", "usage_ids")
 _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
+_SHADOW_EVAL_S = 5.0  # how often shadow comparisons are written (each over its whole window)
 
 register()
 
@@ -98,6 +100,7 @@ class StreamsApp:
             cooldown_s=settings.breaker_cooldown_s,
         )
         self.canary = CanaryWatch(settings, self.redis, settings.keys, self._send, self.webhook)
+        self.shadow = ShadowWatch(settings, self.redis, settings.keys)
         self.processor = UsageProcessor(
             settings,
             rollups=app.Table(TABLES[0], key_type=str, partitions=partitions),
@@ -111,6 +114,7 @@ class StreamsApp:
             keys=settings.keys,
             send=self._send,
             canary=self.canary,
+            shadow=self.shadow,
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
@@ -121,6 +125,7 @@ class StreamsApp:
         )
         self._timer(_FORGET_IDS_S, "usage-ids", self.processor.forget_ids)
         self._timer(_CANARY_EVAL_S, "canaries", self.canary.evaluate)
+        self._timer(_SHADOW_EVAL_S, "shadows", self.shadow.evaluate)
         self._levels_restored = False
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.

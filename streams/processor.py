@@ -39,6 +39,7 @@ from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
 from streams.settings import StreamsSettings
+from streams.shadow import ShadowWatch
 from streams.tables import (
     already_applied,
     delete_outside_stream,
@@ -91,6 +92,7 @@ class UsageProcessor:
         send: SendRecord,
         ids: UsageIds | None = None,
         canary: CanaryWatch | None = None,
+        shadow: ShadowWatch | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -104,6 +106,7 @@ class UsageProcessor:
         self.send = send
         self.ids = ids
         self.canary = canary
+        self.shadow = shadow
         self.clock = clock
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
@@ -135,6 +138,13 @@ class UsageProcessor:
             self.counters.repeated += 1
             EVENTS.labels("repeated").inc()
             return
+        if event.shadow:
+            # A shadow route's mirror: not billed, and no quota, budget, breaker or canary
+            # counts it (a bad shadow must not raise the breaker of the team it mirrors).
+            EVENTS.labels("shadow").inc()
+            if self.shadow is not None:
+                self.shadow.fold(event)
+            return
         self.counters.events += 1
         EVENTS.labels("folded").inc()
         self._last_event[partition] = now
@@ -144,6 +154,8 @@ class UsageProcessor:
             self._fold_outcome(event, partition, offset, now)
         if self.canary is not None:
             self.canary.fold(event)
+        if self.shadow is not None:
+            self.shadow.fold(event)
 
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)

@@ -99,6 +99,13 @@ class StreamsSettings(CommonSettings):
         1.5, ge=1, description="canary: its P99 latency may be this many times the stable route's"
     )
 
+    shadow_window_s: float = Field(
+        300.0,
+        gt=0,
+        description="shadow routes: latency and errors of a shadow and its primary are "
+        "compared over this sliding window",
+    )
+
     @model_validator(mode="after")
     def _check_thresholds(self) -> Self:
         enter, leave = self.breaker_enter, self.breaker_exit

@@ -10,8 +10,8 @@ import pkgutil
 import pytest
 
 import bench
-from bench._http import server_timing
 from bench._proc import stat_cpu_seconds
+from ops.drills.http_pool import server_timing
 
 MODULES = sorted(info.name for info in pkgutil.iter_modules(bench.__path__))
 

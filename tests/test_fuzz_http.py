@@ -164,6 +164,17 @@ valid_canary_bodies = st.fixed_dictionaries(
         )
     },
 )
+shadow_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "target": texts,
+        "share": st.floats(allow_nan=True) | json_values,
+        "surprise": json_values,
+    },
+)
+valid_shadow_bodies = st.fixed_dictionaries(
+    {"target": st.text(min_size=1, max_size=50), "share": st.floats(0.001, 1)}
+)
 raw_bodies = st.binary(max_size=300) | st.sampled_from(
     [
         b"",
@@ -301,6 +312,9 @@ ROUTES: dict[tuple[str, str], st.SearchStrategy[bytes]] = {
     ("GET", "/admin/canary"): NO_BODY,
     ("PUT", "/admin/canary/{model}"): bodies(valid_canary_bodies, canary_bodies),
     ("POST", "/admin/canary/{model}/abort"): NO_BODY,
+    ("GET", "/admin/shadow"): NO_BODY,
+    ("PUT", "/admin/shadow/{model}"): bodies(valid_shadow_bodies, shadow_bodies),
+    ("POST", "/admin/shadow/{model}/stop"): NO_BODY,
     ("GET", "/console"): NO_BODY,
     ("GET", "/console/static/{name}"): NO_BODY,
     ("POST", "/console/login"): login_forms,

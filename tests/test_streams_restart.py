@@ -78,9 +78,11 @@ def _latest(records: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, An
 
 
 async def _complete(stack: LiveStack, expected: dict[tuple[Any, ...], Any]) -> list[dict[str, Any]]:
-    """Hourly records until every key has its full revision (or the wait runs out)."""
+    """Hourly records until every key has its full revision (or the wait runs out: long,
+    since a lost event never arrives however long one waits, while a slow machine catches
+    up; the suite's neighbours once held a restarted app a revision short at 60 s)."""
     records: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         records = await stack.read_all(stack.topics.usage_hourly)
         latest = _latest(records)

@@ -66,8 +66,9 @@ class Accounting:
         self._paying: asyncio.Task[int] | None = None
 
     def settlement(self, env: RequestEnvelope, usage: UsageEvent) -> Owed | None:
-        """What ``env`` is to be charged (None without quotas)."""
-        if self.quota is None:
+        """What ``env`` is to be charged (None without quotas, and for a shadow route's
+        mirror: nothing was reserved for it, and it is not billed)."""
+        if self.quota is None or env.shadow:
             return None
         return Owed(
             env.team,

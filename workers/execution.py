@@ -428,6 +428,7 @@ class RequestExecutor:
             job_id=env.job_id,
             reused_from=reused_from,
             preempted=self.preemptions.pop(env.id, 0),
+            shadow=env.shadow,
         )
         final = Reply(
             id=env.id,
@@ -470,6 +471,8 @@ def _record(env: RequestEnvelope, usage: UsageEvent, price: Price) -> None:
     ):
         if count:
             TOKENS.labels(team, env.cls, env.route, kind).inc(count)
+    if env.shadow:
+        return  # a shadow route's mirror is not billed: no cost
     cost = (
         uncached * price.prompt
         + usage.cached_tokens * price.cached

@@ -1,4 +1,4 @@
-"""``laneway drill surge | memory | canary``: the command line of the drills."""
+"""``laneway drill surge | memory | canary | storm``: the command line of the drills."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ops.drills.memory import summary as memory_summary
 from ops.drills.memory import write_timeline as write_memory_timeline
 from ops.drills.memory_drive import run_memory
 from ops.drills.observe import StackObserver
+from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.settings import StackSettings
 from streams.settings import StreamsSettings
@@ -37,7 +38,7 @@ __all__ = ["add_drill_commands"]
 
 
 def add_drill_commands(sub: Any) -> None:
-    """Add ``drill surge | memory | canary`` to the ``laneway`` parser's subcommands."""
+    """Add ``drill surge | memory | canary | storm`` to the ``laneway`` parser's subcommands."""
     drill = sub.add_parser("drill", help="operating drills against a running stack")
     drills = drill.add_subparsers(dest="drill_command", required=True)
     surge = drills.add_parser(
@@ -70,13 +71,13 @@ def add_drill_commands(sub: Any) -> None:
     memory.add_argument(
         "--short", action="store_true", help="a small drill of about a minute (fewer lines)"
     )
-    memory.add_argument("--hi-rps", type=float, help="hi-band completions per second (4)")
+    memory.add_argument("--hi-rps", type=float, help="hi-band completions per second (5)")
     memory.add_argument("--lo-rps", type=float, help="lo-band chats per second (1)")
     memory.add_argument("--baseline-s", type=float, help="before the hold (30)")
     memory.add_argument("--hold-s", type=float, help="the hold; the chat deadline bounds it (20)")
     memory.add_argument("--after-s", type=float, help="traffic after the hold (20)")
     memory.add_argument("--hold", type=float, help="share of KV memory held (0.93)")
-    memory.add_argument("--batch-lines", type=int, help="lines of the batch job (300)")
+    memory.add_argument("--batch-lines", type=int, help="lines of the batch job (400)")
     memory.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     memory.set_defaults(func=cmd_drill_memory)
     canary = drills.add_parser(
@@ -97,6 +98,7 @@ def add_drill_commands(sub: Any) -> None:
     canary.add_argument("--sessions", type=int, default=400, help="distinct sessions")
     canary.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     canary.set_defaults(func=cmd_drill_canary)
+    add_storm_command(drills)
 
 
 def cmd_drill_surge(args: argparse.Namespace) -> int:

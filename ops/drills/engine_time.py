@@ -1,5 +1,6 @@
-"""The cancel storm's engine time, as the workers' usage events tell it: how much went to
-stale work, to abandoned requests, and to each class."""
+"""A typing storm's engine time, as the workers' usage events tell it: how much went to stale
+work, to abandoned requests, and to each class (``bench.cancel_storm`` and ``laneway drill
+storm`` both read it here)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,25 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench._stack import BenchStack
+from laneway.clients import kafka_auth, topic_partitions
+from laneway.errors import LanewayError
+from laneway.settings import CommonSettings
+
+__all__ = ["Completion", "EngineTime", "engine_time"]
+
+# The longest the usage topic may take to be read to its end offsets.
+_READ_WITHIN_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One completion's usage event, as a timeline needs it."""
+
+    ts: float  # when the worker ended it (epoch s)
+    id: str
+    status: str
+    engine_ms: float
+    stale_engine_ms: float
 
 
 @dataclass
@@ -28,12 +47,22 @@ class EngineTime:
     # completions only: (queue_ms, total_ms) as the worker measured them from acceptance, and
     # the wall clock time the worker ended it
     times: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    completions: list[Completion] = field(default_factory=list)
 
     def add(self, event: dict[str, Any], abandoned: bool) -> None:
         self.total += event["engine_ms"]
         if event["class"] == "completion":
             self.by_id[event["id"]] = event["engine_ms"]
             self.times[event["id"]] = (event["queue_ms"], event["total_ms"], event["ts"])
+            self.completions.append(
+                Completion(
+                    event["ts"],
+                    event["id"],
+                    event["status"],
+                    event["engine_ms"],
+                    event["stale_engine_ms"],
+                )
+            )
         self.by_class[event["class"]] = self.by_class.get(event["class"], 0.0) + event["engine_ms"]
         self.stale += event["stale_engine_ms"]
         if event["stale_engine_ms"]:
@@ -62,31 +91,52 @@ class EngineTime:
             self.by_class[cls] = self.by_class.get(cls, 0.0) + ms
         self.by_id.update(other.by_id)
         self.times.update(other.times)
+        self.completions += other.completions
 
 
 async def engine_time(
-    stack: BenchStack, since_ms: int, until_ms: int, abandoned: set[str]
+    settings: CommonSettings,
+    since_ms: int,
+    until_ms: int,
+    abandoned: set[str],
+    *,
+    team: str | None = None,
 ) -> EngineTime:
-    """Engine time of the usage events stamped inside [since_ms, until_ms]: everything on
-    the topic up to now is read, to its end offsets."""
+    """Engine time of the usage events stamped inside [since_ms, until_ms] (of ``team``'s
+    requests only, when named): the topic is read from ``since_ms`` to its end offsets."""
+    topic = settings.topics.usage
+    partitions = [TopicPartition(topic, p) for p in await topic_partitions(settings, topic)]
+    if not partitions:
+        raise LanewayError(f"topic {topic} not found on {settings.kafka_bootstrap}")
     # read_committed: a batch transaction that aborted (and ran again) is counted once.
-    consumer = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap, isolation_level="read_committed")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        **kafka_auth(settings),
+    )
     await consumer.start()
     seen = EngineTime()
     try:
-        partitions = [TopicPartition(stack.topics.usage, p) for p in range(stack.partitions)]
         consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
+        starts = await consumer.offsets_for_times(dict.fromkeys(partitions, since_ms))
         ends = await consumer.end_offsets(partitions)
-        give_up = time.monotonic() + 60
+        for tp in partitions:
+            found = starts.get(tp)
+            consumer.seek(tp, found.offset if found is not None else ends[tp])
+        give_up = time.monotonic() + _READ_WITHIN_S
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             if time.monotonic() > give_up:
-                raise TimeoutError("the usage topic could not be read to its end within 60 s")
+                raise LanewayError(
+                    f"the usage topic could not be read to its end within {_READ_WITHIN_S:g} s"
+                )
             batches = await consumer.getmany(timeout_ms=500)
             for records in batches.values():
                 for record in records:
-                    if since_ms <= record.timestamp <= until_ms:
-                        event = orjson.loads(record.value)
+                    if not since_ms <= record.timestamp <= until_ms:
+                        continue
+                    event = orjson.loads(record.value)
+                    if team is None or event.get("team") == team:
                         seen.add(event, event["id"] in abandoned)
     finally:
         await consumer.stop()

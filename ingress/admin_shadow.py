@@ -1,0 +1,66 @@
+"""Admin API for shadow routes: start one, see each with its comparison, stop one.
+
+``PUT /admin/shadow/{model}`` with ``{"target": ..., "share": 0.05}`` starts mirroring;
+``GET /admin/shadow`` lists them, each with the streams app's shadow-against-primary figures;
+``POST /admin/shadow/{model}/stop`` ends the mirroring (docs/shadow.md).
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from ingress.admin import authorise
+from ingress.responses import JSONResponse
+from laneway.constants import RedisKeys
+from laneway.openai_api import parse_body
+from laneway.shadow import (
+    ShadowState,
+    get_comparison,
+    list_shadows,
+    start_shadow,
+    stop_shadow,
+)
+
+__all__ = ["shadow_router"]
+
+shadow_router = APIRouter(prefix="/admin/shadow")
+
+
+class ShadowBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(min_length=1, max_length=200)
+    share: float  # a fraction in (0, 1]: checked by ShadowState, whose error says so
+
+
+async def _view(redis: aioredis.Redis, keys: RedisKeys, shadow: ShadowState) -> dict[str, object]:
+    comparison = await get_comparison(redis, keys, shadow.model)
+    compared = None
+    if comparison is not None:
+        compared = {**comparison.model_dump(mode="json"), **comparison.ratios()}
+    return {**shadow.model_dump(mode="json"), "comparison": compared}
+
+
+@shadow_router.get("")
+async def get_shadows(request: Request) -> Response:
+    state = authorise(request)
+    shadows = await list_shadows(state.redis, state.keys)
+    return JSONResponse({"data": [await _view(state.redis, state.keys, s) for s in shadows]})
+
+
+@shadow_router.put("/{model}")
+async def put_shadow(model: str, request: Request) -> Response:
+    state = authorise(request)
+    body = parse_body(ShadowBody, await request.body())
+    started = await start_shadow(state.redis, state.keys, model, body.target, body.share)
+    return JSONResponse(await _view(state.redis, state.keys, started), status_code=201)
+
+
+@shadow_router.post("/{model}/stop")
+async def post_stop(model: str, request: Request) -> Response:
+    state = authorise(request)
+    stopped = await stop_shadow(state.redis, state.keys, model)
+    return JSONResponse(await _view(state.redis, state.keys, stopped))
