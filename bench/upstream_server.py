@@ -14,9 +14,10 @@ Each request it received writes one JSON line to ``--log`` when it ends: ``recv`
 message), with times from ``time.time()``. Benches and tests judge laneway by this log, which
 laneway does not write. ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
-``--metrics`` serves vLLM's ``vllm:num_requests_running`` and
-``vllm:num_requests_waiting`` on ``/metrics`` (as vLLM does; without it, it is a server that
-publishes no queue length); ``/stats`` has the same two counts as JSON, always.
+``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
+``vllm:kv_cache_usage_perc`` (modelled as the share of its slots in use) on ``/metrics`` (as
+vLLM does; without it, it is a server that publishes no queue length); ``/stats`` has the
+two counts as JSON, always.
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ async def _metrics(request: web.Request) -> web.Response:
         f'vllm:num_requests_running{{model_name="up"}} {upstream.running}.0\n'
         "# TYPE vllm:num_requests_waiting gauge\n"
         f'vllm:num_requests_waiting{{model_name="up"}} {upstream.waiting}.0\n'
+        # Its KV cache modelled as its slots: each running request holds one slot's share.
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{model_name="up"}} {upstream.running / upstream.slots}\n'
     )
     return web.Response(text=text)
 

@@ -18,7 +18,14 @@ import time
 from typing import Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest, Conflict, NotFound
@@ -177,7 +184,12 @@ async def start_canary(
             f"{current.weight:g} %); abort it first",
             param="model",
         )
-    state = CanaryState(model=model, target=target, steps=steps)
+    try:
+        state = CanaryState(model=model, target=target, steps=steps)
+    except ValidationError as exc:  # a name too long or empty, bad steps: the caller's input
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "model"
+        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
     await put_canary(redis, keys, state)
     return state
 

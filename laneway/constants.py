@@ -183,6 +183,11 @@ class RedisKeys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def sim_kv_hold(self) -> str:
+        """Simulation only: the share of every simulated engine's KV memory held by something
+        other than its requests (a float; ``laneway drill memory`` sets it, with a TTL)."""
+        return f"{self.prefix}:sim:kv_hold"
+
     def scaling(self, pool: str) -> str:
         """A pool's latest ``ScalingDecision`` (JSON), written by the pool's lead worker."""
         return f"{self.prefix}:scaling:{pool}"

@@ -21,6 +21,7 @@ __all__ = [
     "CancelRecord",
     "ChatMessage",
     "KeyRevocation",
+    "MemoryPressure",
     "Outcome",
     "Reply",
     "RequestEnvelope",
@@ -199,6 +200,13 @@ class UsageEvent(_Wire):
         description="served from this request's generation (type-through): no engine time "
         "of its own; its completion_tokens are what it received",
     )
+    preempted: int = Field(
+        0,
+        ge=0,
+        description="times it was aborted on the engine and queued again before this outcome "
+        "(memory pressure, or a shared engine's batch making way for interactive work); the "
+        "engine time of those attempts is not in engine_ms",
+    )
     shadow: bool = Field(
         False,
         description="a shadow route's mirror of request <id minus '-shadow'>: not billed, not "
@@ -284,6 +292,23 @@ class ScalingDecision(_Wire):
     running: int = Field(0, ge=0)
     capacity: int = Field(0, ge=0)
     kv_cache_usage: float = Field(0.0, ge=0)
+    ts: float = Field(default_factory=time.time)
+
+
+class MemoryPressure(_Wire):
+    """A worker's engine came under memory pressure or out of it (``workers.memory``): on
+    ``laneway.control``, keyed by ``subject``."""
+
+    v: Literal[1] = 1
+    kind: Literal["memory"] = "memory"
+    subject: str = Field(min_length=1, description="memory:<worker id>")
+    pool: RequestClass
+    worker: str
+    pressed: bool = Field(description="true: it began (shedding); false: it ended")
+    kv_cache_usage: float = Field(ge=0)
+    shed_at: float = Field(gt=0, le=1)
+    resume_at: float = Field(gt=0, le=1)
+    shed: int = Field(0, ge=0, description="requests shed since the pressure began")
     ts: float = Field(default_factory=time.time)
 
 

@@ -234,16 +234,25 @@ def known_variables() -> set[str]:
     return names
 
 
+# Settings that went, and what took their place: a stack that still sets one is told.
+RETIRED = {
+    "LANEWAY_BATCH_MEMORY_HIGH": "LANEWAY_MEMORY_SHED_AT (memory pressure sheds the lo band "
+    "as well as batch now)",
+}
+
+
 def check_environment(environ: dict[str, str] | None = None) -> None:
-    """Refuse ``LANEWAY_*`` variables that no service reads (typos)."""
+    """Refuse ``LANEWAY_*`` variables that no service reads (typos, retired names)."""
     env = os.environ if environ is None else environ
     unknown = sorted(
         k for k in env if k.upper().startswith("LANEWAY_") and k.upper() not in known_variables()
     )
     if unknown:
+        retired = [f"{k} is now {RETIRED[k.upper()]}" for k in unknown if k.upper() in RETIRED]
         raise ConfigError(
             f"unknown setting(s) {', '.join(unknown)}: no laneway service reads them "
             "(see the settings table in README.md for the names)"
+            + (f"; {'; '.join(retired)}" if retired else "")
         )
 
 

@@ -118,10 +118,10 @@ def acl_rules(
         rules += topic([topics.cancel], reads)
         rules += topic([topics.replies, topics.usage, topics.control], writes)
         if pool == "batch":
-            # The lane and every tenant's batch topic (one prefix); written too, for a line
-            # re-queued to its own topic when the engine runs out of memory.
+            # The lane and every tenant's batch topic (one prefix), read only: a line shed
+            # under memory pressure waits in its worker, its offset uncommitted.
             lane = topics.request("batch")
-            rules += topic([lane], ("read", "write", "describe"), "prefixed")
+            rules += topic([lane], ("read", "describe"), "prefixed")
             rules += topic([topics.results_batch], writes)
             rules += topic([topics.results_batch_team("")], writes, "prefixed")
             # One transactional id per input partition (workers/batch_txn.py).

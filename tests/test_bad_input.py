@@ -147,6 +147,14 @@ def test_misspelt_setting_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings(IngressSettings)
 
 
+def test_a_retired_setting_names_its_successor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_BATCH_MEMORY_HIGH", "0.9")
+    with pytest.raises(
+        ConfigError, match="LANEWAY_BATCH_MEMORY_HIGH is now LANEWAY_MEMORY_SHED_AT"
+    ):
+        load_settings(WorkerSettings)
+
+
 def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANEWAY_MAX_INFLIGHT", "-3")
     with pytest.raises(ConfigError, match="LANEWAY_MAX_INFLIGHT"):

@@ -217,14 +217,17 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     assert not batch.consumer.paused()
 
 
-async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack) -> None:
+async def test_memory_pressure_sheds_batch_work_and_runs_it_again_exactly_once(
+    stack: LiveStack,
+) -> None:
     # A simulated engine with room for about three long lines at once, six lines in flight.
     await stack.start_worker(
         "batch",
         sim_kv_tokens=1200,
         sim_decode_ms_per_step=20.0,
         max_inflight=6,
-        batch_memory_high=0.9,
+        memory_check_ms=20,
+        memory_cooldown_s=0.2,
     )
     await stack.api_key("docs", size=100)
     lines = [
@@ -239,11 +242,10 @@ async def test_memory_pressure_requeues_batch_work_exactly_once(stack: LiveStack
         stack.topics.usage, count=12, where=lambda e: e["job_id"] == job and e["status"] == "ok"
     )
     usage = await stack.read_all(stack.topics.usage, where=lambda e: e["job_id"] == job)
-    aborted = [e for e in usage if e["status"] == "aborted"]
-    assert aborted, "the engine never came under pressure"
-    assert sorted(e["id"] for e in usage if e["status"] == "ok") == sorted(
-        f"batch-{job}-doc-{i}" for i in range(12)
-    )
+    assert any(e["preempted"] for e in usage), "the engine never came under pressure"
+    # One event per line, its final one: a shed attempt is not billed (or counted twice).
+    assert sorted(e["id"] for e in usage) == sorted(f"batch-{job}-doc-{i}" for i in range(12))
+    assert {e["status"] for e in usage} == {"ok"}
 
 
 def _spawn_batch_worker_as(stack: LiveStack, worker_id: str) -> subprocess.Popen[bytes]:

@@ -28,6 +28,9 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
     bad = await admin.put("/admin/canary/laneway-code", json={"target": "v2", "steps": [5, 1]})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "steps"
+    long_name = await admin.put(f"/admin/canary/{'m' * 201}", json={"target": "v2"})
+    assert long_name.status_code == 400, long_name.text
+    assert long_name.json()["error"]["param"] == "model"
     started = await admin.put(
         "/admin/canary/laneway-code", json={"target": "laneway-code-v2", "steps": [50, 100]}
     )

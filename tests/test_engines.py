@@ -47,7 +47,7 @@ async def test_sim_prefix_cache_counts_only_whole_shared_blocks() -> None:
 
 
 async def test_sim_full_prefix_cache_is_not_memory_pressure() -> None:
-    # The batch pool aborts and re-queues work above batch_memory_high KV usage; a warm prefix
+    # Workers shed low-priority work at LANEWAY_MEMORY_SHED_AT KV usage; a warm prefix
     # cache must not set that off (it once did, every heartbeat, under a document job).
     unlimited = SimEngine(SimProfile(decode_ms_per_step=0.0, prefix_cache_blocks=4))
     await _run(unlimited, EngineRequest(id="a", route="m", prompt="d" * 4096, max_tokens=4))

@@ -29,7 +29,6 @@ from workers import metrics
 from workers.batch import (
     BatchIntake,
     BatchLedger,
-    KafkaRecord,
     batch_result,
     error_result,
     result_records,
@@ -65,8 +64,6 @@ class BatchPoolWorker(PoolWorker):
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
-        self._lines: dict[str, KafkaRecord] = {}  # request id → its input record, to re-queue
-        self._requeue: set[str] = set()
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
@@ -108,41 +105,20 @@ class BatchPoolWorker(PoolWorker):
                 log.warning("batch intake paused, Redis unreachable: %s", exc)
                 await backoff.wait()
             else:
-                key = record.key or f"{line.job_id}:{line.line_id}".encode()
-                # A legacy line goes back (when re-queued) with its team and without its key.
-                value = (
-                    record.value
-                    if line.api_key is None
-                    else line.model_copy(update={"team": env.team}).to_json()
-                )
-                self._lines[env.id] = (tp.topic, key, value)
                 return env
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
         tp, offset, env = work.tp, work.offset, work.env
-        try:
-            usage = await super()._execute(work, dropped)
-        except BaseException:
-            self._lines.pop(env.id, None)
-            raise
+        usage = await super()._execute(work, dropped)
         if usage is None:
-            # Preempted on a shared engine: first in line again, same offset, same
-            # reservation; its result is written once, when it runs to its end.
-            self.queue.push(work, front=True)
+            # Preempted (memory pressure, or a shared engine's interactive work): queued
+            # again with the same offset and reservation; its result is written once, when
+            # it runs to its end.
             return None
-        line = self._lines.pop(env.id)
         final = self.outbox.captured.pop(env.id)
         if not self.offsets.current(tp, work.epoch):
             # Its partition was taken away while it ran: the new owner runs it again, and
             # this run's records would go out a second time if the partition came back.
-            return usage
-        if env.id in self._requeue:
-            # Aborted for memory: the line goes back to the end of its topic, in the same
-            # transaction that commits its offset, so it runs again exactly once.
-            self._requeue.discard(env.id)
-            metrics.BATCH_REQUEUED.inc()
-            usage_record = (self.topics.usage, env.team.encode(), usage.to_json())
-            self.ledger.add(tp, offset, [line, usage_record])
             return usage
         result = batch_result(env, final)
         self.ledger.add(tp, offset, result_records(self.topics, result, usage, tp.topic))
@@ -335,35 +311,15 @@ class BatchPoolWorker(PoolWorker):
     def _forget(self, partitions: set[TopicPartition]) -> list[Work]:
         gone = super()._forget(partitions)
         self.ledger.forget(partitions)
-        for work in gone:
-            self._lines.pop(work.env.id, None)
         return gone
 
     # --- yielding to interactive work -------------------------------------------------------
 
     async def _after_heartbeat(self) -> None:
-        await self._relieve_memory()
         await self._yield_to_interactive()
         # Lines of a job cancelled after they were fetched: dropped when they would start.
         for work in {w.env.job_id: w for w in self.queue if w.env.job_id}.values():
             await self._job_cancelled(work.env)
-
-    async def _relieve_memory(self) -> None:
-        """Over ``batch_memory_high`` KV usage: abort the newest quarter of our work."""
-        usage = self.engine.stats().kv_cache_usage
-        if usage < self.settings.batch_memory_high:
-            return
-        running = [env for env in self._inflight.values() if env.id not in self._requeue]
-        victims = list(reversed(running))[: max(1, len(running) // 4)]
-        log.warning(
-            "engine memory at %.0f%%: batch aborts and re-queues %d of %d lines",
-            usage * 100,
-            len(victims),
-            len(running),
-        )
-        for env in victims:
-            self._requeue.add(env.id)
-            await self.executor.abort(env.id)
 
     async def _yield_to_interactive(self) -> None:
         backlog = await self._interactive_backlog()

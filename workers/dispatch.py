@@ -83,6 +83,16 @@ class DispatchQueue:
                 return work
         return None
 
+    def first(self) -> Work | None:
+        """The next work to start, left in the queue; None when empty."""
+        while self._order:
+            rid = self._order[0][-1]
+            work = self._work.get(rid)
+            if work is not None:
+                return work
+            heapq.heappop(self._order)
+        return None
+
     def get(self, request_id: str) -> Work | None:
         return self._work.get(request_id)
 
@@ -133,7 +143,9 @@ class Dispatcher:
 
     ``capacity`` is how many requests the engine can run at once now; ``start`` runs a work
     (the worker calls ``done`` when the engine is through with it); ``drop`` finishes a work
-    that must not run, with the reason.
+    that must not run, with the reason; ``held`` says a work may not start yet (memory
+    pressure holds the lo band and batch). The queue serves hi first, so what waits behind a
+    held work is held too.
     """
 
     def __init__(
@@ -145,8 +157,10 @@ class Dispatcher:
         start: Callable[[Work], None],
         drop: Callable[[Work, Dropped], None],
         after: Callable[[], None] = lambda: None,
+        held: Callable[[RequestEnvelope], bool] = lambda _env: False,
     ) -> None:
         self.queue = queue
+        self.held = held
         self.capacity = capacity
         self.verdict = verdict
         self.start = start
@@ -176,11 +190,14 @@ class Dispatcher:
             late_ms = (now - (work.env.deadline_ts or now)) * 1000
             self.drop(work, Expired(f"deadline passed {late_ms:.0f} ms before it could start"))
         while len(self.queue) and self.running < self._capacity():
-            popped = self.queue.pop()
-            if popped is None:
+            upcoming = self.queue.first()
+            if upcoming is None:
                 break
-            work = popped
+            work = upcoming
             reason = self.verdict(work.env, now)
+            if reason is None and self.held(work.env):
+                break  # it waits first in line, and all behind it with it
+            self.queue.remove(work.env.id)
             if reason is not None:
                 self.drop(work, reason)
                 continue

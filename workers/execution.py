@@ -84,6 +84,8 @@ class RequestExecutor:
         # Requests aborted to run again later (a shared engine's batch, preempted): no
         # terminal outcome, no usage event, no settlement for the attempt.
         self.preempted: set[str] = set()
+        # Times each request was preempted so far; its usage event says so when it ends.
+        self.preemptions: dict[str, int] = {}
         # Requests whose engine generation is under way (not yet reporting their outcome).
         self.live: set[str] = set()
 
@@ -166,6 +168,7 @@ class RequestExecutor:
             if env.id in self.preempted:
                 if chunks is not None:
                     chunks.cancel()
+                self.preemptions[env.id] = self.preemptions.get(env.id, 0) + 1
                 metrics.PREEMPTED_ENGINE_MS.labels(self.pool).inc(
                     max(got.engine_ms, dropped.engine_ms)
                 )
@@ -304,6 +307,19 @@ class RequestExecutor:
             return
         await self.engine.abort(request_id)
 
+    async def preempt(self, request_id: str) -> bool:
+        """Abort a request on the engine to run it again later: it reports nothing now
+        (``run`` returns None). False when it cannot be: not generating (not started, or
+        reporting its outcome), preempted already, or others follow its generation."""
+        if request_id not in self.live or request_id in self.preempted:
+            return False
+        generation = self.reuse.of_owner(request_id)
+        if generation is not None and generation.followers:
+            return False
+        self.preempted.add(request_id)
+        await self.engine.abort(request_id)
+        return True
+
     async def release(self, env: RequestEnvelope) -> None:
         """``env`` follows nothing: a held abort of its session's generation goes ahead."""
         if env.session is None:
@@ -411,6 +427,7 @@ class RequestExecutor:
             error=error,
             job_id=env.job_id,
             reused_from=reused_from,
+            preempted=self.preemptions.pop(env.id, 0),
             shadow=env.shadow,
         )
         final = Reply(

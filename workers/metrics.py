@@ -15,8 +15,11 @@ __all__ = [
     "FLEET_RESERVE",
     "FLEET_SLOTS",
     "INFLIGHT",
+    "KV_CACHE_USAGE",
     "LATE_STARTS",
     "MALFORMED",
+    "MEMORY_PRESSURE",
+    "MEMORY_SHED",
     "OUTCOMES",
     "REUSED",
     "REUSE_SAVED_MS",
@@ -82,8 +85,18 @@ QUOTA_WAITS = Counter(
 BATCH_YIELDING = Gauge(
     "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
 )
-BATCH_REQUEUED = Counter(
-    "laneway_batch_requeued_total", "Batch lines aborted under engine memory pressure and re-queued"
+KV_CACHE_USAGE = Gauge(
+    "laneway_engine_kv_cache_usage", "The worker's engine KV-cache usage (0..1)", ["pool"]
+)
+MEMORY_PRESSURE = Gauge(
+    "laneway_memory_pressure",
+    "1 while the worker's engine is under memory pressure (shedding batch and lo-band work)",
+    ["pool"],
+)
+MEMORY_SHED = Counter(
+    "laneway_memory_shed_total",
+    "Requests aborted under engine memory pressure and queued again (they run later)",
+    ["pool", "band"],
 )
 FLEET_SLOTS = Gauge(
     "laneway_fleet_slots",
@@ -103,7 +116,7 @@ FLEET_PREEMPTIONS = Counter(
 )
 PREEMPTED_ENGINE_MS = Counter(
     "laneway_preempted_engine_ms_total",
-    "Engine milliseconds spent on batch attempts that were preempted (run again, not billed)",
+    "Engine milliseconds spent on attempts that were preempted (run again, not billed)",
     ["pool"],
 )
 REUSED = Counter(

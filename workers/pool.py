@@ -5,7 +5,9 @@ queue (``workers.dispatch``), up to ``max_inflight`` held at once, and go to the
 as it has room, the shield asked at that moment. Offsets are committed only below the lowest
 unfinished record of each partition, so a crash re-runs (never loses) what was accepted into
 the pool's topics. The ``hi`` band is drained before ``lo``: while ``hi`` partitions have a
-backlog, the ``lo`` partitions are paused, and waiting ``hi`` work starts first.
+backlog, the ``lo`` partitions are paused, and waiting ``hi`` work starts first. Under memory
+pressure (``workers.memory``) the ``lo`` band and batch wait, and what of them runs is
+aborted and queued again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from laneway.errors import Cancelled, Dropped, MalformedMessage
 from laneway.loops import keep_running
 from laneway.metrics import CONSUMER_LAG
 from laneway.redis_circuit import circuit_of
-from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent, decode
+from laneway.schema import CancelRecord, MemoryPressure, RequestEnvelope, UsageEvent, decode
 from quota import QuotaEnforcer, QuotaPolicy
 from workers import metrics
 from workers.cancel_feed import CancelFeed, backlog
@@ -35,6 +37,7 @@ from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
 from workers.fleet import FleetShare
 from workers.heartbeat import Heartbeat
+from workers.memory import MemoryGuard
 from workers.offsets import OffsetTracker
 from workers.outbox import Outbox
 from workers.reuse import Follower, ReuseRegistry
@@ -115,8 +118,8 @@ class PoolWorker:
             # The batch pool subscribes by pattern: a team topic created later is found at
             # the next metadata refresh.
             metadata_max_age_ms=30_000 if settings.pool == "batch" else 300_000,
-            # Batch lines are written in transactions (a job submitted over HTTP, a line
-            # re-queued for memory): a line of an aborted one must never run.
+            # Batch lines are written in transactions (a job submitted over HTTP): a line of
+            # an aborted one must never run.
             isolation_level="read_committed" if settings.pool == "batch" else "read_uncommitted",
         )
         self.cancels: AIOKafkaConsumer = make_consumer(settings, self.topics.cancel)
@@ -174,6 +177,16 @@ class PoolWorker:
             stream_interval=settings.stream_interval,
             on_first_output=self.dispatcher.wake,
         )
+        self.memory = MemoryGuard(
+            settings,
+            engine,
+            self.executor,
+            running=self.running,
+            announce=self._announce,
+            changed=self._memory_changed,
+            batch_elsewhere=self._batch_on_engine,
+        )
+        self.dispatcher.held = self.memory.holds
 
     @property
     def pool(self) -> str:
@@ -184,6 +197,13 @@ class PoolWorker:
         """Requests waiting for the engine or on it (``max_inflight`` bounds them); those
         only reporting their outcome (their usage event on its way) do not count."""
         return len(self.queue) + self.dispatcher.running
+
+    def _held_back(self) -> int:
+        """In an interactive pool, lo-band work memory pressure holds back: it leaves room
+        to fetch (its partitions are paused meanwhile, so hi work is what comes)."""
+        if not self.memory.pressed or self.pool == "batch":
+            return 0
+        return sum(1 for work in self.queue if self.memory.holds(work.env))
 
     async def start(self) -> None:
         if self._started:
@@ -216,6 +236,7 @@ class PoolWorker:
             _kept("cancels", self.cancel_feed.topic_loop),
             _kept("early-cancels", self.cancel_feed.redis_loop),
             _kept("heartbeat", self.heartbeat.loop),
+            _kept("memory", self.memory.loop),
         ]
         log.info(
             "worker %s serving pool %s with engine %s%s",
@@ -294,7 +315,7 @@ class PoolWorker:
 
     async def _fetch(self) -> None:
         while not self._stopping.is_set():
-            room = self.settings.max_inflight - self.held
+            room = self.settings.max_inflight - self.held + self._held_back()
             if room <= 0:
                 self._room.clear()
                 await self._room.wait()
@@ -444,7 +465,7 @@ class PoolWorker:
             return
         backlog = await self.lag(hi)
         paused = self.consumer.paused()
-        if backlog > 0:
+        if backlog > 0 or self.memory.pressed:
             self.consumer.pause(*[tp for tp in lo if tp not in paused])
         elif paused:
             self.consumer.resume(*[tp for tp in lo if tp in paused])
@@ -492,10 +513,19 @@ class PoolWorker:
 
     async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
         """Run the work on the engine, or report it ``dropped`` before it got there; None
-        when it left the engine to run again later (preempted)."""
+        when it left the engine to run again later (preempted): it is queued again, first in
+        line, with its offset pending, and no start deadline (it started in time; that it
+        waits again is the engine's doing, not its client's)."""
         if dropped is not None:
             return await self.executor.drop(work.env, dropped)
-        return await self.executor.run(work.env)
+        usage = await self.executor.run(work.env)
+        if usage is None:
+            if self.offsets.current(work.tp, work.epoch):
+                work.env = work.env.model_copy(update={"deadline_ts": None})
+                self.queue.push(work, front=True)
+            else:  # its partition went away meanwhile: the next owner runs it
+                self.executor.preemptions.pop(work.env.id, None)
+        return usage
 
     async def _run(self, work: Work) -> None:
         env = work.env
@@ -564,6 +594,8 @@ class PoolWorker:
         (waiting work included: it leaves the queue unstarted, and is returned)."""
         gone = self.queue.forget(partitions)
         self.offsets.forget(partitions)
+        for work in gone:
+            self.executor.preemptions.pop(work.env.id, None)
         # What was queued left: room to fetch again (nothing running may set it).
         self._room.set()
         self.dispatcher.wake()
@@ -615,11 +647,31 @@ class PoolWorker:
                 else None
             ),
             "memory_free_bytes": stats.memory_free_bytes,
+            "memory_pressure": self.memory.pressed,
+            "memory_shed": self.memory.shed_total,
             "model_digest": self._digest,
             "ts": now,
         }
 
+    def _batch_on_engine(self) -> int:
+        """Batch lines running on this worker's engine when it is shared (else 0)."""
+        return self.fleet.running()["batch"] if self.fleet is not None else 0
+
+    def _memory_changed(self) -> None:
+        """Memory pressure began or ended: held work may start, or hi work be fetched."""
+        self._room.set()
+        self.dispatcher.wake()
+
+    async def _announce(self, record: MemoryPressure) -> None:
+        try:
+            await self.producer.send(
+                self.topics.control, record.to_json(), key=record.subject.encode()
+            )
+        except KafkaError as exc:
+            log.warning("memory pressure record not sent to %s: %s", self.topics.control, exc)
+
     async def _after_beat(self) -> None:
+        await self.memory.follow_simulated_hold(self.redis, self.keys.sim_kv_hold())
         metrics.DISPATCH_QUEUE.labels(self.pool).set(len(self.queue))
         metrics.ENGINE_INFLIGHT.labels(self.pool).set(self.dispatcher.running)
         metrics.ENGINE_CAPACITY.labels(self.pool).set(self.dispatcher.capacity_seen)

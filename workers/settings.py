@@ -37,11 +37,26 @@ class WorkerSettings(CommonSettings):
         description="requests a worker holds at once: waiting in its dispatch queue (where "
         "the shield can still drop them) or on the engine, which gets only what it can start",
     )
-    batch_memory_high: float = Field(
-        0.95,
+    memory_shed_at: float = Field(
+        0.9,
         gt=0,
         le=1,
-        description="batch aborts and re-queues its newest work above this KV-cache usage",
+        description="memory pressure: at this engine KV-cache usage or above, the worker starts no "
+        "batch or lo-band work and aborts what runs of it (newest first; batch before lo on "
+        "a shared engine), to run it again later; hi-band work is never shed",
+    )
+    memory_resume_at: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="memory pressure ends once KV-cache usage has stayed below this for "
+        "LANEWAY_MEMORY_COOLDOWN_S (below LANEWAY_MEMORY_SHED_AT: no flapping)",
+    )
+    memory_cooldown_s: float = Field(
+        5.0, ge=0, description="memory pressure: how long usage must stay low before it ends"
+    )
+    memory_check_ms: int = Field(
+        250, gt=0, le=10_000, description="memory pressure: how often engine usage is read"
     )
     batch_yield_backlog: int = Field(
         0, ge=0, description="batch pauses while interactive lanes have more waiting than this"
@@ -225,6 +240,17 @@ class WorkerSettings(CommonSettings):
         low = info.data.get("scale_min_replicas")
         if low is not None and value < low:
             raise ValueError(f"must be at least LANEWAY_SCALE_MIN_REPLICAS ({low})")
+        return value
+
+    @field_validator("memory_resume_at")
+    @classmethod
+    def _resume_below_shed(cls, value: float, info: ValidationInfo) -> float:
+        shed_at = info.data.get("memory_shed_at")
+        if shed_at is not None and value >= shed_at:
+            raise ValueError(
+                f"must be below LANEWAY_MEMORY_SHED_AT ({shed_at}), or pressure would end "
+                "as soon as it began"
+            )
         return value
 
     @field_validator("worker_id")

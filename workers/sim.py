@@ -86,6 +86,7 @@ class SimEngine:
         self._hits = 0
         self._rng = random.Random(self.profile.seed)
         self._kv_used = 0
+        self._kv_held = 0.0  # share of KV memory held outside its requests (hold_kv)
         self._epoch = time.monotonic()  # step boundaries fall at _epoch + k × step
 
     def _next_step(self, now: float, step_s: float) -> float:
@@ -107,15 +108,22 @@ class SimEngine:
     def watch_capacity(self, on_room: Callable[[], None]) -> None:
         return None  # its batch slots never change
 
+    def hold_kv(self, share: float) -> None:
+        """Simulate ``share`` (0..1) of the KV memory taken by something other than this
+        engine's requests (another model, fragmentation, a leak): a drill's way to hold the
+        engine under memory pressure (``laneway drill memory``)."""
+        self._kv_held = min(1.0, max(0.0, share))
+
     def stats(self) -> EngineStats:
         # KV usage is memory held by running sequences. Cached blocks no sequence holds are
         # evictable, so a full prefix cache is not memory pressure (vLLM counts them as free
-        # too); with unlimited KV memory (kv_tokens=0) there is none to report.
-        if self.profile.kv_tokens:
-            usage = self._kv_used / self.profile.kv_tokens
-            free: int | None = max(0, self.profile.kv_tokens - self._kv_used)
-        else:
-            usage, free = 0.0, None
+        # too); with unlimited KV memory (kv_tokens=0) only a simulated hold is reported.
+        kv_tokens = self.profile.kv_tokens
+        free: int | None = None
+        usage = self._kv_held
+        if kv_tokens:
+            usage = min(1.0, usage + self._kv_used / kv_tokens)
+            free = max(0, int(kv_tokens * (1 - self._kv_held)) - self._kv_used)
         return EngineStats(
             running=self._running,
             waiting=self._waiting,

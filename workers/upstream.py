@@ -5,7 +5,8 @@ closed whether it waits for its response, for its first byte or between tokens, 
 such server cancels a request whose connection closed (vLLM's own queue included). The
 worker hands the server only what it can start (``capacity``): ``LANEWAY_UPSTREAM_SLOTS``
 when set, else learned (``workers.learned_slots``), helped by the server's own queue length
-where it publishes one (vLLM's ``/metrics``).
+where it publishes one (vLLM's ``/metrics``), where its KV-cache usage is read too (memory
+pressure, ``workers.memory``).
 
 Engine time is honest about what laneway can see: it runs from the upstream's first byte
 (the request started there) to its last chunk. Time before that is the upstream's own
@@ -39,6 +40,12 @@ log = logging.getLogger(__name__)
 # The queue length that vLLM and SGLang publish on /metrics.
 _WAITING = re.compile(
     rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs)(?:\{[^}]*\})? (\S+)", re.M
+)
+# Their KV-cache usage, a share 0..1 (vLLM's V1 and V0 names, SGLang's), for memory pressure.
+_KV_USAGE = re.compile(
+    rb"^(?:vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc|sglang:token_usage)"
+    rb"(?:\{[^}]*\})? (\S+)",
+    re.M,
 )
 
 
@@ -91,6 +98,7 @@ class OpenAICompatibleEngine:
         # finished, or another worker runs it) must not stop a later run of the same id.
         self._early_aborts: dict[str, float] = {}
         self._upstream_waiting = 0
+        self._kv_usage = 0.0  # the upstream's, where its metrics say
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
 
@@ -105,7 +113,7 @@ class OpenAICompatibleEngine:
             timeout=aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=self._read_timeout_s),
             json_serialize=lambda value: orjson.dumps(value).decode(),
         )
-        if not self.slots and self.metrics_url:
+        if self.metrics_url:
             self._poller = asyncio.create_task(self._poll_metrics(), name="upstream-metrics")
 
     async def stop(self) -> None:
@@ -136,8 +144,13 @@ class OpenAICompatibleEngine:
         _close(call)
 
     def stats(self) -> EngineStats:
-        # running: ours on the upstream; waiting: the upstream's own queue where it says.
-        return EngineStats(running=len(self._calls), waiting=self._upstream_waiting)
+        # running: ours on the upstream; waiting and KV usage: the upstream's own, where its
+        # metrics say (other clients' work included: it is the server's memory).
+        return EngineStats(
+            running=len(self._calls),
+            waiting=self._upstream_waiting,
+            kv_cache_usage=self._kv_usage,
+        )
 
     def model_digest(self) -> str:
         # The weights live upstream: the digest pins which server and model name we use.
@@ -267,7 +280,7 @@ class OpenAICompatibleEngine:
             self._on_room()
 
     async def _poll_metrics(self) -> None:
-        """The upstream's own queue length, every ``metrics_interval_s``."""
+        """The upstream's own queue length and KV-cache usage, every ``metrics_interval_s``."""
         assert self._session is not None
         while True:
             try:
@@ -275,16 +288,20 @@ class OpenAICompatibleEngine:
                     text = await response.read()
                     status = response.status
                 waiting = _WAITING.search(text)
-                if status == 404 or (status == 200 and waiting is None):
+                kv_usage = _KV_USAGE.search(text)
+                if status == 404 or (status == 200 and waiting is None and kv_usage is None):
                     log.info(
-                        "upstream publishes no queue length at %s; its capacity is learned "
-                        "from first-byte times alone",
+                        "upstream publishes no queue length or KV-cache usage at %s; its "
+                        "capacity is learned from first-byte times alone, and its memory "
+                        "pressure is not seen",
                         self.metrics_url,
                     )
                     return
                 if waiting is not None:
                     self._upstream_waiting = int(float(waiting.group(1)))
                     self.learned.upstream_load(self._upstream_waiting)
+                if kv_usage is not None:
+                    self._kv_usage = min(1.0, max(0.0, float(kv_usage.group(1))))
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.debug("upstream metrics at %s unreadable: %s", self.metrics_url, exc)
             await asyncio.sleep(self.metrics_interval_s)

@@ -22,16 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from laneway.canary import CanaryState, delete_canary, get_canary, start_canary
-from laneway.clients import kafka_auth, topic_partitions
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, NotFound
 from laneway.settings import CommonSettings
 from ops.drills.surge import Verdict
+from ops.drills.usage_log import usage_events
 
 __all__ = ["CanaryPlan", "CanaryRun", "judge", "run_canary", "table", "write_timeline"]
 
@@ -193,37 +191,9 @@ async def _drive(run: CanaryRun, phase: Phase, http: httpx.AsyncClient, watch: _
 async def _routes(run: CanaryRun, settings: CommonSettings, since_wall: float) -> None:
     """Which route served each request: its usage event on ``laneway.usage``."""
     wanted = {s.request_id: s for s in run.sent if s.request_id}
-    topic = settings.topics.usage
-    partitions = [TopicPartition(topic, p) for p in await topic_partitions(settings, topic)]
-    if not partitions:
-        raise LanewayError(f"topic {topic} not found on {settings.kafka_bootstrap}")
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False, **kafka_auth(settings)
-    )
-    await consumer.start()
-    try:
-        consumer.assign(partitions)
-        starts = await consumer.offsets_for_times(
-            {tp: int((since_wall - 60) * 1000) for tp in partitions}
-        )
-        ends = await consumer.end_offsets(partitions)
-        for tp in partitions:
-            found = starts.get(tp)
-            consumer.seek(tp, found.offset if found is not None else ends[tp])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            positions = [await consumer.position(tp) for tp in partitions]
-            if all(pos >= ends[tp] for pos, tp in zip(positions, partitions, strict=True)):
-                break
-            batches = await consumer.getmany(timeout_ms=500)
-            for records in batches.values():
-                for record in records:
-                    event = orjson.loads(record.value)
-                    sent = wanted.get(event.get("id", ""))
-                    if sent is not None:
-                        sent.route = str(event.get("route", ""))
-    finally:
-        await consumer.stop()
+    events = await usage_events(settings, since_wall, lambda e: e.get("id") in wanted)
+    for event in events:
+        wanted[event["id"]].route = str(event.get("route", ""))
 
 
 def _flips(run: CanaryRun, phase: Phase) -> tuple[int, int]:
@@ -322,9 +292,9 @@ def summary(run: CanaryRun) -> str:
 
 def write_timeline(run: CanaryRun, path: Path, title: str) -> Path:
     """Canary weight, request rate and error rate per route over time (PNG)."""
-    from ops.drills.timeline import _pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)
     for phase in run.phases:
         times = [t for t, _ in phase.samples]

@@ -1,4 +1,4 @@
-"""``laneway drill surge | canary | chaos | storm``: the command line of the drills."""
+"""``laneway drill surge | memory | canary | chaos | storm``: the command line of the drills."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from ingress.settings import IngressSettings
 from laneway.canary import parse_steps
 from laneway.errors import ConfigError, LanewayError
 from laneway.settings import load_settings
@@ -25,18 +26,25 @@ from ops.drills.canary import table as canary_table
 from ops.drills.canary import write_timeline as write_canary_timeline
 from ops.drills.chaos import ChaosPlan, run_chaos
 from ops.drills.chaos_report import details, events_table, tally_table
+from ops.drills.memory import MemoryPlan, MemoryRun
+from ops.drills.memory import judge as memory_judge
+from ops.drills.memory import summary as memory_summary
+from ops.drills.memory import write_timeline as write_memory_timeline
+from ops.drills.memory_drive import run_memory
 from ops.drills.observe import StackObserver
 from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.drills.topology import TopologyPlan
 from ops.settings import StackSettings
 from streams.settings import StreamsSettings
+from workers.settings import WorkerSettings
 
 __all__ = ["add_drill_commands"]
 
 
 def add_drill_commands(sub: Any) -> None:
-    """Add ``drill surge`` and ``drill chaos`` to the ``laneway`` parser's subcommands."""
+    """Add ``drill surge | memory | canary | chaos | storm`` to the ``laneway`` parser's
+    subcommands."""
     drill = sub.add_parser("drill", help="operating drills against a running stack")
     drills = drill.add_subparsers(dest="drill_command", required=True)
     surge = drills.add_parser(
@@ -57,6 +65,27 @@ def add_drill_commands(sub: Any) -> None:
     surge.add_argument("--max-tokens", type=int, default=16)
     surge.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     surge.set_defaults(func=cmd_drill_surge)
+    memory = drills.add_parser(
+        "memory",
+        help="engine memory held at ≥ 90 %%: batch and lo-band work shed and finished later",
+        description="Runs against `laneway up` (same LANEWAY_* ports) with simulated engines; "
+        "holds their KV memory through Redis for the hold phase, prints a verdict table and "
+        "writes a PNG timeline (see docs/drills.md).",
+    )
+    memory.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
+    memory.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
+    memory.add_argument(
+        "--short", action="store_true", help="a small drill of about a minute (fewer lines)"
+    )
+    memory.add_argument("--hi-rps", type=float, help="hi-band completions per second (5)")
+    memory.add_argument("--lo-rps", type=float, help="lo-band chats per second (1)")
+    memory.add_argument("--baseline-s", type=float, help="before the hold (30)")
+    memory.add_argument("--hold-s", type=float, help="the hold; the chat deadline bounds it (20)")
+    memory.add_argument("--after-s", type=float, help="traffic after the hold (20)")
+    memory.add_argument("--hold", type=float, help="share of KV memory held (0.93)")
+    memory.add_argument("--batch-lines", type=int, help="lines of the batch job (400)")
+    memory.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
+    memory.set_defaults(func=cmd_drill_memory)
     canary = drills.add_parser(
         "canary",
         help="a healthy canary walks 1 → 5 → 10 → 100 %%, a faulty one is rolled back",
@@ -147,6 +176,71 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
     title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
     rows = judge(run)
     _say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+def memory_plan(args: argparse.Namespace, *, shed_at: float) -> MemoryPlan:
+    """The plan of ``laneway drill memory``'s arguments (``--short``: the small one)."""
+    given = {
+        "hi_rps": args.hi_rps,
+        "lo_rps": args.lo_rps,
+        "baseline_s": args.baseline_s,
+        "hold_s": args.hold_s,
+        "after_s": args.after_s,
+        "hold_share": args.hold,
+        "batch_lines": args.batch_lines,
+    }
+    chosen = {name: value for name, value in given.items() if value is not None}
+    chosen["shed_at"] = shed_at
+    return MemoryPlan.short(**chosen) if args.short else MemoryPlan(**chosen)
+
+
+def cmd_drill_memory(args: argparse.Namespace) -> int:
+    key = args.key or os.environ.get("LANEWAY_API_KEY")
+    if not key:
+        raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
+    # The marks the stack's workers and ingress run by (the same LANEWAY_* environment).
+    workers = load_settings(WorkerSettings)
+    plan = memory_plan(args, shed_at=workers.memory_shed_at)
+    chat_deadline_s = load_settings(IngressSettings).chat_deadline_ms / 1000
+    # A lo chat sent as the hold begins waits for all of the pressure: the hold, the
+    # heartbeat that reads its end, and the cool-down.
+    pressure_s = plan.hold_s + workers.heartbeat_interval_s + workers.memory_cooldown_s + 1
+    if pressure_s > chat_deadline_s:
+        raise ConfigError(
+            f"--hold-s {plan.hold_s:g} is too long for the lo chats' start deadline "
+            f"({chat_deadline_s:g} s, LANEWAY_CHAT_DEADLINE_MS): a chat sent as the hold "
+            f"begins would wait about {pressure_s:g} s (with the heartbeat and "
+            "LANEWAY_MEMORY_COOLDOWN_S) and expire"
+        )
+    stack = load_settings(StackSettings)
+    url = args.url or f"http://127.0.0.1:{stack.port}"
+    stamp = time.strftime("%Y-%m-%d-%H%M%S")
+    out = Path(args.out or Path(stack.data_dir) / "drills" / f"memory-{stamp}.png")
+    _check_ready(url)
+    _say(
+        f"memory drill against {url}: {plan.hi_rps:g} hi completions/s and {plan.lo_rps:g} lo "
+        f"chats/s for {plan.baseline_s:g} s, then KV memory held at {plan.hold_share:.0%} for "
+        f"{plan.hold_s:g} s, then {plan.after_s:g} s more; a batch job of {plan.batch_lines} "
+        "lines throughout"
+    )
+
+    async def drive() -> MemoryRun:
+        redis = aioredis.Redis.from_url(f"redis://127.0.0.1:{stack.redis_port}/0")
+        try:
+            # The stack `laneway up` runs: its Kafka on LANEWAY_KAFKA_PORT.
+            local = stack.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{stack.kafka_port}"})
+            return await run_memory(
+                plan, base_url=url, key=key, redis=redis, settings=local, say=_say
+            )
+        finally:
+            await redis.aclose()
+
+    run = asyncio.run(drive())
+    rows = memory_judge(run)
+    title = f"laneway memory drill {stamp}: KV memory held at {plan.hold_share:.0%}"
+    path = write_memory_timeline(run, out, title)
+    _say(f"{memory_summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
     return 0 if all(r.ok for r in rows) else 1
 
 

@@ -19,11 +19,13 @@ NO_ANSWER = 0
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request: when it left (seconds since the drill began), how long it took, status."""
+    """One request: when it left (seconds since the drill began), how long it took, status,
+    and the id the ingress gave it (its usage event's)."""
 
     sent_at: float
     latency_s: float
     status: int
+    request_id: str = ""
 
 
 class OpenLoop:
@@ -71,7 +73,8 @@ class OpenLoop:
 
 
 class OpenLoopLoad:
-    """POSTs ``body(n)`` to ``path`` at a rate, keeping at most ``max_open`` unanswered."""
+    """POSTs ``body(n)`` (with ``headers``) to ``path`` at a rate, keeping at most
+    ``max_open`` unanswered."""
 
     def __init__(
         self,
@@ -81,8 +84,10 @@ class OpenLoopLoad:
         *,
         started: float,
         max_open: int = 256,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.http = http
+        self.headers = headers or {}
         self.path = path
         self.body = body
         self.started = started
@@ -102,9 +107,11 @@ class OpenLoopLoad:
 
     async def _one(self, n: int, sent_at: float) -> None:
         begin = time.monotonic()
+        request_id = ""
         try:
-            response = await self.http.post(self.path, json=self.body(n))
+            response = await self.http.post(self.path, json=self.body(n), headers=self.headers)
             status = response.status_code
+            request_id = response.headers.get("x-laneway-request-id", "")
         except httpx.HTTPError:
             status = NO_ANSWER
-        self.outcomes.append(Outcome(sent_at, time.monotonic() - begin, status))
+        self.outcomes.append(Outcome(sent_at, time.monotonic() - begin, status, request_id))

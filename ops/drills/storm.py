@@ -238,9 +238,9 @@ def _span(values: Sequence[float]) -> str:
 
 def write_timeline(run: StormRun, path: Path, title: str) -> Path:
     """Completions per second by outcome, kept latency, engine time useful and stale (PNG)."""
-    from ops.drills.timeline import _pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)
     began = run.began
     end = math.ceil(max((w.end for w in run.windows), default=began) - began) + 1

@@ -10,25 +10,27 @@ from typing import Any
 from laneway.errors import ConfigError
 from ops.drills.surge import WINDOW_S, SurgeRun, baseline_p99, window_p99s
 
-__all__ = ["write_timeline"]
+__all__ = ["pyplot", "write_timeline"]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (a drill's timeline), or a ConfigError naming
+    what to install."""
     try:
         import matplotlib as mpl  # noqa: PLC0415 - optional: only the drills draw
 
         mpl.use("Agg")  # no display: write files only
-        from matplotlib import pyplot  # noqa: PLC0415
+        from matplotlib import pyplot as plt  # noqa: PLC0415
     except ImportError as exc:
         raise ConfigError(
             "the drill's timeline needs matplotlib: .venv/bin/pip install 'laneway[drills]'"
         ) from exc
-    return pyplot
+    return plt
 
 
 def write_timeline(run: SurgeRun, path: Path, title: str) -> Path:
     """Draw ``run`` into ``path`` (PNG); returns the path."""
-    plt = _pyplot()
+    plt = pyplot()
     plan, samples = run.plan, run.samples
     end = math.ceil(plan.surge_end + plan.after_s)
     fig, axes = plt.subplots(4, 1, figsize=(8, 8), sharex=True, dpi=80)
