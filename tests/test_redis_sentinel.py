@@ -35,7 +35,8 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
 def sentinel_set(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen[bytes]]]:
     """(a Sentinel URL of service "main", the Sentinel's port, the master's process)."""
     master_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
-    common = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    # --dir: a replica's full resync writes the master's snapshot to disk, never in the repo.
+    common = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(tmp_path)]
     master = _start(["--port", str(master_port), *common], tmp_path / "master.log")
     replica = _start(
         ["--port", str(replica_port), "--replicaof", "127.0.0.1", str(master_port), *common],
