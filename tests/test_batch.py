@@ -15,6 +15,7 @@ import pytest
 from laneway.batch import BatchClient, JobStatus
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, eventually
+from workers.batch_lane import BatchLane
 
 
 def _line(i: int, **body: Any) -> str:
@@ -203,11 +204,13 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     http = stack.http(ingress, await stack.api_key("ide", size=100))
     body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 16}
     burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
-    await eventually(lambda: batch.yielding, 10, "batch to yield to the interactive backlog")
+    lane = batch.lane
+    assert isinstance(lane, BatchLane)
+    await eventually(lambda: lane.yielding, 10, "batch to yield to the interactive backlog")
     assert set(batch.consumer.paused()) == batch.consumer.assignment()
     responses = await asyncio.gather(*burst)
     assert {r.status_code for r in responses} == {200}
-    await eventually(lambda: not batch.yielding, 10, "batch to resume")
+    await eventually(lambda: not lane.yielding, 10, "batch to resume")
     assert not batch.consumer.paused()
 
 
