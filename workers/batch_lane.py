@@ -82,8 +82,12 @@ class BatchLane:
     async def close(self) -> None:
         for task in self._aborting:
             task.cancel()
-        async with asyncio.timeout(10):
-            await self.txns.close_all()
+        try:
+            async with asyncio.timeout(10):
+                await self.txns.close_all()
+        except TimeoutError:
+            # The worker goes on closing: a partition's next owner fences what is left open.
+            log.warning("batch transactional producers not closed within 10 s")
 
     # --- intake and execution -------------------------------------------------------------
 
