@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-__all__ = ["stop_task"]
+from laneway.loops import keep_running
+
+__all__ = ["cancel_all", "kept", "stop_task"]
+
+log = logging.getLogger(__name__)
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
@@ -16,3 +22,29 @@ async def stop_task(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def kept(name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+    """A loop of a service as a task that starts it again when it fails (``keep_running``):
+    a dead one would stop its work quietly while the service looks alive."""
+    return asyncio.create_task(keep_running(f"the {name} loop", loop), name=name)
+
+
+async def cancel_all(tasks: Collection[asyncio.Task[Any]], ask_again_s: float = 2.0) -> None:
+    """Cancel ``tasks`` and wait until they are done, asking again every ``ask_again_s``.
+
+    A library may swallow a cancellation: redis-py has, when it lands as a timeout inside it
+    expires, turning it into a timeout error. A loop that catches that error goes on, and a
+    single cancel would leave a service's stop (and its SIGTERM) waiting for good.
+    """
+    pending = {task for task in tasks if not task.done()}
+    for task in pending:
+        task.cancel()
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=ask_again_s)
+        for task in pending:
+            log.warning("%s went on after it was cancelled; cancelling it again", task.get_name())
+            task.cancel()
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved (each loop logs its own failure)

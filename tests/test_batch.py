@@ -19,8 +19,9 @@ from laneway.clients import make_consumer
 from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, eventually
-from workers import batch_pool
+from workers import batch_lane
 from workers.batch import BatchIntake
+from workers.batch_lane import BatchLane
 
 
 def _line(i: int, **body: Any) -> str:
@@ -209,11 +210,13 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     http = stack.http(ingress, await stack.api_key("ide", size=100))
     body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 16}
     burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
-    await eventually(lambda: batch.yielding, 10, "batch to yield to the interactive backlog")
+    lane = batch.lane
+    assert isinstance(lane, BatchLane)
+    await eventually(lambda: lane.yielding, 10, "batch to yield to the interactive backlog")
     assert set(batch.consumer.paused()) == batch.consumer.assignment()
     responses = await asyncio.gather(*burst)
     assert {r.status_code for r in responses} == {200}
-    await eventually(lambda: not batch.yielding, 10, "batch to resume")
+    await eventually(lambda: not lane.yielding, 10, "batch to resume")
     assert not batch.consumer.paused()
 
 
@@ -305,10 +308,10 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
     """A producer that lost its coordinator with a broker can wait for good on the end of a
     transaction that did commit. The worker replaces that producer and learns from the
     group's offsets what went out, so it neither stalls nor writes those results again."""
-    monkeypatch.setattr(batch_pool, "_TXN_STUCK_S", 5.0)  # the real commit ends well before
-    worker = await stack.start_worker("batch")
-    assert isinstance(worker, batch_pool.BatchPoolWorker)
-    commit = worker.txns.commit
+    monkeypatch.setattr(batch_lane, "_TXN_STUCK_S", 5.0)  # the real commit ends well before
+    lane = (await stack.start_worker("batch")).lane
+    assert isinstance(lane, BatchLane)
+    commit = lane.txns.commit
     stuck: list[int] = []
 
     async def commit_then_hang(tp: TopicPartition, records: list[Any], offset: int) -> None:
@@ -317,7 +320,7 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
             stuck.append(offset)
             await asyncio.Event().wait()  # its end is never reported
 
-    monkeypatch.setattr(worker.txns, "commit", commit_then_hang)
+    monkeypatch.setattr(lane.txns, "commit", commit_then_hang)
     await stack.api_key("docs", size=1000)
     async with BatchClient(CommonSettings(**stack.common)) as client:
         job = await client.submit([_line(i) for i in range(60)], team="docs")
@@ -333,17 +336,17 @@ async def test_commits_that_overlap_write_each_result_once(stack: LiveStack) -> 
     """A rebalance commits what is done while the commit loop may be committing too: both
     through one producer per partition. Neither may begin while the other runs (aiokafka
     refuses, which looked like a fence) nor write what the other just wrote."""
-    worker = await stack.start_worker("batch", sim_decode_ms_per_step=2.0)
-    assert isinstance(worker, batch_pool.BatchPoolWorker)
+    lane = (await stack.start_worker("batch", sim_decode_ms_per_step=2.0)).lane
+    assert isinstance(lane, BatchLane)
     await stack.api_key("docs", size=1000)
     async with BatchClient(CommonSettings(**stack.common)) as client:
         job = await client.submit([_line(i) for i in range(150)], team="docs")
         deadline = asyncio.get_running_loop().time() + 60
         while (status := await client.status(job)).done < 150:
             assert asyncio.get_running_loop().time() < deadline, f"stalled: {status}"
-            await asyncio.gather(worker.commit(), worker.commit(), worker.commit())
+            await asyncio.gather(lane.commit(), lane.commit(), lane.commit())
     assert (status.done, status.duplicates) == (150, 0)
-    assert not worker._fenced
+    assert not lane._fenced
 
 
 class _HeldRevoke(ConsumerRebalanceListener):
@@ -406,9 +409,10 @@ async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
             # All of the job is there at the worker's first fetch: one batch of many lines.
             job = await client.submit([_line(i) for i in range(120)], team="docs")
             worker = await stack.start_worker("batch", sim_decode_ms_per_step=1.0)
-            assert isinstance(worker, batch_pool.BatchPoolWorker)
+            lane = worker.lane
+            assert isinstance(lane, BatchLane)
             await asyncio.wait_for(on_first.wait(), 60)  # stuck on the batch's first line
-            revoked, assigned = _noted(worker, monkeypatch)
+            revoked, assigned = _noted(lane, monkeypatch)
             held.hold.clear()
             await second.start()
             second.subscribe([stack.topics.results_batch])
@@ -431,7 +435,7 @@ async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
         await asyncio.gather(first.stop(), second.stop())
         await asyncio.wait_for(assigned.wait(), 30)
         await eventually(
-            lambda: all(worker.txns.has(tp) for tp in worker.consumer.assignment()),
+            lambda: all(lane.txns.has(tp) for tp in worker.consumer.assignment()),
             30,
             "the worker's producers started",
         )
@@ -443,12 +447,10 @@ async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(120))
 
 
-def _noted(
-    worker: batch_pool.BatchPoolWorker, monkeypatch: pytest.MonkeyPatch
-) -> tuple[asyncio.Event, asyncio.Event]:
-    """Events set once the worker's partitions were revoked and once assigned, from now."""
-    revoke, revoked = worker._revoked, asyncio.Event()
-    assign, assigned = worker._assigned, asyncio.Event()
+def _noted(lane: BatchLane, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Events set once the lane's partitions were revoked and once assigned, from now."""
+    revoke, revoked = lane.revoked, asyncio.Event()
+    assign, assigned = lane.assigned, asyncio.Event()
 
     async def noted_revoke(partitions: set[TopicPartition]) -> None:
         await revoke(partitions)
@@ -458,6 +460,6 @@ def _noted(
         await assign(partitions)
         assigned.set()
 
-    monkeypatch.setattr(worker, "_revoked", noted_revoke)
-    monkeypatch.setattr(worker, "_assigned", noted_assign)
+    monkeypatch.setattr(lane, "revoked", noted_revoke)
+    monkeypatch.setattr(lane, "assigned", noted_assign)
     return revoked, assigned

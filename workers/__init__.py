@@ -1,6 +1,6 @@
 """GPU workers: Kafka consumers per pool, their engines and the cancel shield."""
 
-from workers.batch_pool import BatchPoolWorker
+from workers.batch_lane import BatchLane
 from workers.execution import RequestExecutor
 from workers.factory import create_worker
 from workers.offsets import OffsetTracker
@@ -14,7 +14,7 @@ from workers.upstream import OpenAICompatibleEngine
 from workers.vllm_engine import VllmEngine
 
 __all__ = [
-    "BatchPoolWorker",
+    "BatchLane",
     "CancelShield",
     "Engine",
     "EngineDelta",

@@ -24,6 +24,7 @@ from workers.types import EngineDelta, EngineRequest
 
 if TYPE_CHECKING:
     from workers.outbox import Outbox
+    from workers.settings import WorkerSettings
     from workers.shield import CancelShield
     from workers.types import Engine
 
@@ -88,6 +89,29 @@ class RequestExecutor:
         self.preemptions: dict[str, int] = {}
         # Requests whose engine generation is under way (not yet reporting their outcome).
         self.live: set[str] = set()
+
+    @classmethod
+    def of_pool(
+        cls,
+        settings: WorkerSettings,
+        engine: Engine,
+        shield: CancelShield,
+        outbox: Outbox,
+        on_first_output: Callable[[], None],
+    ) -> RequestExecutor:
+        """The executor of a pool's worker, as its settings say."""
+        return cls(
+            engine,
+            shield,
+            outbox,
+            reuse=ReuseRegistry(ttl_s=settings.reuse_ttl_s, max_entries=settings.reuse_max_entries),
+            reuse_hold_s=settings.reuse_hold_ms / 1000,
+            worker_id=settings.worker_id,
+            pool=settings.pool,
+            price_of=settings.price_of,
+            stream_interval=settings.stream_interval,
+            on_first_output=on_first_output,
+        )
 
     async def delivered(self, request_id: str) -> None:
         """Wait until the usage event of a finished request is stored by the broker: sent

@@ -1,8 +1,7 @@
-"""The worker class of a pool."""
+"""A pool's worker."""
 
 from __future__ import annotations
 
-from workers.batch_pool import BatchPoolWorker
 from workers.pool import PoolWorker
 from workers.settings import WorkerSettings
 from workers.types import Engine
@@ -11,6 +10,5 @@ __all__ = ["create_worker"]
 
 
 def create_worker(settings: WorkerSettings, engine: Engine) -> PoolWorker:
-    if settings.pool == "batch":
-        return BatchPoolWorker(settings, engine)
+    """A worker of ``settings.pool``: its lane (``workers.lanes``) comes with the pool."""
     return PoolWorker(settings, engine)

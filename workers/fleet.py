@@ -39,8 +39,9 @@ from laneway.constants import HEARTBEAT_TTL_S, RedisKeys
 from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 from workers import metrics
+from workers.settings import WorkerSettings
 
-__all__ = ["CLASSES", "FleetShare", "Member", "allocate"]
+__all__ = ["CLASSES", "FleetShare", "Member", "allocate", "fleet_share"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class FleetShare:
         reserve_min: int = 1,
         peak_window_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.redis = redis
         self.circuit = circuit_of(redis)
@@ -129,7 +131,7 @@ class FleetShare:
         self.worker = worker_id
         self.cls = cls
         self.reserve_min = reserve_min
-        self.on_change: Callable[[], None] = lambda: None
+        self.on_change = on_change  # the others' room changed: the dispatcher looks again
         self._clock = clock
         self._peak = _Peak(peak_window_s, clock)
         self.members: dict[str, Member] = {}
@@ -362,3 +364,28 @@ class FleetShare:
             )
         self.connected = False
         self.on_change()
+
+
+def fleet_share(
+    settings: WorkerSettings,
+    redis: aioredis.Redis,
+    keys: RedisKeys,
+    clock: Callable[[], float],
+    on_change: Callable[[], None],
+) -> FleetShare | None:
+    """A worker's share of the engine its pool shares with others (``LANEWAY_ENGINE_ID``);
+    None when its engine is its own. ``clock``: Redis's, as members' beats are compared
+    across machines."""
+    if not settings.engine_id:
+        return None
+    return FleetShare(
+        redis,
+        keys,
+        settings.engine_id,
+        settings.worker_id,
+        settings.pool,
+        reserve_min=settings.fleet_reserve_min,
+        peak_window_s=settings.fleet_peak_window_s,
+        clock=clock,
+        on_change=on_change,
+    )

@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.redis_circuit import circuit_of
@@ -44,7 +46,7 @@ from workers.settings import WorkerSettings
 from workers.sim import SimEngine
 from workers.types import Engine
 
-__all__ = ["MemoryGuard", "PressureGauge", "sheddable"]
+__all__ = ["MemoryGuard", "PressureGauge", "announcer", "sheddable"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,20 @@ _HOLD_READ_TIMEOUT_S = 1.0
 def sheddable(env: RequestEnvelope) -> bool:
     """Work memory pressure may hold back and abort: batch and the lo band, never hi."""
     return env.cls == "batch" or env.band == "lo"
+
+
+def announcer(
+    producer: AIOKafkaProducer, topic: str
+) -> Callable[[MemoryPressure], Awaitable[None]]:
+    """Sends each beginning and end of pressure to ``topic`` (``laneway.control``)."""
+
+    async def announce(record: MemoryPressure) -> None:
+        try:
+            await producer.send(topic, record.to_json(), key=record.subject.encode())
+        except KafkaError as exc:
+            log.warning("memory pressure record not sent to %s: %s", topic, exc)
+
+    return announce
 
 
 class PressureGauge:

@@ -1,4 +1,4 @@
-"""The batch pool's worker: exactly-once results, its own quota pool, and it yields.
+"""The batch lane: exactly-once results, its own quota pool, and it yields.
 
 Differences from the interactive pools: records are batch lines (``BatchRequest``), each
 result and usage event is written in a Kafka transaction with the input offset it
@@ -12,16 +12,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
 from redis.exceptions import RedisError
 
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import Dropped, LanewayError, MalformedMessage, QuotaExceeded
+from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
@@ -35,11 +35,12 @@ from workers.batch import (
 )
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
-from workers.pool import PoolWorker
-from workers.settings import WorkerSettings
-from workers.types import Engine
+from workers.lanes import skip_record
 
-__all__ = ["BatchPoolWorker"]
+if TYPE_CHECKING:
+    from workers.pool import PoolWorker
+
+__all__ = ["BatchLane"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,16 @@ _PRODUCER_STOP_S = 10.0
 _INTERACTIVE_POOLS = ("completion", "chat")
 
 
-class BatchPoolWorker(PoolWorker):
-    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
-        super().__init__(settings, engine)
+class BatchLane:
+    """The batch pool's lane (``workers.lanes``), on the parts of its worker."""
+
+    interactive = False
+
+    def __init__(self, worker: PoolWorker) -> None:
+        self.worker = worker
         self.ledger = BatchLedger()
-        self.intake = BatchIntake(settings, self.redis, self.keys)
-        self.txns = PartitionTransactions(settings, self.topics.consumer_group("batch"))
+        self.lines = BatchIntake(worker.settings, worker.redis, worker.keys)
+        self.txns = PartitionTransactions(worker.settings, worker.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
@@ -67,37 +72,54 @@ class BatchPoolWorker(PoolWorker):
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        was_running = self._started and not self._stopped
+    def consumer_options(self) -> dict[str, Any]:
+        return {
+            # The lane subscribes by pattern: a team topic created later is found at the
+            # next metadata refresh.
+            "metadata_max_age_ms": 30_000,
+            # Batch lines are written in transactions (a job submitted over HTTP): a line of
+            # an aborted one must never run.
+            "isolation_level": "read_committed",
+        }
+
+    def subscribe(self, listener: ConsumerRebalanceListener) -> None:
+        # The lane and every team's own batch topic, those created later included.
+        self.worker.consumer.subscribe(
+            pattern=self.worker.topics.batch_pattern(), listener=listener
+        )
+
+    async def close(self) -> None:
         for task in self._aborting:
             task.cancel()
-        await super().stop(grace_s)
-        if was_running:
+        try:
             async with asyncio.timeout(10):
                 await self.txns.close_all()
+        except TimeoutError:
+            # The worker goes on closing: a partition's next owner fences what is left open.
+            log.warning("batch transactional producers not closed within 10 s")
 
     # --- intake and execution -------------------------------------------------------------
 
-    async def _accept(
+    async def accept(
         self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
     ) -> RequestEnvelope | None:
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
-            self._skip(tp, record.offset, exc)  # no job to report it to
+            skip_record(self.worker.pool, tp, record.offset, exc)  # no job to report it to
             return None
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
         # it): whatever team or key the line names is not read.
-        topic_team = self.topics.team_of_batch_topic(tp.topic)
+        topic_team = self.worker.topics.team_of_batch_topic(tp.topic)
         if topic_team is not None:
             line = line.model_copy(update={"team": topic_team, "api_key": None})
         while True:
             try:
-                env = await self.intake.envelope(line)
+                env = await self.lines.envelope(line)
             except LanewayError as exc:
                 result = error_result(line, exc)
-                records = result_records(self.topics, result, input_topic=tp.topic)
+                records = result_records(self.worker.topics, result, input_topic=tp.topic)
                 self.ledger.add(tp, record.offset, records)
                 return None
             except (RedisError, OSError) as exc:
@@ -107,27 +129,21 @@ class BatchPoolWorker(PoolWorker):
             else:
                 return env
 
-    async def _execute(self, work: Work, dropped: Dropped | None = None) -> UsageEvent | None:
+    def finished(self, work: Work, usage: UsageEvent) -> None:
+        """A line's result and usage event go in the ledger, to be written with its offset."""
         tp, offset, env = work.tp, work.offset, work.env
-        usage = await super()._execute(work, dropped)
-        if usage is None:
-            # Preempted (memory pressure, or a shared engine's interactive work): queued
-            # again with the same offset and reservation; its result is written once, when
-            # it runs to its end.
-            return None
-        final = self.outbox.captured.pop(env.id)
-        if not self.offsets.current(tp, work.epoch):
+        final = self.worker.outbox.captured.pop(env.id)
+        if not self.worker.offsets.current(tp, work.epoch):
             # Its partition was taken away while it ran: the new owner runs it again, and
             # this run's records would go out a second time if the partition came back.
-            return usage
+            return
         result = batch_result(env, final)
-        self.ledger.add(tp, offset, result_records(self.topics, result, usage, tp.topic))
-        return usage
+        self.ledger.add(tp, offset, result_records(self.worker.topics, result, usage, tp.topic))
 
-    def _after_dispatch(self) -> None:
-        super()._after_dispatch()
-        if self.fleet is not None:
-            self._preempt(self.fleet.excess() - len(self.executor.preempted))
+    def after_dispatch(self) -> None:
+        fleet = self.worker.fleet
+        if fleet is not None:
+            self._preempt(fleet.excess() - len(self.worker.executor.preempted))
 
     def _preempt(self, count: int) -> None:
         """Abort the ``count`` newest running lines: interactive work needs their slots."""
@@ -137,20 +153,21 @@ class BatchPoolWorker(PoolWorker):
         # give back, and an abort of it would outlive it.
         victims = [
             work
-            for work in reversed(self.running.values())
-            if work.env.id in self.executor.live and work.env.id not in self.executor.preempted
+            for work in reversed(self.worker.runs.running.values())
+            if work.env.id in self.worker.executor.live
+            and work.env.id not in self.worker.executor.preempted
         ][:count]
         for work in victims:
-            self.executor.preempted.add(work.env.id)
-            metrics.FLEET_PREEMPTIONS.labels(self.settings.engine_id).inc()
-            task = asyncio.get_running_loop().create_task(self.executor.abort(work.env.id))
+            self.worker.executor.preempted.add(work.env.id)
+            metrics.FLEET_PREEMPTIONS.labels(self.worker.settings.engine_id).inc()
+            task = asyncio.get_running_loop().create_task(self.worker.executor.abort(work.env.id))
             self._aborting.add(task)
             task.add_done_callback(self._aborting.discard)
         if victims:
             log.info("shared engine: %d batch lines preempted for interactive work", len(victims))
 
-    async def _before_queue(self, work: Work) -> None:
-        if self.quota is not None:
+    async def before_queue(self, work: Work) -> None:
+        if self.worker.quota is not None:
             await self._admit(work.env)
 
     async def _admit(self, env: RequestEnvelope) -> None:
@@ -159,13 +176,13 @@ class BatchPoolWorker(PoolWorker):
         It waits before the line is queued, holding no engine slot: a throttled job stops
         fetching more work instead of failing lines; with Redis unreachable, batch pauses.
         """
-        assert self.quota is not None
+        assert self.worker.quota is not None
         amount = env.prompt_tokens + env.max_tokens
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
                 team = await self._team(env.team)
-                await self.quota.reserve(team, "batch", env.id, amount)
+                await self.worker.quota.reserve(team, "batch", env.id, amount)
             except QuotaExceeded as exc:
                 if await self._job_cancelled(env):
                     return  # dropped as cancelled when it would start; nothing reserved
@@ -183,17 +200,17 @@ class BatchPoolWorker(PoolWorker):
         if env.job_id is None:
             return False
         try:
-            cancelled = await self.intake.job_cancelled(env.job_id)
+            cancelled = await self.lines.job_cancelled(env.job_id)
         except (RedisError, OSError):
             return False
         if cancelled:
-            self.shield.cancel_job(env.job_id, env.team)
+            self.worker.shield.cancel_job(env.job_id, env.team)
         return cancelled
 
     async def _team(self, name: str) -> Team:
         team = self._teams.get(name)
         if team is None:
-            team = await get_team(self.redis, self.keys, name)
+            team = await get_team(self.worker.redis, self.worker.keys, name)
             self._teams.put(name, team)
         return team
 
@@ -209,7 +226,7 @@ class BatchPoolWorker(PoolWorker):
             await self._commit(only)
 
     async def _commit(self, only: set[TopicPartition] | None) -> None:
-        for tp, offset in self.offsets.committable(only).items():
+        for tp, offset in self.worker.offsets.committable(only).items():
             if tp in self._fenced:
                 continue
             try:
@@ -231,7 +248,7 @@ class BatchPoolWorker(PoolWorker):
                 log.warning("batch transaction aborted (will retry): %s", exc)
                 continue
             self.ledger.drop_below({tp: offset})
-            self.offsets.mark_committed({tp: offset})
+            self.worker.offsets.mark_committed({tp: offset})
 
     async def _replace_stuck(self, tp: TopicPartition) -> None:
         """Drop the producer of a transaction that does not end. The next commit starts a
@@ -250,12 +267,12 @@ class BatchPoolWorker(PoolWorker):
     async def _settle_cut_off(self, tp: TopicPartition) -> int:
         """After a cut-off transaction (its producer replaced, so it has ended): what it
         committed is out already and leaves the ledger; returns the offset committed."""
-        done: int | None = await self.consumer.committed(tp)
+        done: int | None = await self.worker.consumer.committed(tp)
         self._cut_off.discard(tp)
         if done is None:
             return -1
         self.ledger.drop_below({tp: done})
-        self.offsets.mark_committed({tp: done})
+        self.worker.offsets.mark_committed({tp: done})
         return done
 
     async def _lose(self, tp: TopicPartition) -> None:
@@ -264,18 +281,18 @@ class BatchPoolWorker(PoolWorker):
         of it until the group assigns it here again."""
         log.warning("partition %s:%d fenced by its new owner", tp.topic, tp.partition)
         self._fenced.add(tp)
-        self._forget({tp})
+        self.worker.runs.forget({tp})
         await self.txns.close([tp])
-        if tp in self.consumer.assignment():
-            self.consumer.pause(tp)
+        if tp in self.worker.consumer.assignment():
+            self.worker.consumer.pause(tp)
 
-    async def _assigned(self, partitions: set[TopicPartition]) -> None:
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
         """Fence any instance still writing for these partitions before running their lines:
         they stay paused until their producers started. Not in this callback: a producer's
         start can wait on a transaction its frozen predecessor left open, and the group's
         rebalance would wait with it."""
         self._fenced -= partitions
-        self.consumer.pause(*partitions)
+        self.worker.consumer.pause(*partitions)
         task = asyncio.get_running_loop().create_task(self._open_then_resume(partitions))
         self._aborting.add(task)
         task.add_done_callback(self._aborting.discard)
@@ -290,51 +307,50 @@ class BatchPoolWorker(PoolWorker):
                 # final: one fetched at the assignment may predate that transaction's commit,
                 # and its lines would run and be written again (aiokafka fetches offsets
                 # without KIP-447's require_stable). Seen in the chaos drill: one duplicate.
-                committed = {tp: await self.consumer.committed(tp) for tp in partitions}
+                committed = {tp: await self.worker.consumer.committed(tp) for tp in partitions}
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
                 await backoff.wait()
                 continue
             break
-        ready = [tp for tp in partitions if tp in self.consumer.assignment()]
+        ready = [tp for tp in partitions if tp in self.worker.consumer.assignment()]
         for tp in ready:
             done = committed.get(tp)
             if done is not None:
-                self.consumer.seek(tp, done)
+                self.worker.consumer.seek(tp, done)
         if ready and not self.yielding:
-            self.consumer.resume(*ready)
+            self.worker.consumer.resume(*ready)
 
-    async def _revoked(self, partitions: set[TopicPartition]) -> None:
-        await super()._revoked(partitions)
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        await self.commit(only=partitions)
+        self.worker.runs.forget(partitions)
         await self.txns.close(partitions)
 
-    def _forget(self, partitions: set[TopicPartition]) -> list[Work]:
-        gone = super()._forget(partitions)
+    def forgot(self, partitions: set[TopicPartition], gone: list[Work]) -> None:
         self.ledger.forget(partitions)
-        return gone
 
     # --- yielding to interactive work -------------------------------------------------------
 
-    async def _after_heartbeat(self) -> None:
+    async def after_beat(self) -> None:
         await self._yield_to_interactive()
         # Lines of a job cancelled after they were fetched: dropped when they would start.
-        for work in {w.env.job_id: w for w in self.queue if w.env.job_id}.values():
+        for work in {w.env.job_id: w for w in self.worker.queue if w.env.job_id}.values():
             await self._job_cancelled(work.env)
 
     async def _yield_to_interactive(self) -> None:
         backlog = await self._interactive_backlog()
-        should_yield = backlog > self.settings.batch_yield_backlog
+        should_yield = backlog > self.worker.settings.batch_yield_backlog
         if should_yield == self.yielding:
             return
         self.yielding = should_yield
-        assigned = list(self.consumer.assignment())
+        assigned = list(self.worker.consumer.assignment())
         if should_yield:
             log.info("interactive backlog %d: batch lane pauses", backlog)
-            self.consumer.pause(*assigned)
+            self.worker.consumer.pause(*assigned)
         else:
             log.info("interactive backlog gone: batch lane resumes")
             # Not a partition whose producer has not started yet, or that was fenced.
-            self.consumer.resume(
+            self.worker.consumer.resume(
                 *[tp for tp in assigned if self.txns.has(tp) and tp not in self._fenced]
             )
         metrics.BATCH_YIELDING.set(1 if should_yield else 0)
@@ -344,12 +360,14 @@ class BatchPoolWorker(PoolWorker):
         try:
             ids: list[Any] = []
             for pool in _INTERACTIVE_POOLS:
-                ids += await self.redis.zrangebyscore(
-                    self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
+                ids += await self.worker.redis.zrangebyscore(
+                    self.worker.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
                 )
             if not ids:
                 return 0
-            infos = await self.redis.mget([self.keys.worker_info(i.decode()) for i in ids])
+            infos = await self.worker.redis.mget(
+                [self.worker.keys.worker_info(i.decode()) for i in ids]
+            )
         except (RedisError, OSError):
             return 0
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)

@@ -1,0 +1,208 @@
+"""The work a worker holds past its dispatch queue, until each offset may be finished.
+
+Work is here while it runs on the engine, while it is served from another request's
+generation (type-through), or while its drop is reported. Each ends by reporting its
+outcome once, the lane told (``workers.lanes``), and then its offset is finished; only a
+stop past the grace period leaves an offset pending, so that the request runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from laneway.errors import Cancelled, Dropped
+from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent
+from workers.dispatch import DispatchQueue, Work
+from workers.execution import RequestExecutor
+from workers.lanes import Lane
+from workers.offsets import OffsetTracker
+from workers.reuse import Follower
+from workers.shield import CancelShield
+
+__all__ = ["Runs"]
+
+log = logging.getLogger(__name__)
+
+
+class Runs:
+    def __init__(
+        self,
+        executor: RequestExecutor,
+        shield: CancelShield,
+        queue: DispatchQueue,
+        offsets: OffsetTracker,
+        lane: Lane,
+        *,
+        engine_done: Callable[[], None],
+        wake: Callable[[], None],
+        room: asyncio.Event,
+    ) -> None:
+        self.executor = executor
+        self.shield = shield
+        self.queue = queue
+        self.offsets = offsets
+        self.lane = lane
+        self.engine_done = engine_done  # the dispatcher's: an engine slot is free again
+        self.wake = wake  # the dispatcher's: look at the queue again
+        self.room = room  # set when the worker may fetch again
+        self.running: dict[str, Work] = {}  # on the engine, oldest first
+        self.following: dict[str, Work] = {}  # served from another request's generation
+        # Started or dropped work until its offset may be finished; with the queue, what
+        # the worker holds (max_inflight bounds it).
+        self.tasks: dict[asyncio.Task[None], RequestEnvelope] = {}
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def start(self, work: Work) -> None:
+        """The dispatcher hands ``work`` to the engine."""
+        env = work.env
+        if env.reuse:
+            # An identical request started a moment ago (in this pass, say) is followed, not
+            # run again; else this one's output becomes reusable from now on.
+            follower = self.reusable(env)
+            if follower is not None:
+                self.engine_done()
+                self.follow(work, follower)
+                return
+            self.executor.reuse.begin(env)
+        self.running[env.id] = work
+        self._track(self._run(work), work, f"req-{env.id}")
+
+    def drop(self, work: Work, reason: Dropped) -> None:
+        """``work`` must not run: its outcome is reported with the reason."""
+        self._track(self._report_drop(work, reason), work, f"drop-{work.env.id}")
+        self.room.set()
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """Partitions taken away by a rebalance: their next owner re-runs what is pending
+        (waiting work included: it leaves the queue unstarted)."""
+        gone = self.queue.forget(partitions)
+        self.offsets.forget(partitions)
+        for work in gone:
+            self.executor.preemptions.pop(work.env.id, None)
+        self.lane.forgot(partitions, gone)
+        # What was queued left: room to fetch again (nothing running may set it).
+        self.room.set()
+        self.wake()
+
+    async def cancel(self, cancel: CancelRecord) -> None:
+        """A tombstone: work still queued leaves the queue; work running is aborted."""
+        waiting = self.queue.get(cancel.id) if self.shield.enabled else None
+        if waiting is not None and waiting.env.team == cancel.team:
+            self.queue.remove(cancel.id)
+            self.drop(waiting, Cancelled("cancelled before it started"))
+            return
+        rid = self.shield.cancel(cancel)
+        if rid is not None:
+            # A gone keystroke's client usually sent the next keystroke a moment before: it
+            # may type through this generation, so the abort waits for it, briefly.
+            await self.executor.abort(rid, hold=True)
+
+    def adopt(self, work: Work) -> bool:
+        """A record of a request already in hand (its partition went away and came back
+        while it ran, so it was fetched again): the run under way finishes it, as of this
+        tenure, instead of a second run of the same id."""
+        known = self.running.get(work.env.id) or self.following.get(work.env.id)
+        if known is None:
+            return False
+        known.tp, known.offset, known.epoch = work.tp, work.offset, work.epoch
+        return True
+
+    def reusable(self, env: RequestEnvelope) -> Follower | None:
+        """The generation ``env`` may be served from (type-through), if any."""
+        if not env.reuse or self.shield.verdict(env) is not None:
+            return None
+        return self.executor.reuse.match(env)
+
+    def follow(self, work: Work, follower: Follower) -> None:
+        # Known to the shield at once: a newer keystroke or a tombstone ends it like any other.
+        self.shield.started(work.env)
+        self.following[work.env.id] = work
+        self._track(self._serve(work, follower), work, f"reuse-{work.env.id}")
+
+    def _track(self, coro: Coroutine[Any, Any, None], work: Work, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks[task] = work.env
+        task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(task, None)
+        self.room.set()
+
+    async def _run(self, work: Work) -> None:
+        env = work.env
+        try:
+            try:
+                usage = await self.executor.run(env)
+            finally:
+                # The engine is done with it: its slot takes the next work while the usage
+                # event is still on its way to the broker.
+                self.running.pop(env.id, None)
+                self.engine_done()
+                self.room.set()
+            if usage is None:
+                self._again(work)
+                return  # its offset stays pending
+            self.lane.finished(work, usage)
+            await self.executor.delivered(env.id)
+        except asyncio.CancelledError:
+            # Shutdown past the grace period: leave the offset pending so it is re-run.
+            raise
+        except Exception:
+            # A reply or usage write failed after retries; the offset must still move on or
+            # the partition would stall. The ingress times the client out with a 504.
+            log.exception(
+                "request %s failed outside the engine",
+                env.id,
+                extra={"request_id": env.id, "team": env.team},
+            )
+        self.offsets.finish(work.tp, work.offset, work.epoch)
+
+    def _again(self, work: Work) -> None:
+        """``work`` left the engine to run again later (preempted: memory pressure, or a
+        shared engine's interactive work): first in line again with its offset pending, and
+        no start deadline (it started in time; that it waits again is the engine's doing,
+        not its client's)."""
+        if self.offsets.current(work.tp, work.epoch):
+            work.env = work.env.model_copy(update={"deadline_ts": None})
+            self.queue.push(work, front=True)
+        else:  # its partition went away meanwhile: the next owner runs it
+            self.executor.preemptions.pop(work.env.id, None)
+
+    async def _report_drop(self, work: Work, reason: Dropped) -> None:
+        try:
+            usage: UsageEvent = await self.executor.drop(work.env, reason)
+            self.lane.finished(work, usage)
+            await self.executor.delivered(work.env.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "dropped request %s could not be reported",
+                work.env.id,
+                extra={"request_id": work.env.id, "team": work.env.team},
+            )
+        self.offsets.finish(work.tp, work.offset, work.epoch)
+
+    async def _serve(self, work: Work, follower: Follower) -> None:
+        try:
+            try:
+                await self.executor.follow(follower)
+            finally:
+                self.following.pop(work.env.id, None)
+            await self.executor.delivered(work.env.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(
+                "reused request %s failed",
+                work.env.id,
+                extra={"request_id": work.env.id, "team": work.env.team},
+            )
+        self.offsets.finish(work.tp, work.offset, work.epoch)
