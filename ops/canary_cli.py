@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from typing import Any
 
 from laneway.canary import abort_canary, list_canaries, parse_steps, start_canary
-from laneway.clients import make_redis
-from laneway.settings import CommonSettings, load_settings
+from laneway.settings import CommonSettings
+from ops.with_redis import with_redis
 
 __all__ = ["add_canary_commands"]
-
-
-def _run(work: Any) -> int:
-    settings = load_settings(CommonSettings)
-
-    async def run() -> int:
-        redis = make_redis(settings)
-        try:
-            result: int = await work(settings, redis)
-            return result
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(run())
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -39,7 +24,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         return 0
 
-    return _run(start)
+    return with_redis(start)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -56,7 +41,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{line}  {now - c.since:.0f}s ago" + (f"  ({c.reason})" if c.reason else ""))
         return 0
 
-    return _run(status)
+    return with_redis(status)
 
 
 def cmd_abort(args: argparse.Namespace) -> int:
@@ -65,7 +50,7 @@ def cmd_abort(args: argparse.Namespace) -> int:
         print(f"canary {state.model} → {state.target} aborted: all traffic on {state.model}")
         return 0
 
-    return _run(abort)
+    return with_redis(abort)
 
 
 def add_canary_commands(sub: Any) -> None:

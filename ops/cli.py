@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
-from laneway.clients import kafka_auth, make_producer, make_redis
+from laneway.clients import kafka_auth, make_producer
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.logs import setup_logging
 from laneway.settings import CommonSettings, load_settings
@@ -24,33 +22,12 @@ from ops.local_stack import run_local_stack
 from ops.principals_cli import add_principal_commands
 from ops.settings import StackSettings
 from ops.shadow_cli import add_shadow_commands
+from ops.with_redis import with_redis
 from quota.teams import Team, set_team
 from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
 
 __all__ = ["main"]
-
-
-def _run_redis(command: Callable[[CommonSettings], Awaitable[int]]) -> int:
-    settings = load_settings(CommonSettings)
-
-    async def run() -> int:
-        return await command(settings)
-
-    return asyncio.run(run())
-
-
-def _with_redis(work: Callable[[CommonSettings, aioredis.Redis], Awaitable[int]]) -> int:
-    """Run ``work`` with the settings and a Redis client that is closed after it."""
-
-    async def run(settings: CommonSettings) -> int:
-        redis = make_redis(settings)
-        try:
-            return await work(settings, redis)
-        finally:
-            await redis.aclose()
-
-    return _run_redis(run)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -60,7 +37,7 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         print(key)
         return 0
 
-    return _with_redis(create)
+    return with_redis(create)
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
@@ -74,7 +51,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
             print(f"no API keys{who}", file=sys.stderr)
         return 0
 
-    return _with_redis(show)
+    return with_redis(show)
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
@@ -92,7 +69,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         print(f"revoked API key {record.id} of team {record.team or '(unknown)'!r}")
         return 0
 
-    return _with_redis(revoke)
+    return with_redis(revoke)
 
 
 def cmd_teams_set(args: argparse.Namespace) -> int:
@@ -105,12 +82,8 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
         type_through=args.type_through,
     )
 
-    async def store(settings: CommonSettings) -> int:
-        redis = make_redis(settings)
-        try:
-            await set_team(redis, settings.keys, team)
-        finally:
-            await redis.aclose()
+    async def store(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        await set_team(redis, settings.keys, team)
         print(
             f"team {team.name}: size {team.size}, complexity {team.complexity}, "
             f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens, "
@@ -118,7 +91,7 @@ def cmd_teams_set(args: argparse.Namespace) -> int:
         )
         return 0
 
-    return _run_redis(store)
+    return with_redis(store)
 
 
 def cmd_topics_create(args: argparse.Namespace) -> int:

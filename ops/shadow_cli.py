@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from typing import Any
 
-from laneway.clients import make_redis
 from laneway.errors import BadRequest
-from laneway.settings import CommonSettings, load_settings
+from laneway.settings import CommonSettings
 from laneway.shadow import (
     ShadowComparison,
     ShadowStats,
@@ -19,22 +17,9 @@ from laneway.shadow import (
     start_shadow,
     stop_shadow,
 )
+from ops.with_redis import with_redis
 
 __all__ = ["add_shadow_commands", "comparison_lines"]
-
-
-def _run(work: Any) -> int:
-    settings = load_settings(CommonSettings)
-
-    async def run() -> int:
-        redis = make_redis(settings)
-        try:
-            result: int = await work(settings, redis)
-            return result
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(run())
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -50,7 +35,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         return 0
 
-    return _run(start)
+    return with_redis(start)
 
 
 def _side(name: str, stats: ShadowStats | None) -> str:
@@ -103,7 +88,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print("\n".join(comparison_lines(comparison, now)))
         return 0
 
-    return _run(status)
+    return with_redis(status)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -112,7 +97,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"shadow {state.model} → {state.target} stopped: no more mirrors")
         return 0
 
-    return _run(stop)
+    return with_redis(stop)
 
 
 def add_shadow_commands(sub: Any) -> None:

@@ -6,17 +6,15 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import redis.asyncio as aioredis
 
 from ingress.settings import IngressSettings
 from laneway.canary import parse_steps
-from laneway.errors import ConfigError, LanewayError
+from laneway.errors import ConfigError
 from laneway.settings import load_settings
 from ops.devstack import port_in_use
 from ops.drills.canary import CanaryPlan, CanaryRun, run_canary
@@ -32,6 +30,7 @@ from ops.drills.memory import summary as memory_summary
 from ops.drills.memory import write_timeline as write_memory_timeline
 from ops.drills.memory_drive import run_memory
 from ops.drills.observe import StackObserver
+from ops.drills.preflight import check_ready, say
 from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.drills.topology import TopologyPlan
@@ -151,9 +150,9 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     out = Path(args.out or Path(stack.data_dir) / "drills" / f"surge-{stamp}.png")
-    _check_ready(url)
+    check_ready(url)
     total = plan.baseline_s + plan.surge_s + plan.after_s
-    _say(
+    say(
         f"surge drill: {plan.baseline_rps:g}/s for {plan.baseline_s:g} s, "
         f"{plan.baseline_rps * plan.factor:g}/s for {plan.surge_s:g} s, "
         f"{plan.baseline_rps:g}/s for {plan.after_s:g} s against {url} (about {total:.0f} s)"
@@ -175,7 +174,7 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
 
     title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
     rows = judge(run)
-    _say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
+    say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -217,8 +216,8 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     out = Path(args.out or Path(stack.data_dir) / "drills" / f"memory-{stamp}.png")
-    _check_ready(url)
-    _say(
+    check_ready(url)
+    say(
         f"memory drill against {url}: {plan.hi_rps:g} hi completions/s and {plan.lo_rps:g} lo "
         f"chats/s for {plan.baseline_s:g} s, then KV memory held at {plan.hold_share:.0%} for "
         f"{plan.hold_s:g} s, then {plan.after_s:g} s more; a batch job of {plan.batch_lines} "
@@ -231,7 +230,7 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
             # The stack `laneway up` runs: its Kafka on LANEWAY_KAFKA_PORT.
             local = stack.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{stack.kafka_port}"})
             return await run_memory(
-                plan, base_url=url, key=key, redis=redis, settings=local, say=_say
+                plan, base_url=url, key=key, redis=redis, settings=local, say=say
             )
         finally:
             await redis.aclose()
@@ -240,7 +239,7 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     rows = memory_judge(run)
     title = f"laneway memory drill {stamp}: KV memory held at {plan.hold_share:.0%}"
     path = write_memory_timeline(run, out, title)
-    _say(f"{memory_summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
+    say(f"{memory_summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -264,9 +263,9 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     out = Path(args.out or Path(stack.data_dir) / "drills" / f"canary-{stamp}.png")
-    _check_ready(url)
+    check_ready(url)
     need = 100 / plan.steps[0] * judged.canary_min_requests / plan.rps
-    _say(
+    say(
         f"canary drill against {url}: {plan.rps:g}/s over {plan.sessions} sessions; steps of "
         f"{judged.canary_window_s:g} s and ≥ {judged.canary_min_requests} canary requests "
         f"(the first step about {max(need, judged.canary_window_s):.0f} s)"
@@ -281,7 +280,7 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
                 key=key,
                 redis=redis,
                 settings=stack,
-                say=_say,
+                say=say,
             )
         finally:
             await redis.aclose()
@@ -290,7 +289,7 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
     rows = canary_judge(run)
     title = f"laneway canary drill {stamp}: {plan.model} → {plan.good_target} / {plan.bad_target}"
     path = write_canary_timeline(run, out, title)
-    _say(f"{canary_summary(run)}\n\n{canary_table(rows)}\n\ntimeline: {path}")
+    say(f"{canary_summary(run)}\n\n{canary_table(rows)}\n\ntimeline: {path}")
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -316,7 +315,7 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
             f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "
             "needs a directory of its own"
         )
-    _say(
+    say(
         f"chaos drill{' (short)' if args.short else ''}: about {plan.load_s:.0f} s of load "
         f"plus start-up and settling; topology on ports {topology.base_port}.."
         f"{topology.last_port}, data and logs in {data}. Workers run the simulated engine "
@@ -331,25 +330,8 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
         run = asyncio.run(run_chaos(plan, topology, data))
     finally:
         kafka_log.setLevel(level)
-    _say(f"{events_table(run.events)}\n\n{tally_table(run.tally)}")
+    say(f"{events_table(run.events)}\n\n{tally_table(run.tally)}")
     if problems := details(run.tally):
-        _say(f"\n{problems}")
-    _say(f"\nbatch job {run.job_id}; whole drill {run.seconds:.0f} s; logs in {data / 'logs'}")
+        say(f"\n{problems}")
+    say(f"\nbatch job {run.job_id}; whole drill {run.seconds:.0f} s; logs in {data / 'logs'}")
     return 0 if run.tally.target_met else 1
-
-
-def _say(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def _check_ready(url: str) -> None:
-    try:
-        response = httpx.get(f"{url}/readyz", timeout=5)
-    except httpx.HTTPError as exc:
-        raise LanewayError(
-            f"no laneway ingress answers at {url} ({exc}); start the stack with `laneway up` "
-            "(with the same LANEWAY_* ports) or pass --url"
-        ) from exc
-    if response.status_code != 200:
-        raise LanewayError(f"the stack at {url} is not ready: {response.text}")

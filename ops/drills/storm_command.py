@@ -16,6 +16,7 @@ from laneway.apikeys import lookup_team
 from laneway.errors import ConfigError, LanewayError
 from laneway.settings import load_settings
 from ops.drills.canary import table
+from ops.drills.preflight import check_ready, say
 from ops.drills.storm import StormPlan, StormRun, judge, run_storm, summary, write_timeline
 from ops.drills.surge import Verdict
 from ops.settings import StackSettings
@@ -48,8 +49,6 @@ def _address(url: str) -> tuple[str, int]:
 
 
 def cmd_drill_storm(args: argparse.Namespace) -> int:
-    # Imported here, as ops.drills.commands imports this module to register the command.
-    from ops.drills.commands import _check_ready, _say  # noqa: PLC0415
 
     key = args.key or os.environ.get("LANEWAY_API_KEY")
     if not key:
@@ -65,9 +64,9 @@ def cmd_drill_storm(args: argparse.Namespace) -> int:
     address = _address(url)
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     out = Path(args.out or Path(stack.data_dir) / "drills" / f"storm-{stamp}.png")
-    _check_ready(url)
+    check_ready(url)
     total = plan.warmup_s + 2 * plan.rounds * (plan.window_s + 4)
-    _say(
+    say(
         f"storm drill against {url}: {plan.typists} typists, {plan.rounds} calm and "
         f"{plan.rounds} storm windows of {plan.window_s:g} s (ABBA) after {plan.warmup_s:g} s "
         f"of warm-up (about {total:.0f} s)"
@@ -81,7 +80,7 @@ def cmd_drill_storm(args: argparse.Namespace) -> int:
             await redis.aclose()
         if team is None:
             raise LanewayError("the API key is not known to this stack (`laneway keys create`)")
-        return await run_storm(plan, address=address, key=key, team=team, settings=stack, say=_say)
+        return await run_storm(plan, address=address, key=key, team=team, settings=stack, say=say)
 
     run = asyncio.run(drive())
     rows: list[Verdict] = judge(run)
@@ -89,5 +88,5 @@ def cmd_drill_storm(args: argparse.Namespace) -> int:
         f"laneway storm drill {stamp}: {plan.typists} typists, ABBA windows of {plan.window_s:g} s"
     )
     path = write_timeline(run, out, title)
-    _say(f"{summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
+    say(f"{summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
     return 0 if all(r.ok for r in rows) else 1
