@@ -21,6 +21,7 @@ from selenium.common.exceptions import (
     NoSuchElementException,
     StaleElementReferenceException,
     TimeoutException,
+    WebDriverException,
 )
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.ui import WebDriverWait
@@ -81,10 +82,17 @@ def _wait(driver: Any, condition: Callable[[Any], Any], within_s: float, what: s
 
 
 def _cell(driver: Any, css: str) -> str | None:
+    """The element's text, or None while it is not there (the page redraws it: the wait
+    that calls this reads it again)."""
     try:
         return str(driver.find_element("css selector", css).text)
     except (NoSuchElementException, StaleElementReferenceException):
         return None
+    except WebDriverException as exc:
+        # chromedriver's own word for an element replaced between finding and reading it.
+        if "does not belong to the document" in str(exc):
+            return None
+        raise
 
 
 async def test_an_operator_logs_in_watches_usage_changes_a_team_and_revokes_a_key(
