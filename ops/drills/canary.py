@@ -292,7 +292,7 @@ def summary(run: CanaryRun) -> str:
 
 def write_timeline(run: CanaryRun, path: Path, title: str) -> Path:
     """Canary weight, request rate and error rate per route over time (PNG)."""
-    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import finish_figure, pyplot  # noqa: PLC0415 - matplotlib is optional
 
     plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)
@@ -323,12 +323,4 @@ def write_timeline(run: CanaryRun, path: Path, title: str) -> Path:
     axes[1].set_ylabel("requests/s")
     axes[2].set_ylabel("error share")
     axes[2].set_xlabel("seconds since the drill began")
-    for ax in axes:
-        ax.legend(loc="upper left", fontsize=7)
-        ax.grid(alpha=0.3)
-    axes[0].set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, axes, title, path)

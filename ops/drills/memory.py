@@ -348,7 +348,7 @@ def summary(run: MemoryRun) -> str:
 
 def write_timeline(run: MemoryRun, path: Path, title: str) -> Path:
     """Draw ``run`` into ``path`` (PNG): KV usage, requests/s, hi P99, shed and waiting work."""
-    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import finish_figure, or_nan, pyplot  # noqa: PLC0415 - matplotlib is optional
 
     plt = pyplot()
     plan, samples = run.plan, run.samples
@@ -387,26 +387,15 @@ def write_timeline(run: MemoryRun, path: Path, title: str) -> Path:
                      label=f"{pool}: waiting in the worker")  # fmt: skip
     axes[3].set_ylabel("requests")
     done = axes[3].twinx()  # hundreds of lines beside a handful shed
-    done.plot(times, [_or_nan(s.batch_done) for s in samples], color="purple",
+    done.plot(times, [or_nan(s.batch_done) for s in samples], color="purple",
               label="batch lines done (right)")  # fmt: skip
     done.set_ylabel("lines done")
     done.legend(loc="lower right", fontsize=7)
     axes[3].set_xlabel("seconds since the drill began")
     for ax in axes:
         ax.axvspan(plan.hold_start, plan.hold_end, color="red", alpha=0.08)
-        ax.legend(loc="upper left", fontsize=7)
-        ax.grid(alpha=0.3)
-    axes[0].set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, axes, title, path)
 
 
 def _pct(value: float | None) -> float:
     return math.nan if value is None else value * 100
-
-
-def _or_nan(value: int | None) -> float:
-    return math.nan if value is None else float(value)

@@ -238,7 +238,7 @@ def _span(values: Sequence[float]) -> str:
 
 def write_timeline(run: StormRun, path: Path, title: str) -> Path:
     """Completions per second by outcome, kept latency, engine time useful and stale (PNG)."""
-    from ops.drills.timeline import pyplot  # noqa: PLC0415 - matplotlib is optional
+    from ops.drills.timeline import finish_figure, pyplot  # noqa: PLC0415 - matplotlib is optional
 
     plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True, dpi=80)
@@ -283,11 +283,4 @@ def write_timeline(run: StormRun, path: Path, title: str) -> Path:
     for ax in axes:
         for w in run.phase("storm"):
             ax.axvspan(w.start - began, w.end - began, color="orange", alpha=0.12)
-        ax.legend(loc="upper left", fontsize=7)
-        ax.grid(alpha=0.3)
-    axes[0].set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, axes, title, path)

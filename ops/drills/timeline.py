@@ -10,7 +10,7 @@ from typing import Any
 from laneway.errors import ConfigError
 from ops.drills.surge import WINDOW_S, SurgeRun, baseline_p99, window_p99s
 
-__all__ = ["pyplot", "write_timeline"]
+__all__ = ["finish_figure", "or_nan", "pyplot", "write_timeline"]
 
 
 def pyplot() -> Any:
@@ -65,7 +65,7 @@ def write_timeline(run: SurgeRun, path: Path, title: str) -> Path:
     axes[2].plot(times, series("completion", "queued"), label="completion queued")
     axes[2].set_ylabel("records")
     axes[3].step(times, series("completion", "desired"), where="post", label="completion: signal")
-    axes[3].step(times, [_or_nan(s.members.get("completion")) for s in samples], where="post",
+    axes[3].step(times, [or_nan(s.members.get("completion")) for s in samples], where="post",
                  label="completion: group members")  # fmt: skip
     axes[3].step(times, series("chat", "desired"), where="post", label="chat: signal")
     axes[3].step(times, series("batch", "desired"), where="post", label="batch: signal",
@@ -74,15 +74,21 @@ def write_timeline(run: SurgeRun, path: Path, title: str) -> Path:
     axes[3].set_xlabel("seconds since the drill began")
     for ax in axes:
         ax.axvspan(plan.surge_start, plan.surge_end, color="orange", alpha=0.12)
+    return finish_figure(fig, axes, title, path)
+
+
+def finish_figure(fig: Any, axes: Any, title: str, path: Path) -> Path:
+    """Every drill timeline's last touches: legends, grid, title, the PNG written."""
+    for ax in axes:
         ax.legend(loc="upper left", fontsize=7)
         ax.grid(alpha=0.3)
     axes[0].set_title(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
-def _or_nan(value: int | None) -> float:
+def or_nan(value: int | None) -> float:
     return math.nan if value is None else float(value)
