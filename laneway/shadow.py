@@ -37,6 +37,7 @@ __all__ = [
     "mirrored",
     "parse_share",
     "shadow_envelope",
+    "shadow_id",
     "start_shadow",
     "stop_shadow",
 ]
@@ -96,6 +97,12 @@ def mirrored(state: ShadowState | None, team: str, sticky: str) -> bool:
     if state is None or state.status != "running":
         return False
     return bucket(team, sticky) < state.share * 100
+
+
+def shadow_id(request_id: str) -> str | None:
+    """The id of ``request_id``'s mirror (None for a mirror's own id): a primary's tombstone
+    ends its mirror too, wherever the mirror is, queued or running."""
+    return None if request_id.endswith(SHADOW_ID_SUFFIX) else request_id + SHADOW_ID_SUFFIX
 
 
 def shadow_envelope(env: RequestEnvelope, target: str) -> RequestEnvelope:

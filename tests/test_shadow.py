@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from laneway.canary import bucket
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest
-from laneway.schema import RequestEnvelope
+from laneway.schema import CancelRecord, RequestEnvelope
 from laneway.shadow import (
     ShadowState,
     get_comparison,
@@ -32,6 +32,7 @@ from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
 from streams.shadow import ShadowWatch
 from tests.stack import LiveStack, envelope, eventually
+from tests.test_cancel_shield import STEP_MS, _send, _usage
 from tests.test_streams_logic import _Table
 from tests.test_streams_process import usage_event
 
@@ -176,6 +177,35 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
     for copy in copies:
         if copy["id"] in shadows:
             assert (copy["reply_to"], copy["shadow"], copy["route"]) == (None, True, SHADOW)
+
+
+async def test_a_primarys_tombstone_ends_its_copy_queued_or_running(stack: LiveStack) -> None:
+    # A client that leaves (or DELETEs) cancels its request; the copy has an id of its own
+    # that no client knows, so the primary's tombstone must end it too.
+    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    running, forged, queued = (
+        envelope(reply_to=f"{stack.prefix}:reply:test", max_tokens=128, prompt=p)
+        for p in ("running", "forged", "queued")
+    )
+    copies = {e.id: shadow_envelope(e, SHADOW).id for e in (running, forged, queued)}
+    await _send(stack, running, shadow_envelope(running, SHADOW))
+    await _send(stack, forged, shadow_envelope(forged, SHADOW))
+    await asyncio.sleep(0.5)  # let them run for a while
+    await _send(
+        stack,
+        CancelRecord(id=running.id, team=running.team),
+        CancelRecord(id=forged.id, team="team-b"),  # another team's tombstone ends nothing
+        CancelRecord(id=queued.id, team=queued.team),
+        queued,
+        shadow_envelope(queued, SHADOW),
+    )
+
+    usage = await _usage(stack, *copies, *copies.values())
+    for rid in (running.id, queued.id):
+        assert usage[copies[rid]]["status"] == "cancelled", usage[copies[rid]]
+        assert usage[copies[rid]]["completion_tokens"] < 128
+    assert usage[copies[forged.id]]["status"] == "ok"
+    assert usage[forged.id]["status"] == "ok"
 
 
 def _shadow_count(outcome: str) -> float:

@@ -17,6 +17,7 @@ from aiokafka import TopicPartition
 
 from laneway.errors import Cancelled, Dropped
 from laneway.schema import CancelRecord, RequestEnvelope, UsageEvent
+from laneway.shadow import shadow_id
 from workers.dispatch import DispatchQueue, Work
 from workers.execution import RequestExecutor
 from workers.lanes import Lane
@@ -92,7 +93,14 @@ class Runs:
         self.wake()
 
     async def cancel(self, cancel: CancelRecord) -> None:
-        """A tombstone: work still queued leaves the queue; work running is aborted."""
+        """A tombstone: work still queued leaves the queue; work running is aborted. It ends
+        the request's shadow copy too (``laneway.shadow``), which nobody else can cancel."""
+        await self._cancel(cancel, hold=True)
+        mirror = shadow_id(cancel.id)
+        if mirror is not None:
+            await self._cancel(cancel.model_copy(update={"id": mirror}), hold=False)
+
+    async def _cancel(self, cancel: CancelRecord, *, hold: bool) -> None:
         waiting = self.queue.get(cancel.id) if self.shield.enabled else None
         if waiting is not None and waiting.env.team == cancel.team:
             self.queue.remove(cancel.id)
@@ -101,8 +109,9 @@ class Runs:
         rid = self.shield.cancel(cancel)
         if rid is not None:
             # A gone keystroke's client usually sent the next keystroke a moment before: it
-            # may type through this generation, so the abort waits for it, briefly.
-            await self.executor.abort(rid, hold=True)
+            # may type through this generation, so the abort waits for it, briefly (a
+            # shadow copy serves no type-through: it stops at once).
+            await self.executor.abort(rid, hold=hold)
 
     def adopt(self, work: Work) -> bool:
         """A record of a request already in hand (its partition went away and came back
