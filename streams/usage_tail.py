@@ -24,7 +24,7 @@ from laneway.settings import CommonSettings, load_settings
 __all__ = ["add_usage_commands", "tail_usage"]
 
 _USAGE_COLUMNS = (
-    ("ts", 8), ("team", 12), ("class", 10), ("model", 14), ("route", 18), ("status", 10),
+    ("ts", 8), ("team", 12), ("class", 10), ("model", 14), ("route", 18), ("status", 17),
     ("prompt_tokens", 7), ("completion_tokens", 7), ("total_ms", 8),
 )  # fmt: skip
 _HOURLY_COLUMNS = (
@@ -43,6 +43,8 @@ def _cell(record: dict[str, Any], name: str) -> str:
         state = "final" if record.get("final", True) else "open"
         revision = record.get("revision")
         return f"{state} r{revision}" if isinstance(revision, int) else state
+    if name == "status" and record.get("shadow"):  # a mirror, not billed (docs/shadow.md)
+        return f"shadow {record.get('status')}"
     if name == "ts":
         return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
     value = (record.get("latency_ms") or {}).get("p99") if name == "p99_ms" else record.get(name)

@@ -16,6 +16,7 @@ from tests.test_streams_process import produce_usage, usage_event
 async def test_tail_filters_by_team_as_json_and_table(stack: LiveStack) -> None:
     producer = await stack.producer()
     events = [usage_event(team=team, ts=time.time()) for team in ("a", "b", "a", "c", "a")]
+    events.append(usage_event(team="d", status="cancelled", shadow=True))
     await produce_usage(producer, stack.topics.usage, events)
     await producer.send_and_wait(stack.topics.usage, b"garbage", key=b"a")
     settings = CommonSettings(**stack.common)
@@ -34,6 +35,10 @@ async def test_tail_filters_by_team_as_json_and_table(stack: LiveStack) -> None:
     header, row = table.getvalue().splitlines()
     assert header.split()[:3] == ["ts", "team", "class"]
     assert row.split()[1:4] == ["b", "completion", "laneway-code"]
+    # A shadow copy's event says so: it is not billed, and its status is the mirror's.
+    table = io.StringIO()
+    await tail_usage(settings, team="d", from_beginning=True, limit=1, out=table)
+    assert table.getvalue().splitlines()[1].split()[5:7] == ["shadow", "cancelled"]
 
 
 async def test_tail_follows_hourly_rollups(stack: LiveStack) -> None:
