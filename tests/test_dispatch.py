@@ -71,6 +71,21 @@ def test_expired_work_leaves_by_its_deadline() -> None:
     assert [w.env.id for w in queue] == [later.env.id]
 
 
+def test_work_queued_again_without_its_deadline_is_not_expired_by_its_first_wait() -> None:
+    # A request shed by memory pressure after it started is queued again under its id, with
+    # no start deadline (it met it); the deadline of its first wait no longer applies.
+    now = time.time()
+    queue = DispatchQueue()
+    shed = _work(0, band="lo", deadline_ts=now + 1)
+    queue.push(shed)
+    assert queue.pop() is shed  # it starts, and is shed later
+    again = Work(shed.tp, shed.offset, shed.env.model_copy(update={"deadline_ts": None}))
+    queue.push(again, front=True)
+    assert queue.next_deadline() is None
+    assert queue.expired(now + 2) == []
+    assert queue.pop() is again
+
+
 def test_dispatcher_starts_no_more_than_capacity_and_asks_the_shield_at_start() -> None:
     queue = DispatchQueue()
     started: list[Work] = []

@@ -119,16 +119,23 @@ class DispatchQueue:
         """Remove and return the work whose deadline passed by ``now`` (epoch seconds)."""
         out: list[Work] = []
         while self._deadlines and self._deadlines[0][0] < now:
-            _, _, rid = heapq.heappop(self._deadlines)
-            work = self._work.pop(rid, None)
-            if work is not None:
-                out.append(work)
+            entry = heapq.heappop(self._deadlines)
+            if self._holds(entry):
+                out.append(self._work.pop(entry[2]))
         return out
 
     def next_deadline(self) -> float | None:
-        while self._deadlines and self._deadlines[0][2] not in self._work:
+        while self._deadlines and not self._holds(self._deadlines[0]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
+
+    def _holds(self, entry: tuple[float, int, str]) -> bool:
+        """Whether a deadline entry is still that of the work queued under its id: a request
+        queued again (preempted) is the same id without its start deadline, and the entry of
+        its first wait must not expire it."""
+        deadline, _, rid = entry
+        work = self._work.get(rid)
+        return work is not None and work.env.deadline_ts == deadline
 
     def forget(self, partitions: set[TopicPartition]) -> list[Work]:
         """Remove and return the work of partitions taken away (their next owner runs it)."""
