@@ -12,12 +12,16 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from laneway.batch import BatchClient
+from laneway.constants import RedisKeys
 from laneway.errors import Aborted
 from laneway.schema import RequestEnvelope
+from laneway.settings import CommonSettings
 from tests.stack import LiveStack, envelope, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.memory import PressureGauge, sheddable
+from workers.pool import PoolWorker
 from workers.settings import WorkerSettings
 from workers.sim import SimEngine, SimProfile
 from workers.types import EngineRequest
@@ -146,8 +150,6 @@ async def test_lo_band_work_is_shed_under_pressure_and_finished_after(stack: Liv
         memory_check_ms=20,
         memory_cooldown_s=0.2,
     )
-    engine = worker.engine
-    assert isinstance(engine, SimEngine)
     http = stack.http(ingress, await stack.api_key("ide", size=1000))
     lo_prompts = _long_prompts(6, 40)
     hi_prompts = _long_prompts(9, 40)[6:]
@@ -160,7 +162,7 @@ async def test_lo_band_work_is_shed_under_pressure_and_finished_after(stack: Liv
         lambda: len(worker.executor.live) == len(lo_prompts), 20, "the lo work on the engine"
     )
 
-    engine.hold_kv(0.95)  # simulated: memory held by something else
+    await _hold(stack, 0.95, worker)  # simulated: memory held by something else
     await eventually(lambda: not worker.running, 10, "every lo request shed")
     assert worker.memory.pressed
     assert len(worker.queue) == len(lo_prompts)  # waiting to run again, none lost
@@ -170,7 +172,8 @@ async def test_lo_band_work_is_shed_under_pressure_and_finished_after(stack: Liv
     assert [text for _, text in hi] == [_expected_text(p) for p in hi_prompts]
 
     await eventually(lambda: time.time() > sent + deadline_s, 30, "the lo deadlines to pass")
-    engine.hold_kv(0.0)
+    assert worker.memory.pressed  # held past the deadlines
+    await _hold(stack, 0.0, worker)
     answers = await asyncio.gather(*lo)
     # Every client got its whole answer once: a streamed re-run repeats what was already
     # sent, and the ingress passes on only what is new.
@@ -240,3 +243,77 @@ async def test_an_upstreams_kv_cache_usage_is_read_from_its_metrics(tmp_path: Pa
             await engine.stop()
     finally:
         upstream.stop()
+
+
+async def test_a_shared_engine_sheds_its_lo_band_only_once_no_batch_runs_on_it(
+    stack: LiveStack,
+) -> None:
+    # Two pools declared as one engine (LANEWAY_ENGINE_ID): under pressure batch makes way
+    # first. Each worker's simulated engine stands in for the shared one; one hold presses
+    # both at once, as one engine's full KV cache would.
+    ingress = await stack.start_ingress()
+    shared: dict[str, Any] = {
+        "engine_id": "gpu-shared",
+        "sim_decode_ms_per_step": 100.0,
+        "memory_check_ms": 20,
+        "memory_cooldown_s": 0.2,
+    }
+    completion = await stack.start_worker("completion", **shared)
+    batch = await stack.start_worker("batch", **shared)
+    fleet = completion.fleet
+    assert fleet is not None
+    http = stack.http(ingress, await stack.api_key("ide", size=1000))
+    lines = [_batch_line(i) for i in range(8)]
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit(lines, team="team-a")
+        await eventually(lambda: fleet.running()["batch"] >= 4, 20, "batch seen on the engine")
+        lo_prompts = _long_prompts(2, 40)
+        lo = [asyncio.create_task(_complete(http, p, "lo", stream=False)) for p in lo_prompts]
+        await eventually(lambda: len(completion.executor.live) == 2, 20, "the lo work running")
+
+        # Watch each side's work on the engine as the pressure comes: (batch live, lo shed).
+        seen: list[tuple[int, int]] = []
+
+        async def watch() -> None:
+            while True:
+                seen.append((len(batch.executor.live), completion.memory.shed_total))
+                await asyncio.sleep(0.005)
+
+        watching = asyncio.create_task(watch())
+        await _hold(stack, 0.95, completion, batch)
+        await eventually(lambda: completion.memory.shed_total == 2, 20, "the lo band shed")
+        watching.cancel()
+        assert seen[0][0] > 0  # batch ran when the pressure came
+        first_lo_shed = next(s for s in seen if s[1] > 0)
+        assert first_lo_shed[0] == 0, seen  # and the lo band went only once it had gone
+        assert batch.memory.shed_total > 0
+
+        await _hold(stack, 0.0, completion, batch)
+        answers = await asyncio.gather(*lo)
+        assert [text for _, text in answers] == [_expected_text(p) for p in lo_prompts]
+        status = await _job_done(client, job, len(lines))
+    assert (status.done, status.ok, status.duplicates) == (len(lines), len(lines), 0)
+
+
+async def _hold(stack: LiveStack, share: float, *workers: PoolWorker) -> None:
+    """The drill's simulated hold of KV memory, taken by every worker at once: in Redis (what
+    each worker reads again at its beat) and on each engine now (not at the next beat)."""
+    await stack.redis.set(RedisKeys(stack.prefix).sim_kv_hold(), str(share), ex=300)
+    for worker in workers:
+        engine = worker.engine
+        assert isinstance(engine, SimEngine)
+        engine.hold_kv(share)
+
+
+def _batch_line(i: int) -> str:
+    body = {"model": "laneway-code", "prompt": f"def doc_{i}():", "max_tokens": 128}
+    line = {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/completions", "body": body}
+    return orjson.dumps(line).decode()
+
+
+async def _job_done(client: BatchClient, job: str, lines: int) -> Any:
+    async def done() -> bool:
+        return (await client.status(job)).done == lines
+
+    await eventually(done, 120, f"job {job}'s {lines} lines")
+    return await client.status(job)
