@@ -100,12 +100,12 @@ async def test_cancel_racing_its_request_never_runs_past_one_step(
 
 
 async def test_running_request_is_aborted_by_supersession(stack: LiveStack) -> None:
-    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    worker = await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
     old = _envelope(
         stack, session="doc-9", seq=1, affinity="s:doc-9", max_tokens=128, prompt="a" * 5
     )
     await _send(stack, old)
-    await asyncio.sleep(0.3)  # let it run for a while
+    await eventually(lambda: old.id in worker.executor.live, 20, "the old keystroke running")
     new = _envelope(stack, session="doc-9", seq=2, affinity="s:doc-9", max_tokens=4)
     await _send(stack, new)
     usage = await _usage(stack, old.id, new.id)

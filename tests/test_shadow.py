@@ -182,7 +182,7 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
 async def test_a_primarys_tombstone_ends_its_copy_queued_or_running(stack: LiveStack) -> None:
     # A client that leaves (or DELETEs) cancels its request; the copy has an id of its own
     # that no client knows, so the primary's tombstone must end it too.
-    await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
+    worker = await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
     running, forged, queued = (
         envelope(reply_to=f"{stack.prefix}:reply:test", max_tokens=128, prompt=p)
         for p in ("running", "forged", "queued")
@@ -190,7 +190,11 @@ async def test_a_primarys_tombstone_ends_its_copy_queued_or_running(stack: LiveS
     copies = {e.id: shadow_envelope(e, SHADOW).id for e in (running, forged, queued)}
     await _send(stack, running, shadow_envelope(running, SHADOW))
     await _send(stack, forged, shadow_envelope(forged, SHADOW))
-    await asyncio.sleep(0.5)  # let them run for a while
+    await eventually(
+        lambda: {copies[running.id], copies[forged.id]} <= set(worker.executor.live),
+        20,
+        "both copies running",
+    )
     await _send(
         stack,
         CancelRecord(id=running.id, team=running.team),
