@@ -408,11 +408,16 @@ def long_prompt(
     min_tokens: int, *, route: str = "laneway-code", max_tokens: int = 128, chat: bool = False
 ) -> str:
     """A prompt whose deterministic sim answer has at least ``min_tokens`` tokens."""
-    sim = SimEngine()
     for i in range(1000):
         prompt = f"def handler_{i}(request):"
         text = f"user: {prompt}\nassistant: " if chat else prompt
-        request = EngineRequest(id="probe", route=route, prompt=text, max_tokens=max_tokens)
-        if len(sim._completion_words(request)) >= min_tokens:
+        if sim_answer_tokens(text, route=route, max_tokens=max_tokens) >= min_tokens:
             return prompt
     raise ValueError(f"no prompt with a {min_tokens}-token answer")
+
+
+def sim_answer_tokens(prompt: str, *, route: str = "laneway-code", max_tokens: int = 128) -> int:
+    """How many tokens the simulated engine answers ``prompt`` with, run to its end: a
+    request stopped early got fewer."""
+    request = EngineRequest(id="probe", route=route, prompt=prompt, max_tokens=max_tokens)
+    return len(SimEngine()._completion_words(request))

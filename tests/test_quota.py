@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import subprocess
 import time
@@ -274,14 +275,21 @@ async def test_headers_and_429(stack: LiveStack) -> None:
     assert int(first.headers["x-ratelimit-limit-tokens"]) == 100
     assert int(first.headers["x-ratelimit-remaining-tokens"]) == 60
     assert first.headers["x-ratelimit-reset-tokens"].endswith("s")
+    # Settled to the real count, not the reservation: the hour's counter holds what was used
+    # and no reservation is left.
     used = first.json()["usage"]["total_tokens"]
+    assert used < 40
+    team = Team("tiny", size=1)
+    snapshot = functools.partial(ingress.state.quota.enforcer.snapshot, team)
+    await wait_for_budget_used(snapshot, used)
+    pool = (await snapshot())["pools"]["interactive"]
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (used, 0)
     statuses = [(await http.post("/v1/completions", json=body)).status_code for _ in range(4)]
     assert 429 in statuses
     refused = await http.post("/v1/completions", json=body)
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"
-    assert used < 40  # settled to the real count, not the reservation
 
 
 async def test_ingress_admits_from_a_lease_and_gives_back_the_rest(stack: LiveStack) -> None:
