@@ -75,9 +75,12 @@ def test_breaker_enters_at_once_and_leaves_one_level_per_cooldown() -> None:
     state = next_state(state, 200, 20, 30.0, POLICY)
     assert state.level == 2
     assert state.calm_since is None
-    for t in (31.0, 41.0, 51.0):
+    # Calm from 31 s on: one level per whole cool-down, each step starting the next one.
+    levels = []
+    for t in (31.0, 40.0, 41.0, 42.0, 50.0, 51.0):
         state = next_state(state, 200, 2, t, POLICY)
-    assert state.level == 0 or state.level == 1
+        levels.append(state.level)
+    assert levels == [2, 2, 1, 1, 1, 0]
     state = next_state(state, 0, 0, 70.0, POLICY)  # no traffic: calm
     state = next_state(state, 0, 0, 80.0, POLICY)
     assert state.level == 0

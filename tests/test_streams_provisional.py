@@ -65,9 +65,21 @@ async def test_traffic_is_on_the_hourly_topic_within_30s_then_its_hour_closes(
         assert final["requests"] == 3
         assert final["revision"] > provisional["revision"]
         assert final["completion_tokens"] == provisional["completion_tokens"]
-        # Nothing provisional of that hour after its final record.
+        # Nothing provisional of that hour after its final record, up to a marker: a later
+        # provisional record of the next hour (a flush at least one period after the final).
+        again = usage_event(team="team-live", ts=hour_start + 3600 + 62)
+        await produce_usage(producer, stack.topics.usage, [again])
+
+        async def next_hour_of_two() -> bool:
+            return any(
+                r["hour_start"] == hour_start + 3600 and r["requests"] == 2
+                for r in await _hourly(stack, "team-live")
+            )
+
+        await eventually(next_hour_of_two, 60, "the next hour's record of two events")
         records = [r for r in await _hourly(stack, "team-live") if r["hour_start"] == hour_start]
         assert records[-1]["final"] is True
+        assert sum(r["final"] for r in records) == 1
     finally:
         code = await streams.stop()
     assert code == 0, streams.log()

@@ -336,6 +336,12 @@ def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
     assert env["worker-batch"]["LANEWAY_MAX_INFLIGHT"] == "7"  # service settings pass through
 
 
+def _watch_ended(supervisor: Supervisor, name: str) -> bool:
+    """Whether every watcher of ``name`` returned (a restart would have kept one waiting)."""
+    watchers = [t for t in supervisor._watchers if t.get_name() == name]
+    return bool(watchers) and all(t.done() for t in watchers)
+
+
 async def test_a_standby_process_runs_only_between_activate_and_park(tmp_path: Path) -> None:
     base, extra = _python("base", SLEEPER, tmp_path), _python("extra", SLEEPER, tmp_path)
     supervisor = Supervisor([base, extra], FAST, standby=["extra"])
@@ -350,8 +356,10 @@ async def test_a_standby_process_runs_only_between_activate_and_park(tmp_path: P
         pid = extra.pid
         assert await supervisor.park("extra")
         assert _gone(pid)
+        # A parked process is not restarted: its watcher saw the exit and let it be.
+        await eventually(lambda: _watch_ended(supervisor, "extra"), 10, "the watcher to end")
         assert not supervisor.is_up("extra")
-        assert supervisor.restarts("extra") == 0  # a parked process is not restarted
+        assert supervisor.restarts("extra") == 0
         assert not await supervisor.park("extra")
     finally:
         supervisor.request_stop()
