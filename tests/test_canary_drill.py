@@ -41,7 +41,7 @@ def test_a_walk_a_rollback_and_sticky_sessions_pass() -> None:
     _healthy(run)
     _faulty(run, rolled_back=True)
     rows = judge(run)
-    assert [r.ok for r in rows] == [True] * len(rows), rows
+    assert [r.ok for r in rows] == [True] * 5, rows
     assert "1 → 5 → promoted" in rows[0].measured
 
 
@@ -53,6 +53,24 @@ def test_a_mid_step_flip_and_a_faulty_canary_promoted_fail() -> None:
     assert failed == {
         "no session changes route mid-step (healthy)",
         "a faulty canary is rolled back within one window",
+    }
+
+
+def test_a_walk_never_promoted_a_failed_request_and_a_faulty_mid_step_flip_fail() -> None:
+    run = CanaryRun(PLAN)
+    _healthy(run)
+    run.phases[0].samples.pop()  # it walked 1 → 5 and was never promoted
+    run.sent.append(Sent(5.0, "healthy", "c", 500, "c1", "laneway-code"))
+    _faulty(run, rolled_back=True)
+    run.sent += [  # no step change of the faulty canary between 45 and 50 s
+        Sent(45.0, "faulty", "d", 200, "d1", "laneway-code"),
+        Sent(50.0, "faulty", "d", 200, "d2", "laneway-code-bad"),
+    ]
+    failed = {r.check for r in judge(run) if not r.ok}
+    assert failed == {
+        "a healthy canary walks its steps",
+        "the healthy phase fails no request",
+        "no session changes route mid-step (faulty)",
     }
 
 

@@ -92,6 +92,22 @@ def test_a_lost_line_a_slow_hi_band_and_a_low_hold_fail() -> None:
     }
 
 
+def test_a_shed_hi_completion_a_lost_chat_and_an_unshed_lo_band_fail() -> None:
+    run = _run()
+    run.usage = [e for e in run.usage if e["id"] != "lo-3"]  # the chat held back: lost
+    for event in run.usage:
+        if event["id"] == "hi-7":
+            event["preempted"] = 1
+        if event["id"] == "lo-1":
+            event["preempted"] = 0  # and nothing of the lo band was aborted
+    failed = {r.check for r in judge(run) if not r.ok}
+    assert failed == {
+        "hi band never shed",
+        "lo band shed under pressure",
+        "lo band finished later, 0 lost",
+    }
+
+
 def test_work_that_ran_while_held_is_not_shed() -> None:
     run = _run()
     for event in run.usage:
@@ -161,6 +177,9 @@ async def test_a_short_drill_sheds_and_finishes_everything(stack: LiveStack) -> 
         settings=CommonSettings(**stack.common),
         say=lambda _line: None,
     )
+    # Judged on the usage events of every request it sent, none missing.
+    sent = {o.request_id for o in run.hi + run.lo}
+    assert sent <= {e["id"] for e in run.usage}
     rows = {r.check: r for r in judge(run)}
     # Everything but the P99 ratio, a measurement this noisy machine reports in the docs.
     for check in (
