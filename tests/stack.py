@@ -28,7 +28,7 @@ from ingress import create_app
 from ingress.settings import IngressSettings
 from laneway.apikeys import create_key
 from laneway.redis_circuit import DEFAULT_FAILURES, DEFAULT_PROBE_INTERVAL_MS, attach_circuit
-from laneway.schema import RequestEnvelope
+from laneway.schema import CancelRecord, RequestEnvelope
 from ops.devstack import create_topics, port_in_use
 from quota.teams import Team, set_team
 from workers.factory import create_worker
@@ -273,6 +273,26 @@ class LiveStack:
         await producer.start()
         self._clients.append(producer)
         return producer
+
+    async def send_records(self, *records: RequestEnvelope | CancelRecord) -> None:
+        """Store ``records`` as the ingress does: requests on their class and band's topic
+        keyed by affinity, tombstones on the cancel topic keyed by request id; in order."""
+        producer = await self.producer()
+        for record in records:
+            if isinstance(record, CancelRecord):
+                topic, key = self.topics.cancel, record.id
+            else:
+                topic, key = self.topics.request(record.cls, record.band), record.affinity
+            await producer.send_and_wait(topic, record.to_json(), key=key.encode())
+
+    async def usage_of(self, *ids: str) -> dict[str, dict[str, Any]]:
+        """The usage event of each of ``ids``, by id (fails unless every one arrives)."""
+        wanted = set(ids)
+        events = await self.read_topic(
+            self.topics.usage, count=len(wanted), where=lambda e: e["id"] in wanted
+        )
+        assert {e["id"] for e in events} == wanted
+        return {e["id"]: e for e in events}
 
     def _reader(self, topic: str) -> AIOKafkaConsumer:
         """A consumer of every partition of ``topic`` from its start, outside any group."""

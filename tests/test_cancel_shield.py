@@ -37,27 +37,6 @@ def _envelope(stack: LiveStack, **fields: Any) -> RequestEnvelope:
     return envelope(**{"reply_to": f"{stack.prefix}:reply:test", **fields})
 
 
-async def _send(stack: LiveStack, *records: RequestEnvelope | CancelRecord) -> None:
-    producer = await stack.producer()
-    for record in records:
-        if isinstance(record, CancelRecord):
-            await producer.send_and_wait(
-                stack.topics.cancel, record.to_json(), key=record.id.encode()
-            )
-        else:
-            topic = stack.topics.request(record.cls, record.band)
-            await producer.send_and_wait(topic, record.to_json(), key=record.affinity.encode())
-
-
-async def _usage(stack: LiveStack, *ids: str) -> dict[str, dict[str, Any]]:
-    wanted = set(ids)
-    events = await stack.read_topic(
-        stack.topics.usage, count=len(wanted), where=lambda e: e["id"] in wanted
-    )
-    assert {e["id"] for e in events} == wanted
-    return {e["id"]: e for e in events}
-
-
 async def test_stale_requests_never_reach_the_engine(stack: LiveStack) -> None:
     cancelled = _envelope(stack)
     superseded = _envelope(stack, session="doc-1", seq=1, affinity="s:doc-1")
@@ -66,8 +45,7 @@ async def test_stale_requests_never_reach_the_engine(stack: LiveStack) -> None:
     expired = _envelope(stack, accepted_ts=past - 2, deadline_ts=past)
     fresh = _envelope(stack, max_tokens=4)
     # The tombstone first, then the requests; the worker starts after all of them are queued.
-    await _send(
-        stack,
+    await stack.send_records(
         CancelRecord(id=cancelled.id, team="team-a"),
         cancelled,
         superseded,
@@ -77,7 +55,7 @@ async def test_stale_requests_never_reach_the_engine(stack: LiveStack) -> None:
     )
     await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
 
-    usage = await _usage(stack, cancelled.id, superseded.id, newer.id, expired.id, fresh.id)
+    usage = await stack.usage_of(cancelled.id, superseded.id, newer.id, expired.id, fresh.id)
     assert usage[cancelled.id]["status"] == "cancelled"
     assert usage[superseded.id]["status"] == "superseded"
     assert usage[expired.id]["status"] == "expired"
@@ -97,8 +75,8 @@ async def test_cancel_racing_its_request_never_runs_past_one_step(
     envs = [_envelope(stack, max_tokens=128, prompt=f"race {i}") for i in range(6)]
     for env in envs:
         cancel = CancelRecord(id=env.id, team=env.team)
-        await _send(stack, *((cancel, env) if cancel_first else (env, cancel)))
-    usage = await _usage(stack, *(e.id for e in envs))
+        await stack.send_records(*((cancel, env) if cancel_first else (env, cancel)))
+    usage = await stack.usage_of(*(e.id for e in envs))
     prompts = {e.id: e.prompt for e in envs}
     for event in usage.values():
         assert event["status"] == "cancelled"
@@ -114,11 +92,11 @@ async def test_running_request_is_aborted_by_supersession(stack: LiveStack) -> N
     old = _envelope(
         stack, session="doc-9", seq=1, affinity="s:doc-9", max_tokens=128, prompt=long_prompt(100)
     )
-    await _send(stack, old)
+    await stack.send_records(old)
     await eventually(lambda: old.id in worker.executor.live, 20, "the old keystroke running")
     new = _envelope(stack, session="doc-9", seq=2, affinity="s:doc-9", max_tokens=4)
-    await _send(stack, new)
-    usage = await _usage(stack, old.id, new.id)
+    await stack.send_records(new)
+    usage = await stack.usage_of(old.id, new.id)
     assert usage[old.id]["status"] == "superseded"
     assert usage[old.id]["engine_ms"] > 0
     assert 0 < usage[old.id]["completion_tokens"] < sim_answer_tokens(old.prompt)
@@ -141,12 +119,12 @@ async def test_team_cannot_cancel_another_teams_request(stack: LiveStack) -> Non
         # A forged tombstone from team-b straight onto Kafka is ignored by the worker too,
         # and it reached the worker while the request ran (a marker behind it proves it).
         marker = CancelRecord(id=f"marker-{request_id}", team="team-b")
-        await _send(stack, CancelRecord(id=request_id, team="team-b"), marker)
-        await _until_seen(worker, marker)
+        await stack.send_records(CancelRecord(id=request_id, team="team-b"), marker)
+        await until_seen(worker, marker)
         assert request_id in worker.executor.live
         text = [line async for line in response.aiter_lines() if line.startswith("data: ")]
     assert text[-1] == "data: [DONE]"
-    assert (await _usage(stack, request_id))[request_id]["status"] == "ok"
+    assert (await stack.usage_of(request_id))[request_id]["status"] == "ok"
 
 
 async def test_owner_cancels_with_delete(stack: LiveStack) -> None:
@@ -162,14 +140,16 @@ async def test_owner_cancels_with_delete(stack: LiveStack) -> None:
     assert lines[-1] == "data: [DONE]"
     error = orjson.loads(lines[-2][6:])["error"]
     assert error["code"] == "cancelled"
-    event = (await _usage(stack, request_id))[request_id]
+    event = (await stack.usage_of(request_id))[request_id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < sim_answer_tokens(body["prompt"])
 
 
-async def _until_seen(worker: PoolWorker, marker: CancelRecord) -> None:
+async def until_seen(worker: PoolWorker, marker: CancelRecord) -> None:
     """Until the worker holds ``marker``, a tombstone of a request that does not exist: the
-    records sent before it on the same feed reached the worker too."""
+    records stored before it reached the worker too (on Redis, one channel keeps the order;
+    on Kafka, the test broker is one node, so the fetch that brings the marker brings every
+    record of any partition stored before it)."""
     probe = envelope(id=marker.id, team=marker.team)
     await eventually(lambda: worker.shield.verdict(probe) is not None, 20, "the marker")
 
@@ -188,16 +168,16 @@ async def test_tombstone_on_redis_alone_aborts_a_running_request(stack: LiveStac
     channel = RedisKeys(stack.prefix).cancels()
     await _subscribed(stack, channel)
     env = _envelope(stack, max_tokens=128, prompt=long_prompt(100))
-    await _send(stack, env)
+    await stack.send_records(env)
     await eventually(lambda: worker.engine.stats().running > 0, 10, "the request to start")
     await stack.redis.publish(channel, b"{not a tombstone")
     marker = CancelRecord(id=f"marker-{env.id}", team="team-b")
     for record in (CancelRecord(id=env.id, team="team-b"), marker):
         await stack.redis.publish(channel, record.to_json())
-    await _until_seen(worker, marker)
+    await until_seen(worker, marker)
     assert env.id in worker.executor.live  # another team's tombstone ended nothing
     await stack.redis.publish(channel, CancelRecord(id=env.id, team=env.team).to_json())
-    event = (await _usage(stack, env.id))[env.id]
+    event = (await stack.usage_of(env.id))[env.id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < 100
     assert event["stale_engine_ms"] <= STEP_MS + 1
@@ -378,7 +358,7 @@ async def test_a_gone_keystroke_that_the_next_one_supersedes_needs_no_tombstone(
         new_id = (await newer).json()["id"]
         published = await _next_message(pubsub)
     assert orjson.loads(published["data"])["id"] == old_id
-    usage = await _usage(stack, old_id, new_id)
+    usage = await stack.usage_of(old_id, new_id)
     # Whichever came first, the Redis tombstone or the newer keystroke, stopped it.
     assert usage[old_id]["status"] in ("cancelled", "superseded")
     assert usage[old_id]["completion_tokens"] < sim_answer_tokens(body["prompt"])
@@ -475,7 +455,7 @@ async def test_a_gone_keystrokes_tombstone_goes_out_when_nothing_supersedes_it(
         stack.topics.cancel, count=1, where=lambda r: r["id"] == old_id
     )
     assert [(t["team"], t["reason"]) for t in tombstones] == [("team-a", "disconnect")]
-    event = (await _usage(stack, old_id))[old_id]
+    event = (await stack.usage_of(old_id))[old_id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < sim_answer_tokens(body["prompt"])
 
@@ -508,7 +488,7 @@ async def test_team_policy_lets_a_superseded_completion_that_streamed_enough_fin
             running_then = old_id in worker.executor.live
             rest = [line async for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        outcomes[team] = ((await _usage(stack, old_id))[old_id], rest)
+        outcomes[team] = ((await stack.usage_of(old_id))[old_id], rest)
         if team == "team-g":
             assert running_then
     finished, rest = outcomes["team-g"]

@@ -32,7 +32,7 @@ from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
 from streams.shadow import ShadowWatch
 from tests.stack import LiveStack, envelope, eventually, sim_answer_tokens
-from tests.test_cancel_shield import STEP_MS, _send, _usage
+from tests.test_cancel_shield import STEP_MS, until_seen
 from tests.test_streams_logic import _Table
 from tests.test_streams_process import usage_event
 
@@ -179,39 +179,44 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
             assert (copy["reply_to"], copy["shadow"], copy["route"]) == (None, True, SHADOW)
 
 
-async def test_a_primarys_tombstone_ends_its_copy_queued_or_running(stack: LiveStack) -> None:
+async def test_a_primarys_tombstone_ends_its_copy_before_it_starts_or_running(
+    stack: LiveStack,
+) -> None:
     # A client that leaves (or DELETEs) cancels its request; the copy has an id of its own
-    # that no client knows, so the primary's tombstone must end it too.
+    # that no client knows, so the primary's tombstone must end it too. The copies' answers
+    # on the shadow route are 100 tokens or more (2 s and longer): they run when it comes.
     worker = await stack.start_worker("completion", sim_decode_ms_per_step=STEP_MS)
-    running, forged, queued = (
-        envelope(reply_to=f"{stack.prefix}:reply:test", max_tokens=128, prompt=p)
-        for p in ("running", "forged", "queued")
+    running, forged, later = (
+        envelope(reply_to=f"{stack.prefix}:reply:test", max_tokens=128, prompt=f"def {p}():")
+        for p in ("mirrored_8", "mirrored_15", "mirrored_18")
     )
-    copies = {e.id: shadow_envelope(e, SHADOW).id for e in (running, forged, queued)}
-    prompts = {e.id: e.prompt for e in (running, forged, queued)}
-    await _send(stack, running, shadow_envelope(running, SHADOW))
-    await _send(stack, forged, shadow_envelope(forged, SHADOW))
+    copies = {e.id: shadow_envelope(e, SHADOW) for e in (running, forged, later)}
+    for env in (running, forged):
+        await stack.send_records(env, copies[env.id])
     await eventually(
-        lambda: {copies[running.id], copies[forged.id]} <= set(worker.executor.live),
+        lambda: {copies[running.id].id, copies[forged.id].id} <= set(worker.executor.live),
         20,
         "both copies running",
     )
-    await _send(
-        stack,
+    # Another team's tombstone ends nothing (seen by the worker while the copy runs).
+    marker = CancelRecord(id=f"marker-{forged.id}", team="team-b")
+    await stack.send_records(CancelRecord(id=forged.id, team="team-b"), marker)
+    await until_seen(worker, marker)
+    assert copies[forged.id].id in worker.executor.live
+    # The owner's tombstones: one while the copy runs, one before the copy is even stored.
+    await stack.send_records(
         CancelRecord(id=running.id, team=running.team),
-        CancelRecord(id=forged.id, team="team-b"),  # another team's tombstone ends nothing
-        CancelRecord(id=queued.id, team=queued.team),
-        queued,
-        shadow_envelope(queued, SHADOW),
+        CancelRecord(id=later.id, team=later.team),
+        later,
+        copies[later.id],
     )
 
-    usage = await _usage(stack, *copies, *copies.values())
-    for rid in (running.id, queued.id):
-        copy = usage[copies[rid]]
+    usage = await stack.usage_of(*copies, *(c.id for c in copies.values()))
+    for env in (running, later):
+        copy = usage[copies[env.id].id]
         assert copy["status"] == "cancelled", copy
-        assert copy["completion_tokens"] < sim_answer_tokens(prompts[rid], route=SHADOW)
-    assert usage[copies[forged.id]]["status"] == "ok"
-    assert usage[forged.id]["status"] == "ok"
+        assert copy["completion_tokens"] < sim_answer_tokens(env.prompt, route=SHADOW)
+    assert usage[copies[forged.id].id]["status"] == "ok"
 
 
 def _shadow_count(outcome: str) -> float:

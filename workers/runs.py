@@ -94,7 +94,10 @@ class Runs:
 
     async def cancel(self, cancel: CancelRecord) -> None:
         """A tombstone: work still queued leaves the queue; work running is aborted. It ends
-        the request's shadow copy too (``laneway.shadow``), which nobody else can cancel."""
+        the request's shadow copy too (``laneway.shadow``), whose id no client is given.
+        Every tombstone so takes two places in the shield's bounded cancel set while neither
+        request is here (the copy's, with or without a copy): it halves how many are kept,
+        which still outlasts any request's start deadline by far."""
         await self._cancel(cancel, hold=True)
         mirror = shadow_id(cancel.id)
         if mirror is not None:
