@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY
 
 from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
+from laneway.errors import Cancelled
 from laneway.schema import CancelRecord, RequestEnvelope
 from tests.stack import (
     LiveStack,
@@ -257,6 +258,17 @@ def test_shield_memory_is_bounded() -> None:
     assert len(shield) == 100
     shield.expire(now=1000.0 + 61)
     assert len(shield) == 0
+
+
+def test_another_teams_tombstone_does_not_undo_the_owners_cancel() -> None:
+    # Team b DELETEs team a's request id through a replica that does not hold it: the
+    # ingress cannot tell, the worker honours it for nobody's work but b's own.
+    shield = CancelShield()
+    env = envelope(team="team-a")
+    shield.cancel(CancelRecord(id=env.id, team="team-a"))
+    shield.cancel(CancelRecord(id=env.id, team="team-b"))
+    assert isinstance(shield.verdict(env), Cancelled)
+    assert shield.verdict(envelope(team="team-c").model_copy(update={"id": env.id})) is None
 
 
 def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:

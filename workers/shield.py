@@ -102,7 +102,10 @@ class CancelShield:
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
-        self._cancelled: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # Cancels of requests not running here: request id → the teams that asked, each
+        # with its expiry. Per team: another team's tombstone of the same id (honoured for
+        # none of the owner's work) must not replace the owner's.
+        self._cancelled: OrderedDict[str, dict[str, float]] = OrderedDict()
         # Cancelled batch jobs: job id → its team.
         self._cancelled_jobs: OrderedDict[str, str] = OrderedDict()
         # Latest seq by (team, session): a session is a team's own name, so one team's
@@ -154,7 +157,7 @@ class CancelShield:
             reason = Cancelled(f"cancelled ({record.reason}) while running")
             run.mark_stale(reason, self._clock(), record.ts)
             return record.id if self.enabled else None
-        self._cancelled[record.id] = (record.team, record.ts + self.ttl_s)
+        self._cancelled.setdefault(record.id, {})[record.team] = record.ts + self.ttl_s
         self._cancelled.move_to_end(record.id)
         self._trim(self._cancelled)
         return None
@@ -172,8 +175,7 @@ class CancelShield:
         if not self.enabled:
             return None
         now = time.time() if now is None else now
-        cancel = self._cancelled.get(env.id)
-        if cancel is not None and cancel[0] == env.team:
+        if env.team in self._cancelled.get(env.id, {}):
             return Cancelled("cancelled before it started")
         if env.job_id is not None and self._cancelled_jobs.get(env.job_id) == env.team:
             return Cancelled(f"batch {env.job_id} was cancelled before this line started")
@@ -231,8 +233,8 @@ class CancelShield:
 
     def expire(self, now: float) -> None:
         while self._cancelled:
-            rid, (_, expires) = next(iter(self._cancelled.items()))
-            if expires > now:
+            rid, teams = next(iter(self._cancelled.items()))
+            if max(teams.values()) > now:
                 break
             del self._cancelled[rid]
         horizon = now - 60.0
