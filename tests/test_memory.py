@@ -17,7 +17,7 @@ from laneway.constants import RedisKeys
 from laneway.errors import Aborted
 from laneway.schema import RequestEnvelope
 from laneway.settings import CommonSettings
-from tests.stack import LiveStack, envelope, eventually
+from tests.stack import LiveStack, envelope, eventually, sim_answer_tokens
 from tests.upstream_process import UpstreamProcess
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.memory import PressureGauge, sheddable
@@ -99,12 +99,10 @@ async def test_a_simulated_hold_counts_in_the_engines_kv_usage() -> None:
 
 def _long_prompts(count: int, min_tokens: int, route: str = "laneway-code") -> list[str]:
     """Distinct prompts whose simulated answers are at least ``min_tokens`` long."""
-    sim = SimEngine()
     found = []
     for i in range(5000):
         prompt = f"def handler_{i}(request):"
-        request = EngineRequest(id="probe", route=route, prompt=prompt, max_tokens=64)
-        if len(sim._completion_words(request)) >= min_tokens:
+        if sim_answer_tokens(prompt, route=route, max_tokens=64) >= min_tokens:
             found.append(prompt)
             if len(found) == count:
                 return found
