@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from redis.exceptions import ResponseError
 
 from ingress.replies import ReplyChannel
 from laneway.constants import Topics
 from laneway.schema import Reply, UsageEvent, decode
-from tests.stack import Services, envelope, free_port, redis_client
+from ops.devstack import create_topics
+from tests.stack import Services, envelope, eventually, free_port, redis_client
 from workers.outbox import Outbox
 from workers.replies import ChunkStream
 from workers.round_trips import RoundTrips
@@ -317,3 +318,47 @@ async def test_chunk_stream_keeps_the_text_of_a_failed_write_for_the_final_reply
     finally:
         await producer.stop()
         await redis.aclose()
+
+
+async def test_a_final_reply_no_path_takes_is_tried_again_until_one_does(
+    services: Services, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Redis is not listening and the replies topic is not there yet (a broker that cannot
+    # take the reply now, as under overload): its client waits for it, so the worker tries
+    # again, and it goes out once Kafka takes it; the usage event goes out after it.
+    redis = redis_client(f"redis://127.0.0.1:{free_port()}/0")
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, request_timeout_ms=500)
+    await producer.start()
+    topics = Topics(f"late{uuid.uuid4().hex[:8]}")
+    outbox = Outbox(redis, producer, topics)
+    env = envelope(id="r-6", reply_to="c:reply:test")
+    final = Reply(id="r-6", n=0, at=0, text="done", done=True, status="ok")
+    usage = UsageEvent(
+        id=env.id, team=env.team, cls=env.cls, model=env.model, route=env.route, status="ok"
+    )
+    try:
+        finishing = asyncio.create_task(outbox.finish(env, final, usage))
+        await eventually(lambda: "trying again" in caplog.text, 20, "a first attempt to fail")
+        assert not finishing.done()
+        await asyncio.to_thread(create_topics, services.bootstrap, topics.specs(1))
+        delivered = await asyncio.wait_for(finishing, 30)
+        assert delivered is not None
+        await delivered
+        assert [decode(Reply, v) for v in await _values(services, topics.replies)] == [final]
+        assert [decode(UsageEvent, v).id for v in await _values(services, topics.usage)] == [env.id]
+    finally:
+        await producer.stop()
+        await redis.aclose()
+
+
+async def _values(services: Services, topic: str) -> list[bytes]:
+    """What ``topic`` (one partition) holds, from its start."""
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=services.bootstrap, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    try:
+        batches = await consumer.getmany(timeout_ms=5000)
+        return [r.value for records in batches.values() for r in records if r.value]
+    finally:
+        await consumer.stop()
