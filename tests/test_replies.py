@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from redis.exceptions import ResponseError
 
 from ingress.replies import ReplyChannel
@@ -325,7 +326,7 @@ async def test_a_final_reply_no_path_takes_is_tried_again_until_one_does(
 ) -> None:
     # Redis is not listening and the replies topic is not there yet (a broker that cannot
     # take the reply now, as under overload): its client waits for it, so the worker tries
-    # again, and it goes out once Kafka takes it; the usage event goes out after it.
+    # again, and it goes out once Kafka takes it.
     redis = redis_client(f"redis://127.0.0.1:{free_port()}/0")
     producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, request_timeout_ms=500)
     await producer.start()
@@ -340,11 +341,18 @@ async def test_a_final_reply_no_path_takes_is_tried_again_until_one_does(
         finishing = asyncio.create_task(outbox.finish(env, final, usage))
         await eventually(lambda: "trying again" in caplog.text, 20, "a first attempt to fail")
         assert not finishing.done()
-        await asyncio.to_thread(create_topics, services.bootstrap, topics.specs(1))
-        delivered = await asyncio.wait_for(finishing, 30)
-        assert delivered is not None
-        await delivered
+        specs = {name: spec for name, *spec in topics.specs(1)}
+        replies_only = [(topics.replies, *specs[topics.replies])]
+        await asyncio.to_thread(create_topics, services.bootstrap, replies_only)
+        delivery = await asyncio.wait_for(finishing, 30)
         assert [decode(Reply, v) for v in await _values(services, topics.replies)] == [final]
+        # The usage topic is not there yet either: the delivery fails, the call does not,
+        # and whoever awaits it sends the event again (RequestExecutor.delivered).
+        assert delivery is not None
+        with pytest.raises(KafkaError):
+            await delivery
+        await asyncio.to_thread(create_topics, services.bootstrap, topics.specs(1))
+        await (await outbox.send_usage(usage))
         assert [decode(UsageEvent, v).id for v in await _values(services, topics.usage)] == [env.id]
     finally:
         await producer.stop()

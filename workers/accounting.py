@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from redis.exceptions import NoScriptError, RedisError
 
 from laneway.constants import Topics
@@ -106,10 +107,16 @@ class Accounting:
             self._pay_owed_soon()  # Redis answers: what an outage left is due
 
     async def send_usage(self, usage: UsageEvent) -> asyncio.Future[object]:
-        """Hand a usage event to the producer; the future says when the broker stored it."""
-        delivery: asyncio.Future[object] = await self.producer.send(
-            self.topics.usage, usage.to_json(), key=usage.team.encode()
-        )
+        """Hand a usage event to the producer; the future says when the broker stored it. A
+        producer that cannot take it now (its buffer full past its timeout) fails the future,
+        not the call: whoever awaits the delivery sends it again."""
+        try:
+            delivery: asyncio.Future[object] = await self.producer.send(
+                self.topics.usage, usage.to_json(), key=usage.team.encode()
+            )
+        except KafkaError as exc:
+            delivery = asyncio.get_running_loop().create_future()
+            delivery.set_exception(exc)
         return delivery
 
     def owe(self, owed: Owed) -> None:
