@@ -93,6 +93,7 @@ async def _complete(stack: LiveStack, expected: dict[tuple[Any, ...], Any]) -> l
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # past _complete's 180 s wait: that wait, not the suite's, decides
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 async def test_restart_mid_stream_gives_the_same_hourly_totals(
     stack: LiveStack, tmp_path: Path, sig: int
