@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -19,7 +18,7 @@ from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from laneway.schema import UsageEvent
-from tests.stack import LiveStack
+from tests.stack import LiveStack, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,9 +102,7 @@ async def produce_usage(producer: AIOKafkaProducer, topic: str, events: list[Usa
 async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
     stack: LiveStack, tmp_path: Path
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     streams = StreamsProcess(
         stack, tmp_path, rollup_idle_s=0.5, rollup_grace_s=0, metrics_port=str(port)
     )
