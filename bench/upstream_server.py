@@ -9,7 +9,8 @@ disconnects cancels its request whether it is still queued or already running. I
 model: the text is made-up words, ``max_tokens`` of them.
 
 Each request it received writes one JSON line to ``--log`` when it ends: ``recv``, ``start``
-(a slot was free: the work began, or null), ``end``, ``tokens``, ``outcome`` (``done``,
+(a slot was free: the work began, or null), ``queued`` (no slot was free when it arrived,
+so it waited in this server's queue), ``end``, ``tokens``, ``outcome`` (``done``,
 ``gone_queued``, ``gone_running``), ``stream`` and ``prompt`` (the prompt or the last chat
 message), with times from ``time.time()``. Benches and tests judge laneway by this log, which
 laneway does not write. ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
@@ -61,6 +62,7 @@ class Upstream:
     @contextlib.asynccontextmanager
     async def slot(self, entry: dict[str, Any]) -> AsyncIterator[None]:
         """Wait for a decode slot (cancelled, the request never starts) and hold it."""
+        entry["queued"] = self._slots.locked()  # no free slot when it arrived: it waits here
         self.waiting += 1
         try:
             await self._slots.acquire()
@@ -127,6 +129,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "id": rid,
         "recv": time.time(),
         "start": None,
+        "queued": False,
         "end": None,
         "tokens": 0,
         "outcome": "done",
