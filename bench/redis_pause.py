@@ -50,9 +50,10 @@ TEAM = "pause-drill"
 class Sample:
     sent: float  # seconds since the drill began
     window: int  # index into Drill.windows
-    status: int
+    status: int  # 0: no HTTP answer
     latency_ms: float
     tokens: int  # prompt + completion, as the response's usage says
+    error: str = ""  # what a failed one was answered (or why it had no answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class WindowRow:
     p99_ms: float
     ratio: float  # P99 against the quiet window before (paused windows; NaN otherwise)
     steal: float
+    failures: tuple[str, ...] = ()  # each failed one's status and answer
 
 
 def sigstop(pid: int) -> Callable[[], None]:
@@ -123,21 +125,22 @@ async def drive(
                 resume()
         mark("after", False)
 
-    async def one(i: int) -> tuple[float, int, float, int]:
+    async def one(i: int) -> tuple[float, int, float, int, str]:
         sent = time.monotonic() - began
         # A prompt of its own each: no supersession, no type-through, no prefix-cache hits.
         body = {"model": "laneway-code", "prompt": f"def handler_{i}(request):", "max_tokens": 16}
         started = time.perf_counter()
         try:
             status, _, raw = await http.post("/v1/completions", body)
-        except (OSError, EOFError, ValueError):
-            status, raw = 0, b""
+        except (OSError, EOFError, ValueError) as exc:
+            status, raw = 0, repr(exc).encode()
         latency_ms = (time.perf_counter() - started) * 1000
         tokens = orjson.loads(raw)["usage"]["total_tokens"] if status == 200 else 0
-        return sent, status, latency_ms, tokens
+        error = "" if status == 200 else f"{status} after {latency_ms:.0f} ms: {raw[:160]!r}"
+        return sent, status, latency_ms, tokens, error
 
     pauser = asyncio.create_task(pausing())
-    requests: list[asyncio.Task[tuple[float, int, float, int]]] = []
+    requests: list[asyncio.Task[tuple[float, int, float, int, str]]] = []
     total = int((rounds * (quiet_s + pause_s) + after_s) * rate)
     try:
         async for i in open_loop(rate, total):
@@ -157,8 +160,8 @@ async def drive(
     ]
     starts = [w.start for w in windows]
     samples = [
-        Sample(sent, sum(1 for s in starts[1:] if s <= sent), status, latency_ms, tokens)
-        for sent, status, latency_ms, tokens in done
+        Sample(sent, sum(1 for s in starts[1:] if s <= sent), status, latency_ms, tokens, error)
+        for sent, status, latency_ms, tokens, error in done
     ]
     return windows, samples
 
@@ -182,6 +185,7 @@ def window_rows(windows: list[Window], samples: list[Sample]) -> list[WindowRow]
                 p99,
                 p99 / before if before else float("nan"),
                 window.steal,
+                tuple(s.error for s in mine if s.status != 200),
             )
         )
     return rows
@@ -210,6 +214,7 @@ def table(rows: list[WindowRow]) -> str:
             f"| {r.name} | {r.sent} | {r.ok} | {r.failed} | {r.p50_ms:.0f} ms | "
             f"{r.p99_ms:.0f} ms | {ratio} | {r.steal:.1f} % |"
         )
+    lines += [f"failed in {r.name}: {failure}" for r in rows for failure in r.failures]
     return "\n".join(lines)
 
 

@@ -4,8 +4,11 @@ each character once, however a re-run cuts the same text into chunks."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +17,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import ResponseError
 
-from ingress.replies import ReplyChannel
+from ingress.replies import ReplyChannel, ReplyRouter
 from laneway.constants import Topics
+from laneway.redis_circuit import attach_circuit
 from laneway.schema import Reply, UsageEvent, decode
-from ops.devstack import create_topics
+from ops.devstack import RedisServer, create_topics
 from tests.stack import Services, envelope, eventually, free_port, redis_client
 from workers.outbox import Outbox
 from workers.replies import ChunkStream
@@ -357,6 +361,57 @@ async def test_a_final_reply_no_path_takes_is_tried_again_until_one_does(
     finally:
         await producer.stop()
         await redis.aclose()
+
+
+async def test_a_reply_redis_took_just_before_it_stopped_goes_again_through_kafka(
+    services: Services, tmp_path: Path
+) -> None:
+    # Redis took the final reply, then stopped (SIGSTOP: a fork for a snapshot, a paused VM)
+    # before the ingress's reader asked for it: that reader's next XREAD waits on the stopped
+    # server, past the request's deadline. Once the worker's circuit opens, it sends again
+    # through Kafka what Redis took in its last second, and the ingress gets the answer while
+    # Redis is still stopped.
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis")
+    server.start()
+    redis = aioredis.Redis.from_url(server.url, socket_timeout=5)
+    attach_circuit(redis, hot_timeout_ms=50, failures=1, probe_interval_ms=50)
+    topics = Topics(f"again{uuid.uuid4().hex[:8]}")
+    await asyncio.to_thread(create_topics, services.bootstrap, topics.specs(1))
+    producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+    consumer = AIOKafkaConsumer(
+        topics.replies, bootstrap_servers=services.bootstrap, auto_offset_reset="earliest"
+    )
+    await producer.start()
+    await consumer.start()
+    stream = "i-1:reply:test"
+    router = ReplyRouter(redis, stream)  # its stream reader not running: between two reads
+    channel = router.open("r-7", "team-a")
+    tail = asyncio.create_task(router.tail_kafka(consumer))
+    outbox = Outbox(redis, producer, topics)
+    env = envelope(id="r-7", reply_to=stream)
+    final = Reply(id="r-7", n=0, at=0, text="done", done=True, status="ok")
+    usage = UsageEvent(
+        id=env.id, team=env.team, cls=env.cls, model=env.model, route=env.route, status="ok"
+    )
+    assert server.pid is not None
+    try:
+        await outbox.finish(env, final, usage)
+        assert [fields[b"d"] for _, fields in await redis.xrange(stream)] == [final.to_json()]
+        os.kill(server.pid, signal.SIGSTOP)
+        # The worker's next Redis write finds it stopped: the circuit opens.
+        other = Reply(id="r-8", n=0, at=0, text="x", done=True, status="ok")
+        await outbox.replies.reply(stream, other)
+        assert outbox.round_trips.circuit.open
+        assert await channel.get(10) == final
+        assert channel.take() is None  # once
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        tail.cancel()
+        await outbox.close()
+        await consumer.stop()
+        await producer.stop()
+        await redis.aclose()
+        server.stop()
 
 
 async def _values(services: Services, topic: str) -> list[bytes]:

@@ -95,6 +95,8 @@ class Outbox:
             except (RedisError, OSError) as exc:
                 log.info("a final Redis write failed (%s): through Kafka instead", exc)
             else:
+                if env.reply_to is not None:
+                    self.replies.taken(env.reply_to, final)
                 return
         if owed is not None:
             self.accounting.owe(owed)  # first: a failed Kafka send below must not lose it
@@ -121,5 +123,7 @@ class Outbox:
             attempt = self.replies.reply  # Redis first, if it answers again
 
     async def close(self) -> None:
-        """Settlements owed since a Redis outage: one last try."""
+        """Replies being sent again after a Redis outage finished; settlements owed since
+        then: one last try."""
+        await self.replies.stop()
         await self.accounting.close()

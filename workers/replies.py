@@ -9,7 +9,10 @@ and with final replies and settlements (``workers.round_trips``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections import deque
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -23,6 +26,14 @@ from workers.round_trips import Command, RoundTrips
 __all__ = ["ChunkStream", "ReplyWriter", "reply_command"]
 
 log = logging.getLogger(__name__)
+
+# A reply Redis took just before it stopped answering may never have been read: the ingress's
+# next XREAD waits on the stopped server like everything else, past the request's deadline.
+# When the circuit opens, the replies Redis took in the last REPLAY_S before its last answer
+# go again through Kafka; the ingress drops what it already has (a repeat, or a closed
+# request). Bounded: a stream's chunks in that second are at most this many.
+REPLAY_S = 1.0
+_REPLAY_MAX = 4096
 
 
 def reply_command(stream: str, reply: Reply) -> Command:
@@ -38,18 +49,51 @@ class ReplyWriter:
         self.producer = producer
         self.topics = topics
         self._partitioner = DefaultPartitioner()
+        self._taken: deque[tuple[float, str, Reply]] = deque(maxlen=_REPLAY_MAX)
+        self._replay: asyncio.Task[None] | None = None
         round_trips.circuit.listen(self._on_circuit)
 
-    @staticmethod
-    def _on_circuit(opened: bool) -> None:
-        if opened:
-            log.warning("Redis does not answer: replies go through Kafka, settlements wait")
+    def _on_circuit(self, opened: bool) -> None:
+        if not opened:
+            return
+        log.warning("Redis does not answer: replies go through Kafka, settlements wait")
+        recent = [(stream, reply) for _, stream, reply in self._taken]
+        self._taken.clear()
+        if recent:
+            self._replay = asyncio.get_running_loop().create_task(
+                self._send_again(recent), name="replies-again"
+            )
+
+    def taken(self, stream: str, reply: Reply) -> None:
+        """Redis took ``reply``: kept for ``REPLAY_S`` in case Redis stops before it is read."""
+        now = time.monotonic()
+        while self._taken and self._taken[0][0] < now - REPLAY_S:
+            self._taken.popleft()
+        self._taken.append((now, stream, reply))
+
+    async def _send_again(self, recent: list[tuple[str, Reply]]) -> None:
+        for stream, reply in recent:
+            try:
+                await self.via_kafka(stream, reply)
+            except KafkaError as exc:
+                log.warning(
+                    "%d replies Redis took before it stopped not sent again: %r", len(recent), exc
+                )
+                return
+        log.info("%d replies Redis took before it stopped sent again through Kafka", len(recent))
+
+    async def stop(self) -> None:
+        """Finish sending again what Redis took before it stopped (the worker is stopping)."""
+        if self._replay is not None:
+            with contextlib.suppress(Exception):
+                await self._replay
 
     async def reply(self, stream: str, reply: Reply) -> None:
         """A chunk for the ingress that holds the connection."""
         results = await self.round_trips.send([reply_command(stream, reply)])
         if results is not None:
             if not isinstance(results[0], Exception):
+                self.taken(stream, reply)
                 return
             log.info("a reply's Redis write failed (%s): through Kafka instead", results[0])
         await self.via_kafka(stream, reply)
