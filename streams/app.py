@@ -85,6 +85,9 @@ class StreamsApp:
         )
         app = self.app
         drain_before_commit(app)  # no offset commit ahead of the table changelogs
+        # Faust narrates rebalances at INFO only with its own chatter: these say what moved.
+        app.on_partitions_assigned.connect(self._assigned)
+        app.on_partitions_revoked.connect(self._revoked)
         self.redis: aioredis.Redis = make_redis(settings)
         self.webhook = OnCallWebhook(settings.breaker_webhook_url)
         self._outputs = {
@@ -130,6 +133,12 @@ class StreamsApp:
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
         self._stopping = False
+
+    async def _assigned(self, _app: Any, /, *moved: Any, **_: Any) -> None:
+        log.info("partitions assigned: %s", _usage_partitions(moved[0], self.settings))
+
+    async def _revoked(self, _app: Any, /, *moved: Any, **_: Any) -> None:
+        log.info("partitions revoked: %s", _usage_partitions(moved[0], self.settings))
 
     async def _consume(self, stream: Any) -> None:
         async for event in stream.events():
@@ -181,3 +190,8 @@ class StreamsApp:
         await self.app.stop()
         await self.webhook.aclose()
         await self.redis.aclose()
+
+
+def _usage_partitions(tps: set[Any], settings: StreamsSettings) -> list[int]:
+    """The usage topic's partitions among ``tps`` (the changelogs' move with them)."""
+    return sorted(tp.partition for tp in tps if tp.topic == settings.topics.usage)

@@ -161,7 +161,8 @@ async def test_restart_mid_stream_gives_the_same_hourly_totals(
     published = {k: [r["revision"] for r in records if _key(r) == k] for k in wrong}
     assert not wrong, (
         f"hours that differ: {wrong}; revisions published: {published}; "
-        f"where the first run left them: {_where(left_at, set(wrong))}"
+        f"where the first run left them: {_where(left_at, set(wrong))}; partitions moved: "
+        f"{[line for line in (first.log() + second.log()).splitlines() if 'partitions' in line]}"
     )
     # Re-publication after the restart repeats identical totals; never more events.
     for r in records:
