@@ -2,6 +2,10 @@
 
 Cut, it closes every connection it carries and refuses new ones, as a server that died or a
 network that split would; the server behind it keeps running for the other tests.
+
+Every accepted connection is owned from its first moment (even while the proxy is still
+dialling the server behind it), so ``stop`` closes all of them: none is left for the garbage
+collector to find unclosed after the test's event loop has gone.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ class TcpProxy:
         self.cut = False
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._pipes: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -37,37 +41,50 @@ class TcpProxy:
         self.cut = False
 
     async def stop(self) -> None:
-        await self.cut_off()
-        for pipe in list(self._pipes):
-            pipe.cancel()
-        if self._pipes:
-            await asyncio.gather(*self._pipes, return_exceptions=True)
+        """Stop accepting, then close every connection, those still being dialled included."""
+        self.cut = True
         if self._server is not None:
             self._server.close()
+        for handler in list(self._handlers):
+            handler.cancel()
+        if self._handlers:
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.cut:
-            writer.close()
-            return
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
+        self._writers.add(writer)
+        up_writer: asyncio.StreamWriter | None = None
+        pipes: list[asyncio.Future[None]] = []
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.close()
-            return
-        self._writers.update((writer, up_writer))
-        pipes = [
-            asyncio.ensure_future(self._pipe(reader, up_writer)),
-            asyncio.ensure_future(self._pipe(up_reader, writer)),
-        ]
-        self._pipes.update(pipes)
-        try:
+            if self.cut:
+                return
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
+            except OSError:
+                return
+            self._writers.add(up_writer)
+            if self.cut:  # cut while dialling
+                return
+            pipes = [
+                asyncio.ensure_future(self._pipe(reader, up_writer)),
+                asyncio.ensure_future(self._pipe(up_reader, writer)),
+            ]
             await asyncio.gather(*pipes, return_exceptions=True)
         finally:
-            self._pipes.difference_update(pipes)
+            for pipe in pipes:
+                pipe.cancel()
             for w in (writer, up_writer):
+                if w is None:
+                    continue
                 self._writers.discard(w)
                 w.close()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await w.wait_closed()
+            self._handlers.discard(handler)
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
