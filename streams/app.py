@@ -25,6 +25,7 @@ from streams.announce import Announcer
 from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
+from streams.faust_flow import hold_flow_for_recovery
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
@@ -85,6 +86,7 @@ class StreamsApp:
         )
         app = self.app
         drain_before_commit(app)  # no offset commit ahead of the table changelogs
+        hold_flow_for_recovery(app)  # no input record dropped as recovery hands over
         # Faust narrates rebalances at INFO only with its own chatter: these say what moved.
         app.on_partitions_assigned.connect(self._assigned)
         app.on_partitions_revoked.connect(self._revoked)
