@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -135,8 +137,32 @@ class BenchStack:
 
 
 @contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Inside, a SIGTERM (a timeout, a cancelled CI job, ``kill``) unwinds the bench as Ctrl-C
+    does, so the services it started stop with it instead of holding their ports for the next
+    run. Python's default for SIGTERM is to exit at once, skipping every ``finally``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can take a signal
+        return
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def services(stack: BenchStack) -> Iterator[tuple[KafkaBroker, RedisServer]]:
     """The broker (with laneway's topics) and Redis of ``stack``, on their bench ports."""
+    with sigterm_unwinds():
+        yield from _services(stack)
+
+
+def _services(stack: BenchStack) -> Iterator[tuple[KafkaBroker, RedisServer]]:
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
     redis = RedisServer(port=stack.redis_port, data_dir=data / "redis")
     kafka = KafkaBroker(

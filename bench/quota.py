@@ -21,7 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from bench._proc import machine
-from bench._stack import BenchStack, bench_stack
+from bench._stack import BenchStack, bench_stack, sigterm_unwinds
 from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
@@ -102,12 +102,13 @@ def main() -> None:
 
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
     redis = RedisServer(port=36479, data_dir=data)
-    redis.start()
-    try:
-        asyncio.run(_decision_costs(redis.url, args.decisions))
-    finally:
-        redis.stop()
-        shutil.rmtree(data, ignore_errors=True)
+    with sigterm_unwinds():
+        redis.start()
+        try:
+            asyncio.run(_decision_costs(redis.url, args.decisions))
+        finally:
+            redis.stop()
+            shutil.rmtree(data, ignore_errors=True)
 
     stack = BenchStack(ingress_env={"LANEWAY_REPLY_TIMEOUT_S": "2"})
     with bench_stack(stack):

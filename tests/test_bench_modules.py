@@ -1,11 +1,16 @@
 """bench/ as a whole: every bench module imports (a helper moved between modules breaks no
-bench), and the parsers of what a bench reads (/proc, Server-Timing) read it right."""
+bench), the parsers of what a bench reads (/proc, Server-Timing) read it right, and a bench
+stopped with SIGTERM still stops the services it started."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import pkgutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +51,32 @@ def test_server_timing_gives_each_part_in_ms() -> None:
 def test_server_timing_skips_parts_without_a_duration() -> None:
     assert server_timing("") == {}
     assert server_timing("cache, admit;dur=0.5") == {"admit": 0.5}
+
+
+_STOPPED_BY_SIGTERM = """
+import pathlib, signal, sys, time
+from bench._stack import sigterm_unwinds
+with sigterm_unwinds():
+    try:
+        print("started", flush=True)
+        time.sleep(60)
+    finally:
+        pathlib.Path(sys.argv[1]).write_text("services stopped")
+"""
+
+
+def test_a_bench_stopped_with_sigterm_runs_its_cleanup(tmp_path: Path) -> None:
+    # Python's default SIGTERM exits without running ``finally``: a bench's Kafka, Redis and
+    # processes then outlived it and held the ports its next run needed.
+    marker = tmp_path / "cleanup"
+    with subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_BY_SIGTERM, str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(bench.__file__).parent.parent,
+    ) as bench_run:
+        assert bench_run.stdout is not None
+        assert bench_run.stdout.readline().strip() == "started"
+        bench_run.send_signal(signal.SIGTERM)
+        assert bench_run.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "services stopped"
