@@ -3,9 +3,10 @@
 Cut, it closes every connection it carries and refuses new ones, as a server that died or a
 network that split would; the server behind it keeps running for the other tests.
 
-Every accepted connection is owned from its first moment (even while the proxy is still
-dialling the server behind it), so ``stop`` closes all of them: none is left for the garbage
-collector to find unclosed after the test's event loop has gone.
+Every accepted connection is owned from its first moment (asyncio hands it over with a plain
+call, before any task of the proxy runs; and while the proxy still dials the server behind it),
+so ``stop`` closes all of them: none is left for the garbage collector to find unclosed after
+the test's event loop has gone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class TcpProxy:
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def url(self, db: int = 0) -> str:
@@ -45,18 +46,25 @@ class TcpProxy:
         self.cut = True
         if self._server is not None:
             self._server.close()
+        for _ in range(3):  # connections the listener took just before: asyncio hands them over
+            await asyncio.sleep(0)
         for handler in list(self._handlers):
             handler.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
+        await _close(*self._writers)  # any whose handler was cancelled before it ran
+        self._writers.clear()
         if self._server is not None:
             await self._server.wait_closed()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handler = asyncio.current_task()
-        assert handler is not None
-        self._handlers.add(handler)
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A plain function: asyncio calls it as it hands the connection over."""
         self._writers.add(writer)
+        handler = asyncio.ensure_future(self._serve(reader, writer))
+        self._handlers.add(handler)
+        handler.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_writer: asyncio.StreamWriter | None = None
         pipes: list[asyncio.Future[None]] = []
         try:
@@ -77,14 +85,9 @@ class TcpProxy:
         finally:
             for pipe in pipes:
                 pipe.cancel()
-            for w in (writer, up_writer):
-                if w is None:
-                    continue
-                self._writers.discard(w)
-                w.close()
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await w.wait_closed()
-            self._handlers.discard(handler)
+            ends = [w for w in (writer, up_writer) if w is not None]
+            self._writers.difference_update(ends)
+            await _close(*ends)
 
     @staticmethod
     async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -93,3 +96,12 @@ class TcpProxy:
                 writer.write(data)
                 await writer.drain()
         writer.close()
+
+
+async def _close(*writers: asyncio.StreamWriter) -> None:
+    """Close ``writers`` and wait until their sockets are."""
+    for writer in writers:
+        writer.close()
+    for writer in writers:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await writer.wait_closed()

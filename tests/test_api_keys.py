@@ -5,9 +5,10 @@ and unknown ones answered from memory."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -20,6 +21,17 @@ from tests.stack import Ingress, LiveStack
 from tests.tcp_proxy import TcpProxy
 
 ADMIN = "ops-secret"
+
+
+@pytest.fixture(autouse=True)
+def _leaks_fail_the_test_that_made_them() -> Iterator[None]:
+    """Collect garbage once each test's event loop is gone: a socket a test here leaves open
+    then fails that test, not whichever later test the collector happens to run in (twice in
+    CI, the next module's first test failed on an unclosed socket from this module)."""
+    yield
+    gc.collect()
+
+
 # The promise: a revoked key is refused by every replica within 5 s.
 REVOCATION_BOUND_S = 5.0
 
