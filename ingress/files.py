@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ingress.settings import IngressSettings
 from laneway.batch import output_line_bytes
-from laneway.clients import make_consumer
+from laneway.clients import make_consumer, start_client
 from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
 from laneway.errors import BadRequest, BodyTooLarge, NotFound
 from laneway.schema import BatchResult
@@ -196,7 +196,7 @@ async def read_range(
     consumer: AIOKafkaConsumer = make_consumer(
         settings, isolation_level="read_committed" if committed else "read_uncommitted"
     )
-    await consumer.start()
+    await start_client(consumer)  # a client that hangs up may cut the start short
     try:
         consumer.assign([tp])
         consumer.seek(tp, start)

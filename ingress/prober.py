@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
 from laneway.apikeys import hash_key
-from laneway.clients import make_consumer
+from laneway.clients import make_consumer, start_client
 from laneway.constants import POOLS, RequestClass
 from laneway.errors import ProbeFailed
 from laneway.metrics import PROBE_LATENCY, PROBE_SUCCESS
@@ -53,9 +53,14 @@ class Prober:
         self.settings = state.settings
         self.results: dict[str, ProbeResult] = {}
         self._task: asyncio.Task[None] | None = None
+        # The batch probes' reader of the results, one for all of them: a consumer per probe
+        # paid a bootstrap each time, and a probe's timeout could cut that start short.
+        self._results: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
         if self.settings.probe_interval_s > 0 and self._task is None:
+            self._results = make_consumer(self.settings, isolation_level="read_committed")
+            await start_client(self._results)
             self._task = asyncio.create_task(self._loop(), name="prober")
         with contextlib.suppress(RedisError, OSError):
             await self._forget_legacy_key()
@@ -75,6 +80,9 @@ class Prober:
     async def stop(self) -> None:
         task, self._task = self._task, None
         await stop_task(task)
+        results, self._results = self._results, None
+        if results is not None:
+            await results.stop()
 
     async def _loop(self) -> None:
         while True:
@@ -142,9 +150,10 @@ class Prober:
         topic = state.topics.results_batch
         partitions = sorted(await state.producer.partitions_for(topic))
         tp = TopicPartition(topic, DefaultPartitioner()(job.encode(), partitions, partitions))
-        consumer = make_consumer(self.settings, isolation_level="read_committed")
+        consumer = self._results
+        if consumer is None:
+            raise ProbeFailed("the prober is not started")
         try:
-            await consumer.start()  # inside: a probe stopped while it starts still closes it
             consumer.assign([tp])
             await consumer.seek_to_end(tp)
             await consumer.position(tp)
@@ -160,7 +169,7 @@ class Prober:
                             raise ProbeFailed(f"batch probe ended {status}")
                         return
         finally:
-            await consumer.stop()
+            consumer.unsubscribe()  # nothing fetched between probes
 
     async def _announce(self, pool: str, result: ProbeResult) -> None:
         subject = f"probe:{pool}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -22,6 +24,7 @@ __all__ = [
     "make_producer",
     "make_redis",
     "sentinel_redis",
+    "start_client",
     "topic_partitions",
 ]
 
@@ -80,6 +83,27 @@ def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> A
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
+
+
+async def start_client(client: AIOKafkaConsumer | AIOKafkaProducer) -> None:
+    """``await client.start()``, which a cancel cannot cut short into an open socket.
+
+    aiokafka's bootstrap (0.14) closes its first connection when the metadata request fails,
+    but not when it is cancelled between connecting and the answer: the socket stays open
+    until the garbage collector finds it (seen when a probe's timeout cut a consumer's
+    start). So a cancel waits here for the start to end (bounded by the client's request
+    timeout), stops the client, and then goes on."""
+    starting = asyncio.ensure_future(client.start())
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        while not starting.done():
+            with contextlib.suppress(asyncio.CancelledError):  # raised below all the same
+                await asyncio.wait({starting})
+        if not starting.cancelled():
+            starting.exception()  # retrieved: the cancel is the outcome the caller gets
+        await client.stop()
+        raise
 
 
 def make_redis(settings: CommonSettings) -> aioredis.Redis:

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from laneway.clients import make_consumer, topic_partitions
+from laneway.clients import make_consumer, start_client, topic_partitions
 from laneway.loops import keep_running
 from laneway.settings import CommonSettings
 from laneway.tasks import stop_task
@@ -78,7 +78,7 @@ class ConsoleFeed:
 
     async def _follow(self) -> None:
         consumer: AIOKafkaConsumer = make_consumer(self.settings, isolation_level="read_committed")
-        await consumer.start()
+        await start_client(consumer)  # the feed's stop may come while it starts
         try:
             tps = await self._assign(consumer)
             ends = await consumer.end_offsets(tps)
