@@ -14,11 +14,15 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from ops.devstack import KafkaBroker, RedisServer
+from tests import socket_origins
 from tests.secured import SecuredServices
 from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
 
 KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
 REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT") or free_port())
+
+# A socket left open names the code that opened it in the warning that fails its test.
+socket_origins.install()
 
 
 # The HTTP fuzz suite sends this many generated requests in `make test`; more on demand:
