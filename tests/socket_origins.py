@@ -36,13 +36,22 @@ def _own(filename: str) -> bool:
 
 
 class TracedSocket(socket.socket):
-    __slots__ = ("_origin",)
+    __slots__ = ("_listener", "_origin")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._origin = traceback.StackSummary.extract(
             traceback.walk_stack(None), limit=40, lookup_lines=False
         )
+        self._listener: str | None = None
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        """A connection a server took names that server (asyncio accepts it in a callback,
+        whose stack says nothing of whose server it was)."""
+        sock, address = super().accept()
+        if isinstance(sock, TracedSocket):
+            sock._listener = self.origin()
+        return sock, address
 
     def origin(self) -> str:
         frames = [
@@ -54,8 +63,13 @@ class TracedSocket(socket.socket):
         shown = sorted({*libraries[:1], *clients[:_CLIENT_FRAMES], *own[:_OWN_FRAMES]})
         return " <- ".join(f"{_short(frames[i].filename)}:{frames[i].lineno}" for i in shown)
 
+    def whence(self) -> str:
+        if self._listener is not None:
+            return f"accepted by the server made at {self._listener}"
+        return f"made at {self.origin()}"
+
     def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, made at {self.origin()}>"
+        return f"{super().__repr__()[:-1]}, {self.whence()}>"
 
 
 def install() -> None:
@@ -68,6 +82,8 @@ def install() -> None:
     def traced(self: Any) -> str:
         text = plain(self)
         sock = getattr(self, "_sock", None)
-        return f"{text[:-1]} made at {sock.origin()}>" if isinstance(sock, TracedSocket) else text
+        if not isinstance(sock, TracedSocket):
+            return text
+        return f"{text[:-1]} {sock.whence()}>"
 
     transport.__repr__ = traced  # type: ignore[method-assign]

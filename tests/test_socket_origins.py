@@ -19,9 +19,13 @@ async def test_asyncio_connections_name_their_maker_both_ends() -> None:
     _reader, writer = await asyncio.open_connection("127.0.0.1", port)
     taken = await asyncio.wait_for(accepted.get(), 10)
     try:
-        # The client's end: the test that opened it; the server's: asyncio's accept.
+        # The client's end: the test that opened it; the server's: the test that started
+        # the server.
+        assert "made at asyncio/base_events.py:" in repr(writer.transport)
         assert "tests/test_socket_origins.py:" in repr(writer.transport)
-        assert "made at asyncio/selector_events.py:" in repr(taken.transport)
+        taken_by = repr(taken.transport)
+        assert "accepted by the server made at asyncio/base_events.py:" in taken_by
+        assert "tests/test_socket_origins.py:" in taken_by
     finally:
         for end in (writer, taken):
             end.close()
