@@ -109,8 +109,10 @@ async def team_keys(state: IngressState, team: str | None) -> list[dict[str, Any
 
 
 async def revoke_team_key(state: IngressState, key_or_id: str) -> dict[str, Any]:
-    """Revoke a key by its id (or the key itself): every replica refuses it."""
+    """Revoke a key by its id (or the key itself): every replica refuses it, this one at once
+    (the others once they read the revocation off Kafka)."""
     record = await revoke_key(state.redis, state.producer, state.topics, state.keys, key_or_id)
+    state.revoked.add(record.hash)
     return {**record.public(), "revoked": True}
 
 

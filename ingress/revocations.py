@@ -52,6 +52,13 @@ class RevokedKeys:
     def __len__(self) -> int:
         return len(self._hashes)
 
+    def add(self, key_hash: str) -> None:
+        """A revocation this replica made: refused here from now on, before the topic
+        brings it back; its Redis record is deleted as one read off the topic would be."""
+        if key_hash not in self._hashes:
+            self._hashes.add(key_hash)
+            self._records_left.append(key_hash)
+
     async def start(self) -> None:
         await self._consumer.start()
         self._task = asyncio.create_task(self._tail(), name="revoked-keys")
