@@ -57,4 +57,4 @@ async def test_a_start_cancelled_at_any_moment_leaves_no_connection(services: Se
             await consumer.stop()  # it had started before the cancel came
     assert cut_short > 0, "no start was cancelled: the test proves nothing"
     await asyncio.sleep(0.2)  # a closed transport lets go of its socket a moment later
-    assert _connections_to(port) == before
+    assert _connections_to(port) <= before  # fewer if another client let one go meanwhile
