@@ -7,7 +7,8 @@ conftest, every socket (``socket.socket``, and so every connection asyncio opens
 keeps a short summary of the stack that made it, and its repr (and its asyncio
 transport's), which the warning prints, ends with it: ``made at asyncio/base_events.py:950
 <- aiokafka/conn.py:216 <- aiokafka/client.py:200 <- ingress/prober.py:147 <- ...``.
-A stack summary without source lines costs a few microseconds a socket.
+A stack summary without source lines costs little: about 9 µs more a socket (15 against
+6–8 µs to make and close one, measured with timeit from a shallow stack).
 """
 
 from __future__ import annotations
