@@ -166,6 +166,16 @@ async def eventually(
         await asyncio.sleep(every_s)
 
 
+async def clear_of_the_hour_turn(needed_s: float) -> None:
+    """Return once at least ``needed_s`` seconds are left in this UTC hour, waiting for the
+    next hour if fewer are. Usage is rolled up by hour, so live traffic that a test counts
+    as "this hour" is split in two when the hour turns mid-test: the split is right, the
+    count the test expects is not. Costs nothing in most runs, at most ``needed_s`` + 1 s."""
+    left = 3600 - time.time() % 3600
+    if left < needed_s:
+        await asyncio.sleep(left + 1)
+
+
 class Ingress:
     def __init__(self, settings: IngressSettings) -> None:
         self.settings = settings

@@ -28,7 +28,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from laneway.constants import RedisKeys
 from quota.teams import get_team
-from tests.stack import LiveStack
+from tests.stack import LiveStack, clear_of_the_hour_turn
 from tests.test_streams_process import StreamsProcess
 
 ADMIN = "console-browser-admin-key-42"
@@ -107,6 +107,8 @@ async def test_an_operator_logs_in_watches_usage_changes_a_team_and_revokes_a_ke
         key = await stack.api_key("team-web", size=4, complexity=1.0)
         api = stack.http(ingress, key)
         body = {"model": "laneway-code", "prompt": "def web():", "max_tokens": 8}
+        # The page counts this hour's requests: all five must fall in one (two 60 s waits).
+        await clear_of_the_hour_turn(150)
         assert (await api.post("/v1/completions", json=body)).status_code == 200
         base = ingress.base_url
 

@@ -14,7 +14,7 @@ import orjson
 from ingress.console.session import COOKIE, ConsoleSessions
 from laneway.constants import RedisKeys
 from quota.teams import get_team
-from tests.stack import Ingress, LiveStack
+from tests.stack import Ingress, LiveStack, clear_of_the_hour_turn
 
 ADMIN = "console-admin-key-0123456789"
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
@@ -130,6 +130,7 @@ async def test_a_key_made_on_the_console_works_and_one_revoked_there_is_refused(
 
 async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -> None:
     """Rollups (the latest revision of each hour), breaker levels and their changes."""
+    await clear_of_the_hour_turn(60)  # the page's "this hour" is the hour the rollups are for
     now = time.time()
     hour = int(now) // 3600 * 3600
     producer = await stack.producer()

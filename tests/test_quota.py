@@ -24,7 +24,15 @@ from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
-from tests.stack import LiveStack, Services, envelope, eventually, free_port, redis_client
+from tests.stack import (
+    LiveStack,
+    Services,
+    clear_of_the_hour_turn,
+    envelope,
+    eventually,
+    free_port,
+    redis_client,
+)
 from workers import metrics
 from workers.outbox import Outbox
 
@@ -59,6 +67,13 @@ def test_offpeak_window_wraps_midnight() -> None:
 
 
 # --- enforcement arithmetic on the real Redis --------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+async def _within_one_hour() -> None:
+    """A pool's "used this hour" counter starts again at the turn of the hour: no test here
+    may straddle it (the longest takes about 10 s)."""
+    await clear_of_the_hour_turn(60)
 
 
 @pytest.fixture
