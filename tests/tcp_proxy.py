@@ -3,10 +3,11 @@
 Cut, it closes every connection it carries and refuses new ones, as a server that died or a
 network that split would; the server behind it keeps running for the other tests.
 
-Every accepted connection is owned from its first moment (asyncio hands it over with a plain
-call, before any task of the proxy runs; and while the proxy still dials the server behind it),
-so ``stop`` closes all of them: none is left for the garbage collector to find unclosed after
-the test's event loop has gone.
+Every accepted connection is owned from its first moment: the proxy makes the protocol of
+each one itself, so it counts a connection the tick after asyncio accepted it, before asyncio
+hands it over (a tick or two later). ``stop`` waits until every counted connection has been
+handed over, closes them all and finally aborts any that a close left waiting on unsent bytes:
+none is left for the garbage collector to find unclosed after the test's event loop has gone.
 """
 
 from __future__ import annotations
@@ -23,9 +24,19 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._accepted_n = 0  # protocols made: connections asyncio accepted
+        self._handed_over_n = 0  # of those, handed to ``_accepted``
+        self._transports: list[asyncio.WriteTransport] = []  # every one, closed or not
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            # What asyncio.start_server makes, counted: asyncio calls this as it accepts.
+            self._accepted_n += 1
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._accepted)
+
+        self._server = await loop.create_server(protocol, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def url(self, db: int = 0) -> str:
@@ -46,19 +57,33 @@ class TcpProxy:
         self.cut = True
         if self._server is not None:
             self._server.close()
-        for _ in range(3):  # connections the listener took just before: asyncio hands them over
+        # Accepted just before: asyncio makes the protocol a tick after the accept, and hands
+        # the connection over a tick or two later.
+        for tick in range(100):
             await asyncio.sleep(0)
+            if tick >= 2 and self._handed_over_n >= self._accepted_n:
+                break
         for handler in list(self._handlers):
             handler.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
         await _close(*self._writers)  # any whose handler was cancelled before it ran
         self._writers.clear()
+        # A close with bytes still unsent waits for the peer to read them: do not wait.
+        for transport in self._transports:
+            if not _closed(transport):
+                transport.abort()
+        for _ in range(100):  # an abort lets go of the socket on the next tick
+            if all(_closed(t) for t in self._transports):
+                break
+            await asyncio.sleep(0)
         if self._server is not None:
             await self._server.wait_closed()
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A plain function: asyncio calls it as it hands the connection over."""
+        self._handed_over_n += 1
+        self._transports.append(writer.transport)
         self._writers.add(writer)
         handler = asyncio.ensure_future(self._serve(reader, writer))
         self._handlers.add(handler)
@@ -75,6 +100,7 @@ class TcpProxy:
             except OSError:
                 return
             self._writers.add(up_writer)
+            self._transports.append(up_writer.transport)
             if self.cut:  # cut while dialling
                 return
             pipes = [
@@ -99,9 +125,18 @@ class TcpProxy:
 
 
 async def _close(*writers: asyncio.StreamWriter) -> None:
-    """Close ``writers`` and wait until their sockets are."""
+    """Close ``writers`` and wait until their sockets are: at once, as a cut would, even when
+    bytes are still unsent (a close would wait for a peer that may never read them)."""
     for writer in writers:
         writer.close()
+        if writer.transport.get_write_buffer_size():
+            writer.transport.abort()
     for writer in writers:
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await writer.wait_closed()
+
+
+def _closed(transport: asyncio.BaseTransport) -> bool:
+    """Its socket is closed: a transport closing with bytes unsent still holds it."""
+    sock = transport.get_extra_info("socket")
+    return sock is None or sock.fileno() == -1
