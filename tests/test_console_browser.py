@@ -37,6 +37,8 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 pytestmark = [
     pytest.mark.slow,
+    # The suite's 120 s hang guard plus the up to 151 s the test may wait for the next hour.
+    pytest.mark.timeout(120 + 151),
     pytest.mark.skipif(
         CHROMIUM is None or CHROMEDRIVER is None,
         reason="needs Debian's chromium and chromium-driver (scripts/setup.sh installs them: "

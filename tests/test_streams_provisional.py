@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.stack import LiveStack, clear_of_the_hour_turn, eventually
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
@@ -16,6 +18,7 @@ async def _hourly(stack: LiveStack, team: str) -> list[dict[str, Any]]:
     return [r for r in await stack.read_all(stack.topics.usage_hourly) if r["team"] == team]
 
 
+@pytest.mark.timeout(120 + 41)  # the hang guard plus the wait for the next hour, at most 41 s
 async def test_traffic_is_on_the_hourly_topic_within_30s_then_its_hour_closes(
     stack: LiveStack, tmp_path: Path
 ) -> None:
