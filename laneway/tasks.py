@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
@@ -16,12 +15,14 @@ log = logging.getLogger(__name__)
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
-    """Cancel ``task`` (if any) and wait until it has ended; safe on a task that is done."""
+    """Cancel ``task`` (if any) and wait until it has ended, asking again while it goes on
+    (``cancel_all``); safe on a task that is done. A failure it ended with is logged: the
+    stop itself goes on."""
     if task is None:
         return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_all([task])
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s had failed before it was stopped", task.get_name(), exc_info=exc)
 
 
 def kept(name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
 from laneway.loops import keep_running
+from laneway.tasks import stop_task
 
 
 async def test_a_loop_that_fails_runs_again_and_the_failure_is_told() -> None:
@@ -37,3 +39,47 @@ async def test_cancelling_stops_it() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_stopping_a_loop_that_swallowed_its_cancel_asks_again() -> None:
+    """redis-py can turn a cancel into its timeout error when the cancel lands as its read
+    timeout expires; a read loop that retries on that error goes on. The ingress's reply
+    router did once, and its shutdown waited for good (issue 24's tenth-run hunt)."""
+    reads: list[int] = []
+    started = asyncio.Event()
+
+    async def read_loop() -> None:
+        while True:
+            reads.append(len(reads))
+            started.set()
+            try:
+                await asyncio.sleep(3600)  # a blocking read
+            except asyncio.CancelledError:
+                if len(reads) > 1:
+                    raise
+                continue  # redis-py raised its timeout error instead; the loop reads again
+
+    task = asyncio.create_task(read_loop(), name="a read loop")
+    await asyncio.wait_for(started.wait(), 5)
+    stopping = asyncio.create_task(stop_task(task))
+    # Not wait_for: its own cancel on timeout would reach the loop as the second ask.
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    assert stopping in done, "the stop waited on a loop that went on"
+    assert task.cancelled()
+    assert reads == [0, 1]
+
+
+async def test_stopping_a_task_that_had_failed_logs_the_failure_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def broken() -> None:
+        raise RuntimeError("the loop broke")
+
+    task = asyncio.create_task(broken(), name="a broken loop")
+    await asyncio.wait({task})
+    with caplog.at_level(logging.ERROR, logger="laneway.tasks"):
+        await stop_task(task)
+    assert [r.getMessage() for r in caplog.records] == [
+        "a broken loop had failed before it was stopped"
+    ]
+    assert "the loop broke" in caplog.text
