@@ -34,9 +34,12 @@ def kept(name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
 async def cancel_all(tasks: Collection[asyncio.Task[Any]], ask_again_s: float = 2.0) -> None:
     """Cancel ``tasks`` and wait until they are done, asking again every ``ask_again_s``.
 
-    A library may swallow a cancellation: redis-py has, when it lands as a timeout inside it
-    expires, turning it into a timeout error. A loop that catches that error goes on, and a
-    single cancel would leave a service's stop (and its SIGTERM) waiting for good.
+    A library may swallow a cancellation. redis-py sends each command through
+    ``asyncio.wait_for``, which on Python 3.11 returns the send's result when the cancel
+    lands just as the send completes (fixed in 3.12); it has also turned a cancel that
+    landed as its read timeout expired into a timeout error. A loop goes on to its next
+    read either way, and a single cancel would leave a service's stop (and its SIGTERM)
+    waiting for good.
     """
     pending = {task for task in tasks if not task.done()}
     for task in pending:

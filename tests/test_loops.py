@@ -42,9 +42,9 @@ async def test_cancelling_stops_it() -> None:
 
 
 async def test_stopping_a_loop_that_swallowed_its_cancel_asks_again() -> None:
-    """redis-py can turn a cancel into its timeout error when the cancel lands as its read
-    timeout expires; a read loop that retries on that error goes on. The ingress's reply
-    router did once, and its shutdown waited for good (issue 24's tenth-run hunt)."""
+    """A cancel that lands as redis-py's send completes is lost (Python 3.11's wait_for
+    returns the send's result) and the read loop goes on: the ingress's reply router did,
+    and its shutdown waited for good (issue 24's ten-runs hunt)."""
     reads: list[int] = []
     started = asyncio.Event()
 
@@ -57,7 +57,7 @@ async def test_stopping_a_loop_that_swallowed_its_cancel_asks_again() -> None:
             except asyncio.CancelledError:
                 if len(reads) > 1:
                     raise
-                continue  # redis-py raised its timeout error instead; the loop reads again
+                continue  # what a lost cancel looks like to the loop: its next read
 
     task = asyncio.create_task(read_loop(), name="a read loop")
     await asyncio.wait_for(started.wait(), 5)
