@@ -69,6 +69,20 @@ def test_a_generation_cut_short_is_never_served_as_a_whole_answer() -> None:
     assert registry.match(_keystroke("for i in ran", seq=2)) is None
 
 
+def test_a_generation_whose_abort_is_under_way_takes_no_follower() -> None:
+    registry = ReuseRegistry()
+    owner = _running(registry, "while ", "True: pass ")
+    generation = registry.of_owner(owner.id)
+    assert generation is not None
+    generation.stopping = True  # what the worker sets as it asks the engine to abort it
+    assert registry.match(_keystroke("while Tr", seq=2)) is None
+    assert registry.match(_keystroke("while ", seq=3, session="another")) is None  # coalesced
+    # The engine finished it whole before the abort landed: a whole answer again.
+    generation.end("stop", completed=True)
+    registry.finished(owner.id)
+    assert registry.match(_keystroke("while Tr", seq=4)) is not None
+
+
 def test_memory_is_bounded_by_sessions() -> None:
     registry = ReuseRegistry(max_entries=3)
     for i in range(5):

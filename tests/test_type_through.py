@@ -60,13 +60,13 @@ class _Open:
         self.response = response
         self.lines = response.aiter_lines()
         self.id = response.headers["x-laneway-request-id"]
+        self.text = ""
 
     async def read_words(self, words: int) -> None:
-        seen = ""
-        while seen.count(" ") < words:
+        while self.text.count(" ") < words:
             line = await anext(self.lines)
             if line.startswith("data: {"):
-                seen += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+                self.text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
 
     async def aclose(self) -> None:
         await self.response.aclose()
@@ -125,6 +125,33 @@ async def test_a_diverging_keystroke_supersedes_as_before(
     await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
     outcomes = {e["prompt"]: e["outcome"] for e in upstream.entries()}
     assert outcomes == {"def main():": "gone_running", "def main():zz": "done"}
+
+
+async def test_a_keystroke_never_follows_a_generation_whose_abort_is_under_way(
+    stack: LiveStack,
+) -> None:
+    """Found by the storm drill on a loaded machine: a generation whose client left is
+    aborted (no keystroke followed within the hold), and the abort lands at the engine's next
+    step. A keystroke typing through it in between used to follow it and got the text cut
+    short, an error, instead of a suggestion. It runs on its own now."""
+    ingress = await stack.start_ingress()
+    # Steps this slow (simulated GPU) keep the abort under way while the keystroke comes.
+    worker = await stack.start_worker("completion", sim_decode_ms_per_step=1000.0, reuse_hold_ms=0)
+    http = stack.http(ingress, await stack.api_key())
+    first, first_id = await _first_words(http, "def main():", 1)
+    await first.aclose()  # its client leaves: a tombstone, and with no hold, the abort
+    shield = worker.executor.shield
+    await eventually(lambda: shield.stale_reason(first_id) is not None, 10, "the tombstone")
+    typed = {**_keystroke("def main():" + first.text, 2, stream=False)}
+    typed["json"] = {**typed["json"], "max_tokens": 2}
+    second = await http.post("/v1/completions", **typed)
+    assert second.status_code == 200, second.text
+    assert second.json()["choices"][0]["finish_reason"] == "length"
+    usage = await stack.read_topic(
+        stack.topics.usage, count=1, where=lambda u: u["id"] == second.json()["id"]
+    )
+    assert (usage[0]["status"], usage[0]["reused_from"]) == ("ok", None)
+    assert usage[0]["completion_tokens"] == 2
 
 
 async def test_another_team_never_reuses_a_generation(

@@ -329,6 +329,15 @@ class RequestExecutor:
                     self.reuse_hold_s, self._abort_held, request_id
                 )
             return
+        await self._stop(request_id)
+
+    async def _stop(self, request_id: str) -> None:
+        """Abort ``request_id`` on the engine. Its generation takes no follower from now on:
+        the abort lands a step (or an HTTP close) later and cuts it short, and a keystroke
+        that typed through it in between would get a broken answer, not a suggestion."""
+        generation = self.reuse.of_owner(request_id)
+        if generation is not None:
+            generation.stopping = True
         await self.engine.abort(request_id)
 
     async def preempt(self, request_id: str) -> bool:
@@ -341,7 +350,7 @@ class RequestExecutor:
         if generation is not None and generation.followers:
             return False
         self.preempted.add(request_id)
-        await self.engine.abort(request_id)
+        await self._stop(request_id)
         return True
 
     async def release(self, env: RequestEnvelope) -> None:
@@ -358,12 +367,13 @@ class RequestExecutor:
             timer.cancel()
             del self._held[rid]
             if not generation.followers:
-                await self.engine.abort(rid)
+                await self._stop(rid)
 
     def _abort_held(self, request_id: str) -> None:
         self._held.pop(request_id, None)
         generation = self.reuse.of_owner(request_id)
         if generation is not None and not generation.followers and not generation.done:
+            generation.stopping = True  # now, not when the task runs
             task = asyncio.get_running_loop().create_task(self.engine.abort(request_id))
             self._aborting.add(task)
             task.add_done_callback(self._aborting.discard)
@@ -381,7 +391,7 @@ class RequestExecutor:
             and not generation.followers
             and self.shield.stale_reason(generation.owner) is not None
         ):
-            await self.engine.abort(generation.owner)
+            await self._stop(generation.owner)
 
     def _first_output(self, env: RequestEnvelope) -> None:
         """The engine's first output: the request began there. Began after it turned stale

@@ -55,6 +55,7 @@ class Generation:
     ends: list[int] = field(default_factory=list)  # text length after each token's delta
     engine_ms: float = 0.0
     done: bool = False
+    stopping: bool = False  # an abort of its engine request is under way
     finish_reason: str | None = None
     followers: dict[str, Follower] = field(default_factory=dict)
     served: int = 0  # requests that followed it, ever
@@ -101,8 +102,8 @@ class Generation:
         typed = prompt[self.prompt_len :]
         if not self.text.startswith(typed):
             return None
-        if self.done and self.finish_reason is None:
-            return None  # cut short: its text is not a whole answer
+        if self.finish_reason is None and (self.done or self.stopping):
+            return None  # cut short (or about to be): its text is not a whole answer
         return len(typed)
 
 
@@ -182,7 +183,12 @@ class ReuseRegistry:
                         kind = "recent" if generation.done else "type-through"
                         return self._follow(env, generation, start, kind)
         running = self._by_prompt.get((env.team, _digest(env.prompt), _settings(env)))
-        if running is not None and not running.done and running.owner != env.id:
+        if (
+            running is not None
+            and not running.done
+            and not running.stopping
+            and running.owner != env.id
+        ):
             return self._follow(env, running, 0, "coalesced")
         return None
 
