@@ -71,20 +71,28 @@ def free_port() -> int:
     """A TCP port nothing listens on now, below the kernel's ephemeral range: a port from
     that range (what binding port 0 gives) can be taken by any outgoing connection between
     this pick and the server's bind, and a bench beside the suite makes thousands (a Redis
-    of `laneway up` once found its port taken so)."""
+    of `laneway up` once found its port taken so).
+
+    Never the same port twice in one test process: picks made before any server binds (an
+    ingress port and a metrics port for one `laneway up`) would otherwise collide now and
+    then, and a `/readyz` once got the supervisor's metrics page."""
     ceiling = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(_LOWEST_TEST_PORT, ceiling)
+        if port in _HANDED_OUT or port - 1 in _HANDED_OUT:  # port - 1: a pair's controller
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free port in {_LOWEST_TEST_PORT}..{ceiling - 1}")
 
 
 _LOWEST_TEST_PORT = 10_000
+_HANDED_OUT: set[int] = set()
 
 
 def _ephemeral_low() -> int:
@@ -100,7 +108,7 @@ def free_port_pair() -> int:
     """A port whose successor is free too (the broker's controller listens on port + 1)."""
     for _ in range(50):
         port = free_port()
-        if port < 65535 and not port_in_use(port + 1):
+        if port < 65535 and port + 1 not in _HANDED_OUT and not port_in_use(port + 1):
             return port
     raise RuntimeError("no two adjacent free ports")
 
@@ -109,7 +117,9 @@ def free_port_block(count: int) -> int:
     """A port from which ``count`` consecutive ports are free (a cluster's nodes)."""
     for _ in range(50):
         port = free_port()
-        if port + count <= 65535 and not any(port_in_use(p) for p in range(port, port + count)):
+        block = range(port + 1, port + count)
+        if port + count <= 65535 and not any(p in _HANDED_OUT or port_in_use(p) for p in block):
+            _HANDED_OUT.update(block)
             return port
     raise RuntimeError(f"no {count} adjacent free ports")
 
