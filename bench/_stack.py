@@ -116,9 +116,23 @@ class BenchStack:
 
         return asyncio.run(make())
 
+    def check_alive(self) -> None:
+        """Fail, naming it, if a process of this stack has exited: one that lost its port to a
+        leftover of an earlier run (a bench killed with SIGKILL leaves its children) would
+        otherwise let that leftover answer, and the bench would measure a process it did not
+        start."""
+        for role, pid in self.pids.items():
+            proc = next((p for p in self.procs if p.pid == pid), None)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(
+                    f"{role} (pid {pid}) exited with {proc.returncode} while the stack came up;"
+                    " is a process of an earlier run still holding its port?"
+                )
+
     def wait_ready(self, pools: set[str], within_s: float = 60.0) -> None:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
+            self.check_alive()
             try:
                 checks = httpx.get(
                     self.base_url + "/readyz",
@@ -129,9 +143,11 @@ class BenchStack:
                     all(checks.get(f"workers.{p}", {}).get("ok") for p in pools)
                     and checks["kafka"]["ok"]
                 ):
+                    time.sleep(1.0)  # a process that lost its port exits within a second
+                    self.check_alive()
                     return
-            except httpx.HTTPError:
-                pass
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # not up yet, or not a laneway ingress (then check_alive tells)
             time.sleep(0.25)
         raise TimeoutError(f"stack not ready within {within_s}s")
 
