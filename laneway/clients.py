@@ -170,7 +170,7 @@ def sentinel_redis(url: str) -> aioredis.Redis:
             "LANEWAY_REDIS_URL: a Sentinel URL is "
             "redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>]"
         )
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(
         sentinels,
         sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
         ssl=parts.scheme.startswith("rediss"),

@@ -68,9 +68,10 @@ if ! .venv/bin/python -c 'import sys' >/dev/null 2>&1; then
 fi
 
 stamp=.venv/.laneway-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    say "installing laneway and its dev tools into .venv (pip cache: ~/.cache/pip)"
-    .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]'
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    # constraints.txt holds every package at the version the suite last passed on.
+    say "installing laneway and its dev tools into .venv (pinned: constraints.txt; pip cache: ~/.cache/pip)"
+    .venv/bin/python -m pip install --disable-pip-version-check -c constraints.txt -e '.[dev]'
     touch "$stamp"
 fi
 
