@@ -19,6 +19,10 @@ laneway does not write. ``--max-model-len N`` refuses a request whose prompt (fo
 ``vllm:kv_cache_usage_perc`` (modelled as the share of its slots in use) on ``/metrics`` (as
 vLLM does; without it, it is a server that publishes no queue length); ``/stats`` has the
 two counts as JSON, always.
+
+For tests that need one request to keep its slot until they say so (instead of a race against
+the clock): ``POST /hold`` with ``{"prompts": [...]}`` makes a request with one of those prompts
+hold its slot, before its first token, until ``POST /release`` with ``{"prompts": [...]}``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Upstream:
     max_model_len: int = 0  # 0: no limit
     running: int = 0
     waiting: int = 0
+    held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
     _slots: asyncio.Semaphore = field(init=False)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -84,6 +89,9 @@ class Upstream:
 
     async def tokens(self, count: int, entry: dict[str, Any]) -> AsyncIterator[str]:
         """``count`` words, one per token time (prefill first), counted into ``entry``."""
+        released = self.held.get(entry["prompt"])
+        if released is not None:
+            await released.wait()
         if self.prefill_ms:
             await asyncio.sleep(self.prefill_ms / 1000)
         for i in range(count):
@@ -221,6 +229,34 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response({"running": upstream.running, "waiting": upstream.waiting})
 
 
+async def _hold(request: web.Request) -> web.Response:
+    upstream: Upstream = request.app["upstream"]
+    for prompt in _prompts(await request.read()):
+        upstream.held.setdefault(prompt, asyncio.Event())
+    return web.json_response({"held": sorted(upstream.held)})
+
+
+async def _release(request: web.Request) -> web.Response:
+    upstream: Upstream = request.app["upstream"]
+    for prompt in _prompts(await request.read()):
+        if prompt not in upstream.held:
+            raise web.HTTPBadRequest(text=f"{prompt!r} is not held (POST /hold first)")
+        upstream.held[prompt].set()
+    return web.json_response(
+        {"released": sorted(p for p, e in upstream.held.items() if e.is_set())}
+    )
+
+
+def _prompts(raw: bytes) -> list[str]:
+    try:
+        prompts = orjson.loads(raw)["prompts"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise web.HTTPBadRequest(text='expected {"prompts": ["...", ...]}') from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise web.HTTPBadRequest(text='"prompts" must be a list of strings')
+    return prompts
+
+
 async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "up", "object": "model"}]})
 
@@ -232,6 +268,8 @@ def make_app(upstream: Upstream, *, metrics: bool) -> web.Application:
     app.router.add_post("/v1/chat/completions", _generate)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/stats", _stats)  # for benches and tests, with or without --metrics
+    app.router.add_post("/hold", _hold)  # for tests: keep a request on its slot until /release
+    app.router.add_post("/release", _release)
     if metrics:
         app.router.add_get("/metrics", _metrics)
     return app

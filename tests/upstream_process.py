@@ -79,6 +79,18 @@ class UpstreamProcess:
                 raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
             await asyncio.sleep(0.02)
 
+    async def hold(self, *prompts: str) -> None:
+        """Requests with these prompts keep their slot, before any token, until released."""
+        await self._control("hold", prompts)
+
+    async def release(self, *prompts: str) -> None:
+        await self._control("release", prompts)
+
+    async def _control(self, what: str, prompts: tuple[str, ...]) -> None:
+        async with httpx.AsyncClient() as client:
+            url = f"http://127.0.0.1:{self.port}/{what}"
+            (await client.post(url, json={"prompts": list(prompts)})).raise_for_status()
+
     def entries(self) -> list[dict[str, Any]]:
         """What the upstream ran, one entry per request that has ended."""
         if not self.log.exists():
