@@ -110,7 +110,8 @@ async def test_completions_start_at_once_while_batch_fills_the_upstream(
 async def test_chat_ranks_between_completions_and_batch(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:
-    ingress = await stack.start_ingress()
+    # The completion waits while chat-1 holds its slot: a start deadline that lets it.
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
     workers = await _fleet(stack, upstream, slots=2, fleet_reserve_min=0)
     key = await stack.api_key(size=1000)
     http = stack.http(ingress, key)

@@ -45,9 +45,16 @@ async def _worker(stack: LiveStack, upstream: UpstreamProcess, **options: Any) -
     )
 
 
-def _keystroke(prompt: str, seq: int, *, stream: bool = True) -> dict[str, Any]:
+def _keystroke(
+    prompt: str, seq: int, *, stream: bool = True, max_tokens: int = 12
+) -> dict[str, Any]:
     return {
-        "json": {"model": "laneway-code", "prompt": prompt, "max_tokens": 12, "stream": stream},
+        "json": {
+            "model": "laneway-code",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        },
         "headers": {"X-Laneway-Session": SESSION, "X-Laneway-Seq": str(seq)},
     }
 
@@ -72,8 +79,12 @@ class _Open:
         await self.response.aclose()
 
 
-async def _first_words(http: httpx.AsyncClient, prompt: str, words: int) -> tuple[_Open, str]:
-    request = http.build_request("POST", "/v1/completions", **_keystroke(prompt, 1))
+async def _first_words(
+    http: httpx.AsyncClient, prompt: str, words: int, max_tokens: int = 12
+) -> tuple[_Open, str]:
+    request = http.build_request(
+        "POST", "/v1/completions", **_keystroke(prompt, 1, max_tokens=max_tokens)
+    )
     response = await http.send(request, stream=True)
     assert response.status_code == 200
     opened = _Open(response)
@@ -117,7 +128,8 @@ async def test_a_diverging_keystroke_supersedes_as_before(
     ingress = await stack.start_ingress()
     await _worker(stack, upstream)
     http = stack.http(ingress, await stack.api_key())
-    first, _ = await _first_words(http, "def main():", 1)
+    # Long enough (6 s) that the next keystroke comes while it runs, however slow Kafka is.
+    first, _ = await _first_words(http, "def main():", 1, max_tokens=100)
     second = await http.post("/v1/completions", **_keystroke("def main():zz", 2, stream=False))
     await first.aclose()
     assert second.status_code == 200

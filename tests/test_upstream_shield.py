@@ -61,7 +61,10 @@ async def _idle(worker: PoolWorker, upstream: UpstreamProcess) -> None:
 
 
 async def _occupy(http: httpx.AsyncClient, upstream: UpstreamProcess, prompt: str) -> Any:
-    """A long request that holds the upstream's one slot; returns its task once it runs."""
+    """A request that holds the upstream's one slot until ``upstream.release(prompt)`` (so
+    nothing races its end); returns its task once it runs. Its ingress needs a start
+    deadline that outlasts the hold (``_ingress_with_room``)."""
+    await upstream.hold(prompt)
     task = asyncio.create_task(http.post("/v1/completions", json=_completion(prompt, 40)))
     await upstream.until(lambda running, _: running > 0, f"{prompt} to run upstream")
     return task
@@ -71,7 +74,7 @@ async def test_a_request_cancelled_while_it_waits_in_laneway_never_starts_upstre
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=1, token_ms=40, metrics=True)
-    ingress = await stack.start_ingress()
+    ingress = await _ingress_with_room(stack)
     worker = await _serving(stack, upstream, upstream_slots=1)
     http = stack.http(ingress, await stack.api_key())
     occupant = await _occupy(http, upstream, "occupant")
@@ -79,6 +82,7 @@ async def test_a_request_cancelled_while_it_waits_in_laneway_never_starts_upstre
     await eventually(lambda: len(worker.queue) == 1, 10, "the second request to wait in laneway")
     gone.cancel()  # the client goes away: a tombstone
     await eventually(lambda: len(worker.queue) == 0, 10, "the tombstone to drop it")
+    await upstream.release("occupant")
     assert (await occupant).status_code == 200
     await _idle(worker, upstream)
     assert upstream.entry("never-run") is None
@@ -94,7 +98,7 @@ async def test_a_request_cancelled_while_queued_upstream_is_taken_off_its_queue(
     """Told the upstream runs more than it does, the worker sends work that queues there;
     a cancel closes its connection at once and the upstream never starts it."""
     upstream = await upstreams(slots=1, token_ms=40, metrics=True)
-    ingress = await stack.start_ingress()
+    ingress = await _ingress_with_room(stack)
     worker = await _serving(stack, upstream, upstream_slots=3)
     http = stack.http(ingress, await stack.api_key())
     occupant = await _occupy(http, upstream, "occupant")
@@ -104,6 +108,7 @@ async def test_a_request_cancelled_while_queued_upstream_is_taken_off_its_queue(
     await eventually(lambda: upstream.entry("queued-up") is not None, 10, "the upstream's record")
     entry = upstream.entry("queued-up")
     assert (entry["outcome"], entry["start"]) == ("gone_queued", None)
+    await upstream.release("occupant")
     assert (await occupant).status_code == 200
     await _idle(worker, upstream)
 
@@ -139,7 +144,7 @@ async def test_superseded_keystrokes_never_reach_the_upstream(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=1, token_ms=40, metrics=True)
-    ingress = await stack.start_ingress()
+    ingress = await _ingress_with_room(stack)
     worker = await _serving(stack, upstream, upstream_slots=1)
     http = stack.http(ingress, await stack.api_key())
     occupant = await _occupy(http, upstream, "occupant")
@@ -151,6 +156,12 @@ async def test_superseded_keystrokes_never_reach_the_upstream(
             asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
         )
         await asyncio.sleep(0.02)
+    # Each keystroke is dropped (409) when a newer one reaches the worker; the slot is held
+    # until the first four are, so none of them could have started first.
+    await eventually(
+        lambda: sum(k.done() for k in keystrokes) >= 4, 20, "four keystrokes superseded"
+    )
+    await upstream.release("occupant")
     codes = [r.status_code for r in await asyncio.gather(*keystrokes)]
     assert codes == [409, 409, 409, 409, 200]
     assert (await occupant).status_code == 200
