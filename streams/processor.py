@@ -111,7 +111,8 @@ class UsageProcessor:
         self.hourly_topic = settings.topics.usage_hourly
         self.counters = ProcessorCounters()
         self.states: dict[BreakerSubject, BreakerState] = {}
-        self.factors: dict[str, float] = {}
+        # team → (factor, σ, mean) last announced, to six places
+        self.factors: dict[str, tuple[float, float, float]] = {}
         # Rollups with events not yet published; rebuilt from the table on the first flush.
         self._pending: set[str] = set()
         self._indexed = False
@@ -310,7 +311,11 @@ class UsageProcessor:
         return published
 
     async def update_quota_factors(self) -> int:
-        """Recompute every team's factor; write and announce the ones that changed."""
+        """Recompute every team's factor; write and announce the ones whose factor, σ or mean
+        changed. σ and mean count too: a capped factor (1.3) stays put while σ moves, and an
+        announcement must not keep the σ of part of the history (a first tick while the agent
+        still folds a backlog sees only part of it). The 24 h window moves once an hour, so
+        this adds at most an announcement a team an hour."""
         now = self.clock()
         tokens: dict[str, dict[int, float]] = {}
         for value in list(self.rollups.data.values()):
@@ -327,9 +332,10 @@ class UsageProcessor:
                 continue
             budget = self.quota.base_tokens(record, "interactive")
             stats = utilisation_stats(by_hour, budget, hour_of(now))
-            if abs(self.factors.get(team, -1.0) - stats.factor) < 1e-6:
+            announced = (round(stats.factor, 6), round(stats.sigma, 6), round(stats.mean, 6))
+            if self.factors.get(team) == announced:
                 continue
             await self.announcer.quota_factor(team, stats)
-            self.factors[team] = stats.factor
+            self.factors[team] = announced
             changed += 1
         return changed

@@ -4,6 +4,7 @@ and replays after a crash that must not count twice."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import MutableMapping
 from typing import Any
@@ -14,7 +15,7 @@ import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
 from quota.model import QuotaPolicy
-from quota.teams import Team
+from quota.teams import Team, set_team
 from streams.announce import Announcer
 from streams.breaker import (
     BreakerPolicy,
@@ -308,6 +309,57 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
         await processor.evaluate_breakers()
         levels = {(t["route"], t["team"]): t["level"] for t in sent}
         assert levels[("laneway-code", None)] == 3
+    finally:
+        await redis.aclose()
+
+
+async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
+    services: Services, prefix: str
+) -> None:
+    """The first tick after a start can see only part of a backlog; the factor may already be
+    at its cap (1.3), but the announcement must not keep the partial history's σ."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(prefix)
+    sent: list[dict[str, Any]] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+
+    now = time.time()
+    current = int(now) // 3600
+    processor = UsageProcessor(
+        StreamsSettings(),
+        rollups=_Table(),
+        outcomes=_Table(),
+        announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
+        redis=redis,
+        keys=keys,
+        send=send,
+        clock=lambda: now,
+    )
+    try:
+        # Budget 1 × 50 × 2.0 × 1000 = 100k tokens an hour; a busy hour is 3.0 of it.
+        await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
+        offsets = iter(range(100))
+
+        def fold(*hours: int) -> None:
+            for i in hours:
+                ts = (current - 24 + i) * 3600 + 60
+                event = usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0)
+                processor.handle(event.model_copy(update={"ts": ts}).to_json(), 0, next(offsets))
+
+        # The part of the backlog folded by the first tick: two busy hours in 24, σ 0.83,
+        # already past the cap's 0.6.
+        fold(0, 6)
+        assert await processor.update_quota_factors() == 1
+        fold(12, 18)  # the rest: four busy hours, σ = √1.25
+        assert await processor.update_quota_factors() == 1
+        assert await processor.update_quota_factors() == 0  # nothing moved: not repeated
+        assert [(u["factor"], u["sigma"]) for u in sent] == [
+            (1.3, round(statistics.pstdev([3.0] * 2 + [0.0] * 22), 6)),
+            (1.3, round(statistics.pstdev([3.0] * 4 + [0.0] * 20), 6)),
+        ]
+        assert await redis.get(keys.quota_factor("bursty")) == b"1.300000"
     finally:
         await redis.aclose()
 
