@@ -29,7 +29,10 @@ from tests.stack import (
 from workers.pool import PoolWorker
 from workers.shield import CancelShield
 
-STEP_MS = 20.0
+# A long answer (118 tokens) runs 4.7 s: long enough that what a test sends while it runs
+# (a fresh producer's records, a newer keystroke's round trip) arrives before it ends, even
+# when the broker makes a producer retry.
+STEP_MS = 40.0
 # Long enough that a tombstone crosses Kafka (a few ms on loopback) within one step.
 RACE_STEP_MS = 100.0
 

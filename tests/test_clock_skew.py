@@ -1,5 +1,5 @@
 """A worker whose clock runs 5 s ahead, as a real process beside the real stack: it serves
-completions within their (2 s) deadlines and settles quota without stretching the budget,
+completions within their (4 s) deadlines and settles quota without stretching the budget,
 because deadlines and buckets both go by Redis's clock."""
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ async def test_a_worker_5_s_ahead_serves_in_time_and_admits_no_more_than_the_bud
     stack: LiveStack,
 ) -> None:
     # One reservation in Redis per request: every admission and settlement runs a script.
-    ingress = await stack.start_ingress(quota_lease_share=0, quota_units_per_member=3.6)
+    # Deadlines of 4 s: short of the skew, so a worker that judged them by its own clock
+    # would find every one passed; long enough that a slow broker does not pass one.
+    ingress = await stack.start_ingress(
+        quota_lease_share=0, quota_units_per_member=3.6, completion_deadline_ms=4000
+    )
     worker = _spawn_skewed_worker(stack)
     try:
         await _served(stack.http(ingress, await stack.api_key("warm-up", size=50)), 60)

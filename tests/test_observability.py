@@ -104,7 +104,7 @@ async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
 
 async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) -> None:
     ingress = await stack.start_ingress(
-        probe_interval_s=0.5, probe_timeout_s=1.5, admin_key="ops-secret"
+        probe_interval_s=0.5, probe_timeout_s=3.0, admin_key="ops-secret"
     )
     workers = {pool: await stack.start_worker(pool) for pool in ("completion", "chat", "batch")}
     http = stack.http(ingress, "ops-secret")  # the checks are for the operator
@@ -127,9 +127,15 @@ async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) ->
         return (status, checks) if checks.get("probe.completion", {}).get("ok") is False else None
 
     await workers["completion"].stop()
-    status, checks = await eventually(completion_probe_failed, 5, "the completion probe to fail")
+    status, _ = await eventually(completion_probe_failed, 10, "the completion probe to fail")
     assert status == 503
-    assert checks["probe.chat"]["ok"] is True
+
+    async def chat_probe_ok_meanwhile() -> bool:
+        checks = (await ready())[1]
+        return checks["probe.completion"]["ok"] is False and checks["probe.chat"]["ok"] is True
+
+    # The other pools' probes still pass (the next one, if a slow broker made one time out).
+    await eventually(chat_probe_ok_meanwhile, 10, "the chat probe to pass while completion's fail")
 
     await stack.start_worker("completion")
     await eventually(is_ready, 20, "the ingress ready again")

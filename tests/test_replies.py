@@ -129,16 +129,18 @@ def test_a_rerun_that_repeats_what_was_sent_goes_on_seamlessly() -> None:
 
 
 async def test_channel_gives_each_gap_its_own_wait() -> None:
-    channel = ReplyChannel("r-7", "team-a", gap_wait_s=0.2)
+    # Waits of 1 s, each step a quarter of one away from its edge: a loop that stalls for
+    # less than that (a busy machine) changes nothing.
+    channel = ReplyChannel("r-7", "team-a", gap_wait_s=1.0)
     channel.feed(Reply(id="r-7", n=0, at=0, text="a"))
     channel.feed(Reply(id="r-7", n=2, at=2, text="c"))  # "b" missing
     channel.feed(Reply(id="r-7", n=4, at=4, text="e", done=True, status="ok"))  # "d" too
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(0.75)
     channel.feed(Reply(id="r-7", n=1, at=1, text="b"))  # the first gap fills
     assert [r.text for r in _drain(channel)] == ["a", "b", "c"]
-    await asyncio.sleep(0.1)  # past the first gap's wait, within the second's
+    await asyncio.sleep(0.5)  # past the first gap's wait (1.0), within the second's (1.75)
     assert _drain(channel) == []
-    final = await channel.get(1.0)  # the second never filled
+    final = await channel.get(5.0)  # the second never filled
     assert (final.done, final.status) == (True, "error")
 
 

@@ -32,7 +32,7 @@ from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
 from streams.shadow import ShadowWatch
 from tests.stack import LiveStack, envelope, eventually, sim_answer_tokens
-from tests.test_cancel_shield import STEP_MS, until_seen
+from tests.test_cancel_shield import until_seen
 from tests.test_streams_logic import _Table
 from tests.test_streams_process import usage_event
 
@@ -186,7 +186,7 @@ async def test_a_primarys_tombstone_ends_its_copy_before_it_starts_or_running(
     # that no client knows, so the primary's tombstone must end it too. The copies' answers
     # on the shadow route are 100 tokens or more (6 s and longer): they still run when it
     # comes, however slowly this machine carries the records before it.
-    worker = await stack.start_worker("completion", sim_decode_ms_per_step=3 * STEP_MS)
+    worker = await stack.start_worker("completion", sim_decode_ms_per_step=60.0)
     running, forged, later = (
         envelope(reply_to=f"{stack.prefix}:reply:test", max_tokens=128, prompt=f"def {p}():")
         for p in ("mirrored_8", "mirrored_15", "mirrored_18")
