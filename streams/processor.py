@@ -314,8 +314,9 @@ class UsageProcessor:
         """Recompute every team's factor; write and announce the ones whose factor, σ or mean
         changed. σ and mean count too: a capped factor (1.3) stays put while σ moves, and an
         announcement must not keep the σ of part of the history (a first tick while the agent
-        still folds a backlog sees only part of it). The 24 h window moves once an hour, so
-        this adds at most an announcement a team an hour."""
+        still folds a backlog sees only part of it). In steady traffic the 24 h window moves once
+        an hour, so a capped team gets about one more announcement an hour; while a backlog or
+        late usage is folded, each tick that moves σ or the mean sends one."""
         now = self.clock()
         tokens: dict[str, dict[int, float]] = {}
         for value in list(self.rollups.data.values()):
