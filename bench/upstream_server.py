@@ -23,6 +23,8 @@ two counts as JSON, always.
 For tests that need one request to keep its slot until they say so (instead of a race against
 the clock): ``POST /hold`` with ``{"prompts": [...]}`` makes a request with one of those prompts
 hold its slot, before its first token, until ``POST /release`` with ``{"prompts": [...]}``.
+A release naming a prompt that is not held releases none (400); holding a released prompt again
+holds the next request with it; ``/hold`` answers with the prompts held now.
 """
 
 from __future__ import annotations
@@ -232,15 +234,21 @@ async def _stats(request: web.Request) -> web.Response:
 async def _hold(request: web.Request) -> web.Response:
     upstream: Upstream = request.app["upstream"]
     for prompt in _prompts(await request.read()):
-        upstream.held.setdefault(prompt, asyncio.Event())
-    return web.json_response({"held": sorted(upstream.held)})
+        released = upstream.held.get(prompt)
+        if released is None or released.is_set():  # held again after a release: the next waits
+            upstream.held[prompt] = asyncio.Event()
+    return web.json_response(
+        {"held": sorted(p for p, e in upstream.held.items() if not e.is_set())}
+    )
 
 
 async def _release(request: web.Request) -> web.Response:
     upstream: Upstream = request.app["upstream"]
-    for prompt in _prompts(await request.read()):
-        if prompt not in upstream.held:
-            raise web.HTTPBadRequest(text=f"{prompt!r} is not held (POST /hold first)")
+    prompts = _prompts(await request.read())
+    unknown = [p for p in prompts if p not in upstream.held]
+    if unknown:  # all or nothing: a typo releases none of the others
+        raise web.HTTPBadRequest(text=f"not held (POST /hold first): {unknown!r}")
+    for prompt in prompts:
         upstream.held[prompt].set()
     return web.json_response(
         {"released": sorted(p for p, e in upstream.held.items() if e.is_set())}
