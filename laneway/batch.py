@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
-from laneway.clients import make_consumer, make_producer
+from laneway.clients import make_consumer, make_producer, start_client
 from laneway.errors import BadRequest
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
@@ -206,7 +206,7 @@ class BatchClient:
                 f"cannot read {topic} ({exc}); is LANEWAY_TOPIC_PREFIX right?"
             ) from exc
         consumer = make_consumer(self.settings, isolation_level="read_committed")
-        await consumer.start()
+        await start_client(consumer)  # a status call cut short leaves no socket open
         try:
             return await _scan_job(consumer, topic, partitions, job_id)
         finally:

@@ -15,7 +15,7 @@ import orjson
 from aiokafka import TopicPartition
 from pydantic import ValidationError
 
-from laneway.clients import make_consumer, topic_partitions
+from laneway.clients import make_consumer, start_client, topic_partitions
 from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings
 from streams.records import HourlyRollup
@@ -83,7 +83,7 @@ async def _latest_rollups(
     if not partitions:
         raise ConfigError(f"topic {topic} does not exist (is LANEWAY_TOPIC_PREFIX right?)")
     consumer = make_consumer(settings, isolation_level="read_committed")
-    await consumer.start()
+    await start_client(consumer)  # a Ctrl-C during the start leaves no socket open
     latest: dict[tuple[str, str, str, int], HourlyRollup] = {}
     try:
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
