@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +19,7 @@ from ops.devstack import KafkaBroker, RedisServer
 from tests import socket_origins
 from tests.secured import SecuredServices
 from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
+from tests.upstream_process import UpstreamProcess
 
 KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
 REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT") or free_port())
@@ -117,3 +120,20 @@ async def stack(services: Services, prefix: str) -> AsyncIterator[LiveStack]:
         yield live
     finally:
         await live.stop()
+
+
+@pytest.fixture
+async def upstreams(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Starts separate upstream processes (``bench.upstream_server``), stopped after the test:
+    ``await upstreams(slots=1, token_ms=40)``."""
+    started: list[UpstreamProcess] = []
+
+    async def start(**options: Any) -> UpstreamProcess:
+        upstream = UpstreamProcess(tmp_path / f"upstream-{len(started)}.jsonl", **options)
+        started.append(upstream)
+        await upstream.ready()
+        return upstream
+
+    yield start
+    for upstream in started:
+        upstream.stop()

@@ -5,7 +5,7 @@ is released, a release is all or nothing, and a prompt can be held again after a
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -21,86 +21,68 @@ async def _complete(upstream: UpstreamProcess, prompt: str) -> dict[str, Any]:
         return dict(reply.json())
 
 
-async def _control(upstream: UpstreamProcess, what: str, body: object) -> httpx.Response:
-    async with httpx.AsyncClient() as client:
-        return await client.post(f"http://127.0.0.1:{upstream.port}/{what}", json=body)
-
-
-async def _held(upstream: UpstreamProcess) -> list[str]:
-    return list((await _control(upstream, "hold", {"prompts": []})).json()["held"])
-
-
 async def test_a_held_request_keeps_its_slot_without_a_token_until_released(
-    tmp_path: Path,
+    upstreams: Callable[..., Any],
 ) -> None:
-    upstream = UpstreamProcess(tmp_path / "upstream.jsonl", slots=1, token_ms=5)
-    try:
-        await upstream.ready()
-        await upstream.hold("held one")
-        first = asyncio.ensure_future(_complete(upstream, "held one"))
-        await upstream.until(lambda running, _: running == 1, "the held request on its slot")
-        second = asyncio.ensure_future(_complete(upstream, "behind it"))
-        await upstream.until(lambda _, waiting: waiting == 1, "the next request queued")
-        # Both are still in the upstream (its log has an entry per ended request only).
-        assert upstream.entries() == []
-        assert not first.done()
-        assert not second.done()
+    upstream = await upstreams(slots=1, token_ms=5)
+    await upstream.hold("held one")
+    first = asyncio.ensure_future(_complete(upstream, "held one"))
+    await upstream.until(lambda running, _: running == 1, "the held request on its slot")
+    second = asyncio.ensure_future(_complete(upstream, "behind it"))
+    await upstream.until(lambda _, waiting: waiting == 1, "the next request queued")
+    # Both are still in the upstream (its log has an entry per ended request only).
+    assert upstream.entries() == []
+    assert not first.done()
+    assert not second.done()
 
-        await upstream.release("held one")
-        assert (await first)["usage"]["completion_tokens"] == 3
-        await second
-        ran = {e["prompt"]: e for e in upstream.entries()}
-        assert ran["held one"]["tokens"] == 3
-        assert ran["behind it"]["queued"]
-        assert ran["held one"]["end"] < ran["behind it"]["start"]
-    finally:
-        upstream.stop()
+    await upstream.release("held one")
+    assert (await first)["usage"]["completion_tokens"] == 3
+    await second
+    ran = {e["prompt"]: e for e in upstream.entries()}
+    assert ran["held one"]["tokens"] == 3
+    assert ran["behind it"]["queued"]
+    assert ran["held one"]["end"] < ran["behind it"]["start"]
 
 
-async def test_a_release_naming_an_unknown_prompt_releases_none(tmp_path: Path) -> None:
-    upstream = UpstreamProcess(tmp_path / "upstream.jsonl", slots=2, token_ms=5)
-    try:
-        await upstream.ready()
-        await upstream.hold("a", "b")
-        refused = await _control(upstream, "release", {"prompts": ["a", "typo"]})
-        assert refused.status_code == 400
-        assert "typo" in refused.text
-        assert await _held(upstream) == ["a", "b"]
-        # "a" was not released by the bad call: a request with it still waits on its slot.
-        waiting = asyncio.ensure_future(_complete(upstream, "a"))
-        await upstream.until(lambda running, _: running == 1 or waiting.done(), "a's request")
-        assert not waiting.done(), "the refused release let the held prompt through"
-        await upstream.release("a")
-        await waiting
+async def test_a_release_naming_an_unknown_prompt_releases_none(
+    upstreams: Callable[..., Any],
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=5)
+    await upstream.hold("a", "b")
+    refused = await upstream.control("release", {"prompts": ["a", "typo"]})
+    assert refused.status_code == 400
+    assert "typo" in refused.text
+    assert await upstream.held() == ["a", "b"]
+    # "a" was not released by the bad call: a request with it still waits on its slot.
+    waiting = asyncio.ensure_future(_complete(upstream, "a"))
+    await upstream.until(lambda running, _: running == 1 or waiting.done(), "a's request")
+    assert not waiting.done(), "the refused release let the held prompt through"
+    await upstream.release("a")
+    await waiting
 
-        for body in ({"prompt": ["a"]}, {"prompts": "a"}, {"prompts": [1]}, []):
-            bad = await _control(upstream, "hold", body)
-            assert bad.status_code == 400, body
-            assert "prompts" in bad.text, body
-        assert await _held(upstream) == ["b"]
-    finally:
-        upstream.stop()
+    bodies: list[object] = [{"prompt": ["a"]}, {"prompts": "a"}, {"prompts": [1]}, []]
+    for body in bodies:
+        bad = await upstream.control("hold", body)
+        assert bad.status_code == 400, body
+        assert "prompts" in bad.text, body
+    assert await upstream.held() == ["b"]
 
 
 async def test_a_prompt_held_again_after_a_release_holds_the_next_request(
-    tmp_path: Path,
+    upstreams: Callable[..., Any],
 ) -> None:
-    upstream = UpstreamProcess(tmp_path / "upstream.jsonl", slots=1, token_ms=5)
-    try:
-        await upstream.ready()
-        await upstream.hold("again")
-        await upstream.release("again")
-        await _complete(upstream, "again")  # released: runs through
-        assert await _held(upstream) == []
+    upstream = await upstreams(slots=1, token_ms=5)
+    await upstream.hold("again")
+    await upstream.release("again")
+    await _complete(upstream, "again")  # released: runs through
+    assert await upstream.held() == []
 
-        await upstream.hold("again")
-        assert await _held(upstream) == ["again"]
-        held = asyncio.ensure_future(_complete(upstream, "again"))
-        await upstream.until(lambda running, _: running == 1, "the re-held request on its slot")
-        assert len(upstream.entries()) == 1
-        assert not held.done()
-        await upstream.release("again")
-        await held
-        assert [e["tokens"] for e in upstream.entries()] == [3, 3]
-    finally:
-        upstream.stop()
+    await upstream.hold("again")
+    assert await upstream.held() == ["again"]
+    held = asyncio.ensure_future(_complete(upstream, "again"))
+    await upstream.until(lambda running, _: running == 1, "the re-held request on its slot")
+    assert len(upstream.entries()) == 1
+    assert not held.done()
+    await upstream.release("again")
+    await held
+    assert [e["tokens"] for e in upstream.entries()] == [3, 3]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,21 +21,6 @@ from workers.pool import PoolWorker
 from workers.upstream import OpenAICompatibleEngine
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def upstreams(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    started: list[UpstreamProcess] = []
-
-    async def start(**options: Any) -> UpstreamProcess:
-        upstream = UpstreamProcess(tmp_path / f"upstream-{len(started)}.jsonl", **options)
-        started.append(upstream)
-        await upstream.ready()
-        return upstream
-
-    yield start
-    for upstream in started:
-        upstream.stop()
 
 
 async def _serving(

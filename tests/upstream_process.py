@@ -86,10 +86,17 @@ class UpstreamProcess:
     async def release(self, *prompts: str) -> None:
         await self._control("release", prompts)
 
+    async def held(self) -> list[str]:
+        """The prompts held now (not released)."""
+        return list((await self.control("hold", {"prompts": []})).json()["held"])
+
     async def _control(self, what: str, prompts: tuple[str, ...]) -> None:
+        (await self.control(what, {"prompts": list(prompts)})).raise_for_status()
+
+    async def control(self, what: str, body: object) -> httpx.Response:
+        """``POST /hold`` or ``/release`` with ``body`` as it is, bad or not."""
         async with httpx.AsyncClient() as client:
-            url = f"http://127.0.0.1:{self.port}/{what}"
-            (await client.post(url, json={"prompts": list(prompts)})).raise_for_status()
+            return await client.post(f"http://127.0.0.1:{self.port}/{what}", json=body)
 
     def entries(self) -> list[dict[str, Any]]:
         """What the upstream ran, one entry per request that has ended."""
