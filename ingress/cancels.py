@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +78,10 @@ class CancelOutbox:
         keys: RedisKeys,
         *,
         hold_s: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._producer = producer
+        self._clock = clock  # Redis's, which tombstones are stamped on (``laneway.clock``)
         self._redis = redis
         self._circuit = circuit_of(redis)
         self._topics = topics
@@ -130,7 +132,7 @@ class CancelOutbox:
     def add(self, env: RequestEnvelope) -> None:
         """The client of ``env`` went away: its tombstone goes on Redis at once, and on Kafka
         within the hold unless a newer keystroke of its session on its lane was stored."""
-        record = CancelRecord(id=env.id, team=env.team, reason="disconnect")
+        record = CancelRecord(id=env.id, team=env.team, reason="disconnect", ts=self._clock())
         on_redis: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._early.append((record, on_redis))
         now = time.monotonic()

@@ -61,17 +61,20 @@ class IngressState:
         # produce request in flight per broker, so on a shared producer a storm of tombstones
         # would queue the requests of the keystrokes that users still wait for.
         self.cancel_producer: AIOKafkaProducer = make_producer(settings)
+        # Redis's clock: deadlines, acceptances and tombstones are stamped on it, so a
+        # machine whose own clock is off stamps what the workers read right.
+        self.clock = RedisClock()
         self.cancels = CancelOutbox(
             self.cancel_producer,
             self.redis,
             self.topics,
             self.keys,
             hold_s=settings.cancel_hold_ms / 1000,
+            clock=self.clock.now,
         )
         self.replies = ReplyRouter(self.redis, self.reply_stream)
         self.revoked = RevokedKeys(settings, self.redis)
         self.callers = CallerResolver(self.redis, self.keys, self.revoked)
-        self.clock = RedisClock()
         self.admission = Admission(settings, self.producer, self.clock)
         self.cancel_limit = CancelRateLimit(self.redis, self.keys, settings.cancels_per_s)
         self.breaker = BreakerGate(self.redis, self.keys, settings)
@@ -89,7 +92,7 @@ class IngressState:
         self.batches = BatchBook(settings, self.redis, self.files)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
-            QuotaEnforcer(self.redis, self.keys, policy),
+            QuotaEnforcer(self.redis, self.keys, policy, clock=self.clock.now),
             policy,
             enabled=settings.quota_enabled,
             lease_share=settings.quota_lease_share,
@@ -161,7 +164,8 @@ class IngressState:
 
     async def send_cancel(self, request_id: str, team: str) -> None:
         """``DELETE``: publish a tombstone and wait until the broker stored it."""
-        await self.cancels.send_now(CancelRecord(id=request_id, team=team, reason="api"))
+        record = CancelRecord(id=request_id, team=team, reason="api", ts=self.clock.now())
+        await self.cancels.send_now(record)
 
     async def produce(self, env: RequestEnvelope) -> None:
         """Store ``env`` on its lane (raises the broker's error); from then on it supersedes

@@ -23,7 +23,9 @@ dropped before it ran is not free), at most its reservation plus ``max_excess`` 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -81,10 +83,21 @@ class Settled:
 class QuotaEnforcer:
     """Reserve, settle and release team budget in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys, policy: QuotaPolicy) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        policy: QuotaPolicy,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.policy = policy
+        # Redis's clock (``laneway.clock``): the hour usage is counted in and the off-peak
+        # window are read on it, so a process whose clock is off counts in the hour the
+        # others count in and the admin API reports.
+        self.clock = clock
         self._reserve = redis.register_script(RESERVE)
         self._settle = redis.register_script(SETTLE)
         self._lease = redis.register_script(LEASE)
@@ -101,7 +114,9 @@ class QuotaEnforcer:
     ) -> Admitted:
         """Take ``tokens`` from the team's pool or raise ``QuotaExceeded``."""
         if borrow is None:
-            borrow = pool == "batch" and self.policy.in_offpeak()
+            borrow = pool == "batch" and self.policy.in_offpeak(
+                datetime.fromtimestamp(self.clock(), UTC)
+            )
         lender: Pool = "interactive"
         result = await self._reserve(
             keys=[
@@ -218,9 +233,7 @@ class QuotaEnforcer:
         accepted_ts: float,
         min_charge: int | None = None,
     ) -> tuple[list[str], list[Any]]:
-        # The hour of the usage counter comes from this machine's clock: off by its skew at
-        # most, at the turn of an hour, in a figure the admin API reports (no decision).
-        hour = int(time.time() // 3600)
+        hour = int(self.clock() // 3600)
         keys = [
             self.keys.quota_reservations(team),
             self.keys.quota_bucket(team, "interactive"),
@@ -279,7 +292,7 @@ class QuotaEnforcer:
         """Budget, remaining, reservations, usage this hour and the factor (admin API)."""
         seconds, micros = await self.redis.time()
         now = seconds + micros / 1e6  # the clock the scripts refill on
-        hour = int(time.time() // 3600)
+        hour = int(now // 3600)
         factor_raw = await self.redis.get(self.keys.quota_factor(team.name))
         factor = float(factor_raw) if factor_raw is not None else 1.0
         reservations = await self.redis.hgetall(self.keys.quota_reservations(team.name))

@@ -20,6 +20,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.clients import kafka_auth, make_redis
+from laneway.clock import RedisClock
 from laneway.errors import LanewayError
 from streams.announce import Announcer
 from streams.canary import CanaryWatch
@@ -42,6 +43,7 @@ _FORGET_IDS_S = 60.0
 TABLES = ("rollups", "outcomes", "usage_ids")
 _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 _SHADOW_EVAL_S = 5.0  # how often shadow comparisons are written (each over its whole window)
+_CLOCK_SYNC_S = 30.0  # how often the offset to Redis's clock is learned again
 
 register()
 
@@ -91,6 +93,9 @@ class StreamsApp:
         app.on_partitions_assigned.connect(self._assigned)
         app.on_partitions_revoked.connect(self._revoked)
         self.redis: aioredis.Redis = make_redis(settings)
+        # Redis's clock, which the workers stamp usage events on: hours close, windows
+        # slide and old records age on it, whatever this machine's clock says.
+        self.clock = RedisClock()
         self.webhook = OnCallWebhook(settings.breaker_webhook_url)
         self._outputs = {
             name: app.topic(name, key_serializer="raw", value_serializer="raw")
@@ -104,8 +109,10 @@ class StreamsApp:
             self.webhook,
             cooldown_s=settings.breaker_cooldown_s,
         )
-        self.canary = CanaryWatch(settings, self.redis, settings.keys, self._send, self.webhook)
-        self.shadow = ShadowWatch(settings, self.redis, settings.keys)
+        self.canary = CanaryWatch(
+            settings, self.redis, settings.keys, self._send, self.webhook, clock=self.clock.now
+        )
+        self.shadow = ShadowWatch(settings, self.redis, settings.keys, clock=self.clock.now)
         self.processor = UsageProcessor(
             settings,
             rollups=app.Table(TABLES[0], key_type=str, partitions=partitions),
@@ -120,6 +127,7 @@ class StreamsApp:
             send=self._send,
             canary=self.canary,
             shadow=self.shadow,
+            clock=self.clock.now,
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
@@ -131,6 +139,7 @@ class StreamsApp:
         self._timer(_FORGET_IDS_S, "usage-ids", self.processor.forget_ids)
         self._timer(_CANARY_EVAL_S, "canaries", self.canary.evaluate)
         self._timer(_SHADOW_EVAL_S, "shadows", self.shadow.evaluate)
+        self._timer(_CLOCK_SYNC_S, "clock", self._sync_clock)
         self._levels_restored = False
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
@@ -178,7 +187,14 @@ class StreamsApp:
         tick.__name__ = f"streams_{name.replace('-', '_')}"
         self.app.timer(interval, name=f"streams.{name}")(tick)
 
+    async def _sync_clock(self) -> None:
+        await self.clock.sync(self.redis)
+
     async def start(self) -> None:
+        try:
+            await self.clock.sync(self.redis, samples=3)
+        except (RedisError, OSError, LanewayError) as exc:
+            log.warning("clock not synced with Redis yet (this machine's is used): %s", exc)
         self.app.in_worker = True
         await self.app.start()
         log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)

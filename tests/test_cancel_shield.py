@@ -263,6 +263,24 @@ def test_shield_memory_is_bounded() -> None:
     assert len(shield) == 0
 
 
+def test_a_tombstone_lasts_its_ttl_on_redis_time_whatever_this_machines_clock_says() -> None:
+    # The ingress stamps tombstones on Redis's clock, here in 1970: read on this machine's
+    # clock (decades ahead of it, as one 20 min ahead would be past the 15 min TTL), each
+    # would expire the moment the cancel feed's next fetch ended.
+    redis_now = [1_000_000.0]
+    shield = CancelShield(wall=lambda: redis_now[0])
+    env = envelope(team="team-a")
+    shield.cancel(CancelRecord(id=env.id, team="team-a", ts=redis_now[0]))
+    shield.expire()  # what the cancel feed calls after each fetch
+    assert isinstance(shield.verdict(env), Cancelled)
+    redis_now[0] += shield.ttl_s - 1
+    shield.expire()
+    assert isinstance(shield.verdict(env), Cancelled)
+    redis_now[0] += 2  # past the TTL on Redis's clock: forgotten
+    shield.expire()
+    assert shield.verdict(env) is None
+
+
 def test_another_teams_tombstone_does_not_undo_the_owners_cancel() -> None:
     # Team b DELETEs team a's request id through a replica that does not hold it: the
     # ingress cannot tell, the worker honours it for nobody's work but b's own.

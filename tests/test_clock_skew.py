@@ -1,6 +1,11 @@
-"""A worker whose clock runs 5 s ahead, as a real process beside the real stack: it serves
-completions within their (4 s) deadlines and settles quota without stretching the budget,
-because deadlines and buckets both go by Redis's clock."""
+"""Workers whose clocks are off, as real processes beside the real stack. One 5 s ahead
+serves completions within their (4 s) deadlines and settles quota without stretching the
+budget; one 2 h behind reports its usage at the time it happened and counts it in the hour
+everyone else does. Deadlines, buckets, acceptances and usage all go by Redis's clock.
+
+(Not a worker hours ahead: Kafka 4 refuses records stamped more than an hour after the
+broker's clock, ``log.message.timestamp.after.max.ms``, so such a worker could produce
+nothing; a worker hours behind is what a broker lets through.)"""
 
 from __future__ import annotations
 
@@ -8,28 +13,34 @@ import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
 from laneway.clock import RedisClock
-from tests.stack import ROOT, LiveStack
+from laneway.constants import RedisKeys
+from quota.enforcer import QuotaEnforcer
+from quota.model import QuotaPolicy
+from quota.teams import get_team
+from tests.stack import ROOT, LiveStack, clear_of_the_hour_turn, eventually
 
 SKEW_S = 5.0
-# The worker's process: every time.time() in it reads 5 s ahead (asyncio and the sim's step
-# timing use the monotonic clock, as a machine whose wall clock is wrong would).
+# The worker's process: every time.time() in it reads ``skew_s`` off (asyncio and the sim's
+# step timing use the monotonic clock, as a machine whose wall clock is wrong would).
 _SKEWED_WORKER = (
     "import sys, time\n"
     "real = time.time\n"
-    f"time.time = lambda: real() + {SKEW_S}\n"
+    "time.time = lambda: real() + float(sys.argv[1])\n"
     "from workers.__main__ import main\n"
-    "sys.exit(main())\n"
+    "sys.exit(main([]))\n"
 )
 BUDGET = 3600  # tokens an hour: the bucket refills one token a second
 CONCURRENCY = 4
 RESERVATION = 20  # a 40-character prompt (10 tokens) and max_tokens 10
 
 
-def _spawn_skewed_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
+def _spawn_skewed_worker(stack: LiveStack, skew_s: float = SKEW_S) -> subprocess.Popen[bytes]:
     env = stack.process_env(
         LANEWAY_POOL="completion",
         LANEWAY_ENGINE="sim",
@@ -40,7 +51,8 @@ def _spawn_skewed_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
         LANEWAY_COMMIT_INTERVAL_MS="50",
         LANEWAY_LOG_LEVEL="WARNING",
     )
-    return subprocess.Popen([sys.executable, "-c", _SKEWED_WORKER], env=env, cwd=ROOT)
+    command = [sys.executable, "-c", _SKEWED_WORKER, str(skew_s)]
+    return subprocess.Popen(command, env=env, cwd=ROOT)
 
 
 async def _served(http: httpx.AsyncClient, within_s: float) -> None:
@@ -110,3 +122,61 @@ async def test_the_clock_reads_redis_time_whatever_the_local_clock_says(stack: L
     assert abs(skewed.offset + SKEW_S) < 1.0
     assert skewed.material
     assert abs(skewed.to_local(redis_now) - (time.time() + SKEW_S)) < 1.0
+
+
+async def test_a_worker_2_h_behind_reports_usage_at_redis_time_in_the_hour_of_everyone(
+    stack: LiveStack,
+) -> None:
+    await clear_of_the_hour_turn(90)  # the hour's counter is what this test reads
+    ingress = await stack.start_ingress(quota_lease_share=0)
+    worker = _spawn_skewed_worker(stack, -2 * 3600.0)
+    try:
+        await _served(stack.http(ingress, await stack.api_key("warm-up", size=50)), 60)
+        http = stack.http(ingress, await stack.api_key("team-b", size=5))
+        began = await _redis_now(stack)
+        tokens = 0
+        for i in range(6):
+            body = {"model": "laneway-code", "prompt": f"def f{i}():", "max_tokens": 8}
+            answer = await http.post("/v1/completions", json=body, headers=_session(i))
+            assert answer.status_code == 200, answer.text
+            tokens += answer.json()["usage"]["total_tokens"]
+        ended = await _redis_now(stack)
+        enforcer = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), QuotaPolicy())
+        team = await get_team(stack.redis, RedisKeys(stack.prefix), "team-b")
+
+        async def used() -> int:
+            pools: Any = (await enforcer.snapshot(team))["pools"]
+            return int(pools["interactive"]["used_tokens_this_hour"])
+
+        # Settled in this hour's counter, the one the admin API reads (its own clock's
+        # hour, two hours ago, would leave this one at nothing).
+        await eventually(lambda: _at_least(used, tokens), 20, f"{tokens} tokens this hour")
+        assert await used() == tokens
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    events = await stack.read_topic(
+        stack.topics.usage, count=6, where=lambda e: e["team"] == "team-b"
+    )
+    assert sum(e["prompt_tokens"] + e["completion_tokens"] for e in events) == tokens
+    span_ms = (ended - began) * 1000
+    for event in events:
+        # When it ended, on Redis's clock (the streams app rolls usage up by this hour),
+        # and waits that fit inside the time the client waited.
+        assert began - 1 <= event["ts"] <= ended + 1, (event["ts"], began, ended)
+        assert 0 <= event["queue_ms"] <= event["total_ms"] <= span_ms + 1000, event
+
+
+def _session(i: int) -> dict[str, str]:
+    # Every keystroke one session, each newer than the last: the skewed worker compares
+    # their acceptances (for the news of a supersede) on Redis's clock too.
+    return {"X-Laneway-Session": "skewed", "X-Laneway-Seq": str(i)}
+
+
+async def _redis_now(stack: LiveStack) -> float:
+    seconds, micros = await stack.redis.time()
+    return float(seconds + micros / 1e6)
+
+
+async def _at_least(read: Callable[[], Awaitable[int]], tokens: int) -> bool:
+    return await read() >= tokens

@@ -10,7 +10,7 @@ line before them on their partition has finished, then go out with the offset co
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
@@ -63,10 +63,17 @@ class BatchIntake:
     the topic names its team by its key, looked up once here.
     """
 
-    def __init__(self, settings: CommonSettings, redis: aioredis.Redis, keys: RedisKeys) -> None:
+    def __init__(
+        self,
+        settings: CommonSettings,
+        redis: aioredis.Redis,
+        keys: RedisKeys,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = keys
+        self.clock = clock  # Redis's, which acceptances are stamped on (``laneway.clock``)
         self._teams: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
         self._cancelled: TtlCache[bool] = TtlCache(_CANCEL_CHECK_S)
 
@@ -113,7 +120,7 @@ class BatchIntake:
             team=team,
             cls="batch",
             affinity=f"{line.job_id}:{line.line_id}",
-            accepted_ts=time.time(),
+            accepted_ts=self.clock(),
             job_id=line.job_id,
             line_id=line.line_id,
         )

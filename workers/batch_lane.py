@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -63,7 +62,7 @@ class BatchLane:
     def __init__(self, worker: PoolWorker) -> None:
         self.worker = worker
         self.ledger = BatchLedger()
-        self.lines = BatchIntake(worker.settings, worker.redis, worker.keys)
+        self.lines = BatchIntake(worker.settings, worker.redis, worker.keys, worker.clock.now)
         self.txns = PartitionTransactions(worker.settings, worker.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
@@ -356,7 +355,7 @@ class BatchLane:
         metrics.BATCH_YIELDING.set(1 if should_yield else 0)
 
     async def _interactive_backlog(self) -> int:
-        now = time.time()
+        now = self.worker.clock.now()  # Redis's, as the beats are scored on
         try:
             ids: list[Any] = []
             for pool in _INTERACTIVE_POOLS:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import redis.asyncio as aioredis
@@ -44,7 +43,7 @@ class CancelFeed:
         channel: str,
         fetch_pause_s: float,
         apply: Callable[[CancelRecord], Awaitable[None]],
-        after_fetch: Callable[[float], None],
+        after_fetch: Callable[[], None],
         stopping: asyncio.Event,
     ) -> None:
         self.pool = pool
@@ -53,7 +52,7 @@ class CancelFeed:
         self.channel = channel
         self.fetch_pause_s = fetch_pause_s
         self.apply = apply
-        self.after_fetch = after_fetch  # told the time after each fetch (expiry of old ones)
+        self.after_fetch = after_fetch  # called after each fetch (expiry of old ones)
         self.stopping = stopping
 
     async def topic_loop(self) -> None:
@@ -66,7 +65,7 @@ class CancelFeed:
             for records in batches.values():
                 for record in records:
                     await self._deliver(record.value, record.topic, f"@{record.offset}")
-            self.after_fetch(time.time())
+            self.after_fetch()
             # Caught up: nothing left behind the records just read (a replay is not).
             if self.fetch_pause_s and batches and not await backlog(self.consumer, batches):
                 await asyncio.sleep(self.fetch_pause_s)

@@ -67,8 +67,12 @@ class RequestExecutor:
         on_first_output: Callable[[], None] | None = None,
         reuse: ReuseRegistry | None = None,
         reuse_hold_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
+        # Redis's clock (``laneway.clock``), the ingress's stamp of acceptance is on: the
+        # waits and times a usage event reports are read on it, and so is its ``ts``.
+        self.clock = clock
         self.shield = shield
         self.outbox = outbox
         self.worker_id = worker_id
@@ -98,6 +102,8 @@ class RequestExecutor:
         shield: CancelShield,
         outbox: Outbox,
         on_first_output: Callable[[], None],
+        *,
+        clock: Callable[[], float] = time.time,
     ) -> RequestExecutor:
         """The executor of a pool's worker, as its settings say."""
         return cls(
@@ -111,6 +117,7 @@ class RequestExecutor:
             price_of=settings.price_of,
             stream_interval=settings.stream_interval,
             on_first_output=on_first_output,
+            clock=clock,
         )
 
     async def delivered(self, request_id: str) -> None:
@@ -142,7 +149,7 @@ class RequestExecutor:
 
     async def drop(self, env: RequestEnvelope, reason: Dropped) -> UsageEvent:
         """Finish a request that never reached the engine, with the reason."""
-        queue_ms = max(0.0, (time.time() - env.accepted_ts) * 1000)
+        queue_ms = max(0.0, (self.clock() - env.accepted_ts) * 1000)
         log.info(
             "dropped %s before execution: %s",
             env.id,
@@ -155,9 +162,8 @@ class RequestExecutor:
         """Run ``env`` on the engine now (the worker dispatches it when the engine has room);
         ``queue_ms`` is its wait from acceptance to this moment. None: it was preempted
         (aborted to run again later) and reported nothing."""
-        start = time.time()
-        queue_ms = max(0.0, (start - env.accepted_ts) * 1000)
-        verdict = self._start_verdict(env, start)
+        queue_ms = max(0.0, (self.clock() - env.accepted_ts) * 1000)
+        verdict = self._start_verdict(env, time.time())  # the deadline is on this clock
         if verdict is not None:
             self._ended(env, self.reuse.of_owner(env.id), _Totals(), "dropped")
             return await self.drop(env, verdict)
@@ -265,7 +271,7 @@ class RequestExecutor:
             got.began = True
             self._first_output(env)
         if delta.text and got.ttft_ms is None:
-            got.ttft_ms = (time.time() - env.accepted_ts) * 1000
+            got.ttft_ms = (self.clock() - env.accepted_ts) * 1000
         self.shield.progress(env.id, got.completion_tokens, got.engine_ms, delta.ended)
 
     def _pass_on(
@@ -439,7 +445,7 @@ class RequestExecutor:
         reused_from: str | None = None,
     ) -> UsageEvent:
         """The terminal outcome of ``env``: its final reply, settlement and usage event."""
-        now = time.time()
+        now = self.clock()
         usage = UsageEvent(
             id=env.id,
             team=env.team,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from laneway.schema import Outcome, UsageEvent
@@ -17,7 +17,10 @@ __all__ = ["serve_follower"]
 
 
 async def _deliver(
-    follower: Follower, first_token: int, chunks: ChunkStream | None
+    follower: Follower,
+    first_token: int,
+    chunks: ChunkStream | None,
+    clock: Callable[[], float],
 ) -> tuple[int, float | None, bool, list[str]]:
     """Pass the generation's text on until it ends, the follower leaves or reaches its own
     max_tokens; returns where it got to, its time to first text, whether it was capped, and
@@ -38,7 +41,7 @@ async def _deliver(
             text = generation.text[at:end]
             at = end
             if ttft_ms is None:
-                ttft_ms = (time.time() - env.accepted_ts) * 1000
+                ttft_ms = (clock() - env.accepted_ts) * 1000
             if chunks is not None:
                 chunks.add(text, generation.tokens_within(at) - first_token)
             else:
@@ -53,7 +56,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
     """Send ``follower`` what its generation made past the text it typed, at once, then the
     rest as it comes; report it ``ok`` with no engine time and the tokens it received."""
     env, generation = follower.env, follower.generation
-    started = time.time()
+    started = executor.clock()  # Redis's, as the acceptance's stamp
     chunks = (
         ChunkStream(executor.outbox.replies, env.reply_to, env.id, executor.stream_interval)
         if env.stream and env.reply_to
@@ -61,7 +64,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
     )
     first_token = generation.tokens_within(follower.start)
     try:
-        at, ttft_ms, capped, parts = await _deliver(follower, first_token, chunks)
+        at, ttft_ms, capped, parts = await _deliver(follower, first_token, chunks, executor.clock)
     except BaseException:
         if chunks is not None:
             chunks.cancel()

@@ -61,10 +61,12 @@ class PoolWorker:
         self.engine = engine
         self.topics = settings.topics
         self.keys = settings.keys
-        self.shield = CancelShield(enabled=settings.shield)
-        # Deadlines come stamped on Redis's clock; this machine's may be off (the lane's
-        # accept moves them onto the local clock).
+        # Deadlines, acceptances and tombstones come stamped on Redis's clock; this machine's
+        # may be off. The lane's accept moves deadlines onto the local clock; the ages of
+        # acceptances and tombstones, the usage events' times and the hour quota counts
+        # usage in are read on this one.
         self.clock = RedisClock()
+        self.shield = CancelShield(enabled=settings.shield, wall=self.clock.now)
         self.offsets = OffsetTracker()
         self.queue = DispatchQueue()
         self._room = asyncio.Event()  # set when the fetch loop may take more in
@@ -79,7 +81,9 @@ class PoolWorker:
         # more CPU than anything else a worker does).
         self.producer = make_producer(settings, linger_ms=50)
         self.quota = (
-            QuotaEnforcer(self.redis, self.keys, QuotaPolicy.from_settings(settings))
+            QuotaEnforcer(
+                self.redis, self.keys, QuotaPolicy.from_settings(settings), clock=self.clock.now
+            )
             if settings.quota_enabled
             else None
         )
@@ -104,7 +108,7 @@ class PoolWorker:
             settings, self.redis, self.keys, self.clock.now, self.dispatcher.wake
         )
         self.executor = RequestExecutor.of_pool(
-            settings, engine, self.shield, self.outbox, self.dispatcher.wake
+            settings, engine, self.shield, self.outbox, self.dispatcher.wake, clock=self.clock.now
         )
         self.runs = Runs(
             self.executor,

@@ -39,12 +39,12 @@ class RunningRequest:
     # Engine time it had used when it turned stale; None until the step under way then ends.
     stale_since_engine_ms: float | None = None
 
-    def mark_stale(self, reason: Dropped, now: float, sent_ts: float) -> None:
-        """From now on its engine time is waste; ``sent_ts`` is when the ingress sent the news
-        (wall clock): the newer keystroke's acceptance, or the tombstone's."""
+    def mark_stale(self, reason: Dropped, now: float, news_ms: float) -> None:
+        """From now on its engine time is waste; ``news_ms``: how long the news took from
+        the ingress to this worker."""
         self.stale = reason
         self.stale_at = now
-        self.news_ms = max(0.0, (time.time() - sent_ts) * 1000)
+        self.news_ms = news_ms
 
     def advance(self, tokens: int, engine_ms: float, now: float) -> None:
         """A chunk arrived: the step that made it ended ``now`` having used ``engine_ms``
@@ -96,12 +96,18 @@ class CancelShield:
         ttl_s: float = 900.0,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         # Disabled only to measure the baseline it protects against (bench/cancel_storm.py).
         self.enabled = enabled
         self.max_entries = max_entries
         self.ttl_s = ttl_s
         self._clock = clock
+        # Redis's clock (``laneway.clock``), the one the ingress stamps tombstones and
+        # acceptances on: their age is read on it, so a tombstone outlives a skew of this
+        # machine's clock by its whole TTL. Deadlines are not read on it: the lane moved
+        # them onto this machine's clock as they came in, for ``verdict``'s ``now``.
+        self._wall = wall
         # Cancels of requests not running here: request id → the teams that asked, each
         # with its expiry. Per team: another team's tombstone of the same id (honoured for
         # none of the owner's work) must not replace the owner's.
@@ -141,7 +147,7 @@ class CancelShield:
                 continue
             if run.stale is None and not (run.grace_tokens and run.tokens >= run.grace_tokens):
                 reason = Superseded(f"superseded by seq {env.seq} of session {env.session}")
-                run.mark_stale(reason, self._clock(), env.accepted_ts)
+                run.mark_stale(reason, self._clock(), self._news_ms(env.accepted_ts))
                 to_abort.append(rid)
         # Disabled: staleness is still recorded (to measure the waste) but nothing aborts.
         return to_abort if self.enabled else []
@@ -155,7 +161,7 @@ class CancelShield:
             if run.team != record.team or run.stale is not None:
                 return None
             reason = Cancelled(f"cancelled ({record.reason}) while running")
-            run.mark_stale(reason, self._clock(), record.ts)
+            run.mark_stale(reason, self._clock(), self._news_ms(record.ts))
             return record.id if self.enabled else None
         self._cancelled.setdefault(record.id, {})[record.team] = record.ts + self.ttl_s
         self._cancelled.move_to_end(record.id)
@@ -222,8 +228,12 @@ class CancelShield:
             return 0.0, 0.0
         return run.wasted_ms(engine_ms, self._clock()), run.news_ms
 
+    def _news_ms(self, sent_ts: float) -> float:
+        """Milliseconds since ``sent_ts`` (Redis's clock)."""
+        return max(0.0, (self._wall() - sent_ts) * 1000)
+
     def finished(self, request_id: str, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        now = self._wall() if now is None else now
         self._running.pop(request_id, None)
         self._cancelled.pop(request_id, None)
         # Remember finished ids briefly so a late tombstone is not kept for the full TTL.
@@ -231,7 +241,10 @@ class CancelShield:
         self._trim(self._finished)
         self.expire(now)
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float | None = None) -> None:
+        """Forget tombstones past their TTL and finished ids past a minute (``now``: Redis's
+        clock, as the tombstones' stamps)."""
+        now = self._wall() if now is None else now
         while self._cancelled:
             rid, teams = next(iter(self._cancelled.items()))
             if max(teams.values()) > now:
