@@ -184,8 +184,9 @@ async def start_canary(
             f"{current.weight:g} %); abort it first",
             param="model",
         )
+    seconds, micros = await redis.time()  # Redis's clock, which the streams app judges on
     try:
-        state = CanaryState(model=model, target=target, steps=steps)
+        state = CanaryState(model=model, target=target, steps=steps, since=seconds + micros / 1e6)
     except ValidationError as exc:  # a name too long or empty, bad steps: the caller's input
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else "model"

@@ -8,6 +8,7 @@ from typing import Final, Literal
 __all__ = [
     "API_KEY_CACHE_S",
     "BANDS",
+    "BROKER_TIME",
     "CLASSES",
     "FILE_RETENTION_S",
     "HEARTBEAT_TTL_S",
@@ -120,8 +121,8 @@ class Topics:
         """(name, partitions, config) of a direct-Kafka tenant's two topics."""
         week_ms = str(7 * 24 * 3600 * 1000)
         return [
-            (self.batch_team(team), partitions, {"retention.ms": week_ms}),
-            (self.results_batch_team(team), partitions, {"retention.ms": week_ms}),
+            (self.batch_team(team), partitions, {"retention.ms": week_ms, **BROKER_TIME}),
+            (self.results_batch_team(team), partitions, {"retention.ms": week_ms, **BROKER_TIME}),
         ]
 
     def consumer_group(self, pool: RequestClass) -> str:
@@ -155,7 +156,15 @@ class Topics:
             # Compacted and kept for good: a revocation must outlive every copy of its key.
             (self.keys, 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
         ]
-        return out
+        return [(name, count, {**config, **BROKER_TIME}) for name, count, config in out]
+
+
+# Every topic's records carry the time the broker stored them, not the producer's: a
+# producer whose clock runs more than an hour ahead would otherwise have each record refused
+# (Kafka 4's ``message.timestamp.after.max.ms``), and one far behind would have its records
+# age out of a short retention (tombstones, replies) before they were read. Retention, time
+# lookups (``offsets_for_times``) and record times then follow the broker's clock alone.
+BROKER_TIME = {"message.timestamp.type": "LogAppendTime"}
 
 
 class RedisKeys:
