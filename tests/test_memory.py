@@ -196,6 +196,46 @@ async def test_lo_band_work_is_shed_under_pressure_and_finished_after(stack: Liv
     assert control[1]["shed"] >= len(lo_prompts)
 
 
+async def test_a_request_shed_and_started_again_still_obeys_a_cancel(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(completion_deadline_ms=30_000)
+    worker = await stack.start_worker(
+        "completion", sim_decode_ms_per_step=60.0, memory_check_ms=20, memory_cooldown_s=0.2
+    )
+    http = stack.http(ingress, await stack.api_key("ide", size=1000))
+    prompts = _long_prompts(2, 40)
+    calls = {
+        prompt: asyncio.create_task(
+            http.post(
+                "/v1/completions",
+                json={"model": "laneway-code", "prompt": prompt, "max_tokens": 64},
+                headers={"X-Laneway-Priority": "lo"},
+            )
+        )
+        for prompt in prompts
+    }
+    await eventually(lambda: len(worker.executor.live) == 2, 20, "the lo work on the engine")
+    await _hold(stack, 0.95, worker)
+    await eventually(lambda: not worker.running, 10, "both shed")
+    assert len(worker.queue) == 2
+    victim = next(iter(worker.queue)).env
+    await _hold(stack, 0.0, worker)
+    await eventually(lambda: len(worker.executor.live) == 2, 10, "both running again")
+    # Running again, its cancel aborts it as any running request's (the run that was shed
+    # is not the request's end).
+    assert (await http.delete(f"/v1/requests/{victim.id}")).status_code == 200
+    (kept_prompt,) = set(prompts) - {victim.prompt}
+    cancelled, kept = await calls[victim.prompt], await calls[kept_prompt]
+    assert cancelled.status_code == 409, cancelled.text  # its client hears it was cancelled
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["choices"][0]["text"] == _expected_text(kept_prompt)
+    kept_id = kept.headers["x-laneway-request-id"]
+    usage = await stack.read_topic(
+        stack.topics.usage, count=2, where=lambda e: e["id"] in {victim.id, kept_id}
+    )
+    outcome = {e["id"]: e["status"] for e in usage}
+    assert outcome == {victim.id: "cancelled", kept_id: "ok"}, outcome
+
+
 async def test_a_drills_hold_in_redis_reaches_the_simulated_engine(stack: LiveStack) -> None:
     worker = await stack.start_worker("chat")
     engine = worker.engine

@@ -183,6 +183,7 @@ class RequestExecutor:
         got = _Totals()
         status: Outcome = "ok"
         error: str | None = None
+        requeued = False
         try:
             async for delta in self.engine.generate(self._engine_request(env)):
                 self._fold(env, got, delta, generation)
@@ -196,12 +197,8 @@ class RequestExecutor:
                 )
         except Dropped as dropped:
             if env.id in self.preempted:
-                if chunks is not None:
-                    chunks.cancel()
-                self.preemptions[env.id] = self.preemptions.get(env.id, 0) + 1
-                metrics.PREEMPTED_ENGINE_MS.labels(self.pool).inc(
-                    max(got.engine_ms, dropped.engine_ms)
-                )
+                requeued = True
+                self._preempted(env, got, dropped, chunks)
                 return None
             status, error = self._dropped(env, got, dropped)
         except EngineError as exc:
@@ -215,17 +212,19 @@ class RequestExecutor:
             # it against its team only, never against the route (it says nothing of the engine).
             status = "rejected" if isinstance(exc, EngineRejected) else "error"
             error = str(exc)
+        except Exception as exc:
+            # An engine that fails in a way nobody foresaw still owes its client an answer,
+            # the quota a settlement and the breaker an error to count.
+            log.exception(
+                "engine failed on %s", env.id, extra={"request_id": env.id, "team": env.team}
+            )
+            status, error = "error", f"the engine failed ({type(exc).__name__}: {exc})"
         except BaseException:
             if chunks is not None:
                 chunks.cancel()
             raise
         finally:
-            stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
-            self.shield.finished(env.id)
-            self.preempted.discard(env.id)
-            self.live.discard(env.id)
-            if self._ended(env, generation, got, status):
-                stale_ms = 0.0  # what it made after its own client left, others used
+            stale_ms, news_ms = self._left(env, got, generation, status, requeued=requeued)
         n = at = 0
         if chunks is not None:
             # The rest of the text rides on the final reply.
@@ -248,6 +247,37 @@ class RequestExecutor:
             stale_engine_ms=stale_ms,
             stale_news_ms=news_ms,
         )
+
+    def _preempted(
+        self, env: RequestEnvelope, got: _Totals, dropped: Dropped, chunks: ChunkStream | None
+    ) -> None:
+        """``env`` was aborted to run again later: no outcome now."""
+        if chunks is not None:
+            chunks.cancel()
+        self.preemptions[env.id] = self.preemptions.get(env.id, 0) + 1
+        metrics.PREEMPTED_ENGINE_MS.labels(self.pool).inc(max(got.engine_ms, dropped.engine_ms))
+
+    def _left(
+        self,
+        env: RequestEnvelope,
+        got: _Totals,
+        generation: Generation | None,
+        status: Outcome,
+        *,
+        requeued: bool,
+    ) -> tuple[float, float]:
+        """``env`` left the engine: the shield and the registries let go of it. Returns its
+        stale engine ms and how long the news of its staleness took."""
+        stale_ms, news_ms = self.shield.waste(env.id, got.engine_ms)
+        if requeued:
+            self.shield.requeued(env.id)  # a cancel while it waits still drops it
+        else:
+            self.shield.finished(env.id)
+        self.preempted.discard(env.id)
+        self.live.discard(env.id)
+        if self._ended(env, generation, got, status):
+            stale_ms = 0.0  # what it made after its own client left, others used
+        return stale_ms, news_ms
 
     def _start_verdict(self, env: RequestEnvelope, now: float) -> Dropped | None:
         """Why ``env`` must not start now. Stale for its own client but followed by others

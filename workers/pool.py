@@ -158,7 +158,7 @@ class PoolWorker:
             redis=self.redis,
             keys=self.keys,
             clock=self.clock,
-            scaling=ScalingSignal(settings, self.redis, self.producer),
+            scaling=ScalingSignal(settings, self.redis, self.producer, clock=self.clock.now),
             describe=lambda now: heartbeat_record(self, now),
             after=self._after_beat,
         )

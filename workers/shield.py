@@ -195,6 +195,7 @@ class CancelShield:
         return None
 
     def started(self, env: RequestEnvelope) -> None:
+        self._finished.pop(env.id, None)
         self._running[env.id] = RunningRequest(
             env.team, env.session, env.seq, env.supersede_grace_tokens, progress_at=self._clock()
         )
@@ -231,6 +232,12 @@ class CancelShield:
     def _news_ms(self, sent_ts: float) -> float:
         """Milliseconds since ``sent_ts`` (Redis's clock)."""
         return max(0.0, (self._wall() - sent_ts) * 1000)
+
+    def requeued(self, request_id: str) -> None:
+        """Its run stopped to start again later (preempted): it is not running, and it is
+        not finished either, so a tombstone that comes while it waits is kept for its next
+        start."""
+        self._running.pop(request_id, None)
 
     def finished(self, request_id: str, now: float | None = None) -> None:
         now = self._wall() if now is None else now

@@ -367,7 +367,14 @@ class _Reading:
         if data == b"[DONE]":
             self.done = True
             return None
-        return self.chunk(orjson.loads(data))
+        try:
+            return self.chunk(orjson.loads(data))
+        except (ValueError, TypeError, AttributeError) as exc:
+            # Not the OpenAI chunk it must be: the request fails with an engine error (its
+            # client answered, its quota settled, the route's breaker told), never silently.
+            raise EngineError(
+                f"the upstream sent an event that is not an OpenAI chunk: {bytes(data[:120])!r}"
+            ) from exc
 
     def chunk(self, chunk: dict[str, Any]) -> EngineDelta | None:
         usage = chunk.get("usage")
