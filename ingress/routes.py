@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
@@ -33,6 +33,7 @@ from ingress.state import IngressState
 from laneway.clock import RedisClock
 from laneway.errors import (
     BadRequest,
+    BodyTooLarge,
     Cancelled,
     Dropped,
     EngineError,
@@ -211,6 +212,14 @@ async def _store(
     503 (the broker's words go to the log, not to the client)."""
     try:
         await state.produce(env)
+    except MessageSizeTooLargeError as exc:
+        # No retry can store it: the client's to shorten, not to wait for (a 503 would make
+        # the OpenAI SDK try it again and again).
+        await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
+        raise BodyTooLarge(
+            f"the request is {len(env.to_json()):,} bytes as queued, more than the request "
+            "queue takes in one message: shorten the prompt, the messages or the stop strings"
+        ) from exc
     except KafkaError as exc:
         await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
         log.warning(

@@ -18,6 +18,10 @@ from laneway.tokens import estimate_tokens
 
 __all__ = ["RequestShape", "shape_request"]
 
+# What a chat template adds to the prompt (OpenAI's rule of thumb for its own models).
+_MESSAGE_TOKENS = 3  # per message: its role and separators
+_REPLY_TOKENS = 3  # once: the start of the assistant's reply
+
 
 @dataclass(frozen=True, slots=True)
 class RequestShape:
@@ -79,6 +83,12 @@ def shape_request(
             param="max_tokens",
         )
     prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
+    if messages is not None:
+        # A chat template frames every message (its role, separators): OpenAI's count is
+        # 3 tokens a message and 3 more that prime the reply. Without them 30,000 one-letter
+        # messages would pass as 30,000 tokens and be billed about that, however many the
+        # engine reads.
+        prompt_tokens += _MESSAGE_TOKENS * len(messages) + _REPLY_TOKENS
     if prompt_tokens > settings.max_prompt_tokens:
         raise PromptTooLarge(
             f"prompt is about {prompt_tokens} tokens, over the limit {settings.max_prompt_tokens} "

@@ -111,6 +111,38 @@ async def test_bodies_over_the_limit_get_413_with_the_limit(stack: LiveStack) ->
     assert response.status_code == 200, response.text
 
 
+async def test_a_body_under_the_limit_too_big_to_queue_is_a_413_not_a_retry(
+    stack: LiveStack,
+) -> None:
+    # 1.5 MB of stop string: under the 2 MiB body limit, over what one Kafka message holds.
+    ingress = await stack.start_ingress()
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    body = {**BODY, "stop": ["s" * 1_500_000]}
+    response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 413, response.text
+    assert "retry-after" not in response.headers
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large"
+    assert "more than the request queue takes" in error["message"]
+    assert len(response.content) < 1000
+
+
+async def test_many_short_chat_messages_count_their_framing_against_the_prompt_limit(
+    stack: LiveStack,
+) -> None:
+    # 12,000 one-letter messages: 12,000 tokens of text, but each is framed (role,
+    # separators) by the chat template, about 48,000 tokens in all: over the 32,768 limit.
+    ingress = await stack.start_ingress()
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    messages = [{"role": "user", "content": "x"}] * 12_000
+    body = {"model": "laneway-chat", "messages": messages, "max_tokens": 1}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert "LANEWAY_MAX_PROMPT_TOKENS" in error["message"]
+
+
 async def test_cancels_by_id_are_rate_limited_per_team(stack: LiveStack) -> None:
     ingress = await stack.start_ingress(cancels_per_s=2)
     a = stack.http(ingress, await stack.api_key("team-a"))
