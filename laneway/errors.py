@@ -122,11 +122,14 @@ class QuotaExceeded(LanewayError):
     code = "rate_limit_exceeded"
     kind = "quota"
 
-    def __init__(self, message: str, *, team: str, limit: int, retry_after: float) -> None:
+    def __init__(
+        self, message: str, *, team: str, limit: int, retry_after: float, never: bool = False
+    ) -> None:
         super().__init__(message)
         self.team = team
         self.limit = limit
         self.retry_after = retry_after
+        self.never = never  # more than the whole budget: no wait makes it fit
 
     def headers(self) -> dict[str, str]:
         return {

@@ -158,6 +158,7 @@ class QuotaEnforcer:
                 team=team.name,
                 limit=int(capacity),
                 retry_after=3600.0,
+                never=True,
             )
         return QuotaExceeded(
             f"team {team.name!r} is over its {pool} budget: {tokens} tokens asked, "

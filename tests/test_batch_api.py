@@ -371,3 +371,36 @@ async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack
     output = await _lines(client, done.output_file_id)
     assert sorted(r["custom_id"] for r in output + errors) == sorted(f"doc-{i}" for i in range(40))
     assert {r["response"]["status_code"] for r in errors} == {499}
+
+
+async def test_a_line_no_budget_can_ever_hold_is_answered_at_once_and_stalls_no_one(
+    stack: LiveStack,
+) -> None:
+    """A line asking more than its team's whole hourly batch budget fails at once with the
+    reason; waiting for it would hold up every team's lines behind it on its partition."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch", quota_offpeak="")
+    # 1,000 tokens an hour in the batch pool: a line of max_tokens 2,000 can never fit.
+    tiny = _client(stack, ingress, await stack.api_key("tiny", size=1, complexity=0.02))
+    other = _client(stack, ingress, await stack.api_key("other", size=50))
+    data = b"\n".join([_line(0, max_tokens=2000), _line(1, max_tokens=8)])
+    uploaded = await tiny.files.create(file=("tiny.jsonl", data), purpose="batch")
+    tiny_batch = await tiny.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    data = b"\n".join(_line(i, max_tokens=8) for i in range(6))
+    uploaded = await other.files.create(file=("other.jsonl", data), purpose="batch")
+    other_batch = await other.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    other_done = await _until_done(other, other_batch.id, within_s=60)
+    assert other_done.status == "completed"
+    assert len(await _lines(other, other_done.output_file_id)) == 6
+    tiny_done = await _until_done(tiny, tiny_batch.id, within_s=60)
+    assert tiny_done.status == "completed"
+    (refused,) = await _lines(tiny, tiny_done.error_file_id)
+    assert refused["custom_id"] == "doc-0"
+    assert refused["response"]["status_code"] == 429
+    assert "can never fit" in orjson.dumps(refused).decode()
+    (served,) = await _lines(tiny, tiny_done.output_file_id)
+    assert served["custom_id"] == "doc-1"

@@ -116,6 +116,7 @@ class BatchLane:
         while True:
             try:
                 env = await self.lines.envelope(line)
+                await self._fits(env)
             except LanewayError as exc:
                 result = error_result(line, exc)
                 records = result_records(self.worker.topics, result, input_topic=tp.topic)
@@ -169,6 +170,21 @@ class BatchLane:
         if self.worker.quota is not None:
             await self._admit(work.env)
 
+    async def _fits(self, env: RequestEnvelope) -> None:
+        """Reserve ``env``'s tokens once, as it comes in; raises ``QuotaExceeded`` for a line
+        bigger than its team's whole batch budget, which becomes its result at once: waited
+        for, it would stall the lines of every team behind it on its partition for good. A
+        line the pool cannot cover yet waits in ``_admit`` (the reservation taken here makes
+        that one a no-op)."""
+        if self.worker.quota is None:
+            return
+        try:
+            team = await self._team(env.team)
+            await self.worker.quota.reserve(team, "batch", env.id, _tokens(env))
+        except QuotaExceeded as exc:
+            if exc.never:
+                raise
+
     async def _admit(self, env: RequestEnvelope) -> None:
         """Reserve from the team's batch pool, waiting (never failing) until it refills.
 
@@ -176,7 +192,7 @@ class BatchLane:
         fetching more work instead of failing lines; with Redis unreachable, batch pauses.
         """
         assert self.worker.quota is not None
-        amount = env.prompt_tokens + env.max_tokens
+        amount = _tokens(env)
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         while True:
             try:
@@ -370,3 +386,8 @@ class BatchLane:
         except (RedisError, OSError):
             return 0
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
+
+
+def _tokens(env: RequestEnvelope) -> int:
+    """What a line reserves: its prompt's estimate and its max_tokens."""
+    return env.prompt_tokens + env.max_tokens
