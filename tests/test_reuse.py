@@ -88,3 +88,19 @@ def test_memory_is_bounded_by_sessions() -> None:
     for i in range(5):
         _running(registry, "p", "q ", session=f"doc-{i}")
     assert len(registry) == 3
+
+
+def test_a_keystroke_asking_a_longer_answer_than_the_generation_makes_runs_on_its_own() -> None:
+    # The generation stops at its owner's 4 tokens: a follower that asked for 100 would get
+    # those 4 marked 'length', a cut it did not ask for.
+    registry = ReuseRegistry()
+    owner = _running(registry, "def f(", "self, key, value, default):\n ", max_tokens=4)
+    assert registry.match(_keystroke("def f(self, ", seq=2, max_tokens=100)) is None
+    assert registry.match(_keystroke("def f(", seq=3, max_tokens=100, session=None)) is None
+    assert registry.match(_keystroke("def f(self, ", seq=4, max_tokens=4)) is not None
+    # Ended on its own ('stop'), it is the whole answer, whatever a follower may ask.
+    generation = registry.of_owner(owner.id)
+    assert generation is not None
+    generation.end("stop", completed=True)
+    registry.finished(owner.id)
+    assert registry.match(_keystroke("def f(self, ", seq=5, max_tokens=100)) is not None

@@ -51,6 +51,7 @@ class Generation:
     prompt_len: int
     prompt_hash: bytes
     settings: Settings
+    max_tokens: int = 0  # its owner's: the most tokens it makes
     text: str = ""
     ends: list[int] = field(default_factory=list)  # text length after each token's delta
     engine_ms: float = 0.0
@@ -104,7 +105,17 @@ class Generation:
             return None
         if self.finish_reason is None and (self.done or self.stopping):
             return None  # cut short (or about to be): its text is not a whole answer
-        return len(typed)
+        return len(typed) if self.covers(env) else None
+
+    def covers(self, env: RequestEnvelope) -> bool:
+        """Whether ``env`` asks no longer an answer than this generation may make: a
+        generation stopping at its owner's smaller max_tokens would cut a follower that asked
+        for more short (with a 'length' it did not ask for). A follower with the same budget
+        that typed k tokens gets up to max_tokens - k past them, the suggestion as its owner
+        asked for it; a generation that reached its natural end covers any budget."""
+        if self.done and self.finish_reason == "stop":
+            return True
+        return env.max_tokens <= self.max_tokens
 
 
 @dataclass(eq=False)
@@ -141,6 +152,7 @@ class ReuseRegistry:
             prompt_len=len(env.prompt),
             prompt_hash=_digest(env.prompt),
             settings=_settings(env),
+            max_tokens=env.max_tokens,
         )
         self._by_owner[env.id] = generation
         self._by_prompt[(env.team, generation.prompt_hash, generation.settings)] = generation
@@ -188,6 +200,7 @@ class ReuseRegistry:
             and not running.done
             and not running.stopping
             and running.owner != env.id
+            and running.covers(env)
         ):
             return self._follow(env, running, 0, "coalesced")
         return None
