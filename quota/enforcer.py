@@ -178,6 +178,7 @@ class QuotaEnforcer:
         local: int = 0,
         accepted_ts: float = 0.0,
         min_charge: int | None = None,
+        once: bool = False,
     ) -> Settled:
         """Turn a reservation into the real count: refund the rest, or charge the excess
         (up to the policy's ``max_excess``); ``min_charge`` (default: the policy's) when the
@@ -187,7 +188,9 @@ class QuotaEnforcer:
         what its local limiter admitted it for while Redis did not answer (the envelope
         carries both, with ``accepted_ts``); then there is no reservation record in Redis.
         Idempotent: a second settle of the same request (a re-run after a crash, a settle
-        sent again after a timeout) is a no-op.
+        sent again after a timeout) is a no-op. ``once`` (a batch line, which a crash before
+        its transaction commits runs again, reserving anew): a settle after the first gives
+        that new reservation back whole, within ``accepted_ts``'s mark window.
         """
         keys, args = self._settle_call(
             team,
@@ -197,6 +200,7 @@ class QuotaEnforcer:
             local=local,
             accepted_ts=accepted_ts,
             min_charge=min_charge,
+            once=once,
         )
         found, pool, reserved, charged = await self._settle(keys=keys, args=args)
         return Settled(bool(int(found)), _text(pool), int(float(reserved)), int(float(charged)))
@@ -210,6 +214,7 @@ class QuotaEnforcer:
         leased: int = 0,
         local: int = 0,
         accepted_ts: float = 0.0,
+        once: bool = False,
     ) -> tuple[Any, ...]:
         """``settle`` as the words of one Redis command, for a pipeline the worker shares
         with its reply.
@@ -219,7 +224,13 @@ class QuotaEnforcer:
         and lost its script cache), the caller runs ``settle``, which loads the script.
         """
         keys, args = self._settle_call(
-            team, request_id, actual_tokens, leased=leased, local=local, accepted_ts=accepted_ts
+            team,
+            request_id,
+            actual_tokens,
+            leased=leased,
+            local=local,
+            accepted_ts=accepted_ts,
+            once=once,
         )
         return ("EVALSHA", self._settle.sha, len(keys), *keys, *args)
 
@@ -233,6 +244,7 @@ class QuotaEnforcer:
         local: int = 0,
         accepted_ts: float,
         min_charge: int | None = None,
+        once: bool = False,
     ) -> tuple[list[str], list[Any]]:
         hour = int(self.clock() // 3600)
         keys = [
@@ -254,6 +266,7 @@ class QuotaEnforcer:
             policy.max_excess,
             _BUCKET_TTL_S,
             local,
+            1 if once else 0,
         ]
 
     async def lease(self, team: Team, need: int, want: int) -> Lease:

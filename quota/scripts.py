@@ -125,17 +125,32 @@ return 1
 # happen once, however often it is sent (a re-run after a crash, a settle that timed out
 # and is sent again once Redis answers). The lease took its tokens from the pool already;
 # the local limiter took none, so such a request is charged in full here.
+# A batch line (ARGV 10) is marked too: a worker that crashed after settling it and before
+# its transaction committed runs it again, reserving anew; that second reservation goes back
+# whole here instead of being charged a second time.
 # KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
-#       6 settled marks (request ids admitted from a lease or locally, settled already)
+#       6 settled marks (request ids admitted from a lease or locally, or batch lines,
+#       settled already)
 # ARGV: 1 request id, 2 actual tokens, 3 used ttl, 4 leased tokens (0: none), 5 marks ttl,
-#       6 minimum charge, 7 excess share, 8 bucket ttl, 9 locally admitted tokens (0: none)
+#       6 minimum charge, 7 excess share, 8 bucket ttl, 9 locally admitted tokens (0: none),
+#       10 settle once whatever was reserved (1: a batch line)
 # Returns {found 0|1, pool, reserved, charged}.
 SETTLE = (
     _BUCKET
     + """
 local leased, unpooled = tonumber(ARGV[4]), tonumber(ARGV[9] or '0')
-if leased > 0 or unpooled > 0 then
-  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then return {0, '', '0', '0'} end
+if leased > 0 or unpooled > 0 or ARGV[10] == '1' then
+  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then
+    local again = redis.call('HGET', KEYS[1], ARGV[1])
+    if again then
+      local pool, amount = string.match(again, '^(%S+) (%S+)$')
+      local bucket = KEYS[2]
+      if pool == 'batch' then bucket = KEYS[3] end
+      credit(bucket, tonumber(amount), clock(), tonumber(ARGV[8]))
+      redis.call('HDEL', KEYS[1], ARGV[1])
+    end
+    return {0, '', '0', '0'}
+  end
   redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
 end
 local held = redis.call('HGET', KEYS[1], ARGV[1])

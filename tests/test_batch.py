@@ -16,6 +16,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from laneway.batch import BatchClient, JobStatus
 from laneway.clients import make_consumer
+from laneway.constants import RedisKeys
 from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, eventually
@@ -67,6 +68,7 @@ async def _status_when(
 async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack) -> None:
     await stack.api_key("docs", size=1000)
     settings = CommonSettings(**stack.common)
+    first_hour = await _redis_hour(stack)
     worker = _spawn_batch_worker(stack)
     try:
         async with BatchClient(settings) as client:
@@ -88,6 +90,19 @@ async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack
     assert sorted(e["id"] for e in usage if e["job_id"] == job) == sorted(
         f"batch-{job}-doc-{i}" for i in range(1000)
     )
+    # And the team's batch budget was charged once per line: a line run again after a kill
+    # (settled, not committed) gives its second reservation back instead of paying twice.
+    keys = RedisKeys(stack.prefix)
+    hours = range(first_hour, await _redis_hour(stack) + 1)  # the hour may turn meanwhile
+    used = [await stack.redis.get(keys.quota_used("docs", "batch", h)) for h in hours]
+    spent = sum(e["prompt_tokens"] + e["completion_tokens"] for e in usage if e["job_id"] == job)
+    assert sum(int(u or 0) for u in used) == spent
+    assert not await stack.redis.hlen(keys.quota_reservations("docs"))
+
+
+async def _redis_hour(stack: LiveStack) -> int:
+    seconds, _ = await stack.redis.time()
+    return int(seconds) // 3600
 
 
 async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
@@ -378,13 +393,15 @@ async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
     envelope = BatchIntake.envelope
     on_first, go_on, first_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    async def first_line_waits(intake: BatchIntake, line: BatchRequest) -> RequestEnvelope:
+    async def first_line_waits(
+        intake: BatchIntake, line: BatchRequest, accepted_ts: float
+    ) -> RequestEnvelope:
         if on_first.is_set():
-            return await envelope(intake, line)
+            return await envelope(intake, line, accepted_ts)
         on_first.set()
         await go_on.wait()
         try:
-            return await envelope(intake, line)
+            return await envelope(intake, line, accepted_ts)
         finally:
             first_done.set()
 

@@ -48,6 +48,7 @@ class Owed:
     leased: int
     local: int
     accepted_ts: float
+    once: bool = False  # a batch line: a re-run's reservation goes back (``QuotaEnforcer``)
 
 
 class Accounting:
@@ -78,6 +79,7 @@ class Accounting:
             env.quota_leased,
             env.quota_local,
             env.accepted_ts,
+            once=env.cls == "batch",
         )
 
     def commands(self, owed: Owed | None) -> list[Command]:
@@ -92,6 +94,7 @@ class Accounting:
                 leased=owed.leased,
                 local=owed.local,
                 accepted_ts=owed.accepted_ts,
+                once=owed.once,
             )
         ]
 
@@ -173,6 +176,7 @@ class Accounting:
             leased=owed.leased,
             local=owed.local,
             accepted_ts=owed.accepted_ts,
+            once=owed.once,
         )
 
     async def close(self) -> None:

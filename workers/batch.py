@@ -9,8 +9,7 @@ line before them on their partition has finished, then go out with the offset co
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
@@ -63,17 +62,10 @@ class BatchIntake:
     the topic names its team by its key, looked up once here.
     """
 
-    def __init__(
-        self,
-        settings: CommonSettings,
-        redis: aioredis.Redis,
-        keys: RedisKeys,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, settings: CommonSettings, redis: aioredis.Redis, keys: RedisKeys) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = keys
-        self.clock = clock  # Redis's, which acceptances are stamped on (``laneway.clock``)
         self._teams: TtlCache[str] = TtlCache(API_KEY_CACHE_S)
         self._cancelled: TtlCache[bool] = TtlCache(_CANCEL_CHECK_S)
 
@@ -101,7 +93,9 @@ class BatchIntake:
             self._cancelled.put(job_id, cancelled)
         return cancelled
 
-    async def envelope(self, line: BatchRequest) -> RequestEnvelope:
+    async def envelope(self, line: BatchRequest, accepted_ts: float) -> RequestEnvelope:
+        """``line`` as the envelope it runs as. ``accepted_ts``: when its record was stored
+        (the same for every run of it, so a re-run settles under the first run's mark)."""
         if line.error is not None:
             raise BadRequest(line.error)
         if line.body is None:
@@ -120,7 +114,7 @@ class BatchIntake:
             team=team,
             cls="batch",
             affinity=f"{line.job_id}:{line.line_id}",
-            accepted_ts=self.clock(),
+            accepted_ts=accepted_ts,
             job_id=line.job_id,
             line_id=line.line_id,
         )

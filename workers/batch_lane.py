@@ -62,7 +62,7 @@ class BatchLane:
     def __init__(self, worker: PoolWorker) -> None:
         self.worker = worker
         self.ledger = BatchLedger()
-        self.lines = BatchIntake(worker.settings, worker.redis, worker.keys, worker.clock.now)
+        self.lines = BatchIntake(worker.settings, worker.redis, worker.keys)
         self.txns = PartitionTransactions(worker.settings, worker.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
@@ -115,7 +115,7 @@ class BatchLane:
             line = line.model_copy(update={"team": topic_team, "api_key": None})
         while True:
             try:
-                env = await self.lines.envelope(line)
+                env = await self.lines.envelope(line, self._stored_at(record))
                 await self._fits(env)
             except LanewayError as exc:
                 result = error_result(line, exc)
@@ -128,6 +128,11 @@ class BatchLane:
                 await backoff.wait()
             else:
                 return env
+
+    def _stored_at(self, record: ConsumerRecord[Any, Any]) -> float:
+        """When the broker stored the line (its topics keep the broker's time): a line's
+        acceptance, the same in every run of it. Now, for a record that carries no time."""
+        return record.timestamp / 1000 if record.timestamp > 0 else self.worker.clock.now()
 
     def finished(self, work: Work, usage: UsageEvent) -> None:
         """A line's result and usage event go in the ledger, to be written with its offset."""
