@@ -480,3 +480,39 @@ def _noted(lane: BatchLane, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Ev
     monkeypatch.setattr(lane, "revoked", noted_revoke)
     monkeypatch.setattr(lane, "assigned", noted_assign)
     return revoked, assigned
+
+
+async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
+    stack: LiveStack,
+) -> None:
+    """A record on the batch topic with a job and line id but a body or version laneway
+    cannot run gets an error result naming the problem (its submitter counts on one result
+    a line); a record that names no line is skipped, as it has nowhere to be answered."""
+    await stack.api_key("docs", size=100)
+    await stack.start_worker("batch")
+    body = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
+    producer = await stack.producer()
+    topic = stack.topics.request("batch")
+    records: list[dict[str, Any] | bytes] = [
+        {"v": 1, "job_id": "j-bad", "line_id": "good", "team": "docs", "body": body},
+        {"v": 1, "job_id": "j-bad", "line_id": "a-string", "team": "docs", "body": "hi"},
+        {"v": 2, "job_id": "j-bad", "line_id": "newer", "team": "docs", "body": body},
+        b"{not json",
+        {"v": 1, "job_id": "j-bad", "team": "docs", "body": body},  # no line id
+    ]
+    for record in records:
+        value = record if isinstance(record, bytes) else orjson.dumps(record)
+        await producer.send_and_wait(topic, value, key=b"j-bad")
+    results = await stack.read_topic(
+        stack.topics.results_batch, count=3, where=lambda r: r.get("job_id") == "j-bad"
+    )
+    by_line = {r["line_id"]: r for r in results}
+    assert sorted(by_line) == ["a-string", "good", "newer"]
+    assert by_line["good"]["status_code"] == 200
+    for line, words in (("a-string", "body"), ("newer", "v")):
+        assert by_line[line]["status_code"] == 400, by_line[line]
+        message = by_line[line]["body"]["error"]["message"]
+        assert "not a laneway batch line" in message, message
+        assert words in message, message
+    await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
+    assert len(await stack.read_all(stack.topics.results_batch)) == 3

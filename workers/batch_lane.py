@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiokafka import ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from laneway.cache import TtlCache
@@ -105,8 +106,11 @@ class BatchLane:
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
-            skip_record(self.worker.pool, tp, record.offset, exc)  # no job to report it to
-            return None
+            skip_record(self.worker.pool, tp, record.offset, exc)  # counted and logged
+            salvaged = _salvage(record.value, exc)
+            if salvaged is None:
+                return None  # it names no job and line: there is nowhere to answer it
+            line = salvaged  # answered with its error, as the line its submitter counts on
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
         # it): whatever team or key the line names is not read.
@@ -396,3 +400,25 @@ class BatchLane:
 def _tokens(env: RequestEnvelope) -> int:
     """What a line reserves: its prompt's estimate and its max_tokens."""
     return env.prompt_tokens + env.max_tokens
+
+
+def _salvage(raw: bytes | None, exc: MalformedMessage) -> BatchRequest | None:
+    """A record that is not a valid line but names its job and line (a wrong body, a newer
+    version): the line its submitter counts on, carrying the problem as its error, so it is
+    answered with an error result instead of never. None when it names no job and line."""
+    try:
+        fields = orjson.loads(raw or b"")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    team = fields.get("team")
+    try:
+        return BatchRequest(
+            job_id=fields.get("job_id"),
+            line_id=fields.get("line_id"),
+            team=team if isinstance(team, str) and team else None,
+            error=f"not a laneway batch line: {exc}",
+        )
+    except ValidationError:
+        return None
