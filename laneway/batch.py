@@ -23,6 +23,7 @@ from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
 
 __all__ = [
+    "MAX_CUSTOM_ID_CHARS",
     "MAX_LINE_BYTES",
     "BatchClient",
     "JobStatus",
@@ -53,6 +54,7 @@ class JobStatus:
 # A line becomes one Kafka record: it must fit one (the broker's and the producers' limit is
 # 1 MiB), with room for the record's other fields.
 MAX_LINE_BYTES = 1_000_000
+MAX_CUSTOM_ID_CHARS = 500  # as a line_id holds (laneway.schema.BatchRequest)
 
 
 def parse_input(
@@ -83,9 +85,15 @@ def parse_input(
         if not isinstance(item, dict):
             yield failed(fallback_id, "not a JSON object")
             continue
-        line_id = str(item.get("custom_id") or fallback_id)[:500]
-        if line_id in seen:
-            problem: str | None = f"custom_id {line_id!r} repeats an earlier line"
+        line_id = str(item.get("custom_id") or fallback_id)
+        problem: str | None
+        if len(line_id) > MAX_CUSTOM_ID_CHARS:
+            # Cut, it would come back as another id than the one sent (and two ids that differ
+            # past the cut would look like one): refused, under an id that says where it was.
+            problem = f"custom_id of {len(line_id)} characters, over {MAX_CUSTOM_ID_CHARS}"
+            line_id = f"{line_id[:480]}#{number}"
+        elif line_id in seen:
+            problem = f"custom_id {line_id!r} repeats an earlier line"
             line_id = f"{line_id[:480]}#{number}"
         else:
             problem = _line_problem(item, endpoint)
