@@ -27,7 +27,7 @@ from laneway.constants import POOLS, RequestClass
 from laneway.errors import ProbeFailed
 from laneway.metrics import PROBE_LATENCY, PROBE_SUCCESS
 from laneway.schema import BatchRequest, RequestEnvelope
-from laneway.tasks import stop_task
+from laneway.tasks import kept, stop_task
 
 if TYPE_CHECKING:
     from ingress.state import IngressState
@@ -61,7 +61,7 @@ class Prober:
         if self.settings.probe_interval_s > 0 and self._task is None:
             self._results = make_consumer(self.settings, isolation_level="read_committed")
             await start_client(self._results)
-            self._task = asyncio.create_task(self._loop(), name="prober")
+            self._task = kept("prober", self._loop)
         with contextlib.suppress(RedisError, OSError):
             await self._forget_legacy_key()
 

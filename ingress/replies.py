@@ -25,7 +25,7 @@ from laneway.errors import MalformedMessage
 from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 from laneway.schema import Reply, decode
-from laneway.tasks import stop_task
+from laneway.tasks import kept, stop_task
 
 __all__ = ["ReplyChannel", "ReplyRouter"]
 
@@ -212,7 +212,7 @@ class ReplyRouter:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._read_loop(), name="reply-router")
+            self._task = kept("reply-router", self._read_loop)
 
     async def stop(self) -> None:
         task, self._task = self._task, None

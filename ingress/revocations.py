@@ -22,7 +22,7 @@ from laneway.clients import make_consumer
 from laneway.errors import MalformedMessage
 from laneway.redis_circuit import circuit_of
 from laneway.schema import KeyRevocation, decode
-from laneway.tasks import stop_task
+from laneway.tasks import kept, stop_task
 
 __all__ = ["RevokedKeys"]
 
@@ -61,7 +61,7 @@ class RevokedKeys:
 
     async def start(self) -> None:
         await self._consumer.start()
-        self._task = asyncio.create_task(self._tail(), name="revoked-keys")
+        self._task = kept("revoked-keys", self._tail)
 
     async def stop(self) -> None:
         task, self._task = self._task, None
