@@ -39,6 +39,7 @@ from laneway.errors import (
     EngineError,
     Expired,
     LanewayError,
+    ModelNotFound,
     NotFound,
     ServiceUnavailable,
     Superseded,
@@ -401,11 +402,26 @@ async def list_models(request: Request) -> Response:
     state = _state(request)
     await state.callers.resolve(request.headers.get("authorization"))
     created = int(state.started_at)
-    data = [
-        {"id": m, "object": "model", "created": created, "owned_by": "laneway"}
-        for m in state.settings.models
-    ]
+    data = [_model(m, created) for m in state.settings.models]
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    """One served model (the SDK's ``models.retrieve``); 404 in OpenAI's shape otherwise."""
+    state = _state(request)
+    await state.callers.resolve(request.headers.get("authorization"))
+    if model_id not in state.settings.models:
+        raise ModelNotFound(
+            f"model {model_id[:200]!r} is not served here; available: "
+            f"{sorted(state.settings.models)} (LANEWAY_MODELS)",
+            param="model",
+        )
+    return JSONResponse(_model(model_id, int(state.started_at)))
+
+
+def _model(model_id: str, created: int) -> dict[str, object]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "laneway"}
 
 
 @router.get("/healthz")

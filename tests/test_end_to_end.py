@@ -163,6 +163,11 @@ async def test_models_lists_served_models(served: tuple[LiveStack, openai.AsyncO
     _, client = served
     models = await client.models.list()
     assert {m.id for m in models.data} == {"laneway-code", "laneway-chat"}
+    model = await client.models.retrieve("laneway-code")
+    assert (model.id, model.object, model.owned_by) == ("laneway-code", "model", "laneway")
+    with pytest.raises(openai.NotFoundError) as refused:
+        await client.models.retrieve("gpt-nothing")
+    assert "is not served here" in str(refused.value)
 
 
 async def test_server_timing_splits_the_time_inside_laneway(

@@ -204,6 +204,7 @@ async def test_every_success_body_and_chunk_conforms(
     _, http = served
     wire = Wire()
     wire.check("models", (await http.get("/v1/models")).json(), "ListModelsResponse")
+    wire.check("model", (await http.get("/v1/models/laneway-code")).json(), "Model")
     for path, body, name in (
         ("/v1/completions", COMPLETION, "CreateCompletionResponse"),
         ("/v1/chat/completions", CHAT, "CreateChatCompletionResponse"),
@@ -228,6 +229,7 @@ async def test_every_success_body_and_chunk_conforms(
     assert wire.failures == []
     assert set(wire.checked) == {
         "ListModelsResponse",
+        "Model",
         "CreateCompletionResponse",  # the whole body, the last chunk and the usage chunk
         "CreateCompletionResponse before the last",
         "CreateChatCompletionResponse",
