@@ -16,21 +16,33 @@ from quota.model import QuotaPolicy
 from quota.teams import get_team
 from tests.stack import LiveStack, clear_of_the_hour_turn, eventually
 
-# What the server streams for a prompt: an event that is not JSON, JSON that is not an object,
-# an object whose choices are not a list of objects, then a good one.
+_WORDS = b'data: {"choices": [{"text": "half an "}]}\n\n'
+# What the server streams for a prompt, and the words the usage event's error must have: an
+# event that is not JSON, JSON that is not an object, choices that are not objects, an error
+# event midway (as vLLM ends a failed stream, [DONE] after it), a stream that stops with no
+# finish_reason and no [DONE]; then a good one.
 _BROKEN = {
-    "not-json": b"data: {oops\n\n",
-    "a-list": b"data: [1, 2]\n\n",
-    "bad-choices": b'data: {"choices": ["text"]}\n\n',
+    "not-json": (b"data: {oops\n\n", "not an OpenAI chunk"),
+    "a-list": (b"data: [1, 2]\n\n", "not an OpenAI chunk"),
+    "bad-choices": (b'data: {"choices": ["text"]}\n\n', "not an OpenAI chunk"),
+    "error-midway": (
+        _WORDS + b'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n',
+        "failed midway: engine died",
+    ),
+    "cut-short": (_WORDS, "ended before its end"),
 }
 _GOOD = b'data: {"choices": [{"text": "fine", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+_NOT_STREAMED = "json"  # answered with one JSON body, though a stream was asked for
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
+    if body["prompt"] == _NOT_STREAMED:
+        return web.json_response({"choices": [{"text": "whole", "finish_reason": "stop"}]})
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    await response.write(_BROKEN.get(body["prompt"], _GOOD))
+    sent = _BROKEN.get(body["prompt"])
+    await response.write(sent[0] if sent else _GOOD)
     await response.write_eof()
     return response
 
@@ -58,21 +70,26 @@ async def test_a_garbled_upstream_stream_ends_its_request_with_an_error(
         "completion", engine="openai", upstream_url=garbling, upstream_model="up", upstream_slots=4
     )
     http = stack.http(ingress, await stack.api_key("team-g", size=5))
-    for prompt in _BROKEN:
+    expected = {**{p: words for p, (_, words) in _BROKEN.items()}, _NOT_STREAMED: "not the event"}
+    ids = {}
+    for prompt, words in expected.items():
         body = {"model": "laneway-code", "prompt": prompt, "max_tokens": 8}
         answer = await http.post("/v1/completions", json=body)
         assert answer.status_code == 502, (prompt, answer.status_code, answer.text)
         assert "engine failed" in answer.json()["error"]["message"]
+        ids[answer.headers["x-laneway-request-id"]] = words
     good = await http.post(
         "/v1/completions", json={"model": "laneway-code", "prompt": "ok", "max_tokens": 8}
     )
     assert good.status_code == 200, good.text
     assert good.json()["choices"][0]["text"] == "fine"
     events = await stack.read_topic(
-        stack.topics.usage, count=4, where=lambda e: e["team"] == "team-g"
+        stack.topics.usage, count=len(ids) + 1, where=lambda e: e["team"] == "team-g"
     )
-    assert sorted(e["status"] for e in events) == ["error", "error", "error", "ok"]
-    assert all("not an OpenAI chunk" in e["error"] for e in events if e["status"] == "error")
+    assert sorted(e["status"] for e in events) == ["error"] * len(ids) + ["ok"]
+    for event in events:
+        if event["id"] in ids:
+            assert ids[event["id"]] in event["error"], event
     # Every reservation settled: none is left holding the team's tokens.
     keys = RedisKeys(stack.prefix)
     enforcer = QuotaEnforcer(stack.redis, keys, QuotaPolicy())

@@ -188,6 +188,11 @@ class OpenAICompatibleEngine:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
             response = await self._send(call, request.id, path, body)
+            if response.content_type != "text/event-stream":
+                raise EngineError(
+                    f"upstream {self.base_url}{path} answered {response.content_type or 'a body'}"
+                    ", not the event stream it was asked for"
+                )
             async for line in response.content:
                 if call.aborted:
                     # Aborted after the headers came and before this task resumed (vLLM
@@ -368,7 +373,14 @@ class _Reading:
             self.done = True
             return None
         try:
-            return self.chunk(orjson.loads(data))
+            chunk = orjson.loads(data)
+            if isinstance(chunk, dict) and chunk.get("error"):
+                # vLLM and others end a stream that failed midway with an error event (and
+                # then [DONE]): the answer so far is not a whole one.
+                error = chunk["error"]
+                message = error.get("message") if isinstance(error, dict) else error
+                raise EngineError(f"the upstream failed midway: {str(message)[:300]}")
+            return self.chunk(chunk)
         except (ValueError, TypeError, AttributeError) as exc:
             # Not the OpenAI chunk it must be: the request fails with an engine error (its
             # client answered, its quota settled, the route's breaker told), never silently.
@@ -401,6 +413,13 @@ class _Reading:
         )
 
     def final(self) -> EngineDelta:
+        """The end: raises when the stream stopped before saying it was done ([DONE], or a
+        finish_reason), as a connection the upstream dropped or a body cut short does; the
+        text so far is not a whole answer then."""
+        if not self.done and self.finish is None:
+            raise EngineError(
+                "the upstream's stream ended before its end (no finish_reason, no [DONE])"
+            )
         return EngineDelta(
             text="",
             prompt_tokens=self.prompt_tokens,
