@@ -208,6 +208,31 @@ def test_upstream_metrics_showing_a_queue_cut_the_limit() -> None:
     assert slots.limit == 5
 
 
+def test_a_request_stuck_upstream_holds_back_nothing_while_the_upstream_says_none_waits() -> None:
+    # The server publishes its queue: empty. One request of ours gets no first byte (stuck on
+    # its own, or a long prefill); the others must still go out, up to the limit.
+    clock = _Clock()
+    slots = LearnedSlots(initial=4, stall_floor_ms=20.0, clock=clock)
+    for i in range(10):  # learn what an unqueued first byte takes
+        slots.sent(f"w{i}", 100)
+        clock.advance(5)
+        slots.first_byte(f"w{i}")
+        slots.done(f"w{i}")
+    slots.upstream_load(waiting=0, fresh_s=3.0)
+    slots.sent("stuck", 100)
+    clock.advance(500)  # far past any first byte seen
+    assert slots.capacity() == 4  # nothing held back, and the limit stays
+    slots.upstream_load(waiting=0, fresh_s=3.0)
+    slots.first_byte("stuck")
+    slots.done("stuck")
+    assert (slots.limit, slots.stalls) == (4, 0)
+    # Without a fresh count the same wait is read as a full server, as before.
+    slots.sent("late", 100)
+    clock.advance(4000)
+    assert slots.capacity() == 1  # what is out already: nothing more
+    assert slots.stalls == 1
+
+
 def test_shares_go_to_completions_then_chats_then_batch_beyond_the_reserve() -> None:
     demand = {"completion": 3, "chat": 4, "batch": 20}
     assert allocate(8, 1, demand) == {"completion": 3, "chat": 4, "batch": 1}

@@ -11,7 +11,10 @@ learns it, as TCP learns a path's capacity:
   that came while the limit was in use (slow start). After that it probes one more only
   every ``probe_s``, so a server that grew is found, at the price of one short wait.
 - Where the upstream publishes its queue (vLLM's ``vllm:num_requests_waiting``), a waiting
-  count above zero is a stall too, seen by everyone who shares the server.
+  count above zero is a stall too, seen by everyone who shares the server. And while its
+  count is fresh, it is the only word on the queue: a first byte that is late while the
+  server says nothing waits is a slow prefill or a request stuck on its own, not a full
+  server, and neither cuts the limit nor holds back the rest.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class LearnedSlots:
         self._samples: deque[float] = deque(maxlen=_SAMPLES)  # first-byte ms per unit
         self._base_ms: float | None = None  # an unqueued first byte, per unit
         self._next_probe = 0.0
+        self._queue_known_until = float("-inf")  # the upstream's own count is fresh till then
 
     @property
     def in_flight(self) -> int:
@@ -91,13 +95,21 @@ class LearnedSlots:
             if other.first_byte is None:
                 other.peak = max(other.peak, self.streaming)
         waited_ms = (now - run.sent) * 1000
+        if self._queue_known(now) and not run.stalled:
+            if waited_ms <= self._threshold_ms(run.prompt_tokens):
+                self._sample(waited_ms, run.prompt_tokens)
+            return  # late with no queue upstream: the server's own matter, not a full one
         if run.stalled or waited_ms > self._threshold_ms(run.prompt_tokens):
             if not run.stalled:
                 # It started when a slot freed: the upstream was full with as many as it
                 # found streaming, itself included.
                 self._stalled(max(run.peak, self.streaming))
             return
-        self._samples.append(waited_ms / _units(run.prompt_tokens))
+        self._sample(waited_ms, run.prompt_tokens)
+
+    def _sample(self, waited_ms: float, prompt_tokens: int) -> None:
+        """A quick first byte: what an unqueued one takes, and room to grow (slow start)."""
+        self._samples.append(waited_ms / _units(prompt_tokens))
         # A low quantile: first bytes that waited in the upstream's queue are all slower, so
         # it stays the unqueued time while most samples queued. The fastest one until there
         # are enough for a quantile.
@@ -111,8 +123,10 @@ class LearnedSlots:
         if run is not None and run.first_byte is not None:
             self.streaming -= 1
 
-    def upstream_load(self, waiting: int) -> None:
-        """The upstream's own queue (from its metrics): ours beyond what it runs must go."""
+    def upstream_load(self, waiting: int, fresh_s: float = 3.0) -> None:
+        """The upstream's own queue (from its metrics): ours beyond what it runs must go.
+        For ``fresh_s`` it is the only word on the queue (the module docstring)."""
+        self._queue_known_until = self._clock() + fresh_s
         if waiting > 0 and self._inflight:
             self._stalled(max(1, len(self._inflight) - waiting))
 
@@ -139,8 +153,14 @@ class LearnedSlots:
             return self.stall_floor_ms * _COLD_FACTOR
         return max(self.stall_floor_ms, self.stall_factor * self._base_ms * _units(prompt_tokens))
 
+    def _queue_known(self, now: float) -> bool:
+        return now < self._queue_known_until
+
     def _stalling(self, now: float) -> bool:
-        """Whether a request waits for its first byte past its threshold (judged once)."""
+        """Whether a request waits for its first byte past its threshold (judged once);
+        never while the upstream's own queue count is fresh."""
+        if self._queue_known(now):
+            return False
         stalling = False
         for run in self._inflight.values():
             if run.first_byte is not None:

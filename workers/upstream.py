@@ -304,7 +304,9 @@ class OpenAICompatibleEngine:
                     return
                 if waiting is not None:
                     self._upstream_waiting = int(float(waiting.group(1)))
-                    self.learned.upstream_load(self._upstream_waiting)
+                    self.learned.upstream_load(
+                        self._upstream_waiting, fresh_s=3 * self.metrics_interval_s
+                    )
                 if kv_usage is not None:
                     self._kv_usage = min(1.0, max(0.0, float(kv_usage.group(1))))
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
