@@ -183,6 +183,7 @@ class ReplyRouter:
         self.block_ms = block_ms
         self._channels: dict[str, ReplyChannel] = {}
         self._task: asyncio.Task[None] | None = None
+        self._last_id = b"$"  # the reply stream read up to here ("$": what comes next)
         self.circuit = circuit_of(redis)
         self._reading = False  # the last read of the stream succeeded
 
@@ -219,7 +220,7 @@ class ReplyRouter:
         await stop_task(task)
 
     async def _read_loop(self) -> None:
-        last_id = b"$"
+        last_id = self._last_id  # where a previous run of this loop (``kept``) got to
         backoff = Backoff(0.1, 2.0)
         refreshed = 0.0
         while True:
@@ -227,6 +228,7 @@ class ReplyRouter:
             try:
                 if last_id == b"$":
                     last_id = await self.circuit.background(self._stream_end, timeout_s=None)
+                    self._last_id = last_id
                 now = time.monotonic()
                 if now - refreshed > REPLY_STREAM_TTL_S / 10:
                     await self.circuit.background(
@@ -251,7 +253,7 @@ class ReplyRouter:
                 continue
             for _stream, messages in response:
                 for message_id, fields in messages:
-                    last_id = message_id
+                    last_id = self._last_id = message_id
                     self._dispatch(fields.get(b"d"))
 
     async def _stream_end(self) -> bytes:

@@ -261,12 +261,15 @@ class QuotaEnforcer:
             actual_tokens,
             _USED_TTL_S,
             leased,
-            _SETTLED_MARK_S,
+            # A batch line has no deadline: its re-run may come after hours waiting for
+            # budget, and its mark lives as long as a reservation may.
+            _RESERVATION_TTL_S if once else _SETTLED_MARK_S,
             policy.min_charge_tokens if min_charge is None else min_charge,
             policy.max_excess,
             _BUCKET_TTL_S,
             local,
             1 if once else 0,
+            f"{request_id}@{accepted_ts!r}" if once else request_id,
         ]
 
     async def lease(self, team: Team, need: int, want: int) -> Lease:

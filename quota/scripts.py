@@ -125,22 +125,24 @@ return 1
 # happen once, however often it is sent (a re-run after a crash, a settle that timed out
 # and is sent again once Redis answers). The lease took its tokens from the pool already;
 # the local limiter took none, so such a request is charged in full here.
-# A batch line (ARGV 10) is marked too: a worker that crashed after settling it and before
-# its transaction committed runs it again, reserving anew; that second reservation goes back
-# whole here instead of being charged a second time.
+# A batch line (ARGV 10) is marked too, under its id and the time its record was stored
+# (ARGV 11: the record, not only the ids its submitter chose, so a new record that repeats
+# them is charged): a worker that crashed after settling it and before its transaction
+# committed runs it again, reserving anew; that second reservation goes back whole here
+# instead of being charged a second time.
 # KEYS: 1 reservations, 2 interactive bucket, 3 batch bucket, 4 interactive used, 5 batch used,
 #       6 settled marks (request ids admitted from a lease or locally, or batch lines,
 #       settled already)
 # ARGV: 1 request id, 2 actual tokens, 3 used ttl, 4 leased tokens (0: none), 5 marks ttl,
 #       6 minimum charge, 7 excess share, 8 bucket ttl, 9 locally admitted tokens (0: none),
-#       10 settle once whatever was reserved (1: a batch line)
+#       10 settle once whatever was reserved (1: a batch line), 11 the mark's field
 # Returns {found 0|1, pool, reserved, charged}.
 SETTLE = (
     _BUCKET
     + """
 local leased, unpooled = tonumber(ARGV[4]), tonumber(ARGV[9] or '0')
 if leased > 0 or unpooled > 0 or ARGV[10] == '1' then
-  if redis.call('HSETNX', KEYS[6], ARGV[1], '1') == 0 then
+  if redis.call('HSETNX', KEYS[6], ARGV[11] or ARGV[1], '1') == 0 then
     local again = redis.call('HGET', KEYS[1], ARGV[1])
     if again then
       local pool, amount = string.match(again, '^(%S+) (%S+)$')

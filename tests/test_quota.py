@@ -559,3 +559,27 @@ async def wait_for_budget_used(
 async def _json(response: Awaitable[httpx.Response]) -> dict[str, Any]:
     body: dict[str, Any] = (await response).json()
     return body
+
+
+async def test_a_batch_line_run_again_is_charged_once_and_a_new_record_of_its_ids_is_not_free(
+    enforcer: Any,
+) -> None:
+    quota, redis, keys = enforcer
+    team = Team("alpha", size=1)  # 1,000 tokens an hour per pool
+    stored = 1_000_000.0  # when the line's record was stored
+    await quota.reserve(team, "batch", "batch-j-1", 100)
+    assert (await quota.settle("alpha", "batch-j-1", 80, accepted_ts=stored, once=True)).found
+    # Its worker died before the commit: the re-run reserves again and settles again; that
+    # reservation goes back whole.
+    await quota.reserve(team, "batch", "batch-j-1", 100)
+    again = await quota.settle("alpha", "batch-j-1", 80, accepted_ts=stored, once=True)
+    assert not again.found
+    pool = (await quota.snapshot(team))["pools"]["batch"]
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (80, 0)
+    # The mark outlives any wait for budget a re-run may have (a batch line has no deadline).
+    mark = keys.quota_settled("alpha", int(stored // 300))
+    assert await redis.ttl(mark) > 3600
+    # A new record that repeats the ids (stored later) is another line: charged.
+    await quota.reserve(team, "batch", "batch-j-1", 100)
+    later = await quota.settle("alpha", "batch-j-1", 50, accepted_ts=stored + 1, once=True)
+    assert (later.found, later.charged) == (True, 50)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
 
-from laneway.errors import Dropped, EngineError, EngineRejected, Expired
+from laneway.errors import Cancelled, Dropped, EngineError, EngineRejected, Expired
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.retry import Backoff
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
@@ -196,7 +196,11 @@ class RequestExecutor:
                     text_parts=text_parts,
                 )
         except Dropped as dropped:
-            if env.id in self.preempted:
+            # Shed to run again later, unless its client cancelled meanwhile (a tombstone
+            # that came while the abort was under way): then this is its end.
+            if env.id in self.preempted and not isinstance(
+                self.shield.stale_reason(env.id), Cancelled
+            ):
                 requeued = True
                 self._preempted(env, got, dropped, chunks)
                 return None
