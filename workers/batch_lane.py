@@ -125,6 +125,7 @@ class BatchLane:
                 result = error_result(line, exc)
                 records = result_records(self.worker.topics, result, input_topic=tp.topic)
                 self.ledger.add(tp, record.offset, records)
+                await self._release(result.team, result.request_id)
                 return None
             except (RedisError, OSError) as exc:
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
@@ -132,6 +133,16 @@ class BatchLane:
                 await backoff.wait()
             else:
                 return env
+
+    async def _release(self, team: str, request_id: str) -> None:
+        """A line answered with an error may hold a reservation of an earlier run (taken at
+        its intake, before a crash; its job cancelled since): it goes back whole, not held
+        for a day. Nothing to do for the others, and a Redis that does not answer leaves it
+        to expire."""
+        if self.worker.quota is None or not team:
+            return
+        with contextlib.suppress(RedisError, OSError):
+            await self.worker.quota.settle(team, request_id, 0, min_charge=0)
 
     def _stored_at(self, record: ConsumerRecord[Any, Any]) -> float:
         """When the broker stored the line (its topics keep the broker's time): a line's
