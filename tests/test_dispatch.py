@@ -181,14 +181,20 @@ def test_learned_slots_follow_a_server_that_grows() -> None:
     assert slots.limit == 7
 
 
-def test_no_more_is_sent_while_a_request_stalls_upstream() -> None:
-    clock = _Clock()
+def _warmed(clock: _Clock) -> LearnedSlots:
+    """A limit of 4, having learned what an unqueued first byte takes (5 ms)."""
     slots = LearnedSlots(initial=4, stall_floor_ms=20.0, clock=clock)
-    for i in range(10):  # learn what an unqueued first byte takes
+    for i in range(10):
         slots.sent(f"w{i}", 100)
         clock.advance(5)
         slots.first_byte(f"w{i}")
         slots.done(f"w{i}")
+    return slots
+
+
+def test_no_more_is_sent_while_a_request_stalls_upstream() -> None:
+    clock = _Clock()
+    slots = _warmed(clock)
     slots.sent("a", 100)
     slots.sent("b", 100)
     clock.advance(5)
@@ -212,12 +218,7 @@ def test_a_request_stuck_upstream_holds_back_nothing_while_the_upstream_says_non
     # The server publishes its queue: empty. One request of ours gets no first byte (stuck on
     # its own, or a long prefill); the others must still go out, up to the limit.
     clock = _Clock()
-    slots = LearnedSlots(initial=4, stall_floor_ms=20.0, clock=clock)
-    for i in range(10):  # learn what an unqueued first byte takes
-        slots.sent(f"w{i}", 100)
-        clock.advance(5)
-        slots.first_byte(f"w{i}")
-        slots.done(f"w{i}")
+    slots = _warmed(clock)
     slots.upstream_load(waiting=0, fresh_s=3.0)
     slots.sent("stuck", 100)
     clock.advance(500)  # far past any first byte seen

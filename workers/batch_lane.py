@@ -69,6 +69,9 @@ class BatchLane:
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
+        # Lines whose reservation at intake found the pool short: they wait for it before
+        # they queue (``_admit``); the others reserved already.
+        self._short: set[str] = set()
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
@@ -106,11 +109,16 @@ class BatchLane:
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
-            skip_record(self.worker.pool, tp, record.offset, exc)  # counted and logged
             salvaged = _salvage(record.value, exc)
-            if salvaged is None:
-                return None  # it names no job and line: there is nowhere to answer it
-            line = salvaged  # answered with its error, as the line its submitter counts on
+            if salvaged is None:  # it names no job and line: there is nowhere to answer it
+                skip_record(self.worker.pool, tp, record.offset, exc)
+                return None
+            # Answered with its error, as the line its submitter counts on.
+            metrics.MALFORMED.labels(self.worker.pool, tp.topic).inc()
+            log.warning(
+                "answering %s:%d@%d with an error: %s", tp.topic, tp.partition, record.offset, exc
+            )
+            line = salvaged
         backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
         # it): whatever team or key the line names is not read.
@@ -187,15 +195,15 @@ class BatchLane:
             log.info("shared engine: %d batch lines preempted for interactive work", len(victims))
 
     async def before_queue(self, work: Work) -> None:
-        if self.worker.quota is not None:
+        if work.env.id in self._short:
             await self._admit(work.env)
+            self._short.discard(work.env.id)
 
     async def _fits(self, env: RequestEnvelope) -> None:
         """Reserve ``env``'s tokens once, as it comes in; raises ``QuotaExceeded`` for a line
         bigger than its team's whole batch budget, which becomes its result at once: waited
         for, it would stall the lines of every team behind it on its partition for good. A
-        line the pool cannot cover yet waits in ``_admit`` (the reservation taken here makes
-        that one a no-op)."""
+        line the pool cannot cover yet waits for it in ``_admit`` before it queues."""
         if self.worker.quota is None:
             return
         try:
@@ -204,6 +212,7 @@ class BatchLane:
         except QuotaExceeded as exc:
             if exc.never:
                 raise
+            self._short.add(env.id)
 
     async def _admit(self, env: RequestEnvelope) -> None:
         """Reserve from the team's batch pool, waiting (never failing) until it refills.
