@@ -37,7 +37,7 @@ def _line(i: int, **body: Any) -> str:
     ).decode()
 
 
-def _spawn_batch_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
+def _spawn_batch_worker(stack: LiveStack, **extra: str) -> subprocess.Popen[bytes]:
     return stack.spawn(
         "workers",
         LANEWAY_POOL="batch",
@@ -48,6 +48,7 @@ def _spawn_batch_worker(stack: LiveStack) -> subprocess.Popen[bytes]:
         LANEWAY_MAX_INFLIGHT="32",
         LANEWAY_COMMIT_INTERVAL_MS="100",
         LANEWAY_LOG_LEVEL="WARNING",
+        **extra,
     )
 
 
@@ -329,8 +330,10 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
     commit = lane.txns.commit
     stuck: list[int] = []
 
-    async def commit_then_hang(tp: TopicPartition, records: list[Any], offset: int) -> None:
-        await commit(tp, records, offset)
+    async def commit_then_hang(
+        tp: TopicPartition, records: list[Any], offset: int, metadata: str = ""
+    ) -> None:
+        await commit(tp, records, offset, metadata)
         if records and not stuck:
             stuck.append(offset)
             await asyncio.Event().wait()  # its end is never reported
@@ -516,3 +519,57 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         assert words in message, message
     await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
     assert len(await stack.read_all(stack.topics.results_batch)) == 3
+
+
+@pytest.mark.slow
+async def test_a_team_over_its_budget_holds_up_no_other_team_and_nothing_runs_twice(
+    stack: LiveStack,
+) -> None:
+    """One team's lines wait for its batch pool beside the lane, not in it: another team's
+    job queued behind them on the same partitions runs and is answered meanwhile. A SIGKILL
+    then leaves both jobs whole: the new worker runs exactly the lines still unanswered."""
+    await stack.api_key("thrifty", size=1, complexity=0.1)  # 5,000 tokens/h: ~60 of its lines
+    await stack.api_key("rich", size=1000)
+    producer = await stack.producer()
+    topic = stack.topics.request("batch")
+    jobs = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}
+    for team, (job, lines) in jobs.items():  # every thrifty line ahead of every rich one
+        for line in range(lines):
+            request = BatchRequest(
+                job_id=job,
+                line_id=str(line),
+                team=team,
+                url="/v1/completions",
+                body={"model": "laneway-code", "prompt": f"document {line} " * 5, "max_tokens": 64},
+            )
+            await producer.send(topic, request.to_json(), key=f"{job}:{line}".encode())
+    await producer.flush()
+
+    def of(job: str) -> Any:
+        return lambda result: result.get("job_id") == job
+
+    worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="")
+    try:
+        await stack.read_topic(
+            stack.topics.results_batch, count=40, where=of("j-rich"), within_s=60
+        )
+        answered = await stack.read_all(stack.topics.results_batch, where=of("j-thrifty"))
+        assert 0 < len(answered) < 120  # thrifty's pool ran dry: the rest of its job waits
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=10)
+        await stack.api_key("thrifty", size=1000)  # its budget raised: the rest may run
+        worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="")
+        await stack.read_topic(
+            stack.topics.results_batch, count=120, where=of("j-thrifty"), within_s=90
+        )
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    results = await stack.read_all(stack.topics.results_batch)
+    usage = await stack.read_all(stack.topics.usage)
+    for team, (job, lines) in jobs.items():
+        got = sorted(int(r["line_id"]) for r in results if r.get("job_id") == job)
+        assert got == list(range(lines)), f"{team}: each line answered once"
+        assert all(r["status"] == "ok" for r in results if r.get("job_id") == job)
+        charged = sorted(e["id"] for e in usage if e["job_id"] == job)
+        assert charged == sorted(f"batch-{job}-{line}" for line in range(lines))

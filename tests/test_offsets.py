@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from aiokafka import TopicPartition
 
+from workers.answered import answered_by, commit_metadata
 from workers.offsets import OffsetTracker
 
 TP = TopicPartition("t", 0)
@@ -38,3 +39,44 @@ def test_a_run_from_before_a_rebalance_never_finishes_the_offset_fetched_again()
     assert tracker.committable() == {TP: 5}
     tracker.finish(TP, 5, tracker.epoch(TP))
     assert tracker.committable() == {TP: 6}
+
+
+def test_a_commit_names_the_lines_above_it_still_unanswered() -> None:
+    tracker = OffsetTracker()
+    for offset in range(100, 110):
+        tracker.begin(TP, offset)
+    for offset in (100, 101, 103, 104, 105, 107, 108, 109):
+        tracker.finish(TP, offset)
+    state = tracker.snapshot(TP)
+    assert state == (102, 110, [102, 106])
+    metadata, covered = commit_metadata(*state)
+    assert covered == 110
+    answered = answered_by(102, metadata)
+    assert [o for o in range(95, 115) if o not in answered] == [102, 106, *range(110, 115)]
+
+
+def test_a_partitions_next_tenure_starts_where_the_last_commit_left_it() -> None:
+    answered = answered_by(102, commit_metadata(102, 110, [102, 106])[0])
+    tracker = OffsetTracker()
+    tracker.inherit(TP, answered.high, answered.pending)
+    assert tracker.snapshot(TP) == (102, 110, [102, 106])  # before anything is fetched again
+    tracker.begin(TP, 102)
+    tracker.finish(TP, 102)
+    assert tracker.snapshot(TP) == (106, 110, [106])
+
+
+def test_a_list_too_long_for_the_broker_is_cut_and_the_rest_waits() -> None:
+    pending = list(range(0, 4000, 2))  # 2,000 unanswered lines among 4,000
+    metadata, covered = commit_metadata(0, 4000, pending, limit=300)
+    assert len(metadata) <= 300
+    answered = answered_by(0, metadata)
+    assert 0 < covered < 4000 and answered.high == covered
+    # Nothing at or above the cut counts as answered; below it, exactly the odd offsets.
+    assert not [o for o in range(covered, 4000) if o in answered]
+    assert [o for o in range(covered) if o in answered] == list(range(1, covered, 2))
+
+
+def test_metadata_laneway_did_not_write_says_nothing_above_the_offset() -> None:
+    for foreign in ("", "hello", "lw1:x:1", "lw1:5:0,9", "lw1:5:3,1,0", "lw9:5:0"):
+        answered = answered_by(50, foreign)
+        assert 49 in answered and 50 not in answered and 52 not in answered

@@ -30,6 +30,7 @@ from laneway.schema import (
     UsageEvent,
 )
 from laneway.settings import CommonSettings
+from workers.answered import Answered
 
 __all__ = ["BatchIntake", "BatchLedger", "KafkaRecord", "batch_result", "error_result"]
 
@@ -177,20 +178,18 @@ class BatchLedger:
     def add(self, tp: TopicPartition, offset: int, records: Iterable[KafkaRecord]) -> None:
         self._records.setdefault(tp, {})[offset] = list(records)
 
-    def below(self, offsets: dict[TopicPartition, int]) -> list[KafkaRecord]:
-        """Records of every offset below the ones about to be committed, in offset order."""
-        out: list[KafkaRecord] = []
-        for tp, upto in offsets.items():
-            held = self._records.get(tp, {})
-            for offset in sorted(o for o in held if o < upto):
-                out.extend(held[offset])
-        return out
+    def ready(self, tp: TopicPartition, answered: Answered) -> list[int]:
+        """The offsets of ``tp`` whose records a commit of ``answered`` completes, in order."""
+        return sorted(o for o in self._records.get(tp, {}) if o in answered)
 
-    def drop_below(self, offsets: dict[TopicPartition, int]) -> None:
-        for tp, upto in offsets.items():
-            held = self._records.get(tp, {})
-            for offset in [o for o in held if o < upto]:
-                del held[offset]
+    def records(self, tp: TopicPartition, offsets: Iterable[int]) -> list[KafkaRecord]:
+        held = self._records.get(tp, {})
+        return [record for offset in offsets for record in held[offset]]
+
+    def drop(self, tp: TopicPartition, offsets: Iterable[int]) -> None:
+        held = self._records.get(tp, {})
+        for offset in offsets:
+            held.pop(offset, None)
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         for tp in partitions:

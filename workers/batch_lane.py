@@ -2,8 +2,10 @@
 
 Differences from the interactive pools: records are batch lines (``BatchRequest``), each
 result and usage event is written in a Kafka transaction with the input offset it
-completes, a line waits (never fails) for its team's batch budget, and the whole lane
-pauses while the interactive lanes have a backlog.
+completes (and, in the commit's metadata, the lines above it still unanswered:
+``workers.answered``), a line waits (never fails) for its team's batch budget beside the lane
+(``workers.batch_budget``), and the whole lane pauses while the interactive lanes have a
+backlog.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from redis.exceptions import RedisError
 
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
+from laneway.errors import LanewayError, MalformedMessage
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
 from workers import metrics
+from workers.answered import Answered, answered_by, commit_metadata
 from workers.batch import (
     BatchIntake,
     BatchLedger,
@@ -33,6 +36,7 @@ from workers.batch import (
     error_result,
     result_records,
 )
+from workers.batch_budget import RETRY_MAX_S, BudgetWait
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
 from workers.lanes import skip_record
@@ -44,8 +48,9 @@ __all__ = ["BatchLane"]
 
 log = logging.getLogger(__name__)
 
-# A throttled batch line re-checks its pool at least this often.
-_BATCH_RETRY_MAX_S = 5.0
+# Lines waiting for their team's budget beside the lane, at most: beyond them the lane waits
+# for one to leave. Each holds its line's body (a few kB), so the bound is on memory.
+_MAX_PARKED = 2048
 # A partition's transaction not ended after this is stuck: an aiokafka producer whose
 # coordinator's broker died mid-transaction can wait for good (seen in the chaos drill, every
 # commit stopped). Its producer is replaced, which ends that transaction one way or the other.
@@ -69,9 +74,22 @@ class BatchLane:
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
-        # Lines whose reservation at intake found the pool short: they wait for it before
-        # they queue (``_admit``); the others reserved already.
-        self._short: set[str] = set()
+        self.budget = (
+            None
+            if worker.quota is None
+            else BudgetWait(
+                worker.quota,
+                self._team,
+                queue=self._queue,
+                current=lambda work: worker.offsets.current(work.tp, work.epoch),
+                cancelled=self._job_cancelled,
+                max_lines=_MAX_PARKED,
+            )
+        )
+        # Per partition: the offset and metadata last committed (``workers.answered``), and
+        # what its previous owner's last commit said is answered, skipped when fetched again.
+        self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        self._inherited: dict[TopicPartition, Answered] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
@@ -94,6 +112,8 @@ class BatchLane:
     async def close(self) -> None:
         for task in self._aborting:
             task.cancel()
+        if self.budget is not None:
+            await self.budget.close()
         try:
             async with asyncio.timeout(10):
                 await self.txns.close_all()
@@ -106,6 +126,9 @@ class BatchLane:
     async def accept(
         self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
     ) -> RequestEnvelope | None:
+        inherited = self._inherited.get(tp)
+        if inherited is not None and record.offset in inherited:
+            return None  # answered by the partition's last owner, above its committed offset
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
@@ -119,7 +142,7 @@ class BatchLane:
                 "answering %s:%d@%d with an error: %s", tp.topic, tp.partition, record.offset, exc
             )
             line = salvaged
-        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
+        backoff = Backoff(0.5, RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
         # it): whatever team or key the line names is not read.
         topic_team = self.worker.topics.team_of_batch_topic(tp.topic)
@@ -194,49 +217,22 @@ class BatchLane:
         if victims:
             log.info("shared engine: %d batch lines preempted for interactive work", len(victims))
 
-    async def before_queue(self, work: Work) -> None:
-        if work.env.id in self._short:
-            await self._admit(work.env)
-            self._short.discard(work.env.id)
+    async def before_queue(self, work: Work) -> bool:
+        """A line its pool could not cover at intake waits beside the lane, not in it."""
+        return self.budget is None or not await self.budget.park(work)
+
+    def _queue(self, work: Work) -> None:
+        """A parked line its pool covers now (or whose job was cancelled): it queues."""
+        self.worker.queue.push(work)
+        self.worker.dispatcher.wake()
 
     async def _fits(self, env: RequestEnvelope) -> None:
         """Reserve ``env``'s tokens once, as it comes in; raises ``QuotaExceeded`` for a line
         bigger than its team's whole batch budget, which becomes its result at once: waited
-        for, it would stall the lines of every team behind it on its partition for good. A
-        line the pool cannot cover yet waits for it in ``_admit`` before it queues."""
-        if self.worker.quota is None:
-            return
-        try:
-            team = await self._team(env.team)
-            await self.worker.quota.reserve(team, "batch", env.id, _tokens(env))
-        except QuotaExceeded as exc:
-            if exc.never:
-                raise
-            self._short.add(env.id)
-
-    async def _admit(self, env: RequestEnvelope) -> None:
-        """Reserve from the team's batch pool, waiting (never failing) until it refills.
-
-        It waits before the line is queued, holding no engine slot: a throttled job stops
-        fetching more work instead of failing lines; with Redis unreachable, batch pauses.
-        """
-        assert self.worker.quota is not None
-        amount = _tokens(env)
-        backoff = Backoff(0.5, _BATCH_RETRY_MAX_S)
-        while True:
-            try:
-                team = await self._team(env.team)
-                await self.worker.quota.reserve(team, "batch", env.id, amount)
-            except QuotaExceeded as exc:
-                if await self._job_cancelled(env):
-                    return  # dropped as cancelled when it would start; nothing reserved
-                metrics.QUOTA_WAITS.labels(env.team).inc()
-                await asyncio.sleep(min(max(exc.retry_after, 0.05), _BATCH_RETRY_MAX_S))
-            except (RedisError, OSError) as exc:
-                log.warning("batch admission paused, Redis unreachable: %s", exc)
-                await backoff.wait()
-            else:
-                return
+        for, it would never leave. A line the pool cannot cover yet is parked
+        (``before_queue``) until it can."""
+        if self.budget is not None:
+            await self.budget.reserve(await self._team(env.team), env)
 
     async def _job_cancelled(self, env: RequestEnvelope) -> bool:
         """Whether ``env``'s job was cancelled (the shield then drops its lines not started
@@ -270,18 +266,22 @@ class BatchLane:
             await self._commit(only)
 
     async def _commit(self, only: set[TopicPartition] | None) -> None:
-        for tp, offset in self.worker.offsets.committable(only).items():
-            if tp in self._fenced:
+        for tp in self.worker.offsets.partitions():
+            if (only is not None and tp not in only) or tp in self._fenced:
                 continue
             try:
                 if not self.txns.has(tp):
                     # Its producer did not start when the partition was assigned: start it
                     # now (never for a partition fenced since: that would fence its owner).
                     await self.txns.open([tp])
-                if tp in self._cut_off and await self._settle_cut_off(tp) >= offset:
+                if tp in self._cut_off:
+                    await self._settle_cut_off(tp)
+                commit = self._next_commit(tp)
+                if commit is None:
                     continue
+                offset, metadata, answered = commit
                 async with asyncio.timeout(_TXN_STUCK_S):
-                    await self.txns.commit(tp, self.ledger.below({tp: offset}), offset)
+                    await self.txns.commit(tp, self.ledger.records(tp, answered), offset, metadata)
             except ProducerFenced:
                 await self._lose(tp)
                 continue
@@ -291,8 +291,23 @@ class BatchLane:
             except KafkaError as exc:
                 log.warning("batch transaction aborted (will retry): %s", exc)
                 continue
-            self.ledger.drop_below({tp: offset})
-            self.worker.offsets.mark_committed({tp: offset})
+            self.ledger.drop(tp, answered)
+            self._committed[tp] = (offset, metadata)
+
+    def _next_commit(self, tp: TopicPartition) -> tuple[int, str, list[int]] | None:
+        """What ``tp``'s next transaction commits: its offset, the metadata naming the lines
+        above it still unanswered, and the offsets whose results it writes; None when that
+        would change nothing."""
+        state = self.worker.offsets.snapshot(tp)
+        if state is None:
+            return None
+        low, high, pending = state
+        metadata, covered = commit_metadata(low, high, pending)
+        answered = self.ledger.ready(tp, Answered(low, covered, frozenset(pending)))
+        last = self._committed.get(tp)
+        if not answered and last is not None and last[0] == low:
+            return None  # only lines fetched since: nothing for a next owner to skip
+        return low, metadata, answered
 
     async def _replace_stuck(self, tp: TopicPartition) -> None:
         """Drop the producer of a transaction that does not end. The next commit starts a
@@ -308,16 +323,24 @@ class BatchLane:
             async with asyncio.timeout(_PRODUCER_STOP_S):
                 await self.txns.close([tp])
 
-    async def _settle_cut_off(self, tp: TopicPartition) -> int:
+    async def _settle_cut_off(self, tp: TopicPartition) -> None:
         """After a cut-off transaction (its producer replaced, so it has ended): what it
-        committed is out already and leaves the ledger; returns the offset committed."""
-        done: int | None = await self.worker.consumer.committed(tp)
+        committed is out already and leaves the ledger."""
+        offset, metadata = await self._committed_of(tp)
         self._cut_off.discard(tp)
-        if done is None:
-            return -1
-        self.ledger.drop_below({tp: done})
-        self.worker.offsets.mark_committed({tp: done})
-        return done
+        if offset is None:
+            return
+        answered = answered_by(offset, metadata)
+        self.ledger.drop(tp, self.ledger.ready(tp, answered))
+        self._committed[tp] = (offset, metadata)
+
+    async def _committed_of(self, tp: TopicPartition) -> tuple[int | None, str]:
+        """The group's committed offset of ``tp`` and its metadata (which the consumer's
+        ``committed()`` leaves out), fetched from the coordinator."""
+        found = await self.worker.consumer._coordinator.fetch_committed_offsets([tp])
+        if tp not in found or found[tp].offset < 0:
+            return None, ""
+        return found[tp].offset, found[tp].metadata or ""
 
     async def _lose(self, tp: TopicPartition) -> None:
         """Another instance owns ``tp`` now (this worker was expelled from the group while
@@ -351,7 +374,7 @@ class BatchLane:
                 # final: one fetched at the assignment may predate that transaction's commit,
                 # and its lines would run and be written again (aiokafka fetches offsets
                 # without KIP-447's require_stable). Seen in the chaos drill: one duplicate.
-                committed = {tp: await self.worker.consumer.committed(tp) for tp in partitions}
+                committed = {tp: await self._committed_of(tp) for tp in partitions}
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
                 await backoff.wait()
@@ -359,9 +382,15 @@ class BatchLane:
             break
         ready = [tp for tp in partitions if tp in self.worker.consumer.assignment()]
         for tp in ready:
-            done = committed.get(tp)
-            if done is not None:
-                self.worker.consumer.seek(tp, done)
+            offset, metadata = committed[tp]
+            if offset is None:
+                continue
+            self.worker.consumer.seek(tp, offset)
+            answered = answered_by(offset, metadata)
+            self._committed[tp] = (offset, metadata)
+            if answered.high > answered.low:
+                self._inherited[tp] = answered
+                self.worker.offsets.inherit(tp, answered.high, answered.pending)
         if ready and not self.yielding:
             self.worker.consumer.resume(*ready)
 
@@ -372,6 +401,11 @@ class BatchLane:
 
     def forgot(self, partitions: set[TopicPartition], gone: list[Work]) -> None:
         self.ledger.forget(partitions)
+        if self.budget is not None:
+            self.budget.forget(partitions)
+        for tp in partitions:
+            self._committed.pop(tp, None)
+            self._inherited.pop(tp, None)
 
     # --- yielding to interactive work -------------------------------------------------------
 
@@ -380,6 +414,8 @@ class BatchLane:
         # Lines of a job cancelled after they were fetched: dropped when they would start.
         for work in {w.env.job_id: w for w in self.worker.queue if w.env.job_id}.values():
             await self._job_cancelled(work.env)
+        if self.budget is not None:
+            await self.budget.release_cancelled()
 
     async def _yield_to_interactive(self) -> None:
         backlog = await self._interactive_backlog()
@@ -415,11 +451,6 @@ class BatchLane:
         except (RedisError, OSError):
             return 0
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
-
-
-def _tokens(env: RequestEnvelope) -> int:
-    """What a line reserves: its prompt's estimate and its max_tokens."""
-    return env.prompt_tokens + env.max_tokens
 
 
 def _salvage(raw: bytes | None, exc: MalformedMessage) -> BatchRequest | None:

@@ -72,8 +72,11 @@ class PartitionTransactions:
     async def close_all(self) -> None:
         await self.close(list(self._producers))
 
-    async def commit(self, tp: TopicPartition, records: list[KafkaRecord], offset: int) -> None:
-        """``records`` and the input offset they complete, in one transaction. Raises
+    async def commit(
+        self, tp: TopicPartition, records: list[KafkaRecord], offset: int, metadata: str = ""
+    ) -> None:
+        """``records`` and the input offset (with ``metadata``: the lines above it answered,
+        ``workers.answered``) they complete, in one transaction. Raises
         ``ProducerFenced`` when another instance owns the partition now (or this worker has
         no producer for it: one is started only when the group assigns the partition, never
         here, or a worker that woke up late would fence the partition's real owner)."""
@@ -84,7 +87,7 @@ class PartitionTransactions:
             async with producer.transaction():
                 for topic, key, value in records:
                     await producer.send(topic, value, key=key)
-                await producer.send_offsets_to_transaction({tp: offset}, self.group)
+                await producer.send_offsets_to_transaction({tp: (offset, metadata)}, self.group)
         except AssertionError as exc:
             # aiokafka asserts when a fenced producer (its transaction state fatal) is asked
             # for another transaction: it is fenced all the same.

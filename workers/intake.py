@@ -116,7 +116,8 @@ class Intake:
                 # Not started: leave them uncommitted for the next owner.
                 return
             for work in await self._take_batch(batches):
-                await self.lane.before_queue(work)
+                if not await self.lane.before_queue(work):
+                    continue  # the lane holds it (a batch line waiting for its budget)
                 if not self.offsets.current(work.tp, work.epoch):
                     continue  # revoked while it waited to queue
                 self.queue.push(work)

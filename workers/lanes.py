@@ -48,8 +48,9 @@ class Lane(Protocol):
         """A fetched record as the work to run; None when it is done with already."""
         ...
 
-    async def before_queue(self, work: Work) -> None:
-        """Wait until ``work`` may queue for the engine."""
+    async def before_queue(self, work: Work) -> bool:
+        """Whether ``work`` queues for the engine now; False: the lane holds it and queues
+        it itself later."""
         ...
 
     def finished(self, work: Work, usage: UsageEvent) -> None:
@@ -121,8 +122,8 @@ class InteractiveLane:
             env = env.model_copy(update={"deadline_ts": clock.to_local(env.deadline_ts)})
         return env
 
-    async def before_queue(self, work: Work) -> None:
-        return None
+    async def before_queue(self, work: Work) -> bool:
+        return True
 
     def finished(self, work: Work, usage: UsageEvent) -> None:
         return None  # its client has its answer, the usage topic its event

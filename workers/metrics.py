@@ -82,6 +82,10 @@ QUOTA_WAITS = Counter(
     "Times a batch request waited for its team's batch budget to refill",
     ["team"],
 )
+BATCH_PARKED = Gauge(
+    "laneway_batch_parked",
+    "Batch lines waiting for their team's batch budget beside the lane (workers.batch_budget)",
+)
 BATCH_YIELDING = Gauge(
     "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
 )

@@ -60,6 +60,25 @@ class OffsetTracker:
                 out[tp] = offset
         return out
 
+    def snapshot(self, tp: TopicPartition) -> tuple[int, int, list[int]] | None:
+        """``(low, high, pending)``: the lowest unfinished offset (``high`` when none is),
+        one past the highest fetched, and the unfinished ones, sorted; None when the
+        partition has none of these yet."""
+        high = self._next.get(tp)
+        if high is None:
+            return None
+        pending = sorted(self._pending.get(tp, ()))
+        return (pending[0] if pending else high), high, pending
+
+    def partitions(self) -> list[TopicPartition]:
+        return list(self._next)
+
+    def inherit(self, tp: TopicPartition, high: int, pending: frozenset[int]) -> None:
+        """Start a tenure where the last commit left the partition: ``pending`` still to
+        run, everything else below ``high`` done with (``workers.answered``)."""
+        self._next[tp] = max(self._next.get(tp, 0), high)
+        self._pending.setdefault(tp, set()).update(pending)
+
     def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
         self._committed.update(offsets)
 
