@@ -191,7 +191,9 @@ def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
     if not isinstance(data, dict):
         raise BadRequest(f"{prefix or 'request body'} must be a JSON object", param=prefix or None)
     try:
-        return model.model_validate(data)
+        # Strict, as OpenAI is: `"stream": 1` or `"max_tokens": true` is an error, not a
+        # guess (pydantic's lax mode would stream, or ask for one token).
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = prefix + ".".join(str(p) for p in err["loc"])

@@ -41,6 +41,12 @@ def _error(response: object) -> dict[str, object]:
             "max_tokens",
             "integer",
         ),
+        # Types as OpenAI takes them: no number or string passes for a flag, nor a flag or a
+        # string for a number.
+        (b'{"model": "laneway-code", "prompt": "x", "stream": 1}', 400, "stream", "boolean"),
+        (b'{"model": "laneway-code", "prompt": "x", "max_tokens": true}', 400, "max_tokens", "int"),
+        (b'{"model": "laneway-code", "prompt": "x", "max_tokens": "8"}', 400, "max_tokens", "int"),
+        (b'{"model": "laneway-code", "prompt": "x", "top_p": "1"}', 400, "top_p", "number"),
         (
             b'{"model": "laneway-code", "prompt": "x", "temperature": 9}',
             400,
