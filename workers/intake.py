@@ -10,18 +10,14 @@ pressure holds the ``lo`` band back), the ``lo`` partitions are paused.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer
-from laneway.clock import RedisClock
 from laneway.schema import RequestEnvelope
 from workers.cancel_feed import backlog
 from workers.dispatch import Work
@@ -79,14 +75,10 @@ class Intake:
         self.stopping = stopping
         self.failed = False
 
-    async def run(self, clock: RedisClock, redis: aioredis.Redis) -> None:
+    async def run(self) -> None:
         """The loop; one that fails stops the worker (``stopping``), so the process exits
         and is restarted, and the partitions go to a live member: never fetch silently no
         more."""
-        # Learn the clock's offset before the first envelope's deadline is read (Redis
-        # down: the heartbeat tries again, and deadlines are read on the local clock).
-        with contextlib.suppress(RedisError, OSError):
-            await clock.sync(redis, samples=3)
         try:
             await self._loop()
         except Exception:

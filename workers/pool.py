@@ -21,6 +21,7 @@ from functools import partial
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
@@ -193,12 +194,17 @@ class PoolWorker:
             self.fleet.local(0, 0, self.engine.capacity())
             await self.fleet.start()
         self.digest = self.engine.model_digest()
+        # Before the cancel topic's replay: a tombstone's age is read on Redis's clock, and
+        # one judged on a clock hours ahead would be forgotten at once (its request then
+        # runs). Redis down: the heartbeat tries again, and ages are read on the local clock.
+        with contextlib.suppress(RedisError, OSError):
+            await self.clock.sync(self.redis, samples=3)
         await self.producer.start()
         await self.cancels.start()
         self.lane.subscribe(Rebalance(self.lane))
         await self.consumer.start()
         self._loops = [
-            asyncio.create_task(self.intake.run(self.clock, self.redis), name="fetch"),
+            asyncio.create_task(self.intake.run(), name="fetch"),
             # A loop that fails starts again: a dead one would stop dispatch, commits, cancels
             # or the heartbeat quietly while the worker looks alive.
             kept("dispatch", self.dispatcher.run),
