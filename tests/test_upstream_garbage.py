@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -47,11 +48,23 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _chat(request: web.Request) -> web.StreamResponse:
+    """A good chat stream that reports no usage (as some OpenAI-compatible servers do)."""
+    await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    chunk = {"choices": [{"delta": {"content": "fine"}, "finish_reason": "stop"}]}
+    await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
 @pytest.fixture
 async def garbling() -> AsyncIterator[str]:
     """A real HTTP server on a free port that garbles the streams of ``_BROKEN``'s prompts."""
     app = web.Application()
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -100,3 +113,28 @@ async def test_a_garbled_upstream_stream_ends_its_request_with_an_error(
         return bool(pools["interactive"]["reservations"] == 0)
 
     await eventually(settled, 10, "every reservation settled")
+
+
+async def test_an_upstream_that_reports_no_usage_is_billed_the_ingress_estimate(
+    stack: LiveStack, garbling: str
+) -> None:
+    """A chat's prompt is billed with its message framing (3 tokens a message and 3 for the
+    reply, as the ingress estimated and reserved it) when the upstream gives no count."""
+    ingress = await stack.start_ingress(quota_lease_share=0)
+    await stack.start_worker(
+        "chat", engine="openai", upstream_url=garbling, upstream_model="up", upstream_slots=4
+    )
+    http = stack.http(ingress, await stack.api_key("team-u", size=5))
+    messages = [{"role": "user", "content": "a"}] * 50
+    answer = await http.post(
+        "/v1/chat/completions",
+        json={"model": "laneway-chat", "messages": messages, "max_tokens": 8},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "fine"
+    billed = answer.json()["usage"]["prompt_tokens"]
+    assert billed >= 50 * 3 + 3, billed  # the framing alone, whatever the text's estimate
+    (event,) = await stack.read_topic(
+        stack.topics.usage, count=1, where=lambda e: e["team"] == "team-u"
+    )
+    assert event["prompt_tokens"] == billed

@@ -456,6 +456,7 @@ class RequestExecutor:
             priority=_PRIORITY[env.cls] + (env.band == "lo"),
             deadline_ts=env.deadline_ts,
             client_seed=env.seed,
+            prompt_estimate=env.prompt_tokens,
         )
 
     async def report(

@@ -28,6 +28,9 @@ class EngineRequest:
     deadline_ts: float | None = None
 
     client_seed: int | None = None  # the client's own ``seed``
+    # The ingress's estimate of the prompt (a chat's message framing included): the count
+    # when the engine reports none. 0: estimate it from ``prompt``.
+    prompt_estimate: int = 0
 
     @property
     def seed(self) -> int:

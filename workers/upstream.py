@@ -182,8 +182,11 @@ class OpenAICompatibleEngine:
         if self._session is None:
             raise EngineError("openai engine is not started (or already stopped)")
         path, body = self._body(request)
-        call = self._open(request)
-        reading = _Reading(estimate_tokens(request.prompt))
+        # An upstream that reports no usage is billed the ingress's estimate, a chat's
+        # framing included; the text's own estimate is for requests that carry none.
+        estimate = request.prompt_estimate or estimate_tokens(request.prompt)
+        call = self._open(request, estimate)
+        reading = _Reading(estimate)
         try:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
@@ -216,12 +219,12 @@ class OpenAICompatibleEngine:
         finally:
             self._end(request.id, call)
 
-    def _open(self, request: EngineRequest) -> _Call:
+    def _open(self, request: EngineRequest, prompt_tokens: int) -> _Call:
         call = _Call()
         self._calls[request.id] = call
         if self._early_aborts.pop(request.id, None) is not None:
             call.aborted = True
-        self.learned.sent(request.id, estimate_tokens(request.prompt))
+        self.learned.sent(request.id, prompt_tokens)
         if request.deadline_ts is not None:
             # Not started upstream by its deadline (queued there, or the upstream hangs): it
             # is dropped as expired, as it would be in laneway's own queue.
