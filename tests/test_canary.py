@@ -11,6 +11,9 @@ from typing import Any
 
 from laneway.canary import CanaryState, bucket, get_canary, put_canary
 from laneway.constants import RedisKeys
+from streams.canary import CanaryWatch
+from streams.oncall import OnCallWebhook
+from streams.settings import StreamsSettings
 from tests.stack import LiveStack, eventually
 from tests.test_breaker_levels import Webhook
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
@@ -157,3 +160,40 @@ async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
     assert rollback["canary"]["error_rate"] > rollback["stable"]["error_rate"]
     assert [(b["model"], b["status"]) for b in pages()] == [("chat", "rolled_back")]
     assert "rolled back" in pages()[0]["text"]
+
+
+async def test_batch_traffic_on_the_stable_route_does_not_flatter_a_slow_canary(
+    stack: LiveStack,
+) -> None:
+    """A batch line's time counts its wait in Kafka (minutes to hours), and batch never takes
+    a canary route: folded into the stable side, it would raise the stable P99 the canary is
+    held to, and a canary twice as slow as the stable route would be promoted."""
+    keys = RedisKeys(stack.prefix)
+    began = 1_000_000.0
+    await put_canary(
+        stack.redis,
+        keys,
+        CanaryState(model="code", target="code-v2", steps=(5, 100), started=began, since=began),
+    )
+    now = began
+    settings = StreamsSettings(canary_window_s=1.0, canary_min_requests=20)
+    sent: list[bytes] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(value)
+
+    watch = CanaryWatch(settings, stack.redis, keys, send, OnCallWebhook(""), clock=lambda: now)
+    assert await watch.evaluate() == []  # the canary is read; its step has not run its window
+    for i in range(100):
+        ts = began + i / 100
+        watch.fold(usage_event(model="code", route="code", total_ms=100.0, ts=ts))
+        watch.fold(usage_event(model="code", route="code-v2", total_ms=200.0, ts=ts))
+        watch.fold(
+            usage_event(model="code", route="code", cls="batch", total_ms=3_600_000.0, ts=ts)
+        )
+    now = began + 2
+    (change,) = await watch.evaluate()
+    assert change.status == "rolled_back", change
+    assert "P99 200 ms" in change.reason
+    assert change.stable is not None
+    assert change.stable.p99_ms == 100.0
