@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from laneway.batch import BatchClient
 from laneway.constants import RedisKeys
-from laneway.errors import Aborted
+from laneway.errors import Aborted, Cancelled
 from laneway.schema import RequestEnvelope
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, envelope, eventually, sim_answer_tokens
@@ -234,6 +234,50 @@ async def test_a_request_shed_and_started_again_still_obeys_a_cancel(stack: Live
     )
     outcome = {e["id"]: e["status"] for e in usage}
     assert outcome == {victim.id: "cancelled", kept_id: "ok"}, outcome
+
+
+async def test_a_cancel_that_comes_while_a_shed_is_under_way_ends_the_request(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine takes a moment to stop a run memory pressure sheds; a tombstone that comes
+    meanwhile is the request's end: it is not queued to run again, to its end, for a client
+    that left."""
+    ingress = await stack.start_ingress(completion_deadline_ms=30_000)
+    worker = await stack.start_worker(
+        "completion", sim_decode_ms_per_step=60.0, memory_check_ms=20, memory_cooldown_s=0.2
+    )
+    http = stack.http(ingress, await stack.api_key("ide", size=1000))
+    abort, stopping, stop = worker.engine.abort, asyncio.Event(), asyncio.Event()
+
+    async def abort_slowly(request_id: str) -> None:
+        stopping.set()
+        await stop.wait()
+        await abort(request_id)
+
+    monkeypatch.setattr(worker.engine, "abort", abort_slowly)
+    (prompt,) = _long_prompts(1, 40)
+    call = asyncio.create_task(
+        http.post(
+            "/v1/completions",
+            json={"model": "laneway-code", "prompt": prompt, "max_tokens": 64},
+            headers={"X-Laneway-Priority": "lo"},
+        )
+    )
+    await eventually(lambda: len(worker.executor.live) == 1, 20, "the lo request on the engine")
+    (rid,) = worker.executor.live
+    await _hold(stack, 0.95, worker)
+    await eventually(stopping.is_set, 10, "the shed under way")
+    assert (await http.delete(f"/v1/requests/{rid}")).status_code == 200
+    await eventually(
+        lambda: isinstance(worker.shield.stale_reason(rid), Cancelled), 10, "the cancel arrived"
+    )
+    stop.set()
+    await _hold(stack, 0.0, worker)
+    answer = await call
+    assert answer.status_code == 409, answer.text  # its client hears it was cancelled
+    (event,) = await stack.read_topic(stack.topics.usage, count=1, where=lambda e: e["id"] == rid)
+    assert event["status"] == "cancelled", event
+    assert not worker.queue  # not waiting to run again
 
 
 async def test_a_drills_hold_in_redis_reaches_the_simulated_engine(stack: LiveStack) -> None:
