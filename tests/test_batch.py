@@ -502,14 +502,19 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         {"v": 2, "job_id": "j-bad", "line_id": "newer", "team": "docs", "body": body},
         b"{not json",
         {"v": 1, "job_id": "j-bad", "team": "docs", "body": body},  # no line id
+        {"v": 1, "job_id": "j-bad", "line_id": "x" * 600, "team": "docs", "body": body},
     ]
     for record in records:
         value = record if isinstance(record, bytes) else orjson.dumps(record)
         await producer.send_and_wait(topic, value, key=b"j-bad")
     results = await stack.read_topic(
-        stack.topics.results_batch, count=3, where=lambda r: r.get("job_id") == "j-bad"
+        stack.topics.results_batch, count=4, where=lambda r: r.get("job_id") == "j-bad"
     )
     by_line = {r["line_id"]: r for r in results}
+    (cut,) = set(by_line) - {"a-string", "good", "newer"}
+    assert cut.startswith("x" * 400)
+    assert len(cut) <= 500
+    assert "line_id" in by_line.pop(cut)["body"]["error"]["message"]
     assert sorted(by_line) == ["a-string", "good", "newer"]
     assert by_line["good"]["status_code"] == 200
     for line, words in (("a-string", "body"), ("newer", "v")):
@@ -518,7 +523,7 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         assert "not a laneway batch line" in message, message
         assert words in message, message
     await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
-    assert len(await stack.read_all(stack.topics.results_batch)) == 3
+    assert len(await stack.read_all(stack.topics.results_batch)) == 4
 
 
 @pytest.mark.slow
