@@ -74,7 +74,9 @@ def _is_no_op(value: object, allowed: Sequence[object]) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as OpenAI's are: `"stream": 1` or `"max_tokens": true` is an error, not
+    # a guess (pydantic's lax mode would stream, or ask for one token).
+    model_config = ConfigDict(extra="forbid", strict=True)
     no_ops: ClassVar[Mapping[str, tuple[object, ...]]] = {}
 
     @model_validator(mode="before")
@@ -191,9 +193,7 @@ def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
     if not isinstance(data, dict):
         raise BadRequest(f"{prefix or 'request body'} must be a JSON object", param=prefix or None)
     try:
-        # Strict, as OpenAI is: `"stream": 1` or `"max_tokens": true` is an error, not a
-        # guess (pydantic's lax mode would stream, or ask for one token).
-        return model.model_validate(data, strict=True)
+        return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = prefix + ".".join(str(p) for p in err["loc"])
