@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 _VERSION = "lw1"
 # Below the broker's default offset.metadata.max.bytes (4096), with room to spare.
 MAX_METADATA_CHARS = 3000
+_SPAN_DIGITS = 19  # an offset is a signed 64-bit number
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,11 @@ class Answered:
     pending: frozenset[int]
 
     def __contains__(self, offset: object) -> bool:
+        # Only the span the commit names: a line below it was never fetched again unless
+        # the log was reset (a topic made anew), and then it is a line to run.
         if not isinstance(offset, int):
             return False
-        return offset < self.low or (offset < self.high and offset not in self.pending)
+        return self.low <= offset < self.high and offset not in self.pending
 
 
 def commit_metadata(
@@ -54,7 +57,9 @@ def commit_metadata(
     if high <= low:
         return "", low
     gaps: list[str] = []
-    size = len(_VERSION) + len(str(high - low)) + 2
+    # The span is sized at its widest, not as written: a span that gains a digit must not
+    # move the cut back below lines an earlier commit named as answered.
+    size = len(_VERSION) + _SPAN_DIGITS + 2
     previous = low
     for offset in pending:
         gap = str(offset - previous)

@@ -180,7 +180,8 @@ class BatchLedger:
 
     def ready(self, tp: TopicPartition, answered: Answered) -> list[int]:
         """The offsets of ``tp`` whose records a commit of ``answered`` completes, in order."""
-        return sorted(o for o in self._records.get(tp, {}) if o in answered)
+        held = self._records.get(tp, {})
+        return sorted(o for o in held if o < answered.high and o not in answered.pending)
 
     def records(self, tp: TopicPartition, offsets: Iterable[int]) -> list[KafkaRecord]:
         held = self._records.get(tp, {})

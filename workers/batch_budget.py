@@ -51,6 +51,7 @@ class BudgetWait:
         team: Callable[[str], Awaitable[Team]],
         *,
         queue: Callable[[Work], None],
+        refuse: Callable[[Work, QuotaExceeded], None],
         current: Callable[[Work], bool],
         cancelled: Callable[[RequestEnvelope], Awaitable[bool]],
         max_lines: int,
@@ -58,6 +59,7 @@ class BudgetWait:
         self.quota = quota
         self._team = team
         self._queue = queue  # a line admitted (or cancelled): to the dispatch queue
+        self._refuse = refuse  # a line that can never fit: answered with its error
         self._current = current  # its partition is still this worker's, in the same tenure
         self._cancelled = cancelled
         self.max_lines = max_lines
@@ -81,6 +83,11 @@ class BudgetWait:
         """Reserve ``env``'s tokens as it comes in. ``QuotaExceeded`` (``never``) for a line
         bigger than its team's whole budget; a line the pool cannot cover yet is marked to
         be parked when it would queue."""
+        if env.team in self._lines:
+            # Behind the team's parked lines: a newer (smaller) line would take each refill
+            # before the oldest, which could wait for good.
+            self._short.add(env.id)
+            return
         try:
             await self.quota.reserve(team, "batch", env.id, line_tokens(env))
         except QuotaExceeded as exc:
@@ -122,10 +129,10 @@ class BudgetWait:
     async def release_cancelled(self) -> None:
         """Lines of a job cancelled since they were parked go to the queue, where the
         shield drops them as cancelled: the job's cancel answers them at once."""
-        firsts = {work.env.job_id: work for work in self if work.env.job_id}
-        for job_id, work in firsts.items():
+        firsts = {(work.env.team, work.env.job_id): work for work in self if work.env.job_id}
+        for (team, job_id), work in firsts.items():
             if await self._cancelled(work.env):
-                self._take_job(job_id)
+                self._take_job(team, job_id)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -160,30 +167,40 @@ class BudgetWait:
                 await self.quota.reserve(team, "batch", work.env.id, line_tokens(work.env))
             except QuotaExceeded as exc:
                 if work.env.job_id is not None and await self._cancelled(work.env):
-                    self._take_job(work.env.job_id)
+                    self._take_job(name, work.env.job_id)
+                    continue
+                if exc.never:  # the team's budget shrank below it since it came in
+                    self._leave(name, work)
+                    self._refuse(work, exc)
                     continue
                 return min(max(exc.retry_after, 0.05), RETRY_MAX_S)
-            lines = self._lines.get(name)
-            if lines and lines[0] is work:
-                lines.popleft()
+            # Its partition may have been taken away while it reserved: then the reservation
+            # stays for the line's next run, wherever it is (a reserve of the same line finds
+            # it), and expires with it otherwise; given back here, it could be the one that
+            # next run holds.
+            if self._leave(name, work):
                 self._queue(work)
-                if not lines:
-                    del self._lines[name]
-                self._changed()
-            else:  # its partition was taken away while it reserved: its next owner's
-                await self.quota.settle(name, work.env.id, 0, min_charge=0)
         return RETRY_MAX_S
 
-    def _take_job(self, job_id: str) -> None:
-        """A cancelled job's parked lines go to the queue now, unreserved: the shield drops
-        them as cancelled when they would start."""
-        for team, lines in list(self._lines.items()):
-            for work in [w for w in lines if w.env.job_id == job_id]:
-                lines.remove(work)
-                self._queue(work)
-            if not lines:
-                del self._lines[team]
+    def _leave(self, team: str, work: Work) -> bool:
+        """``work`` leaves ``team``'s parked lines; False if it was no longer among them."""
+        lines = self._lines.get(team)
+        if not lines or work not in lines:
+            return False
+        lines.remove(work)
+        if not lines:
+            del self._lines[team]
         self._changed()
+        return True
+
+    def _take_job(self, team: str, job_id: str) -> None:
+        """A cancelled job's parked lines go to the queue now, unreserved: the shield drops
+        them as cancelled when they would start. Only the job's own team's: another team's
+        lines naming the same job id are not cancelled by it."""
+        lines = self._lines.get(team, deque())
+        for work in [w for w in lines if w.env.job_id == job_id]:
+            self._leave(team, work)
+            self._queue(work)
 
     def _changed(self) -> None:
         metrics.BATCH_PARKED.set(len(self))

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from laneway.batch import MAX_CUSTOM_ID_CHARS
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import LanewayError, MalformedMessage
+from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
@@ -83,6 +83,7 @@ class BatchLane:
                 worker.quota,
                 self._team,
                 queue=self._queue,
+                refuse=self._refuse,
                 current=lambda work: worker.offsets.current(work.tp, work.epoch),
                 cancelled=self._job_cancelled,
                 max_lines=_MAX_PARKED,
@@ -228,6 +229,14 @@ class BatchLane:
         self.worker.queue.push(work)
         self.worker.dispatcher.wake()
 
+    def _refuse(self, work: Work, exc: QuotaExceeded) -> None:
+        """A parked line its team's budget can no longer ever cover: answered with the 429."""
+        env = work.env
+        line = BatchRequest(job_id=str(env.job_id), line_id=str(env.line_id), team=env.team)
+        records = result_records(self.worker.topics, error_result(line, exc), None, work.tp.topic)
+        self.ledger.add(work.tp, work.offset, records)
+        self.worker.offsets.finish(work.tp, work.offset, work.epoch)
+
     async def _fits(self, env: RequestEnvelope) -> None:
         """Reserve ``env``'s tokens once, as it comes in; raises ``QuotaExceeded`` for a line
         bigger than its team's whole batch budget, which becomes its result at once: waited
@@ -362,11 +371,13 @@ class BatchLane:
         rebalance would wait with it."""
         self._fenced -= partitions
         self.worker.consumer.pause(*partitions)
-        task = asyncio.get_running_loop().create_task(self._open_then_resume(partitions))
+        tenure = {tp: self.worker.offsets.epoch(tp) for tp in partitions}
+        task = asyncio.get_running_loop().create_task(self._open_then_resume(tenure))
         self._aborting.add(task)
         task.add_done_callback(self._aborting.discard)
 
-    async def _open_then_resume(self, partitions: set[TopicPartition]) -> None:
+    async def _open_then_resume(self, tenure: dict[TopicPartition, int]) -> None:
+        partitions = set(tenure)
         backoff = Backoff(0.2, 5.0)
         while True:
             try:
@@ -382,7 +393,14 @@ class BatchLane:
                 await backoff.wait()
                 continue
             break
-        ready = [tp for tp in partitions if tp in self.worker.consumer.assignment()]
+        # Not a partition taken away since (maybe given back, its next tenure begun): that
+        # tenure's own task seeks it and reads its commit.
+        ready = [
+            tp
+            for tp in partitions
+            if tp in self.worker.consumer.assignment()
+            and self.worker.offsets.current(tp, tenure[tp])
+        ]
         for tp in ready:
             offset, metadata = committed[tp]
             if offset is None:
