@@ -33,8 +33,8 @@ _SPAN_DIGITS = 19  # an offset is a signed 64-bit number
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """What a commit says is done with: below ``low``, and in ``[low, high)`` but not
-    ``pending``."""
+    """What a commit says is answered above its offset ``low``: the lines in ``[low, high)``
+    but not in ``pending``."""
 
     low: int
     high: int

@@ -183,6 +183,9 @@ class BatchLedger:
         held = self._records.get(tp, {})
         return sorted(o for o in held if o < answered.high and o not in answered.pending)
 
+    def holds(self, tp: TopicPartition) -> bool:
+        return bool(self._records.get(tp))
+
     def records(self, tp: TopicPartition, offsets: Iterable[int]) -> list[KafkaRecord]:
         held = self._records.get(tp, {})
         return [record for offset in offsets for record in held[offset]]

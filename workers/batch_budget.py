@@ -27,7 +27,7 @@ from quota.enforcer import QuotaEnforcer
 from workers import metrics
 from workers.dispatch import Work
 
-__all__ = ["BudgetWait", "line_tokens"]
+__all__ = ["RETRY_MAX_S", "BudgetWait"]
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,9 @@ class BudgetWait:
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Lines of partitions taken away: their next owner runs them."""
         for team, lines in list(self._lines.items()):
-            kept = deque(work for work in lines if work.tp not in partitions)
-            if kept:
-                self._lines[team] = kept
+            staying = deque(work for work in lines if work.tp not in partitions)
+            if staying:
+                self._lines[team] = staying
             else:
                 del self._lines[team]
         self._changed()

@@ -313,11 +313,13 @@ class BatchLane:
         if state is None:
             return None
         low, high, pending = state
+        last = self._committed.get(tp)
+        if last is not None and last[0] == low and not self.ledger.holds(tp):
+            return None  # only lines fetched since: nothing for a next owner to skip
         metadata, covered = commit_metadata(low, high, pending)
         answered = self.ledger.ready(tp, Answered(low, covered, frozenset(pending)))
-        last = self._committed.get(tp)
         if not answered and last is not None and last[0] == low:
-            return None  # only lines fetched since: nothing for a next owner to skip
+            return None  # the results held are all above the cut: a later commit's
         return low, metadata, answered
 
     async def _replace_stuck(self, tp: TopicPartition) -> None:
@@ -337,7 +339,7 @@ class BatchLane:
     async def _settle_cut_off(self, tp: TopicPartition) -> None:
         """After a cut-off transaction (its producer replaced, so it has ended): what it
         committed is out already and leaves the ledger."""
-        offset, metadata = await self._committed_of(tp)
+        offset, metadata = (await self._committed_of({tp}))[tp]
         self._cut_off.discard(tp)
         if offset is None:
             return
@@ -345,13 +347,18 @@ class BatchLane:
         self.ledger.drop(tp, self.ledger.ready(tp, answered))
         self._committed[tp] = (offset, metadata)
 
-    async def _committed_of(self, tp: TopicPartition) -> tuple[int | None, str]:
-        """The group's committed offset of ``tp`` and its metadata (which the consumer's
-        ``committed()`` leaves out), fetched from the coordinator."""
-        found = await self.worker.consumer._coordinator.fetch_committed_offsets([tp])
-        if tp not in found or found[tp].offset < 0:
-            return None, ""
-        return found[tp].offset, found[tp].metadata or ""
+    async def _committed_of(
+        self, partitions: set[TopicPartition]
+    ) -> dict[TopicPartition, tuple[int | None, str]]:
+        """The group's committed offset of each partition and its metadata (which the
+        consumer's ``committed()`` leaves out), in one request to the coordinator."""
+        found = await self.worker.consumer._coordinator.fetch_committed_offsets(partitions)
+        return {
+            tp: (found[tp].offset, found[tp].metadata or "")
+            if tp in found and found[tp].offset >= 0
+            else (None, "")
+            for tp in partitions
+        }
 
     async def _lose(self, tp: TopicPartition) -> None:
         """Another instance owns ``tp`` now (this worker was expelled from the group while
@@ -387,7 +394,7 @@ class BatchLane:
                 # final: one fetched at the assignment may predate that transaction's commit,
                 # and its lines would run and be written again (aiokafka fetches offsets
                 # without KIP-447's require_stable). Seen in the chaos drill: one duplicate.
-                committed = {tp: await self._committed_of(tp) for tp in partitions}
+                committed = await self._committed_of(partitions)
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
                 await backoff.wait()
