@@ -8,7 +8,7 @@ Jobs use the OpenAI Batch formats: each input line is ``{"custom_id", "method": 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,14 +61,29 @@ def parse_input(
     lines: Iterable[str], *, job_id: str, team: str, endpoint: str | None = None
 ) -> Iterator[BatchRequest]:
     """OpenAI Batch input lines → batch requests of ``team``; a bad line becomes an error
-    line. ``endpoint``: the batch's endpoint, which every line's ``url`` must name."""
-    seen: set[str] = set()
+    line. ``endpoint``: the batch's endpoint, which every line's ``url`` must name.
+
+    Every line comes back under an id of its own, the one it was sent with where it can be:
+    results are matched to lines by id, and a job whose two lines shared one would never be
+    seen complete. An id laneway has to make up (a line without a usable ``custom_id``, or
+    one whose ``custom_id`` is refused) is never one that another line of the file claims."""
+    lines = lines if isinstance(lines, Sequence) else list(lines)
+    claimed = _claimed_ids(lines)
+    taken: set[str] = set()
+
+    def fresh(base: str, number: int) -> str:
+        line_id = base
+        while line_id in taken or line_id in claimed:
+            line_id = f"{line_id}#{number}"
+        return line_id
+
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        fallback_id = f"line-{number}"
+        fallback_id = fresh(f"line-{number}", number)
 
         def failed(line_id: str, problem: str, number: int = number) -> BatchRequest:
+            taken.add(line_id)
             return BatchRequest(
                 job_id=job_id, line_id=line_id, team=team, error=f"line {number}: {problem}"
             )
@@ -85,25 +100,42 @@ def parse_input(
         if not isinstance(item, dict):
             yield failed(fallback_id, "not a JSON object")
             continue
-        line_id = str(item.get("custom_id") or fallback_id)
+        custom_id = item.get("custom_id")
+        line_id = custom_id if isinstance(custom_id, str) and custom_id else fallback_id
         problem: str | None
         if len(line_id) > MAX_CUSTOM_ID_CHARS:
             # Cut, it would come back as another id than the one sent (and two ids that differ
             # past the cut would look like one): refused, under an id that says where it was.
             problem = f"custom_id of {len(line_id)} characters, over {MAX_CUSTOM_ID_CHARS}"
-            line_id = f"{line_id[:480]}#{number}"
-        elif line_id in seen:
+            line_id = fresh(f"{line_id[:480]}#{number}", number)
+        elif line_id in taken:
             problem = f"custom_id {line_id!r} repeats an earlier line"
-            line_id = f"{line_id[:480]}#{number}"
+            line_id = fresh(f"{line_id[:480]}#{number}", number)
         else:
             problem = _line_problem(item, endpoint)
-        seen.add(line_id)
         if problem:
             yield failed(line_id, problem)
         else:
+            taken.add(line_id)
             yield BatchRequest(
                 job_id=job_id, line_id=line_id, team=team, url=item["url"], body=item["body"]
             )
+
+
+def _claimed_ids(lines: Sequence[str]) -> set[str]:
+    """The custom_ids the lines of a file name (each line is read twice: orjson reads a
+    megabyte in about a millisecond, and a made-up id must not take a later line's)."""
+    claimed: set[str] = set()
+    for text in lines:
+        if '"custom_id"' not in text or len(text) > MAX_LINE_BYTES:
+            continue
+        try:
+            item = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(item, dict) and isinstance(item.get("custom_id"), str):
+            claimed.add(item["custom_id"])
+    return claimed
 
 
 def _line_problem(item: dict[str, Any], endpoint: str | None) -> str | None:

@@ -35,3 +35,45 @@ def test_a_repeated_custom_id_is_refused_under_an_id_of_its_own() -> None:
         ("doc#2", False),
     ]
     assert "repeats an earlier line" in (lines[1].error or "")
+
+
+def _bare(content: str = "hi") -> str:
+    """A line without a custom_id: laneway makes one up."""
+    body = {"model": "laneway-chat", "messages": [{"role": "user", "content": content}]}
+    return orjson.dumps({"method": "POST", "url": "/v1/chat/completions", "body": body}).decode()
+
+
+def test_every_line_comes_back_under_an_id_of_its_own() -> None:
+    # Results are matched to lines by id: two lines under one id would leave the job
+    # forever one line short. Made-up ids ("line-N", "x#N") must not take an id another
+    # line of the file was sent with, before or after it.
+    lines = [
+        _bare(),  # 1: made up "line-1", but line 4 claims it
+        "{not json",  # 2: made up "line-2", but line 5 claims it
+        _line("doc"),  # 3
+        _line("line-1"),  # 4
+        _line("line-2"),  # 5
+        _line("doc"),  # 6: repeats line 3; "doc#6" is claimed by line 7
+        _line("doc#6"),  # 7
+        _bare(),  # 8: "line-8" is free
+    ]
+    parsed = list(parse_input(lines, job_id="j", team="t"))
+    ids = [line.line_id for line in parsed]
+    assert len(set(ids)) == len(ids) == 8, ids
+    # Every id a line was sent with and could keep is kept, and that line runs.
+    by_id = {line.line_id: line for line in parsed}
+    for kept in ("doc", "line-1", "line-2", "doc#6"):
+        assert by_id[kept].error is None, kept
+    assert by_id["line-8"].error is None
+    assert parsed[1].error is not None
+    assert "invalid JSON" in parsed[1].error
+    assert parsed[5].error is not None
+    assert "repeats an earlier line" in parsed[5].error
+
+
+def test_a_line_read_once_from_an_iterator_is_parsed_like_a_list() -> None:
+    lines = [_bare(), _line("line-1")]
+    from_list = [line.line_id for line in parse_input(lines, job_id="j", team="t")]
+    from_iter = [line.line_id for line in parse_input(iter(lines), job_id="j", team="t")]
+    assert from_list == from_iter
+    assert len(set(from_list)) == 2
