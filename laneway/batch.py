@@ -71,16 +71,18 @@ def parse_input(
     claimed = _claimed_ids(lines)
     taken: set[str] = set()
 
-    def fresh(base: str, number: int) -> str:
-        line_id = base
+    def fresh(base: str) -> str:
+        # ``base`` is at most 487 characters: with its counter, the id stays within 500.
+        line_id, count = base, 1
         while line_id in taken or line_id in claimed:
-            line_id = f"{line_id}#{number}"
+            count += 1
+            line_id = f"{base}~{count}"
         return line_id
 
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        fallback_id = fresh(f"line-{number}", number)
+        fallback_id = fresh(f"line-{number}")
 
         def failed(line_id: str, problem: str, number: int = number) -> BatchRequest:
             taken.add(line_id)
@@ -107,10 +109,10 @@ def parse_input(
             # Cut, it would come back as another id than the one sent (and two ids that differ
             # past the cut would look like one): refused, under an id that says where it was.
             problem = f"custom_id of {len(line_id)} characters, over {MAX_CUSTOM_ID_CHARS}"
-            line_id = fresh(f"{line_id[:480]}#{number}", number)
+            line_id = fresh(f"{line_id[:480]}#{number}")
         elif line_id in taken:
             problem = f"custom_id {line_id!r} repeats an earlier line"
-            line_id = fresh(f"{line_id[:480]}#{number}", number)
+            line_id = fresh(f"{line_id[:480]}#{number}")
         else:
             problem = _line_problem(item, endpoint)
         if problem:
@@ -127,7 +129,7 @@ def _claimed_ids(lines: Sequence[str]) -> set[str]:
     megabyte in about a millisecond, and a made-up id must not take a later line's)."""
     claimed: set[str] = set()
     for text in lines:
-        if '"custom_id"' not in text or len(text) > MAX_LINE_BYTES:
+        if len(text) > MAX_LINE_BYTES:
             continue
         try:
             item = orjson.loads(text)

@@ -77,3 +77,24 @@ def test_a_line_read_once_from_an_iterator_is_parsed_like_a_list() -> None:
     from_iter = [line.line_id for line in parse_input(iter(lines), job_id="j", team="t")]
     assert from_list == from_iter
     assert len(set(from_list)) == 2
+
+
+def test_made_up_ids_stay_within_the_limit_whatever_the_file_claims() -> None:
+    # A file whose ids claim each made-up id in turn: the next one is still short enough.
+    base = "a" * 480
+    lines = [_line(base), _line(base)] + [_line(f"{base}#2" + "#2" * n) for n in range(12)]
+    lines += [_line(f"{base}#2~{k}") for k in range(2, 6)]
+    parsed = list(parse_input(lines, job_id="j", team="t"))
+    ids = [line.line_id for line in parsed]
+    assert len(set(ids)) == len(ids)
+    assert max(len(line_id) for line_id in ids) <= MAX_CUSTOM_ID_CHARS
+
+
+def test_a_custom_id_written_with_escapes_is_still_claimed() -> None:
+    # "custom\u005fid" is the key custom_id: its id is the line's, not a made-up one's.
+    escaped = '{"custom\\u005fid": "line-1", "method": "POST", "url": "/v1/completions", '
+    escaped += '"body": {"model": "laneway-code", "prompt": "x"}}'
+    parsed = list(parse_input([_bare(), escaped], job_id="j", team="t"))
+    assert parsed[1].line_id == "line-1"
+    assert parsed[1].error is None
+    assert parsed[0].line_id != "line-1"
