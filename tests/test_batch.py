@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from laneway.batch import BatchClient, JobStatus
@@ -526,19 +527,17 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
     assert len(await stack.read_all(stack.topics.results_batch)) == 4
 
 
-@pytest.mark.slow
-async def test_a_team_over_its_budget_holds_up_no_other_team_and_nothing_runs_twice(
-    stack: LiveStack,
-) -> None:
-    """One team's lines wait for its batch pool beside the lane, not in it: another team's
-    job queued behind them on the same partitions runs and is answered meanwhile. A SIGKILL
-    then leaves both jobs whole: the new worker runs exactly the lines still unanswered."""
+_JOBS = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}
+
+
+async def _thrifty_ahead_of_rich(stack: LiveStack) -> None:
+    """A team with budget for about half its job, every line of it queued ahead of every
+    line of a team with budget to spare, on the same partitions."""
     await stack.api_key("thrifty", size=1, complexity=0.1)  # 5,000 tokens/h: ~60 of its lines
     await stack.api_key("rich", size=1000)
     producer = await stack.producer()
     topic = stack.topics.request("batch")
-    jobs = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}
-    for team, (job, lines) in jobs.items():  # every thrifty line ahead of every rich one
+    for team, (job, lines) in _JOBS.items():
         for line in range(lines):
             request = BatchRequest(
                 job_id=job,
@@ -550,31 +549,136 @@ async def test_a_team_over_its_budget_holds_up_no_other_team_and_nothing_runs_tw
             await producer.send(topic, request.to_json(), key=f"{job}:{line}".encode())
     await producer.flush()
 
-    def of(job: str) -> Any:
-        return lambda result: result.get("job_id") == job
 
+def _of(job: str) -> Any:
+    return lambda result: result.get("job_id") == job
+
+
+async def _each_line_answered_once(stack: LiveStack) -> list[dict[str, Any]]:
+    """Both jobs' results: every line answered once, ok, and charged once."""
+    results = await stack.read_all(stack.topics.results_batch)
+    usage = await stack.read_all(stack.topics.usage)
+    for team, (job, lines) in _JOBS.items():
+        got = sorted(int(r["line_id"]) for r in results if r.get("job_id") == job)
+        assert got == list(range(lines)), f"{team}: each line answered once"
+        assert all(r["status"] == "ok" for r in results if r.get("job_id") == job)
+        charged = sorted(e["id"] for e in usage if e["job_id"] == job)
+        assert charged == sorted(f"batch-{job}-{line}" for line in range(lines))
+    return results
+
+
+@pytest.mark.slow
+async def test_a_team_over_its_budget_holds_up_no_other_team_and_nothing_runs_twice(
+    stack: LiveStack,
+) -> None:
+    """One team's lines wait for its batch pool beside the lane, not in it: another team's
+    job queued behind them on the same partitions runs and is answered meanwhile. A SIGKILL
+    then leaves both jobs whole: the new worker runs exactly the lines still unanswered."""
+    await _thrifty_ahead_of_rich(stack)
     worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="")
     try:
         await stack.read_topic(
-            stack.topics.results_batch, count=40, where=of("j-rich"), within_s=60
+            stack.topics.results_batch, count=40, where=_of("j-rich"), within_s=60
         )
-        answered = await stack.read_all(stack.topics.results_batch, where=of("j-thrifty"))
+        answered = await stack.read_all(stack.topics.results_batch, where=_of("j-thrifty"))
         assert 0 < len(answered) < 120  # thrifty's pool ran dry: the rest of its job waits
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=10)
         await stack.api_key("thrifty", size=1000)  # its budget raised: the rest may run
         worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="")
         await stack.read_topic(
-            stack.topics.results_batch, count=120, where=of("j-thrifty"), within_s=90
+            stack.topics.results_batch, count=120, where=_of("j-thrifty"), within_s=90
         )
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)
+    await _each_line_answered_once(stack)
+
+
+@pytest.mark.slow
+async def test_lines_waiting_without_their_bodies_are_read_back_and_answered_once(
+    stack: LiveStack,
+) -> None:
+    """Past LANEWAY_BATCH_PARKED_BODIES, a line waiting for its team's budget keeps only its
+    place. Another team is answered meanwhile; once the budget is raised, the same worker
+    reads each of those lines back from Kafka and runs it, with its own prompt, once."""
+    await _thrifty_ahead_of_rich(stack)
+    worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="", LANEWAY_BATCH_PARKED_BODIES="4")
+    try:
+        await stack.read_topic(
+            stack.topics.results_batch, count=40, where=_of("j-rich"), within_s=60
+        )
+        waiting = 120 - len(
+            await stack.read_all(stack.topics.results_batch, where=_of("j-thrifty"))
+        )
+        assert waiting > 4  # more wait than keep their bodies
+        await stack.api_key("thrifty", size=1000)
+        await stack.read_topic(
+            stack.topics.results_batch, count=120, where=_of("j-thrifty"), within_s=90
+        )
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    results = await _each_line_answered_once(stack)
+    # Read back whole: every line ran on its own prompt, "document <n> " five times, whose
+    # tokens depend only on the digits of n (a line run without its body would show none).
+    prompts: dict[int, set[int]] = {}
+    for result in results:
+        if result.get("job_id") == "j-thrifty":
+            digits = len(result["line_id"])
+            prompts.setdefault(digits, set()).add(result["body"]["usage"]["prompt_tokens"])
+    assert sorted(prompts) == [1, 2, 3]
+    assert all(len(tokens) == 1 and min(tokens) >= 10 for tokens in prompts.values()), prompts
+
+
+@pytest.mark.slow
+async def test_a_waiting_line_that_retention_deleted_is_answered_not_lost(
+    stack: LiveStack,
+) -> None:
+    """A line waiting without its body for its team's budget is read back from Kafka when
+    admitted. If retention deleted it meanwhile, it is answered with an ``expired`` result
+    saying so: the job still gets one result per line, and nothing else run in its place."""
+    await stack.api_key("thrifty", size=1, complexity=0.1)  # 5,000 tokens/h: ~60 lines
+    producer = await stack.producer()
+    tp = TopicPartition(stack.topics.request("batch"), 0)
+    for line in range(90):
+        request = BatchRequest(
+            job_id="j-late",
+            line_id=str(line),
+            team="thrifty",
+            url="/v1/completions",
+            body={"model": "laneway-code", "prompt": f"document {line} " * 5, "max_tokens": 64},
+        )
+        sent = await producer.send_and_wait(tp.topic, request.to_json(), partition=0)
+    worker = _spawn_batch_worker(stack, LANEWAY_QUOTA_OFFPEAK="", LANEWAY_BATCH_PARKED_BODIES="4")
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=stack.services.bootstrap, **stack.services.admin_auth
+    )
+    await admin.start()
+    try:
+
+        async def ran_dry() -> int:
+            answered = await stack.read_all(stack.topics.results_batch, within_s=2)
+            settled = len(answered) > 0 and answered == await stack.read_all(
+                stack.topics.results_batch, within_s=2
+            )
+            return len(answered) if settled else 0
+
+        answered = await eventually(ran_dry, 60, "the team's pool ran dry")
+        waiting = 90 - answered
+        assert waiting > 4  # more wait than keep their bodies
+        await admin.delete_records({tp: RecordsToDelete(before_offset=sent.offset + 1)})
+        await stack.api_key("thrifty", size=1000)
+        await stack.read_topic(stack.topics.results_batch, count=90, within_s=60)
+    finally:
+        await admin.close()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
     results = await stack.read_all(stack.topics.results_batch)
-    usage = await stack.read_all(stack.topics.usage)
-    for team, (job, lines) in jobs.items():
-        got = sorted(int(r["line_id"]) for r in results if r.get("job_id") == job)
-        assert got == list(range(lines)), f"{team}: each line answered once"
-        assert all(r["status"] == "ok" for r in results if r.get("job_id") == job)
-        charged = sorted(e["id"] for e in usage if e["job_id"] == job)
-        assert charged == sorted(f"batch-{job}-{line}" for line in range(lines))
+    assert sorted(int(r["line_id"]) for r in results) == list(range(90))  # each once
+    expired = [r for r in results if r["status"] == "expired"]
+    assert {r["status"] for r in results} == {"ok", "expired"}
+    assert 0 < len(expired) <= waiting - 4  # those that waited with their bodies ran
+    for result in expired:
+        assert result["status_code"] == 504
+        assert "deleted from Kafka" in result["body"]["error"]["message"]

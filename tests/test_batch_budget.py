@@ -4,26 +4,71 @@ no longer ever cover is answered instead of waited for."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiokafka import TopicPartition
 
 from laneway.constants import RedisKeys
-from laneway.errors import QuotaExceeded
+from laneway.errors import LanewayError
+from laneway.schema import RequestEnvelope
 from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import LiveStack, envelope, eventually
-from workers.batch_budget import BudgetWait
+from workers.batch_budget import BudgetWait, NotReadBack
 from workers.dispatch import Work
 
 TP = TopicPartition("lines", 0)
 
 
-def _line(tokens: int, offset: int) -> Work:
+class _Lane:
+    """What the lane is handed by the waiting lines: queued, answered with an error, and the
+    reservations given back."""
+
+    def __init__(self) -> None:
+        self.queued: list[Work] = []
+        self.refused: list[tuple[Work, LanewayError]] = []
+        self.released: list[int] = []
+
+    def waiting(
+        self,
+        quota: QuotaEnforcer,
+        lookup: Callable[[str], Awaitable[Team]],
+        *,
+        cancelled: Callable[[RequestEnvelope], Awaitable[bool]],
+        restore: Callable[[Work], Awaitable[Work | None]],
+        bodies: int,
+    ) -> BudgetWait:
+        return BudgetWait(
+            quota,
+            lookup,
+            queue=self.queued.append,
+            refuse=self.refuse,
+            release=self.release,
+            current=lambda work: True,
+            cancelled=cancelled,
+            restore=restore,
+            max_lines=10,
+            bodies=bodies,
+        )
+
+    async def refuse(self, work: Work, exc: LanewayError) -> None:
+        self.refused.append((work, exc))
+
+    async def release(self, work: Work) -> None:
+        self.released.append(work.offset)
+
+
+async def _never_restored(work: Work) -> Work | None:
+    raise AssertionError(f"line {work.offset} kept its body: nothing to read back")
+
+
+def _line(tokens: int, offset: int, prompt: str = "") -> Work:
     env = envelope(
         id=f"batch-j-{offset}",
         team="thrifty",
         cls="batch",
         job_id="j",
         line_id=str(offset),
-        prompt="",
+        prompt=prompt,
         max_tokens=tokens,
         deadline_ts=None,
     )
@@ -36,24 +81,16 @@ async def test_a_teams_lines_wait_oldest_first_and_one_that_can_never_fit_is_ans
     policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     team = {"now": Team("thrifty", size=1)}
-    queued: list[Work] = []
-    refused: list[tuple[Work, QuotaExceeded]] = []
+    lane = _Lane()
+    queued, refused = lane.queued, lane.refused
 
     async def lookup(name: str) -> Team:
         return team["now"]
 
-    async def cancelled(env: object) -> bool:
+    async def cancelled(env: RequestEnvelope) -> bool:
         return False
 
-    wait = BudgetWait(
-        quota,
-        lookup,
-        queue=queued.append,
-        refuse=lambda work, exc: refused.append((work, exc)),
-        current=lambda work: True,
-        cancelled=cancelled,
-        max_lines=10,
-    )
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=10)
     try:
         await quota.reserve(team["now"], "batch", "earlier-work", 900)  # 100 tokens left
         big, small = _line(600, 1), _line(10, 2)
@@ -71,7 +108,69 @@ async def test_a_teams_lines_wait_oldest_first_and_one_that_can_never_fit_is_ans
         await quota.settle("thrifty", "earlier-work", 0, min_charge=0)  # and room again
         await eventually(lambda: queued, 15, "the small line admitted")
         assert [w.offset for w in queued] == [2]
-        assert [(w.offset, exc.never) for w, exc in refused] == [(1, True)]
+        assert [(w.offset, getattr(exc, "never", None)) for w, exc in refused] == [(1, True)]
+        assert len(wait) == 0
+    finally:
+        await wait.close()
+
+
+async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
+    stack: LiveStack,
+) -> None:
+    """Past ``bodies`` parked lines, a line waits without its body (a team's whole job can
+    wait in little memory); admitted, it is read back in full before it queues, and one
+    Kafka cannot give back yet waits first in line while it is tried again. One of a job
+    cancelled meanwhile is answered as cancelled, never queued without its body; a line
+    sent twice (one id, two places) is read back at each place."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    team = Team("thrifty", size=1)
+    lane = _Lane()
+    queued = lane.queued
+    restored: list[int] = []
+    originals = {offset: _line(50, offset, prompt=f"document {offset}") for offset in range(1, 6)}
+    originals[4].env = originals[4].env.model_copy(update={"job_id": "other-job"})
+    # Offset 5 is line 1 sent again: the same id as offset 1, which keeps its body.
+    originals[5].env = originals[1].env.model_copy(update={"prompt": "document 1 again"})
+    cancelled_jobs: set[str] = set()
+    failures = {3: 1}  # offset 3's first read back finds Kafka unreachable
+
+    async def lookup(name: str) -> Team:
+        return team
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return env.job_id in cancelled_jobs
+
+    async def restore(work: Work) -> Work | None:
+        assert work.env.prompt == ""  # it waited without its body
+        if failures.get(work.offset):
+            failures[work.offset] -= 1
+            raise NotReadBack("no answer")
+        restored.append(work.offset)
+        return originals[work.offset]  # as the lane reads it back from Kafka
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=restore, bodies=1)
+    try:
+        await quota.reserve(team, "batch", "earlier-work", 1000)  # the pool is empty
+        for work in originals.values():
+            await wait.reserve(team, work.env)
+            assert await wait.park(work)
+        kept = [work.env.prompt for work in wait]
+        assert kept == ["document 1", "", "", "", ""]  # one body kept, the rest let go
+        cancelled_jobs.add("other-job")
+        await wait.release_cancelled()  # as the lane does every beat
+        assert [(w.offset, type(exc).__name__) for w, exc in lane.refused] == [(4, "Cancelled")]
+        assert queued == []  # never queued without its body
+        await quota.settle("thrifty", "earlier-work", 0, min_charge=0)  # room for all
+        await eventually(lambda: len(queued) == 4, 15, "the rest admitted")
+        assert [w.offset for w in queued] == [1, 2, 3, 5]  # in order, the retried one too
+        assert [w.env.prompt for w in queued] == [
+            "document 1",
+            "document 2",
+            "document 3",
+            "document 1 again",
+        ]
+        assert restored == [2, 3, 5]  # the first kept its body
         assert len(wait) == 0
     finally:
         await wait.close()

@@ -78,7 +78,18 @@ def test_a_list_too_long_for_the_broker_is_cut_and_the_rest_waits() -> None:
 
 
 def test_metadata_laneway_did_not_write_says_nothing_above_the_offset() -> None:
-    for foreign in ("", "hello", "lw1:x:1", "lw1:5:0,9", "lw1:5:3,1,0", "lw9:5:0"):
+    for foreign in (
+        "",
+        "hello",
+        "lw1:x:1",
+        "lw1:5:0,9",
+        "lw1:5:3,1,0",
+        "lw9:5:0",
+        "lw1:5:0.3",  # runs are lw2's
+        "lw2:5:0.9",  # a run beyond the span
+        "lw2:5:0.0",  # a run of nothing
+        "lw2:9999999999999:0.9999999999",  # more than any worker holds
+    ):
         answered = answered_by(50, foreign)
         assert 50 not in answered
         assert 52 not in answered
@@ -90,3 +101,30 @@ def test_the_cut_never_moves_back_as_the_span_grows() -> None:
     pending = list(range(1000, 5000, 2))
     covered = [commit_metadata(1000, high, pending)[1] for high in (1000 + 99_999, 1000 + 100_000)]
     assert covered[0] == covered[1]
+
+
+def test_a_run_of_waiting_lines_takes_one_entry_however_long() -> None:
+    """A team's job waiting for its budget is thousands of lines in a row: one run, so the
+    commit's metadata names them all and every other team's line after them is answered."""
+    low = 7_000
+    waiting = list(range(low, low + 50_000))  # a whole job, parked
+    others = [low + 50_000 + n for n in range(40)]  # answered behind it
+    pending = [*waiting, low + 50_010, low + 50_020]  # two of the others still run
+    pending.sort()
+    metadata, covered = commit_metadata(low, others[-1] + 1, pending)
+    assert covered == others[-1] + 1  # nothing cut
+    assert len(metadata) < 40, metadata
+    answered = answered_by(low, metadata)
+    assert answered.pending == frozenset(pending)
+    assert [o for o in others if o in answered] == [
+        o for o in others if o not in (low + 50_010, low + 50_020)
+    ]
+
+
+def test_metadata_without_runs_is_written_as_before_runs() -> None:
+    # A worker of an earlier version reads lw1 only: a commit with no run is written so.
+    metadata, _ = commit_metadata(100, 110, [100, 102, 106])
+    assert metadata == "lw1:10:0,2,4"
+    metadata, _ = commit_metadata(100, 110, [100, 101, 102, 106])
+    assert metadata == "lw2:10:0.3,4"
+    assert answered_by(100, metadata).pending == frozenset({100, 101, 102, 106})

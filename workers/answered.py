@@ -8,11 +8,15 @@ offset fetched. A new owner of the partition (after a rebalance or a crash) runs
 those again and skips the rest: nothing twice, nothing lost. Confluent's Parallel Consumer
 keeps its incomplete offsets in the commit metadata the same way.
 
-The metadata is ``lw1:<span>:<gaps>``: everything in ``[offset, offset + span)`` is answered
-except the offsets listed, each given as its distance from the previous one (the first from
-``offset``, which is always the first of them). The broker keeps at most
-``offset.metadata.max.bytes`` (4096 by default) of it: a longer list is cut short, and the
-lines above the cut are then committed by a later transaction.
+The metadata is ``lw2:<span>:<runs>``: everything in ``[offset, offset + span)`` is answered
+except the runs of offsets listed. A run is ``<gap>`` (one offset) or ``<gap>.<count>``
+(``count`` offsets in a row); its gap is its distance from the last offset of the run before
+it (the first run's from ``offset``, which is always its first). A team's job waiting for its
+budget is thousands of lines in a row on a partition: one run. ``lw1`` is the same without
+runs of more than one, and is what a commit that has none writes (as laneway did before
+runs). The broker keeps at most ``offset.metadata.max.bytes`` (4096 by default) of it: a
+longer list is cut short, and the lines above the cut are then committed by a later
+transaction (their results wait in the ledger meanwhile).
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ __all__ = ["Answered", "answered_by", "commit_metadata"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = "lw1"
+_VERSION = "lw2"
+_SINGLES = "lw1"  # the same, no run of more than one offset
 # Below the broker's default offset.metadata.max.bytes (4096), with room to spare.
 MAX_METADATA_CHARS = 3000
 _SPAN_DIGITS = 19  # an offset is a signed 64-bit number
+# More lines than a batch worker ever holds unanswered (parked, queued and running): a run
+# longer is not laneway's.
+_MAX_PENDING = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +64,34 @@ def commit_metadata(
     first pending offset left out when the list is too long, else ``high``."""
     if high <= low:
         return "", low
-    gaps: list[str] = []
+    entries: list[str] = []
     # The span is sized at its widest, not as written: a span that gains a digit must not
     # move the cut back below lines an earlier commit named as answered.
     size = len(_VERSION) + _SPAN_DIGITS + 2
     previous = low
-    for offset in pending:
-        gap = str(offset - previous)
-        if size + len(gap) + 1 > limit:
-            high = offset  # it and everything above: for a later commit
+    for first, count in _runs(pending):
+        entry = str(first - previous) if count == 1 else f"{first - previous}.{count}"
+        if size + len(entry) + 1 > limit:
+            high = first  # it and everything above: for a later commit
             break
-        gaps.append(gap)
-        size += len(gap) + 1
-        previous = offset
+        entries.append(entry)
+        size += len(entry) + 1
+        previous = first + count - 1
     if high <= low:
         return "", low
-    return f"{_VERSION}:{high - low}:{','.join(gaps)}", high
+    version = _VERSION if any("." in entry for entry in entries) else _SINGLES
+    return f"{version}:{high - low}:{','.join(entries)}", high
+
+
+def _runs(pending: Sequence[int]) -> list[tuple[int, int]]:
+    """``pending`` (sorted) as runs of offsets in a row: (first, count)."""
+    runs: list[tuple[int, int]] = []
+    for offset in pending:
+        if runs and offset == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((offset, 1))
+    return runs
 
 
 def answered_by(offset: int, metadata: str | None) -> Answered:
@@ -88,18 +108,22 @@ def answered_by(offset: int, metadata: str | None) -> Answered:
 
 
 def _parse(offset: int, metadata: str) -> Answered:
-    version, span_text, gaps = metadata.split(":", 2)
+    version, span_text, runs = metadata.split(":", 2)
     span = int(span_text)
-    if version != _VERSION or span < 0:
+    if version not in (_VERSION, _SINGLES) or span < 0:
         raise ValueError(metadata)
     pending: list[int] = []
     previous = offset
-    for gap in filter(None, gaps.split(",")):
-        step = int(gap)
-        if step < 0 or (pending and step == 0):
+    for entry in filter(None, runs.split(",")):
+        gap_text, _, count_text = entry.partition(".")
+        step, count = int(gap_text), int(count_text or "1")
+        if step < 0 or (pending and step == 0) or count < 1:
             raise ValueError(metadata)  # not in order
-        previous += step
-        pending.append(previous)
-    if pending and pending[-1] >= offset + span:
-        raise ValueError(metadata)  # beyond the span
+        if count > 1 and version == _SINGLES:
+            raise ValueError(metadata)
+        first = previous + step
+        if first + count > offset + span or len(pending) + count > _MAX_PENDING:
+            raise ValueError(metadata)  # beyond the span, or more than a worker ever holds
+        pending.extend(range(first, first + count))
+        previous = first + count - 1
     return Answered(offset, offset + span, frozenset(pending))

@@ -17,7 +17,7 @@ from aiokafka import TopicPartition
 from laneway.apikeys import lookup_team
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, RedisKeys, Topics
-from laneway.errors import BadRequest, Cancelled, LanewayError, Unauthorized
+from laneway.errors import BadRequest, Cancelled, Expired, LanewayError, Unauthorized
 from laneway.openai_api import ChatRequest, CompletionRequest, validate_body
 from laneway.openai_format import error_body, final_body
 from laneway.requests import shape_request
@@ -32,7 +32,14 @@ from laneway.schema import (
 from laneway.settings import CommonSettings
 from workers.answered import Answered
 
-__all__ = ["BatchIntake", "BatchLedger", "KafkaRecord", "batch_result", "error_result"]
+__all__ = [
+    "BatchIntake",
+    "BatchLedger",
+    "KafkaRecord",
+    "batch_request_id",
+    "batch_result",
+    "error_result",
+]
 
 KafkaRecord = tuple[str, bytes, bytes]  # topic, key, value
 
@@ -129,6 +136,8 @@ def error_result(line: BatchRequest, exc: LanewayError) -> BatchResult:
     kind = "invalid_request_error"
     if isinstance(exc, Cancelled):
         status, status_code, code = "cancelled", _STATUS_CODES["cancelled"], "cancelled"
+    elif isinstance(exc, Expired):  # a parked line that retention deleted before it ran
+        status, status_code = "expired", _STATUS_CODES["expired"]
     return BatchResult(
         job_id=line.job_id,
         line_id=line.line_id,

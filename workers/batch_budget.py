@@ -6,6 +6,12 @@ the lines of every other team on the same partitions run meanwhile, and their re
 committed as they finish (``workers.answered``). Each team's parked lines are admitted in
 the order they came as its pool refills. A line bigger than the team's whole budget is
 answered with a 429 at once instead: it would never leave.
+
+The first ``bodies`` parked lines keep their bodies; those parked beyond them keep only
+what waiting needs (team, job, size, place) and are read back from Kafka
+(``workers.reread``) when admitted, so a job of tens of thousands of lines waits in about
+2 kB a line, whatever its prompts. Up to ``max_lines`` are parked; past that the lane waits
+for room.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 
 from aiokafka import TopicPartition
 from redis.exceptions import RedisError
 
-from laneway.errors import QuotaExceeded
+from laneway.errors import Cancelled, LanewayError, QuotaExceeded
 from laneway.retry import Backoff
 from laneway.schema import RequestEnvelope
 from laneway.tasks import cancel_all, kept
@@ -27,12 +34,19 @@ from quota.enforcer import QuotaEnforcer
 from workers import metrics
 from workers.dispatch import Work
 
-__all__ = ["RETRY_MAX_S", "BudgetWait"]
+__all__ = ["RETRY_MAX_S", "BudgetWait", "NotReadBack"]
 
 log = logging.getLogger(__name__)
 
 # A parked team's pool is tried again at least this often.
 RETRY_MAX_S = 5.0
+# A line that could not be read back is tried again after this (the other teams' meanwhile).
+_READ_BACK_RETRY_S = 1.0
+
+
+class NotReadBack(Exception):
+    """A line parked without its body could not be read back just now (Kafka did not
+    answer); it waits at the head of its team's lines and is tried again."""
 
 
 def line_tokens(env: RequestEnvelope) -> int:
@@ -40,10 +54,14 @@ def line_tokens(env: RequestEnvelope) -> int:
     return env.prompt_tokens + env.max_tokens
 
 
+def without_body(env: RequestEnvelope) -> RequestEnvelope:
+    """``env`` as a parked line beyond the bodies kept holds it: no prompt, no messages."""
+    return env.model_copy(update={"prompt": "", "suffix": None, "messages": None})
+
+
 class BudgetWait:
     """The lines whose team's batch pool could not cover them at intake, per team, oldest
-    first; up to ``max_lines`` of them (then the lane waits for room, as it did before
-    lines were parked)."""
+    first; up to ``max_lines`` of them, the bodies of ``bodies`` (see the module)."""
 
     def __init__(
         self,
@@ -51,18 +69,32 @@ class BudgetWait:
         team: Callable[[str], Awaitable[Team]],
         *,
         queue: Callable[[Work], None],
-        refuse: Callable[[Work, QuotaExceeded], None],
+        refuse: Callable[[Work, LanewayError], Awaitable[None]],
+        release: Callable[[Work], Awaitable[None]],
         current: Callable[[Work], bool],
         cancelled: Callable[[RequestEnvelope], Awaitable[bool]],
+        restore: Callable[[Work], Awaitable[Work | None]],
         max_lines: int,
+        bodies: int,
     ) -> None:
         self.quota = quota
         self._team = team
         self._queue = queue  # a line admitted (or cancelled): to the dispatch queue
-        self._refuse = refuse  # a line that can never fit: answered with its error
+        # A line that must not run (never fits, cancelled): answered with its error, and any
+        # reservation it holds given back.
+        self._refuse = refuse
+        self._release = release  # a line's reservation, given back
         self._current = current  # its partition is still this worker's, in the same tenure
         self._cancelled = cancelled
+        # A line parked without its body, admitted: the line read back, or None when it was
+        # answered there (it could not be) or its partition went away meanwhile;
+        # ``NotReadBack`` when Kafka did not answer.
+        self._restore = restore
         self.max_lines = max_lines
+        self.bodies = bodies
+        # The lines parked without their bodies, by place (two lines may share an id: a job
+        # sent twice, or two teams' jobs of the same id on their own topics).
+        self._light: set[tuple[TopicPartition, int]] = set()
         # Found short at intake, not parked yet. An id left here by a line whose partition
         # went away before it queued goes when the line comes back (or with the worker).
         self._short: set[str] = set()
@@ -108,6 +140,9 @@ class BudgetWait:
             await self._room.wait()
         if not self._current(work):
             return True  # its partition went away meanwhile: its next owner's
+        if len(self) >= self.bodies:
+            work = replace(work, env=without_body(work.env))
+            self._light.add(_place(work))
         self._lines.setdefault(work.env.team, deque()).append(work)
         metrics.QUOTA_WAITS.labels(work.env.team).inc()
         self._changed()
@@ -124,6 +159,7 @@ class BudgetWait:
                 self._lines[team] = staying
             else:
                 del self._lines[team]
+        self._light.intersection_update(_place(work) for work in self)
         self._changed()
 
     async def release_cancelled(self) -> None:
@@ -132,7 +168,7 @@ class BudgetWait:
         firsts = {(work.env.team, work.env.job_id): work for work in self if work.env.job_id}
         for (team, job_id), work in firsts.items():
             if await self._cancelled(work.env):
-                self._take_job(team, job_id)
+                await self._take_job(team, job_id)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -167,19 +203,38 @@ class BudgetWait:
                 await self.quota.reserve(team, "batch", work.env.id, line_tokens(work.env))
             except QuotaExceeded as exc:
                 if work.env.job_id is not None and await self._cancelled(work.env):
-                    self._take_job(name, work.env.job_id)
+                    await self._take_job(name, work.env.job_id)
                     continue
                 if exc.never:  # the team's budget shrank below it since it came in
-                    self._leave(name, work)
-                    self._refuse(work, exc)
+                    if self._leave(name, work):
+                        await self._refuse(work, exc)
                     continue
                 return min(max(exc.retry_after, 0.05), RETRY_MAX_S)
-            # Its partition may have been taken away while it reserved: then the reservation
-            # stays for the line's next run, wherever it is (a reserve of the same line finds
-            # it), and expires with it otherwise; given back here, it could be the one that
-            # next run holds.
-            if self._leave(name, work):
-                self._queue(work)
+            light = _place(work) in self._light
+            if not self._leave(name, work):
+                # It left while it reserved. Answered meanwhile (its job cancelled), its
+                # partition still here: the reservation is given back. Its partition taken
+                # away: the reservation stays for the line's next run, wherever it is (a
+                # reserve of the same line finds it), and expires with it otherwise; given
+                # back here, it could be the one that next run holds.
+                if self._current(work):
+                    await self._release(work)
+                continue
+            if light:
+                try:
+                    restored = await self._restore(work)
+                except NotReadBack:
+                    # First in its team's line again, its reservation held; the other teams'
+                    # lines go on meanwhile.
+                    if self._current(work):
+                        self._lines.setdefault(name, deque()).appendleft(work)
+                        self._light.add(_place(work))
+                        self._changed()
+                    return _READ_BACK_RETRY_S
+                if restored is None:
+                    continue
+                work = restored
+            self._queue(work)
         return RETRY_MAX_S
 
     def _leave(self, team: str, work: Work) -> bool:
@@ -190,19 +245,30 @@ class BudgetWait:
         lines.remove(work)
         if not lines:
             del self._lines[team]
+        self._light.discard(_place(work))
         self._changed()
         return True
 
-    def _take_job(self, team: str, job_id: str) -> None:
+    async def _take_job(self, team: str, job_id: str) -> None:
         """A cancelled job's parked lines go to the queue now, unreserved: the shield drops
-        them as cancelled when they would start. Only the job's own team's: another team's
-        lines naming the same job id are not cancelled by it."""
+        them as cancelled when they would start. One parked without its body is answered as
+        cancelled here instead (it must never start). Only the job's own team's: another
+        team's lines naming the same job id are not cancelled by it."""
         lines = self._lines.get(team, deque())
         for work in [w for w in lines if w.env.job_id == job_id]:
-            self._leave(team, work)
-            self._queue(work)
+            light = _place(work) in self._light
+            if not self._leave(team, work):
+                continue
+            if light:
+                await self._refuse(work, Cancelled(f"batch {job_id} was cancelled before it ran"))
+            else:
+                self._queue(work)
 
     def _changed(self) -> None:
         metrics.BATCH_PARKED.set(len(self))
         if len(self) < self.max_lines:
             self._room.set()
+
+
+def _place(work: Work) -> tuple[TopicPartition, int]:
+    return work.tp, work.offset

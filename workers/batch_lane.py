@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -25,7 +26,7 @@ from redis.exceptions import RedisError
 from laneway.batch import MAX_CUSTOM_ID_CHARS
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import LanewayError, MalformedMessage, QuotaExceeded
+from laneway.errors import Expired, LanewayError, MalformedMessage
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
@@ -34,14 +35,16 @@ from workers.answered import Answered, answered_by, commit_metadata
 from workers.batch import (
     BatchIntake,
     BatchLedger,
+    batch_request_id,
     batch_result,
     error_result,
     result_records,
 )
-from workers.batch_budget import RETRY_MAX_S, BudgetWait
+from workers.batch_budget import RETRY_MAX_S, BudgetWait, NotReadBack
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
 from workers.lanes import skip_record
+from workers.reread import RecordGone, RecordReader
 
 if TYPE_CHECKING:
     from workers.pool import PoolWorker
@@ -51,8 +54,10 @@ __all__ = ["BatchLane"]
 log = logging.getLogger(__name__)
 
 # Lines waiting for their team's budget beside the lane, at most: beyond them the lane waits
-# for one to leave. Each holds its line's body (a few kB), so the bound is on memory.
-_MAX_PARKED = 2048
+# for one to leave. Those past LANEWAY_BATCH_PARKED_BODIES hold no body (about 2 kB each,
+# measured with tracemalloc), so this bounds their memory to about 100 MB: a whole job of the
+# most lines a batch may have (LANEWAY_BATCH_MAX_LINES) waits without holding up another team.
+_MAX_PARKED = 50_000
 # A partition's transaction not ended after this is stuck: an aiokafka producer whose
 # coordinator's broker died mid-transaction can wait for good (seen in the chaos drill, every
 # commit stopped). Its producer is replaced, which ends that transaction one way or the other.
@@ -83,15 +88,20 @@ class BatchLane:
                 worker.quota,
                 self._team,
                 queue=self._queue,
-                refuse=self._refuse,
+                refuse=self._answer_parked,
+                release=lambda work: self._release(work.env.team, work.env.id),
                 current=lambda work: worker.offsets.current(work.tp, work.epoch),
                 cancelled=self._job_cancelled,
+                restore=self._restore,
                 max_lines=_MAX_PARKED,
+                bodies=worker.settings.batch_parked_bodies,
             )
         )
-        # Per partition: the offset and metadata last committed (``workers.answered``), and
-        # what its previous owner's last commit said is answered, skipped when fetched again.
-        self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        self.reread = RecordReader(worker.settings)
+        # Per partition: the offset last committed and the offset its metadata covers up to
+        # (``workers.answered``), and what its previous owner's last commit said is
+        # answered, skipped when fetched again.
+        self._committed: dict[TopicPartition, tuple[int, int]] = {}
         self._inherited: dict[TopicPartition, Answered] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
@@ -117,6 +127,7 @@ class BatchLane:
             task.cancel()
         if self.budget is not None:
             await self.budget.close()
+        await self.reread.close()
         try:
             async with asyncio.timeout(10):
                 await self.txns.close_all()
@@ -132,6 +143,27 @@ class BatchLane:
         inherited = self._inherited.get(tp)
         if inherited is not None and record.offset in inherited:
             return None  # answered by the partition's last owner, above its committed offset
+        line = self._line_of(tp, record)
+        if line is None:
+            return None
+        backoff = Backoff(0.5, RETRY_MAX_S)
+        while True:
+            try:
+                env = await self.lines.envelope(line, self._stored_at(record))
+                await self._fits(env)
+            except LanewayError as exc:
+                await self._answer(tp, record.offset, line, exc)
+                return None
+            except (RedisError, OSError) as exc:
+                # The key cannot be checked without Redis: the lane waits, nothing is dropped.
+                log.warning("batch intake paused, Redis unreachable: %s", exc)
+                await backoff.wait()
+            else:
+                return env
+
+    def _line_of(self, tp: TopicPartition, record: ConsumerRecord[Any, Any]) -> BatchRequest | None:
+        """The batch line ``record`` holds (one that is not valid carries its problem as its
+        error); None, skipped, for a record that names no job and line."""
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
@@ -145,28 +177,68 @@ class BatchLane:
                 "answering %s:%d@%d with an error: %s", tp.topic, tp.partition, record.offset, exc
             )
             line = salvaged
-        backoff = Backoff(0.5, RETRY_MAX_S)
         # A team's own topic names the team (its ACL lets that team's principal alone write
         # it): whatever team or key the line names is not read.
         topic_team = self.worker.topics.team_of_batch_topic(tp.topic)
         if topic_team is not None:
             line = line.model_copy(update={"team": topic_team, "api_key": None})
-        while True:
-            try:
-                env = await self.lines.envelope(line, self._stored_at(record))
-                await self._fits(env)
-            except LanewayError as exc:
-                result = error_result(line, exc)
-                records = result_records(self.worker.topics, result, input_topic=tp.topic)
-                self.ledger.add(tp, record.offset, records)
-                await self._release(result.team, result.request_id)
-                return None
-            except (RedisError, OSError) as exc:
-                # The key cannot be checked without Redis: the lane waits, nothing is dropped.
-                log.warning("batch intake paused, Redis unreachable: %s", exc)
-                await backoff.wait()
-            else:
-                return env
+        return line
+
+    async def _answer(
+        self, tp: TopicPartition, offset: int, line: BatchRequest, exc: LanewayError
+    ) -> None:
+        """``line`` is answered with ``exc`` as its result, written with its offset."""
+        result = error_result(line, exc)
+        records = result_records(self.worker.topics, result, input_topic=tp.topic)
+        self.ledger.add(tp, offset, records)
+        await self._release(result.team, result.request_id)
+
+    async def _restore(self, work: Work) -> Work | None:
+        """A line parked without its body (``workers.batch_budget``), admitted by its budget:
+        read back from Kafka and made its envelope again, as at intake (its reservation is
+        made). None when its partition went away meanwhile, or when it is answered here
+        instead: its job was cancelled, or the topic no longer holds it. ``NotReadBack``
+        when Kafka or Redis did not answer: it is tried again."""
+        try:
+            line, stored_at = await self._read_back(work)
+            env = await self.lines.envelope(line, stored_at)
+        except RecordGone as exc:
+            log.warning("parked batch line %s answered: %s", work.env.id, exc)
+            gone = Expired(f"the line was deleted from Kafka before it could run: {exc}")
+            await self._answer_parked(work, gone)
+            return None
+        except LanewayError as exc:  # its job cancelled since, most likely
+            await self._answer_parked(work, exc)
+            return None
+        except (KafkaError, TimeoutError, RedisError, OSError) as exc:
+            log.warning("parked batch line %s not read back yet: %r", work.env.id, exc)
+            raise NotReadBack(str(exc)) from exc
+        if not self.worker.offsets.current(work.tp, work.epoch):
+            return None
+        return replace(work, env=env)
+
+    async def _read_back(self, work: Work) -> tuple[BatchRequest, float]:
+        """``work``'s line read again from its partition, and when it was stored."""
+        record = await self.reread.read(work.tp, work.offset)
+        line = self._line_of(work.tp, record)
+        if line is None or batch_request_id(line.job_id, line.line_id) != work.env.id:
+            # Another record at its offset (the topic deleted and made anew): not this line.
+            raise RecordGone(f"{work.tp.topic}:{work.tp.partition}@{work.offset} is another line")
+        return line, self._stored_at(record)
+
+    async def _answer_parked(self, work: Work, exc: LanewayError) -> None:
+        """A parked line that must not run (its team's budget can no longer ever cover it,
+        its job was cancelled, it cannot be read back): answered with ``exc``, its
+        reservation (if it holds one) given back. Not once its partition went away: its next
+        owner answers it."""
+        if not self.worker.offsets.current(work.tp, work.epoch):
+            return
+        env = work.env
+        line = BatchRequest(job_id=str(env.job_id), line_id=str(env.line_id), team=env.team)
+        records = result_records(self.worker.topics, error_result(line, exc), None, work.tp.topic)
+        self.ledger.add(work.tp, work.offset, records)
+        self.worker.offsets.finish(work.tp, work.offset, work.epoch)
+        await self._release(env.team, env.id)
 
     async def _release(self, team: str, request_id: str) -> None:
         """A line answered with an error may hold a reservation of an earlier run (taken at
@@ -229,14 +301,6 @@ class BatchLane:
         self.worker.queue.push(work)
         self.worker.dispatcher.wake()
 
-    def _refuse(self, work: Work, exc: QuotaExceeded) -> None:
-        """A parked line its team's budget can no longer ever cover: answered with the 429."""
-        env = work.env
-        line = BatchRequest(job_id=str(env.job_id), line_id=str(env.line_id), team=env.team)
-        records = result_records(self.worker.topics, error_result(line, exc), None, work.tp.topic)
-        self.ledger.add(work.tp, work.offset, records)
-        self.worker.offsets.finish(work.tp, work.offset, work.epoch)
-
     async def _fits(self, env: RequestEnvelope) -> None:
         """Reserve ``env``'s tokens once, as it comes in; raises ``QuotaExceeded`` for a line
         bigger than its team's whole batch budget, which becomes its result at once: waited
@@ -290,7 +354,7 @@ class BatchLane:
                 commit = self._next_commit(tp)
                 if commit is None:
                     continue
-                offset, metadata, answered = commit
+                offset, metadata, answered, covered = commit
                 async with asyncio.timeout(_TXN_STUCK_S):
                     await self.txns.commit(tp, self.ledger.records(tp, answered), offset, metadata)
             except ProducerFenced:
@@ -303,12 +367,12 @@ class BatchLane:
                 log.warning("batch transaction aborted (will retry): %s", exc)
                 continue
             self.ledger.drop(tp, answered)
-            self._committed[tp] = (offset, metadata)
+            self._committed[tp] = (offset, covered)
 
-    def _next_commit(self, tp: TopicPartition) -> tuple[int, str, list[int]] | None:
+    def _next_commit(self, tp: TopicPartition) -> tuple[int, str, list[int], int] | None:
         """What ``tp``'s next transaction commits: its offset, the metadata naming the lines
-        above it still unanswered, and the offsets whose results it writes; None when that
-        would change nothing."""
+        above it still unanswered, the offsets whose results it writes, and the offset the
+        metadata covers up to; None when that would change nothing."""
         state = self.worker.offsets.snapshot(tp)
         if state is None:
             return None
@@ -317,10 +381,16 @@ class BatchLane:
         if last is not None and last[0] == low and not self.ledger.holds(tp):
             return None  # only lines fetched since: nothing for a next owner to skip
         metadata, covered = commit_metadata(low, high, pending)
+        if last is not None and covered < last[1]:
+            # The waiting lines are split into more runs than the metadata holds: this
+            # commit would un-say lines the last one named answered (their results are out,
+            # and a next owner would run them again). It waits until the list fits again,
+            # as lines are answered.
+            return None
         answered = self.ledger.ready(tp, Answered(low, covered, frozenset(pending)))
         if not answered and last is not None and last[0] == low:
             return None  # the results held are all above the cut: a later commit's
-        return low, metadata, answered
+        return low, metadata, answered, covered
 
     async def _replace_stuck(self, tp: TopicPartition) -> None:
         """Drop the producer of a transaction that does not end. The next commit starts a
@@ -345,7 +415,7 @@ class BatchLane:
             return
         answered = answered_by(offset, metadata)
         self.ledger.drop(tp, self.ledger.ready(tp, answered))
-        self._committed[tp] = (offset, metadata)
+        self._committed[tp] = (offset, answered.high)
 
     async def _committed_of(
         self, partitions: set[TopicPartition]
@@ -414,7 +484,7 @@ class BatchLane:
                 continue
             self.worker.consumer.seek(tp, offset)
             answered = answered_by(offset, metadata)
-            self._committed[tp] = (offset, metadata)
+            self._committed[tp] = (offset, answered.high)
             if answered.high > answered.low:
                 self._inherited[tp] = answered
                 self.worker.offsets.inherit(tp, answered.high, answered.pending)

@@ -61,6 +61,12 @@ class WorkerSettings(CommonSettings):
     batch_yield_backlog: int = Field(
         0, ge=0, description="batch pauses while interactive lanes have more waiting than this"
     )
+    batch_parked_bodies: int = Field(
+        2048,
+        ge=0,
+        description="batch lines waiting for their team's budget whose bodies a worker keeps; "
+        "those beyond keep their place only and are read again from Kafka when admitted",
+    )
     shield: bool = Field(
         True, description="drop stale work before it runs (off only to measure the baseline)"
     )
