@@ -4,6 +4,7 @@ no longer ever cover is answered instead of waited for."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
@@ -27,6 +28,7 @@ class _Lane:
         self.queued: list[Work] = []
         self.refused: list[tuple[Work, LanewayError]] = []
         self.released: list[int] = []
+        self.room = 100  # lines the dispatch queue takes
 
     def waiting(
         self,
@@ -43,6 +45,7 @@ class _Lane:
             queue=self.queued.append,
             refuse=self.refuse,
             release=self.release,
+            room=lambda: len(self.queued) < self.room,
             current=lambda work: True,
             cancelled=cancelled,
             restore=restore,
@@ -50,7 +53,7 @@ class _Lane:
             bodies=bodies,
         )
 
-    async def refuse(self, work: Work, exc: LanewayError) -> None:
+    def refuse(self, work: Work, exc: LanewayError) -> None:
         self.refused.append((work, exc))
 
     async def release(self, work: Work) -> None:
@@ -161,7 +164,13 @@ async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
         await wait.release_cancelled()  # as the lane does every beat
         assert [(w.offset, type(exc).__name__) for w, exc in lane.refused] == [(4, "Cancelled")]
         assert queued == []  # never queued without its body
-        await quota.settle("thrifty", "earlier-work", 0, min_charge=0)  # room for all
+        lane.room = 2  # the dispatch queue takes two more: no more bodies come back
+        await quota.settle("thrifty", "earlier-work", 0, min_charge=0)  # budget for all
+        await eventually(lambda: len(queued) == 2, 15, "two admitted")
+        await asyncio.sleep(0.5)
+        assert len(queued) == 2
+        assert restored == [2]
+        lane.room = 100
         await eventually(lambda: len(queued) == 4, 15, "the rest admitted")
         assert [w.offset for w in queued] == [1, 2, 3, 5]  # in order, the retried one too
         assert [w.env.prompt for w in queued] == [

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import random
+
 from aiokafka import TopicPartition
 
-from workers.answered import answered_by, commit_metadata
+from workers.answered import answered_by, commit_metadata, named_top
 from workers.offsets import OffsetTracker
 
 TP = TopicPartition("t", 0)
@@ -128,3 +130,26 @@ def test_metadata_without_runs_is_written_as_before_runs() -> None:
     metadata, _ = commit_metadata(100, 110, [100, 101, 102, 106])
     assert metadata == "lw2:10:0.3,4"
     assert answered_by(100, metadata).pending == frozenset({100, 101, 102, 106})
+
+
+def test_what_a_commit_names_answered_tops_out_below_its_last_run() -> None:
+    """A later commit must cover past the highest line an earlier one named answered; that
+    line is found without walking a run of tens of thousands (checked against a walk)."""
+    rng = random.Random(7)
+
+    def walked(low: int, covered: int, pending: list[int]) -> int:
+        unanswered = set(pending)
+        return next((o for o in range(covered - 1, low - 1, -1) if o not in unanswered), low - 1)
+
+    for _ in range(3000):
+        low = rng.randint(0, 50)
+        covered = low + rng.randint(0, 60)
+        top = covered + rng.randint(0, 20)
+        pending = set(rng.sample(range(low, top), rng.randint(0, top - low)))
+        start = rng.randint(low, top)
+        pending |= set(range(start, min(top, start + rng.randint(0, 40))))
+        ordered = sorted(pending)
+        assert named_top(low, covered, ordered) == walked(low, covered, ordered)
+    # A whole job waiting at the end: the commit names the lines before it.
+    assert named_top(100, 50_200, [*range(200, 50_200)]) == 199
+    assert named_top(100, 50_200, [*range(100, 50_200)]) == 99  # none

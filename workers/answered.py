@@ -21,11 +21,12 @@ transaction (their results wait in the ledger meanwhile).
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Answered", "answered_by", "commit_metadata"]
+__all__ = ["Answered", "answered_by", "commit_metadata", "named_top"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,25 @@ def commit_metadata(
         return "", low
     version = _VERSION if any("." in entry for entry in entries) else _SINGLES
     return f"{version}:{high - low}:{','.join(entries)}", high
+
+
+def named_top(low: int, covered: int, pending: Sequence[int]) -> int:
+    """The highest offset a commit at ``low`` covering up to ``covered`` names answered
+    (``pending``: sorted, the unanswered lines); ``low - 1`` when it names none. A later
+    commit must cover past it: covering less, it would un-say a line whose result is out."""
+    end = bisect.bisect_left(pending, covered)  # pending[:end] are below the cut
+    if end == 0 or pending[end - 1] != covered - 1:
+        return covered - 1
+    # The cut's last run ends at covered - 1: the first offset of that run, found by halving
+    # (in a run, offsets and positions rise together).
+    first, last = 0, end - 1
+    while first < last:
+        middle = (first + last) // 2
+        if pending[end - 1] - pending[middle] == end - 1 - middle:
+            last = middle
+        else:
+            first = middle + 1
+    return max(pending[first] - 1, low - 1)
 
 
 def _runs(pending: Sequence[int]) -> list[tuple[int, int]]:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 RETRY_MAX_S = 5.0
 # A line that could not be read back is tried again after this (the other teams' meanwhile).
 _READ_BACK_RETRY_S = 1.0
+# Admission waits this long for room in the dispatch queue.
+_NO_ROOM_RETRY_S = 0.2
 
 
 class NotReadBack(Exception):
@@ -69,8 +71,9 @@ class BudgetWait:
         team: Callable[[str], Awaitable[Team]],
         *,
         queue: Callable[[Work], None],
-        refuse: Callable[[Work, LanewayError], Awaitable[None]],
+        refuse: Callable[[Work, LanewayError], None],
         release: Callable[[Work], Awaitable[None]],
+        room: Callable[[], bool],
         current: Callable[[Work], bool],
         cancelled: Callable[[RequestEnvelope], Awaitable[bool]],
         restore: Callable[[Work], Awaitable[Work | None]],
@@ -80,10 +83,11 @@ class BudgetWait:
         self.quota = quota
         self._team = team
         self._queue = queue  # a line admitted (or cancelled): to the dispatch queue
-        # A line that must not run (never fits, cancelled): answered with its error, and any
-        # reservation it holds given back.
-        self._refuse = refuse
+        self._refuse = refuse  # a line that must not run (never fits, cancelled): its error
         self._release = release  # a line's reservation, given back
+        # The dispatch queue can take more: admitted lines wait while it cannot (a line read
+        # back brings its body back into memory).
+        self._room = room
         self._current = current  # its partition is still this worker's, in the same tenure
         self._cancelled = cancelled
         # A line parked without its body, admitted: the line read back, or None when it was
@@ -99,8 +103,8 @@ class BudgetWait:
         # went away before it queued goes when the line comes back (or with the worker).
         self._short: set[str] = set()
         self._lines: dict[str, deque[Work]] = {}
-        self._room = asyncio.Event()
-        self._room.set()
+        self._space = asyncio.Event()
+        self._space.set()
         self._parked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -136,8 +140,8 @@ class BudgetWait:
             return False
         self._short.discard(work.env.id)
         while len(self) >= self.max_lines and self._current(work):
-            self._room.clear()
-            await self._room.wait()
+            self._space.clear()
+            await self._space.wait()
         if not self._current(work):
             return True  # its partition went away meanwhile: its next owner's
         if len(self) >= self.bodies:
@@ -168,7 +172,7 @@ class BudgetWait:
         firsts = {(work.env.team, work.env.job_id): work for work in self if work.env.job_id}
         for (team, job_id), work in firsts.items():
             if await self._cancelled(work.env):
-                await self._take_job(team, job_id)
+                self._take_job(team, job_id)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -197,27 +201,31 @@ class BudgetWait:
         """Admit ``name``'s parked lines while its pool covers them; the seconds until its
         pool is worth trying again."""
         while (lines := self._lines.get(name)) is not None:
+            if not self._room():
+                return _NO_ROOM_RETRY_S
             work = lines[0]
             try:
                 team = await self._team(name)
                 await self.quota.reserve(team, "batch", work.env.id, line_tokens(work.env))
             except QuotaExceeded as exc:
                 if work.env.job_id is not None and await self._cancelled(work.env):
-                    await self._take_job(name, work.env.job_id)
+                    self._take_job(name, work.env.job_id)
                     continue
                 if exc.never:  # the team's budget shrank below it since it came in
                     if self._leave(name, work):
-                        await self._refuse(work, exc)
+                        self._refuse(work, exc)
                     continue
                 return min(max(exc.retry_after, 0.05), RETRY_MAX_S)
             light = _place(work) in self._light
             if not self._leave(name, work):
-                # It left while it reserved. Answered meanwhile (its job cancelled), its
-                # partition still here: the reservation is given back. Its partition taken
-                # away: the reservation stays for the line's next run, wherever it is (a
-                # reserve of the same line finds it), and expires with it otherwise; given
-                # back here, it could be the one that next run holds.
-                if self._current(work):
+                # It left while it reserved. Answered meanwhile (its job cancelled, and it
+                # waited without its body), its partition still here: the reservation is
+                # given back. Queued meanwhile (cancelled, with its body): it keeps it, for
+                # the shield drops it, or, shield off, it runs. Its partition taken away: the
+                # reservation stays for the line's next run, wherever it is (a reserve of
+                # the same line finds it), and expires with it otherwise; given back here, it
+                # could be the one that next run holds.
+                if light and self._current(work):
                     await self._release(work)
                 continue
             if light:
@@ -249,25 +257,36 @@ class BudgetWait:
         self._changed()
         return True
 
-    async def _take_job(self, team: str, job_id: str) -> None:
+    def _take_job(self, team: str, job_id: str) -> None:
         """A cancelled job's parked lines go to the queue now, unreserved: the shield drops
         them as cancelled when they would start. One parked without its body is answered as
         cancelled here instead (it must never start). Only the job's own team's: another
-        team's lines naming the same job id are not cancelled by it."""
-        lines = self._lines.get(team, deque())
-        for work in [w for w in lines if w.env.job_id == job_id]:
-            light = _place(work) in self._light
-            if not self._leave(team, work):
-                continue
-            if light:
-                await self._refuse(work, Cancelled(f"batch {job_id} was cancelled before it ran"))
+        team's lines naming the same job id are not cancelled by it. One pass, whatever the
+        number of lines (tens of thousands may wait)."""
+        lines = self._lines.get(team)
+        if not lines:
+            return
+        taken = [work for work in lines if work.env.job_id == job_id]
+        if not taken:
+            return
+        staying = deque(work for work in lines if work.env.job_id != job_id)
+        if staying:
+            self._lines[team] = staying
+        else:
+            del self._lines[team]
+        cancelled = Cancelled(f"batch {job_id} was cancelled before it ran")
+        for work in taken:
+            if _place(work) in self._light:
+                self._light.discard(_place(work))
+                self._refuse(work, cancelled)
             else:
                 self._queue(work)
+        self._changed()
 
     def _changed(self) -> None:
         metrics.BATCH_PARKED.set(len(self))
         if len(self) < self.max_lines:
-            self._room.set()
+            self._space.set()
 
 
 def _place(work: Work) -> tuple[TopicPartition, int]:

@@ -31,7 +31,7 @@ from laneway.retry import Backoff
 from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
 from workers import metrics
-from workers.answered import Answered, answered_by, commit_metadata
+from workers.answered import Answered, answered_by, commit_metadata, named_top
 from workers.batch import (
     BatchIntake,
     BatchLedger,
@@ -88,8 +88,9 @@ class BatchLane:
                 worker.quota,
                 self._team,
                 queue=self._queue,
-                refuse=self._answer_parked,
+                refuse=self._refuse,
                 release=lambda work: self._release(work.env.team, work.env.id),
+                room=lambda: worker.held < worker.settings.max_inflight,
                 current=lambda work: worker.offsets.current(work.tp, work.epoch),
                 cancelled=self._job_cancelled,
                 restore=self._restore,
@@ -98,8 +99,8 @@ class BatchLane:
             )
         )
         self.reread = RecordReader(worker.settings)
-        # Per partition: the offset last committed and the offset its metadata covers up to
-        # (``workers.answered``), and what its previous owner's last commit said is
+        # Per partition: the offset last committed and the highest offset its metadata names
+        # answered (``workers.answered``), and what its previous owner's last commit said is
         # answered, skipped when fetched again.
         self._committed: dict[TopicPartition, tuple[int, int]] = {}
         self._inherited: dict[TopicPartition, Answered] = {}
@@ -227,10 +228,16 @@ class BatchLane:
         return line, self._stored_at(record)
 
     async def _answer_parked(self, work: Work, exc: LanewayError) -> None:
+        """An admitted line that cannot run after all (its job was cancelled, it cannot be
+        read back): answered with ``exc``, the reservation it was admitted with given back."""
+        if self.worker.offsets.current(work.tp, work.epoch):
+            self._refuse(work, exc)
+            await self._release(work.env.team, work.env.id)
+
+    def _refuse(self, work: Work, exc: LanewayError) -> None:
         """A parked line that must not run (its team's budget can no longer ever cover it,
-        its job was cancelled, it cannot be read back): answered with ``exc``, its
-        reservation (if it holds one) given back. Not once its partition went away: its next
-        owner answers it."""
+        its job was cancelled): answered with ``exc``. Not once its partition went away:
+        its next owner answers it."""
         if not self.worker.offsets.current(work.tp, work.epoch):
             return
         env = work.env
@@ -238,7 +245,6 @@ class BatchLane:
         records = result_records(self.worker.topics, error_result(line, exc), None, work.tp.topic)
         self.ledger.add(work.tp, work.offset, records)
         self.worker.offsets.finish(work.tp, work.offset, work.epoch)
-        await self._release(env.team, env.id)
 
     async def _release(self, team: str, request_id: str) -> None:
         """A line answered with an error may hold a reservation of an earlier run (taken at
@@ -354,7 +360,7 @@ class BatchLane:
                 commit = self._next_commit(tp)
                 if commit is None:
                     continue
-                offset, metadata, answered, covered = commit
+                offset, metadata, answered, top = commit
                 async with asyncio.timeout(_TXN_STUCK_S):
                     await self.txns.commit(tp, self.ledger.records(tp, answered), offset, metadata)
             except ProducerFenced:
@@ -367,12 +373,12 @@ class BatchLane:
                 log.warning("batch transaction aborted (will retry): %s", exc)
                 continue
             self.ledger.drop(tp, answered)
-            self._committed[tp] = (offset, covered)
+            self._committed[tp] = (offset, top)
 
     def _next_commit(self, tp: TopicPartition) -> tuple[int, str, list[int], int] | None:
         """What ``tp``'s next transaction commits: its offset, the metadata naming the lines
-        above it still unanswered, the offsets whose results it writes, and the offset the
-        metadata covers up to; None when that would change nothing."""
+        above it still unanswered, the offsets whose results it writes, and the highest
+        offset the metadata names answered; None when that would change nothing."""
         state = self.worker.offsets.snapshot(tp)
         if state is None:
             return None
@@ -381,7 +387,7 @@ class BatchLane:
         if last is not None and last[0] == low and not self.ledger.holds(tp):
             return None  # only lines fetched since: nothing for a next owner to skip
         metadata, covered = commit_metadata(low, high, pending)
-        if last is not None and covered < last[1]:
+        if last is not None and covered <= last[1]:
             # The waiting lines are split into more runs than the metadata holds: this
             # commit would un-say lines the last one named answered (their results are out,
             # and a next owner would run them again). It waits until the list fits again,
@@ -390,7 +396,7 @@ class BatchLane:
         answered = self.ledger.ready(tp, Answered(low, covered, frozenset(pending)))
         if not answered and last is not None and last[0] == low:
             return None  # the results held are all above the cut: a later commit's
-        return low, metadata, answered, covered
+        return low, metadata, answered, named_top(low, covered, pending)
 
     async def _replace_stuck(self, tp: TopicPartition) -> None:
         """Drop the producer of a transaction that does not end. The next commit starts a
@@ -415,7 +421,7 @@ class BatchLane:
             return
         answered = answered_by(offset, metadata)
         self.ledger.drop(tp, self.ledger.ready(tp, answered))
-        self._committed[tp] = (offset, answered.high)
+        self._committed[tp] = (offset, _named_top(answered))
 
     async def _committed_of(
         self, partitions: set[TopicPartition]
@@ -484,7 +490,7 @@ class BatchLane:
                 continue
             self.worker.consumer.seek(tp, offset)
             answered = answered_by(offset, metadata)
-            self._committed[tp] = (offset, answered.high)
+            self._committed[tp] = (offset, _named_top(answered))
             if answered.high > answered.low:
                 self._inherited[tp] = answered
                 self.worker.offsets.inherit(tp, answered.high, answered.pending)
@@ -548,6 +554,10 @@ class BatchLane:
         except (RedisError, OSError):
             return 0
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
+
+
+def _named_top(answered: Answered) -> int:
+    return named_top(answered.low, answered.high, sorted(answered.pending))
 
 
 def _salvage(raw: bytes | None, exc: MalformedMessage) -> BatchRequest | None:
