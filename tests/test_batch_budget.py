@@ -183,3 +183,45 @@ async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
         assert len(wait) == 0
     finally:
         await wait.close()
+
+
+async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveStack) -> None:
+    """Job ids are the submitter's: two teams can both have a job "nightly". One team's cancel
+    answers its own waiting lines, never the other's (which wait on, and run when their
+    budget allows)."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour each
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    teams = {name: Team(name, size=1) for name in ("alpha", "beta")}
+    lane = _Lane()
+    cancelled_teams: set[str] = set()
+
+    async def lookup(name: str) -> Team:
+        return teams[name]
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return env.team in cancelled_teams and env.job_id == "nightly"
+
+    def line(team: str, offset: int) -> Work:
+        work = _line(50, offset)
+        work.env = work.env.model_copy(
+            update={"team": team, "job_id": "nightly", "id": f"batch-{team}-{offset}"}
+        )
+        return work
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=10)
+    try:
+        for name, team in teams.items():
+            await quota.reserve(team, "batch", f"earlier-{name}", 1000)  # both pools empty
+        for work in [line("alpha", 1), line("beta", 2), line("alpha", 3), line("beta", 4)]:
+            await wait.reserve(teams[work.env.team], work.env)
+            assert await wait.park(work)
+        cancelled_teams.add("alpha")
+        await wait.release_cancelled()
+        # alpha's lines go to the queue, where the shield drops them as cancelled; beta's wait.
+        assert [(w.env.team, w.offset) for w in lane.queued] == [("alpha", 1), ("alpha", 3)]
+        assert [(w.env.team, w.offset) for w in wait] == [("beta", 2), ("beta", 4)]
+        await quota.settle("beta", "earlier-beta", 0, min_charge=0)
+        await eventually(lambda: len(lane.queued) == 4, 15, "beta's lines admitted")
+        assert [w.offset for w in lane.queued[2:]] == [2, 4]
+    finally:
+        await wait.close()
