@@ -5,6 +5,7 @@ no longer ever cover is answered instead of waited for."""
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
@@ -223,5 +224,39 @@ async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveSt
         await quota.settle("beta", "earlier-beta", 0, min_charge=0)
         await eventually(lambda: len(lane.queued) == 4, 15, "beta's lines admitted")
         assert [w.offset for w in lane.queued[2:]] == [2, 4]
+    finally:
+        await wait.close()
+
+
+async def test_a_line_waiting_without_its_body_holds_a_small_fixed_size(stack: LiveStack) -> None:
+    """What lets 50,000 lines wait on one worker (``batch_lane._MAX_PARKED``): past the bodies
+    kept, a line holds about 2 kB, however long its prompt (here 20 kB)."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    team = Team("thrifty", size=1)
+
+    async def lookup(name: str) -> Team:
+        return team
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return False
+
+    wait = _Lane().waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=0)
+    wait.max_lines = 5000
+    try:
+        await quota.reserve(team, "batch", "earlier-work", 1000)  # the pool is empty
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for offset in range(2000):
+                work = _line(50, offset, prompt="x" * 20_000)
+                await wait.reserve(team, work.env)
+                assert await wait.park(work)
+                del work  # only what the waiting line keeps stays
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert len(wait) == 2000
+        assert held / 2000 < 4000, f"{held / 2000:.0f} bytes a line"
     finally:
         await wait.close()

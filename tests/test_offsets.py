@@ -153,3 +153,22 @@ def test_what_a_commit_names_answered_tops_out_below_its_last_run() -> None:
     # A whole job waiting at the end: the commit names the lines before it.
     assert named_top(100, 50_200, [*range(200, 50_200)]) == 199
     assert named_top(100, 50_200, [*range(100, 50_200)]) == 99  # none
+
+
+def test_any_unanswered_lines_round_trip_through_the_metadata() -> None:
+    """Whatever the unanswered lines (long runs, single lines, both), the metadata says of
+    every line below its cut exactly what the worker knew, and nothing at or above it."""
+    rng = random.Random(11)
+    for _ in range(2000):
+        low = rng.randint(0, 10**12)
+        high = low + rng.randint(0, 300)
+        pending: set[int] = set(rng.sample(range(low, high), rng.randint(0, high - low) // 3))
+        for _ in range(rng.randint(0, 3)):
+            start = rng.randint(low, high)
+            pending |= set(range(start, min(high, start + rng.randint(1, 120))))
+        ordered = sorted(pending)
+        metadata, covered = commit_metadata(low, high, ordered, limit=rng.choice([40, 120, 3000]))
+        answered = answered_by(low, metadata)
+        assert answered.high == covered
+        assert answered.pending == {o for o in ordered if o < covered}
+        assert all((o in answered) == (o not in pending) for o in range(low, covered))

@@ -104,13 +104,27 @@ def named_top(low: int, covered: int, pending: Sequence[int]) -> int:
 
 
 def _runs(pending: Sequence[int]) -> list[tuple[int, int]]:
-    """``pending`` (sorted) as runs of offsets in a row: (first, count)."""
+    """``pending`` (sorted, distinct) as runs of offsets in a row: (first, count). Each run's
+    end is found by galloping (in a run, offsets and positions rise together): a commit
+    names a whole waiting job of tens of thousands of lines in a few dozen steps, not one
+    per line, every commit interval."""
     runs: list[tuple[int, int]] = []
-    for offset in pending:
-        if runs and offset == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((offset, 1))
+    size, start = len(pending), 0
+    while start < size:
+        first, end, step = pending[start], start, 1
+
+        def in_run(index: int, first: int = first, start: int = start) -> bool:
+            return index < size and pending[index] - first == index - start
+
+        while in_run(end + step):
+            end += step
+            step *= 2
+        while step > 1:
+            step //= 2
+            if in_run(end + step):
+                end += step
+        runs.append((first, end - start + 1))
+        start = end + 1
     return runs
 
 

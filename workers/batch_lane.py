@@ -28,7 +28,7 @@ from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import Expired, LanewayError, MalformedMessage
 from laneway.retry import Backoff
-from laneway.schema import BatchRequest, RequestEnvelope, UsageEvent, decode
+from laneway.schema import BatchRequest, BatchResult, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
 from workers import metrics
 from workers.answered import Answered, answered_by, commit_metadata, named_top
@@ -55,8 +55,9 @@ log = logging.getLogger(__name__)
 
 # Lines waiting for their team's budget beside the lane, at most: beyond them the lane waits
 # for one to leave. Those past LANEWAY_BATCH_PARKED_BODIES hold no body (about 2 kB each,
-# measured with tracemalloc), so this bounds their memory to about 100 MB: a whole job of the
-# most lines a batch may have (LANEWAY_BATCH_MAX_LINES) waits without holding up another team.
+# tests/test_batch_budget.py measures it), so this bounds their memory to about 100 MB: a
+# whole job of the most lines a batch may have (LANEWAY_BATCH_MAX_LINES) waits without
+# holding up another team.
 _MAX_PARKED = 50_000
 # A partition's transaction not ended after this is stuck: an aiokafka producer whose
 # coordinator's broker died mid-transaction can wait for good (seen in the chaos drill, every
@@ -153,7 +154,8 @@ class BatchLane:
                 env = await self.lines.envelope(line, self._stored_at(record))
                 await self._fits(env)
             except LanewayError as exc:
-                await self._answer(tp, record.offset, line, exc)
+                result = self._answer(tp, record.offset, line, exc)
+                await self._release(result.team, result.request_id)
                 return None
             except (RedisError, OSError) as exc:
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
@@ -185,14 +187,13 @@ class BatchLane:
             line = line.model_copy(update={"team": topic_team, "api_key": None})
         return line
 
-    async def _answer(
+    def _answer(
         self, tp: TopicPartition, offset: int, line: BatchRequest, exc: LanewayError
-    ) -> None:
+    ) -> BatchResult:
         """``line`` is answered with ``exc`` as its result, written with its offset."""
         result = error_result(line, exc)
-        records = result_records(self.worker.topics, result, input_topic=tp.topic)
-        self.ledger.add(tp, offset, records)
-        await self._release(result.team, result.request_id)
+        self.ledger.add(tp, offset, result_records(self.worker.topics, result, None, tp.topic))
+        return result
 
     async def _restore(self, work: Work) -> Work | None:
         """A line parked without its body (``workers.batch_budget``), admitted by its budget:
@@ -242,8 +243,7 @@ class BatchLane:
             return
         env = work.env
         line = BatchRequest(job_id=str(env.job_id), line_id=str(env.line_id), team=env.team)
-        records = result_records(self.worker.topics, error_result(line, exc), None, work.tp.topic)
-        self.ledger.add(work.tp, work.offset, records)
+        self._answer(work.tp, work.offset, line, exc)
         self.worker.offsets.finish(work.tp, work.offset, work.epoch)
 
     async def _release(self, team: str, request_id: str) -> None:
