@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 from aiokafka import TopicPartition
 
@@ -82,7 +83,7 @@ def _line(tokens: int, offset: int, prompt: str = "") -> Work:
 async def test_a_teams_lines_wait_oldest_first_and_one_that_can_never_fit_is_answered(
     stack: LiveStack,
 ) -> None:
-    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     team = {"now": Team("thrifty", size=1)}
     lane = _Lane()
@@ -118,6 +119,41 @@ async def test_a_teams_lines_wait_oldest_first_and_one_that_can_never_fit_is_ans
         await wait.close()
 
 
+async def test_off_peak_a_line_borrows_the_idle_interactive_budget_instead_of_waiting(
+    stack: LiveStack,
+) -> None:
+    """The off-peak window (``LANEWAY_QUOTA_OFFPEAK``, 22:00-06:00 by default) read on the
+    quota's clock: the same line, its batch pool empty, waits at noon and runs at 23:00 on
+    what the team's interactive pool can spare. (The other tests here set the window off:
+    run inside it, they would see their lines borrow rather than wait.)"""
+    noon = datetime(2026, 1, 1, 12, 0, tzinfo=UTC).timestamp()
+    night = datetime(2026, 1, 1, 23, 0, tzinfo=UTC).timestamp()
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour each
+    team = Team("nightly", size=1)
+
+    async def lookup(name: str) -> Team:
+        return team
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return False
+
+    for name, when, parks in [("noon", noon, True), ("night", night, False)]:
+        keys = RedisKeys(f"{stack.prefix}-{name}")
+        quota = QuotaEnforcer(stack.redis, keys, policy, clock=lambda when=when: when)
+        wait = _Lane().waiting(
+            quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=10
+        )
+        try:
+            await quota.reserve(team, "batch", "earlier-work", 1000)  # the batch pool is empty
+            work = _line(200, 1)
+            await wait.reserve(team, work.env)
+            assert await wait.park(work) is parks, name
+            borrowed = await stack.redis.hget(keys.quota_reservations(team.name), work.env.id)
+            assert (borrowed is not None) is not parks, name
+        finally:
+            await wait.close()
+
+
 async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
     stack: LiveStack,
 ) -> None:
@@ -126,7 +162,7 @@ async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
     Kafka cannot give back yet waits first in line while it is tried again. One of a job
     cancelled meanwhile is answered as cancelled, never queued without its body; a line
     sent twice (one id, two places) is read back at each place."""
-    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     team = Team("thrifty", size=1)
     lane = _Lane()
@@ -190,7 +226,9 @@ async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveSt
     """Job ids are the submitter's: two teams can both have a job "nightly". One team's cancel
     answers its own waiting lines, never the other's (which wait on, and run when their
     budget allows)."""
-    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)  # 1,000 tokens an hour each
+    policy = QuotaPolicy(
+        unit_tokens=100, units_per_member=10, offpeak=""
+    )  # 1,000 tokens an hour each
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     teams = {name: Team(name, size=1) for name in ("alpha", "beta")}
     lane = _Lane()
@@ -231,7 +269,7 @@ async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveSt
 async def test_a_line_waiting_without_its_body_holds_a_small_fixed_size(stack: LiveStack) -> None:
     """What lets 50,000 lines wait on one worker (``batch_lane._MAX_PARKED``): past the bodies
     kept, a line holds about 2 kB, however long its prompt (here 20 kB)."""
-    policy = QuotaPolicy(unit_tokens=100, units_per_member=10)
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     team = Team("thrifty", size=1)
 
