@@ -183,14 +183,16 @@ async def _stream(
         "id": rid,
         "object": "chunk",
         "choices": [{"index": 0, "finish_reason": "length", "delta": {}, "text": ""}],
-        "usage": _usage(entry),
+        "usage": reported_usage(entry),
     }
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response
 
 
-def _usage(entry: dict[str, Any]) -> dict[str, int]:
+def reported_usage(entry: dict[str, Any]) -> dict[str, int]:
+    """The ``usage`` this server answers a request of its log with (a token is four
+    characters of the prompt, and each word generated)."""
     prompt = max(1, len(entry["prompt"]) // 4)
     return {
         "prompt_tokens": prompt,
@@ -205,7 +207,7 @@ def _body(rid: str, chat: bool, text: str, entry: dict[str, Any]) -> dict[str, A
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return {"id": rid, "object": "completion", "choices": [choice], "usage": _usage(entry)}
+    return {"id": rid, "object": "completion", "choices": [choice], "usage": reported_usage(entry)}
 
 
 def _dumps(value: Any) -> str:
