@@ -11,9 +11,10 @@ model: the text is made-up words, ``max_tokens`` of them.
 Each request it received writes one JSON line to ``--log`` when it ends: ``recv``, ``start``
 (a slot was free: the work began, or null), ``queued`` (no slot was free when it arrived,
 so it waited in this server's queue), ``end``, ``tokens``, ``outcome`` (``done``,
-``gone_queued``, ``gone_running``), ``stream`` and ``prompt`` (the prompt or the last chat
-message), with times from ``time.time()``. Benches and tests judge laneway by this log, which
-laneway does not write. ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
+``gone_queued``, ``gone_running``), ``stream``, ``prompt`` (the prompt or the last chat
+message) and ``cache_salt`` (vLLM's prefix-cache salt as sent, or null), with times from
+``time.time()``. Benches and tests judge laneway by this log, which laneway does not write.
+``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (modelled as the share of its slots in use) on ``/metrics`` (as
@@ -145,6 +146,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "outcome": "done",
         "stream": stream,
         "prompt": _prompt(body),
+        "cache_salt": body.get("cache_salt"),
     }
     refused = _too_long(upstream, body, count)
     if refused is not None:

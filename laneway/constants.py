@@ -192,6 +192,10 @@ class RedisKeys:
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    def cache_salt_secret(self) -> str:
+        """The secret every worker salts a team's prefix cache with (``workers.cache_salt``)."""
+        return f"{self.prefix}:cache_salt_secret"
+
     def sim_kv_hold(self) -> str:
         """Simulation only: the share of every simulated engine's KV memory held by something
         other than its requests (a float; ``laneway drill memory`` sets it, with a TTL)."""

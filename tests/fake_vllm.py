@@ -162,11 +162,12 @@ class FakeAsyncLLM:
     ) -> FakeAsyncLLM:
         return cls(engine_args, stat_loggers or [])
 
-    def _cached(self, tokens: list[str]) -> tuple[int, int, int]:
-        """(cached tokens, queried tokens, hit tokens) for a prompt, then cache its blocks."""
+    def _cached(self, tokens: list[str], salt: str | None) -> tuple[int, int, int]:
+        """(cached tokens, queried tokens, hit tokens) for a prompt, then cache its blocks;
+        as vLLM, a block is found only by a prompt of the same ``cache_salt``."""
         cached, hitting = 0, True
         for end in range(BLOCK_TOKENS, len(tokens) + 1, BLOCK_TOKENS):
-            block = tuple(tokens[:end])
+            block = (salt, *tokens[:end])
             if hitting and block in self.blocks:
                 cached = end
             else:
@@ -191,7 +192,7 @@ class FakeAsyncLLM:
         assert params.output_kind is RequestOutputKind.DELTA
         self.requests.append((request_id, params, priority))
         tokens: list[str] = prompt["prompt_token_ids"]
-        cached, queries, hits = self._cached(tokens)
+        cached, queries, hits = self._cached(tokens, prompt.get("cache_salt"))
         metrics = RequestStateStats(scheduled_ts=time.monotonic())
         if not self.register_late:
             self.running.add(request_id)

@@ -121,6 +121,25 @@ async def test_chat_without_a_template_sends_the_rendered_text(
     assert deltas[-1].prompt_tokens == 3  # "user:", "hi", "assistant:"
 
 
+async def test_a_salted_prompt_finds_only_the_prefixes_of_its_own_salt(
+    fake_engine: VllmEngine,
+) -> None:
+    """The team's salt reaches vLLM in the prompt (``cache_salt``, as vLLM's own server puts
+    it): another team's same prefix is not found cached, the team's own is."""
+    prefix = " ".join(f"t{i}" for i in range(10))
+
+    async def cached(request_id: str, salt: str) -> int:
+        request = EngineRequest(
+            id=request_id, route="m", prompt=prefix, max_tokens=2, cache_salt=salt
+        )
+        return (await _run(fake_engine, request))[-1].cached_tokens
+
+    assert await cached("a1", "salt-of-a") == 0
+    assert await cached("b1", "salt-of-b") == 0  # A's blocks are not B's
+    assert await cached("a2", "salt-of-a") == 8  # A's own, two whole 4-token blocks
+    assert await cached("b2", "salt-of-b") == 8
+
+
 async def test_shared_prefix_reports_cached_tokens_and_stats(fake_engine: VllmEngine) -> None:
     prefix = " ".join(f"t{i}" for i in range(10))
     first = await _run(

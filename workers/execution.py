@@ -17,6 +17,7 @@ from laneway.retry import Backoff
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
+from workers.cache_salt import CacheSalts
 from workers.followers import serve_follower
 from workers.replies import ChunkStream
 from workers.reuse import Follower, Generation, ReuseRegistry
@@ -67,9 +68,12 @@ class RequestExecutor:
         on_first_output: Callable[[], None] | None = None,
         reuse: ReuseRegistry | None = None,
         reuse_hold_s: float = 0.0,
+        cache_salts: CacheSalts | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
+        # Each team's salt of the engine's prefix cache; None: one cache for every team.
+        self.cache_salts = cache_salts
         # Redis's clock (``laneway.clock``), the ingress's stamp of acceptance is on: the
         # waits and times a usage event reports are read on it, and so is its ``ts``.
         self.clock = clock
@@ -117,6 +121,7 @@ class RequestExecutor:
             price_of=settings.price_of,
             stream_interval=settings.stream_interval,
             on_first_output=on_first_output,
+            cache_salts=CacheSalts() if settings.cache_isolation else None,
             clock=clock,
         )
 
@@ -457,6 +462,7 @@ class RequestExecutor:
             deadline_ts=env.deadline_ts,
             client_seed=env.seed,
             prompt_estimate=env.prompt_tokens,
+            cache_salt=None if self.cache_salts is None else self.cache_salts.of(env.team),
         )
 
     async def report(

@@ -26,9 +26,11 @@ from redis.exceptions import RedisError
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 from laneway.tasks import cancel_all, kept
 from quota import QuotaEnforcer, QuotaPolicy
 from workers.batch_lane import BatchLane
+from workers.cache_salt import CacheSalts
 from workers.cancel_feed import CancelFeed
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
@@ -52,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # The last commit of a stopping worker waits no longer than this.
 _STOP_COMMIT_S = 10.0
+_SALT_TIMEOUT_S = 2.0
+_SALT_RETRY_MAX_S = 10.0
 
 
 class PoolWorker:
@@ -214,6 +218,10 @@ class PoolWorker:
             kept("heartbeat", self.heartbeat.loop),
             kept("memory", self.memory.loop),
         ]
+        if self.executor.cache_salts is not None:
+            self._loops.append(
+                asyncio.create_task(self._share_salts(self.executor.cache_salts), name="salts")
+            )
         log.info(
             "worker %s serving pool %s with engine %s%s",
             self.settings.worker_id,
@@ -221,6 +229,27 @@ class PoolWorker:
             self.engine.name,
             " (SIMULATION)" if self.engine.is_simulation else "",
         )
+
+    async def _share_salts(self, salts: CacheSalts) -> None:
+        """The deployment's prefix-cache secret, tried until Redis gives it; meanwhile the
+        worker salts with its own (teams stay apart)."""
+        circuit = circuit_of(self.redis)
+        backoff = Backoff(0.5, _SALT_RETRY_MAX_S)
+        while True:
+            try:
+                await circuit.background(
+                    partial(salts.adopt, self.redis, self.keys), timeout_s=_SALT_TIMEOUT_S
+                )
+            except ValueError as exc:
+                log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
+                return
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning(
+                    "prefix-cache secret not read yet (%r): salting with this worker's own", exc
+                )
+                await backoff.wait()
+            else:
+                return
 
     async def __aenter__(self) -> PoolWorker:
         await self.start()

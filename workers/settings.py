@@ -125,6 +125,12 @@ class WorkerSettings(CommonSettings):
     fleet_peak_window_s: float = Field(
         60.0, gt=0, description="shared engine: window of the interactive peak (the reserve)"
     )
+    cache_isolation: bool = Field(
+        True,
+        description="an engine's prefix cache is shared within a team only: each request "
+        "carries its team's salt (vLLM's `cache_salt`; engine=openai sends the field, so turn "
+        "this off for a server that refuses fields it does not know)",
+    )
     upstream_priority: bool = Field(
         False,
         description="engine=openai: send each request's priority (vLLM's `priority` field; the "

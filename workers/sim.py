@@ -137,11 +137,15 @@ class SimEngine:
         """The simulation has no weights: its digest is that of its cost profile."""
         return hashlib.sha256(f"sim:{self.profile!r}".encode()).hexdigest()[:16]
 
-    def _cached_tokens(self, tokens: list[str]) -> int:
-        """Longest cached prefix in whole blocks; every full block is then cached (LRU)."""
+    def _cached_tokens(self, tokens: list[str], salt: str | None = None) -> int:
+        """Longest cached prefix in whole blocks; every full block is then cached (LRU).
+        Blocks are shared only between requests of the same ``salt`` (vLLM's
+        ``cache_salt``: its first block's hash covers it)."""
         size = self.profile.block_tokens
         capacity = self.profile.prefix_cache_blocks
         digest = hashlib.blake2b(digest_size=16)
+        if salt is not None:
+            digest.update(b"salt\0" + salt.encode() + b"\0")
         hit_blocks = 0
         still_hitting = True
         for start in range(0, len(tokens) - size + 1, size):
@@ -196,7 +200,7 @@ class SimEngine:
         if request.id in self._aborted:
             raise Aborted(f"request {request.id} aborted while waiting for a batch slot")
         tokens = _tokens(request.prompt + (request.suffix or ""))
-        cached = self._cached_tokens(tokens)
+        cached = self._cached_tokens(tokens, request.cache_salt)
         prefill_ms = (len(tokens) - cached) * profile.prefill_ms_per_token
         await self._sleep_ms(prefill_ms)
         engine_ms = prefill_ms

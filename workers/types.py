@@ -31,6 +31,9 @@ class EngineRequest:
     # The ingress's estimate of the prompt (a chat's message framing included): the count
     # when the engine reports none. 0: estimate it from ``prompt``.
     prompt_estimate: int = 0
+    # Requests share the engine's cached prefixes only with the same salt (``cache_salt``:
+    # the team's, ``workers.cache_salt``); None: with every request.
+    cache_salt: str | None = None
 
     @property
     def seed(self) -> int:

@@ -170,6 +170,8 @@ class OpenAICompatibleEngine:
             body["stop"] = request.stop
         if self.priority:
             body["priority"] = request.priority
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
         if request.messages is not None:
             body["messages"] = [m.model_dump() for m in request.messages]
             return "/chat/completions", body

@@ -267,6 +267,8 @@ class VllmEngine:
         """vLLM's ``RequestOutput`` deltas for ``request``; vLLM's errors become ``EngineError``."""
         try:
             engine_input = await self._render(request)
+            if request.cache_salt is not None:
+                engine_input["cache_salt"] = request.cache_salt  # as vLLM's own server does
             if running.aborted:  # aborted while its prompt was tokenized: never sent
                 return
             async for output in self._llm.generate(
