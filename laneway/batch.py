@@ -18,7 +18,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from laneway.clients import make_consumer, make_producer, start_client
-from laneway.errors import BadRequest
+from laneway.errors import BadRequest, DuplicateLine
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
 
@@ -277,6 +277,11 @@ async def _drain(pending: list[Any], progress: Callable[[int], None] | None) -> 
     pending.clear()
 
 
+def _duplicate(result: BatchResult) -> bool:
+    error = (result.body or {}).get("error")
+    return isinstance(error, dict) and error.get("code") == DuplicateLine.code
+
+
 async def _scan_job(
     consumer: AIOKafkaConsumer, topic: str, partitions: list[int], job_id: str
 ) -> tuple[BatchJob | None, dict[str, BatchResult], int]:
@@ -300,6 +305,10 @@ async def _scan_job(
                 header = BatchJob.model_validate(item)
             elif item.get("type") == "result":
                 result = BatchResult.model_validate(item)
-                results.setdefault(result.line_id, result)
+                first = results.get(result.line_id)
+                # A copy of a line sent twice is answered "duplicate_line" at once while the
+                # line itself still runs: the line's own result is the one that counts.
+                if first is None or (_duplicate(first) and not _duplicate(result)):
+                    results[result.line_id] = result
                 records += 1
     return header, results, records

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "Dropped",
+    "DuplicateLine",
     "EngineError",
     "EngineRejected",
     "Expired",
@@ -104,6 +105,12 @@ class Conflict(BadRequest):
 
     status_code = 409
     code = "conflict"
+
+
+class DuplicateLine(Conflict):
+    """A batch line whose id another line of the worker still runs (a job sent twice)."""
+
+    code = "duplicate_line"
 
 
 class Unauthorized(LanewayError):

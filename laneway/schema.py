@@ -212,6 +212,12 @@ class UsageEvent(_Wire):
         description="a shadow route's mirror of request <id minus '-shadow'>: not billed, not "
         "in quotas, budgets or breakers; only the shadow comparison counts it",
     )
+    accepted_ts: float | None = Field(
+        None,
+        description="when the request was accepted (a batch line: when its record was stored), "
+        "the same on every run of it: a worker's re-run repeats it, another request that "
+        "reuses the id (a batch line sent again, another team's line of the same ids) does not",
+    )
 
 
 class BatchRequest(_Wire):

@@ -134,7 +134,7 @@ class UsageProcessor:
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
-        if self.ids is not None and self.ids.repeat(event.id, event.ts, partition, offset):
+        if self.ids is not None and self.ids.repeat(event, partition, offset):
             # A worker's re-run sent it again: the request is counted once.
             self.counters.repeated += 1
             EVENTS.labels("repeated").inc()

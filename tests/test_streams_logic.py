@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
+from laneway.schema import UsageEvent
 from quota.model import QuotaPolicy
 from quota.teams import Team, set_team
 from streams.announce import Announcer
@@ -366,9 +367,24 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
 
 async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> None:
     ids = UsageIds(_Table(), window_s=60)
-    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # first time: remembered
-    assert not ids.repeat("r-1", 1000.0, partition=0, offset=5)  # the same record read again
-    assert ids.repeat("r-1", 1001.0, partition=0, offset=9)  # a re-run's second event
-    assert not ids.repeat("r-2", 1050.0, partition=1, offset=1)
+
+    def event(request_id: str, ts: float, **fields: Any) -> UsageEvent:
+        values: dict[str, Any] = {"team": "team-a", "accepted_ts": 990.0, **fields}
+        return UsageEvent(
+            id=request_id, cls="batch", model="m", route="m", status="ok", ts=ts, **values
+        )
+
+    assert not ids.repeat(event("r-1", 1000.0), partition=0, offset=5)  # first: remembered
+    assert not ids.repeat(event("r-1", 1000.0), partition=0, offset=5)  # the record read again
+    assert ids.repeat(event("r-1", 1001.0), partition=0, offset=9)  # a re-run's second event
+    assert not ids.repeat(event("r-2", 1050.0), partition=1, offset=1)
     assert await ids.expire(now=1070.0) == 1  # r-1 is past the window, r-2 is not
-    assert not ids.repeat("r-1", 1080.0, partition=0, offset=12)
+    assert not ids.repeat(event("r-1", 1080.0), partition=0, offset=12)
+    # The same id is another request when it was accepted at another time (a batch line sent
+    # again: run and charged again) or is another team's (ids a tenant chose on its topic).
+    assert not ids.repeat(event("r-2", 1051.0, accepted_ts=1049.0), partition=1, offset=2)
+    assert not ids.repeat(event("r-2", 1052.0, team="team-b"), partition=1, offset=3)
+    assert ids.repeat(event("r-2", 1053.0, team="team-b"), partition=1, offset=4)
+    # An event of a worker from before ``accepted_ts`` is known by its id alone.
+    assert not ids.repeat(event("r-3", 1060.0, accepted_ts=None), partition=0, offset=20)
+    assert ids.repeat(event("r-3", 1061.0, accepted_ts=None), partition=0, offset=21)

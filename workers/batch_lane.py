@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from laneway.batch import MAX_CUSTOM_ID_CHARS
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
-from laneway.errors import Expired, LanewayError, MalformedMessage
+from laneway.errors import DuplicateLine, Expired, LanewayError, MalformedMessage
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, BatchResult, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
@@ -105,6 +105,11 @@ class BatchLane:
         # answered, skipped when fetched again.
         self._committed: dict[TopicPartition, tuple[int, int]] = {}
         self._inherited: dict[TopicPartition, Answered] = {}
+        # The line (partition, offset) each request id on this worker belongs to, from its
+        # intake until it is answered: the queue, the engine, the reservation and the reply
+        # all know a line by its id, and a job sent again while its first copy is still here
+        # would take the first's place in each (one of the two never answered).
+        self._holding: dict[str, tuple[TopicPartition, int]] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
@@ -148,6 +153,13 @@ class BatchLane:
         line = self._line_of(tp, record)
         if line is None:
             return None
+        request_id = batch_request_id(line.job_id, line.line_id)
+        holder = self._holding.get(request_id)
+        if holder is not None and holder != (tp, record.offset):
+            # Answered at once, its reservation untouched: that is the first copy's.
+            self._answer(tp, record.offset, line, _twice(request_id, holder))
+            return None
+        self._holding[request_id] = (tp, record.offset)  # before any wait: claimed now
         backoff = Backoff(0.5, RETRY_MAX_S)
         while True:
             try:
@@ -193,7 +205,13 @@ class BatchLane:
         """``line`` is answered with ``exc`` as its result, written with its offset."""
         result = error_result(line, exc)
         self.ledger.add(tp, offset, result_records(self.worker.topics, result, None, tp.topic))
+        self._let_go(result.request_id, tp, offset)
         return result
+
+    def _let_go(self, request_id: str, tp: TopicPartition, offset: int) -> None:
+        """The line at ``offset`` is answered: its id is free for another line."""
+        if self._holding.get(request_id) == (tp, offset):
+            del self._holding[request_id]
 
     async def _restore(self, work: Work) -> Work | None:
         """A line parked without its body (``workers.batch_budget``), admitted by its budget:
@@ -271,6 +289,7 @@ class BatchLane:
             return
         result = batch_result(env, final)
         self.ledger.add(tp, offset, result_records(self.worker.topics, result, usage, tp.topic))
+        self._let_go(env.id, tp, offset)
 
     def after_dispatch(self) -> None:
         fleet = self.worker.fleet
@@ -506,6 +525,7 @@ class BatchLane:
         self.ledger.forget(partitions)
         if self.budget is not None:
             self.budget.forget(partitions)
+        self._holding = {rid: at for rid, at in self._holding.items() if at[0] not in partitions}
         for tp in partitions:
             self._committed.pop(tp, None)
             self._inherited.pop(tp, None)
@@ -554,6 +574,16 @@ class BatchLane:
         except (RedisError, OSError):
             return 0
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
+
+
+def _twice(request_id: str, holder: tuple[TopicPartition, int]) -> DuplicateLine:
+    tp, offset = holder
+    return DuplicateLine(
+        f"another line of the same id ({request_id}, at {tp.topic}:{tp.partition}@{offset}) "
+        "is still running: the job or the line was sent twice; this copy is not run (send "
+        "it again once the first is answered, or give it a custom_id of its own)",
+        param="custom_id",
+    )
 
 
 def _named_top(answered: Answered) -> int:

@@ -40,7 +40,7 @@ class CacheSalts:
     """The salt of each team's requests."""
 
     def __init__(self, secret: bytes | None = None) -> None:
-        self._secret = secret or secrets.token_bytes(_SECRET_BYTES)
+        self._secret = secrets.token_bytes(_SECRET_BYTES) if secret is None else secret
         self.shared = secret is not None  # the deployment's secret, not this process's own
         self._salts: dict[str, str] = {}
 
@@ -58,10 +58,14 @@ class CacheSalts:
         Redis's errors, and ValueError for a value that is no such secret (this process's own
         secret stays)."""
         key = keys.cache_salt_secret()
-        await redis.set(key, secrets.token_hex(_SECRET_BYTES), nx=True)
-        stored = await redis.get(key)
-        if stored is None:  # deleted between the two: the next try makes it again
-            raise ConnectionError(f"{key} vanished while it was read")
+        stored = None
+        for _ in range(3):  # deleted between the two commands: made again
+            await redis.set(key, secrets.token_hex(_SECRET_BYTES), nx=True)
+            stored = await redis.get(key)
+            if stored is not None:
+                break
+        if stored is None:
+            raise ValueError(f"{key} is deleted as soon as it is made")
         text = stored.decode(errors="replace") if isinstance(stored, bytes) else str(stored)
         try:
             secret = bytes.fromhex(text)

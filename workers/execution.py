@@ -510,6 +510,7 @@ class RequestExecutor:
             reused_from=reused_from,
             preempted=self.preemptions.pop(env.id, 0),
             shadow=env.shadow,
+            accepted_ts=env.accepted_ts,
         )
         final = Reply(
             id=env.id,

@@ -21,7 +21,7 @@ from functools import partial
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
@@ -240,7 +240,7 @@ class PoolWorker:
                 await circuit.background(
                     partial(salts.adopt, self.redis, self.keys), timeout_s=_SALT_TIMEOUT_S
                 )
-            except ValueError as exc:
+            except (ValueError, ResponseError) as exc:  # ResponseError: the key's type
                 log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
                 return
             except (RedisError, OSError, TimeoutError) as exc:
@@ -248,6 +248,9 @@ class PoolWorker:
                     "prefix-cache secret not read yet (%r): salting with this worker's own", exc
                 )
                 await backoff.wait()
+            except Exception:
+                log.exception("prefix-cache salts stay this worker's own")
+                return
             else:
                 return
 
