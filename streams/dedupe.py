@@ -8,7 +8,8 @@ before at another offset. A request is its team, its id and when it was accepted
 line, and a line sent again, or another team's line of the same ids, is another request, run
 and charged again (the quota marks a batch line by its id and its record's time alike), so
 it is counted again. An event without ``accepted_ts`` (from a worker before it) is known by
-its id alone. The same record read again after the app's own restart
+its id alone; so a request first run by such a worker and re-run by a newer one, during a
+rolling upgrade, is counted twice. The same record read again after the app's own restart
 (same partition and offset) is left to the rollups' offset watermarks (``streams.tables``),
 which travel with the counts they guard.
 """

@@ -109,7 +109,8 @@ class BatchLane:
         # intake until it is answered: the queue, the engine, the reservation and the reply
         # all know a line by its id, and a job sent again while its first copy is still here
         # would take the first's place in each (one of the two never answered).
-        self._holding: dict[str, tuple[TopicPartition, int]] = {}
+        # (Its digest, ``_line_digest``: a copy of the line from another line of its id.)
+        self._holding: dict[str, tuple[TopicPartition, int, bytes]] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self.yielding = False
 
@@ -154,12 +155,20 @@ class BatchLane:
         if line is None:
             return None
         request_id = batch_request_id(line.job_id, line.line_id)
+        digest = _line_digest(tp, line)
         holder = self._holding.get(request_id)
-        if holder is not None and holder != (tp, record.offset):
-            # Answered at once, its reservation untouched: that is the first copy's.
-            self._answer(tp, record.offset, line, _twice(request_id, holder))
+        if holder is not None and holder[:2] != (tp, record.offset):
+            if holder[2] == digest:
+                # The same line again (its job sent twice): the one run answers both.
+                log.info(
+                    "%s@%d: a copy of a line still here, answered by it", request_id, record.offset
+                )
+                metrics.BATCH_COPIES.labels(self.worker.pool).inc()
+                return None
+            # Another line of the id: answered at once, the first's reservation untouched.
+            self._answer(tp, record.offset, line, _twice(request_id, tp, holder))
             return None
-        self._holding[request_id] = (tp, record.offset)  # before any wait: claimed now
+        self._holding[request_id] = (tp, record.offset, digest)  # before any wait: claimed
         backoff = Backoff(0.5, RETRY_MAX_S)
         while True:
             try:
@@ -210,8 +219,12 @@ class BatchLane:
 
     def _let_go(self, request_id: str, tp: TopicPartition, offset: int) -> None:
         """The line at ``offset`` is answered: its id is free for another line."""
-        if self._holding.get(request_id) == (tp, offset):
+        holder = self._holding.get(request_id)
+        if holder is not None and holder[:2] == (tp, offset):
             del self._holding[request_id]
+
+    def ended(self, work: Work) -> None:
+        self._let_go(work.env.id, work.tp, work.offset)
 
     async def _restore(self, work: Work) -> Work | None:
         """A line parked without its body (``workers.batch_budget``), admitted by its budget:
@@ -283,13 +296,13 @@ class BatchLane:
         """A line's result and usage event go in the ledger, to be written with its offset."""
         tp, offset, env = work.tp, work.offset, work.env
         final = self.worker.outbox.captured.pop(env.id)
+        self._let_go(env.id, tp, offset)  # it left the engine, whoever owns its partition
         if not self.worker.offsets.current(tp, work.epoch):
             # Its partition was taken away while it ran: the new owner runs it again, and
             # this run's records would go out a second time if the partition came back.
             return
         result = batch_result(env, final)
         self.ledger.add(tp, offset, result_records(self.worker.topics, result, usage, tp.topic))
-        self._let_go(env.id, tp, offset)
 
     def after_dispatch(self) -> None:
         fleet = self.worker.fleet
@@ -525,7 +538,14 @@ class BatchLane:
         self.ledger.forget(partitions)
         if self.budget is not None:
             self.budget.forget(partitions)
-        self._holding = {rid: at for rid, at in self._holding.items() if at[0] not in partitions}
+        # A line still on the engine keeps its id until it leaves (``finished``, ``ended``):
+        # until then another line of its id must not start beside it.
+        on_engine = {env.id for env in self.worker.runs.tasks.values()}
+        self._holding = {
+            rid: at
+            for rid, at in self._holding.items()
+            if at[0] not in partitions or rid in on_engine
+        }
         for tp in partitions:
             self._committed.pop(tp, None)
             self._inherited.pop(tp, None)
@@ -576,12 +596,24 @@ class BatchLane:
         return sum(int(orjson.loads(raw).get("backlog", 0)) for raw in infos if raw)
 
 
-def _twice(request_id: str, holder: tuple[TopicPartition, int]) -> DuplicateLine:
-    tp, offset = holder
+def _line_digest(tp: TopicPartition, line: BatchRequest) -> bytes:
+    """What makes two records the same line: its topic (another topic's is another team's
+    line, answered to that team) and what it asks, not when it was sent."""
+    fields = line.model_dump(mode="json", exclude={"submitted_ts", "api_key"})
+    content = orjson.dumps([tp.topic, fields], option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(content, digest_size=16).digest()
+
+
+def _twice(
+    request_id: str, tp: TopicPartition, holder: tuple[TopicPartition, int, bytes]
+) -> DuplicateLine:
+    where = ""
+    if holder[0].topic == tp.topic:  # another topic's place would name another team's
+        where = f", at {holder[0].topic}:{holder[0].partition}@{holder[1]}"
     return DuplicateLine(
-        f"another line of the same id ({request_id}, at {tp.topic}:{tp.partition}@{offset}) "
-        "is still running: the job or the line was sent twice; this copy is not run (send "
-        "it again once the first is answered, or give it a custom_id of its own)",
+        f"another line of the same id ({request_id}{where}) is still running: its job or "
+        "its custom_id was used twice; this line is not run (send it again once the first is "
+        "answered, or give it a custom_id of its own)",
         param="custom_id",
     )
 

@@ -57,6 +57,11 @@ class Lane(Protocol):
         """``work`` ran to its end (or was reported dropped) with ``usage``."""
         ...
 
+    def ended(self, work: Work) -> None:
+        """``work`` left this worker unanswered: its partition went away while it ran, or its
+        outcome could not be reported."""
+        ...
+
     def after_dispatch(self) -> None:
         """The dispatcher handed work to the engine, or found none to hand."""
         ...
@@ -124,6 +129,9 @@ class InteractiveLane:
 
     async def before_queue(self, work: Work) -> bool:
         return True
+
+    def ended(self, work: Work) -> None:
+        pass
 
     def finished(self, work: Work, usage: UsageEvent) -> None:
         return None  # its client has its answer, the usage topic its event

@@ -86,6 +86,12 @@ BATCH_PARKED = Gauge(
     "laneway_batch_parked",
     "Batch lines waiting for their team's batch budget beside the lane (workers.batch_budget)",
 )
+BATCH_COPIES = Counter(
+    "laneway_batch_copies_total",
+    "Batch lines fetched while the same line (same id, same record content) was still on "
+    "the worker: answered by that one's run",
+    ["pool"],
+)
 BATCH_YIELDING = Gauge(
     "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
 )

@@ -240,7 +240,14 @@ class PoolWorker:
                 await circuit.background(
                     partial(salts.adopt, self.redis, self.keys), timeout_s=_SALT_TIMEOUT_S
                 )
-            except (ValueError, ResponseError) as exc:  # ResponseError: the key's type
+            except ValueError as exc:
+                log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
+                return
+            except ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):  # read-only during a failover, out of memory
+                    log.warning("prefix-cache secret not read yet (%r)", exc)
+                    await backoff.wait()
+                    continue
                 log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
                 return
             except (RedisError, OSError, TimeoutError) as exc:

@@ -174,6 +174,7 @@ class Runs:
                 env.id,
                 extra={"request_id": env.id, "team": env.team},
             )
+            self.lane.ended(work)
         self.offsets.finish(work.tp, work.offset, work.epoch)
 
     def _again(self, work: Work) -> None:
@@ -186,6 +187,7 @@ class Runs:
             self.queue.push(work, front=True)
         else:  # its partition went away meanwhile: the next owner runs it
             self.executor.preemptions.pop(work.env.id, None)
+            self.lane.ended(work)
 
     async def _report_drop(self, work: Work, reason: Dropped) -> None:
         try:
@@ -200,6 +202,7 @@ class Runs:
                 work.env.id,
                 extra={"request_id": work.env.id, "team": work.env.team},
             )
+            self.lane.ended(work)
         self.offsets.finish(work.tp, work.offset, work.epoch)
 
     async def _serve(self, work: Work, follower: Follower) -> None:
