@@ -115,3 +115,7 @@ async def test_the_deployments_secret_is_made_once_and_a_foreign_value_is_refuse
         await third.adopt(stack.redis, keys)
     assert third.of("team-a") == own  # it keeps salting with its own
     assert not third.shared
+    await stack.redis.delete(keys.cache_salt_secret())
+    await stack.redis.rpush(keys.cache_salt_secret(), "a list")
+    with pytest.raises(ValueError, match="holds another type of value"):
+        await third.adopt(stack.redis, keys)

@@ -25,6 +25,7 @@ import logging
 import secrets
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from laneway.constants import RedisKeys
 
@@ -55,13 +56,18 @@ class CacheSalts:
 
     async def adopt(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
         """Take the deployment's secret from Redis, making it if no worker has yet; raises
-        Redis's errors, and ValueError for a value that is no such secret (this process's own
-        secret stays)."""
+        Redis's errors, and ValueError for a key that holds no such secret (this process's
+        own secret stays)."""
         key = keys.cache_salt_secret()
         stored = None
         for _ in range(3):  # deleted between the two commands: made again
-            await redis.set(key, secrets.token_hex(_SECRET_BYTES), nx=True)
-            stored = await redis.get(key)
+            try:
+                await redis.set(key, secrets.token_hex(_SECRET_BYTES), nx=True)
+                stored = await redis.get(key)
+            except ResponseError as exc:
+                if "WRONGTYPE" in str(exc):  # no secret; other answers (read-only) pass
+                    raise ValueError(f"{key} holds another type of value: {exc}") from exc
+                raise
             if stored is not None:
                 break
         if stored is None:

@@ -21,7 +21,7 @@ from functools import partial
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
@@ -241,13 +241,6 @@ class PoolWorker:
                     partial(salts.adopt, self.redis, self.keys), timeout_s=_SALT_TIMEOUT_S
                 )
             except ValueError as exc:
-                log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
-                return
-            except ResponseError as exc:
-                if "WRONGTYPE" not in str(exc):  # read-only during a failover, out of memory
-                    log.warning("prefix-cache secret not read yet (%r)", exc)
-                    await backoff.wait()
-                    continue
                 log.error("prefix-cache salts stay this worker's own: %s", exc)  # noqa: TRY400
                 return
             except (RedisError, OSError, TimeoutError) as exc:
