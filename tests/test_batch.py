@@ -20,6 +20,7 @@ from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
 from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.settings import CommonSettings
+from ops.devstack import create_topics
 from tests.stack import LiveStack, eventually
 from workers import batch_lane
 from workers.batch import BatchIntake
@@ -398,14 +399,14 @@ async def test_lines_fetched_before_a_rebalance_are_not_run_as_the_next_tenures(
     on_first, go_on, first_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def first_line_waits(
-        intake: BatchIntake, line: BatchRequest, accepted_ts: float
+        intake: BatchIntake, line: BatchRequest, request_id: str, accepted_ts: float
     ) -> RequestEnvelope:
         if on_first.is_set():
-            return await envelope(intake, line, accepted_ts)
+            return await envelope(intake, line, request_id, accepted_ts)
         on_first.set()
         await go_on.wait()
         try:
-            return await envelope(intake, line, accepted_ts)
+            return await envelope(intake, line, request_id, accepted_ts)
         finally:
             first_done.set()
 
@@ -731,3 +732,51 @@ async def test_a_job_sent_twice_while_its_first_copy_runs_loses_no_line(
     assert twice["body"]["error"]["code"] == "duplicate_line"
     assert "used twice" in twice["body"]["error"]["message"]
     assert sorted((r.line_id, r.status) for r in results) == [(f"doc-{i}", "ok") for i in range(3)]
+
+
+async def test_two_teams_topics_may_use_one_job_id(stack: LiveStack) -> None:
+    """Each direct-Kafka tenant chooses its job ids: a line of another team's topic with the
+    same job and custom_id is its own request. Before, the worker knew a line by job and
+    custom_id alone, and one team's lines were answered ``duplicate_line`` while the other's
+    ran: a tenant that knew another's job id could have that team's job refused."""
+    teams = ("north", "south")
+    topics = stack.topics
+    for team in teams:
+        await stack.api_key(team, size=1000)
+        specs = topics.team_specs(team, 1)
+        await asyncio.to_thread(
+            create_topics, stack.services.bootstrap, specs, 1, stack.services.admin_auth
+        )
+    producer = await stack.producer()
+    for team in teams:  # both teams' lines wait for the worker, so it holds them at once
+        for line in range(3):
+            request = BatchRequest(
+                job_id="nightly",
+                line_id=f"doc-{line}",
+                url="/v1/completions",
+                body={"model": "laneway-code", "prompt": f"{team} {line}", "max_tokens": 8},
+            )
+            await producer.send_and_wait(topics.batch_team(team), request.to_json())
+    # The sim engine (a simulated GPU) slow enough that every line is on the worker at
+    # once: 8 tokens of 250 ms each.
+    await stack.start_worker("batch", sim_decode_ms_per_step=250.0, quota_offpeak="")
+    answered = {
+        team: await stack.read_topic(topics.results_batch_team(team), count=3, within_s=60)
+        for team in teams
+    }
+    for team, results in answered.items():
+        assert sorted((r["line_id"], r["status_code"]) for r in results) == [
+            (f"doc-{i}", 200) for i in range(3)
+        ], results
+        assert {r["team"] for r in results} == {team}
+    ids = {r["request_id"] for results in answered.values() for r in results}
+    assert len(ids) == 6  # each team's line is a request of its own, charged to it
+
+    async def charged() -> list[tuple[str, str]]:
+        usage = await stack.read_all(topics.usage)
+        ok = sorted((e["team"], e["id"]) for e in usage if e["status"] == "ok")
+        return ok if len(ok) == 6 else []
+
+    usage = await eventually(charged, 30, "each team's three lines in the usage stream")
+    assert sorted(team for team, _ in usage) == ["north"] * 3 + ["south"] * 3
+    assert {request_id for _, request_id in usage} == ids

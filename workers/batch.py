@@ -57,9 +57,14 @@ _STATUS_CODES = {
 _CANCEL_CHECK_S = 1.0
 
 
-def batch_request_id(job_id: str, line_id: str) -> str:
-    # Deterministic: a line re-run after a crash settles the same quota reservation.
-    return f"batch-{job_id}-{line_id}"
+def batch_request_id(job_id: str, line_id: str, topic_team: str | None = None) -> str:
+    """A line's request id: deterministic, so a line re-run after a crash settles the same
+    quota reservation. A line of a team's own topic (``topic_team``, whose job ids its
+    tenant chooses) has one no other team's line can take: a team name has no ``.``, and
+    the lane's ids start ``batch-``."""
+    if topic_team is None:
+        return f"batch-{job_id}-{line_id}"
+    return f"batch.{topic_team}.{job_id}-{line_id}"
 
 
 class BatchIntake:
@@ -101,9 +106,12 @@ class BatchIntake:
             self._cancelled.put(job_id, cancelled)
         return cancelled
 
-    async def envelope(self, line: BatchRequest, accepted_ts: float) -> RequestEnvelope:
-        """``line`` as the envelope it runs as. ``accepted_ts``: when its record was stored
-        (the same for every run of it, so a re-run settles under the first run's mark)."""
+    async def envelope(
+        self, line: BatchRequest, request_id: str, accepted_ts: float
+    ) -> RequestEnvelope:
+        """``line`` as the envelope it runs as, known by ``request_id``. ``accepted_ts``:
+        when its record was stored (the same for every run of it, so a re-run settles under
+        the first run's mark)."""
         if line.error is not None:
             raise BadRequest(line.error)
         if line.body is None:
@@ -118,7 +126,7 @@ class BatchIntake:
             body = validate_body(ChatRequest, line.body, prefix="body.")
         shape = shape_request(self.settings, body, "batch")
         return shape.envelope(
-            id=batch_request_id(line.job_id, line.line_id),
+            id=request_id,
             team=team,
             cls="batch",
             affinity=f"{line.job_id}:{line.line_id}",
@@ -128,7 +136,7 @@ class BatchIntake:
         )
 
 
-def error_result(line: BatchRequest, exc: LanewayError) -> BatchResult:
+def error_result(line: BatchRequest, request_id: str, exc: LanewayError) -> BatchResult:
     status: Outcome = "rejected"
     status_code = int(getattr(exc, "status_code", 500))
     code: str | None = getattr(exc, "code", None)
@@ -141,7 +149,7 @@ def error_result(line: BatchRequest, exc: LanewayError) -> BatchResult:
     return BatchResult(
         job_id=line.job_id,
         line_id=line.line_id,
-        request_id=batch_request_id(line.job_id, line.line_id),
+        request_id=request_id,
         team=line.team or "",
         status=status,
         status_code=status_code,

@@ -154,7 +154,7 @@ class BatchLane:
         line = self._line_of(tp, record)
         if line is None:
             return None
-        request_id = batch_request_id(line.job_id, line.line_id)
+        request_id = self._id_of(tp, line)
         digest = _line_digest(tp, line)
         holder = self._holding.get(request_id)
         if holder is not None and holder[:2] != (tp, record.offset):
@@ -166,13 +166,13 @@ class BatchLane:
                 metrics.BATCH_COPIES.labels(self.worker.pool).inc()
                 return None
             # Another line of the id: answered at once, the first's reservation untouched.
-            self._answer(tp, record.offset, line, _twice(request_id, tp, holder))
+            self._answer(tp, record.offset, line, _twice(request_id, holder))
             return None
         self._holding[request_id] = (tp, record.offset, digest)  # before any wait: claimed
         backoff = Backoff(0.5, RETRY_MAX_S)
         while True:
             try:
-                env = await self.lines.envelope(line, self._stored_at(record))
+                env = await self.lines.envelope(line, request_id, self._stored_at(record))
                 await self._fits(env)
             except LanewayError as exc:
                 result = self._answer(tp, record.offset, line, exc)
@@ -208,11 +208,17 @@ class BatchLane:
             line = line.model_copy(update={"team": topic_team, "api_key": None})
         return line
 
+    def _id_of(self, tp: TopicPartition, line: BatchRequest) -> str:
+        """The request id of ``line``, read from ``tp``: scoped by the team of a team's own
+        topic, so that two teams' lines never share one (each tenant chooses its job ids)."""
+        topic_team = self.worker.topics.team_of_batch_topic(tp.topic)
+        return batch_request_id(line.job_id, line.line_id, topic_team)
+
     def _answer(
         self, tp: TopicPartition, offset: int, line: BatchRequest, exc: LanewayError
     ) -> BatchResult:
         """``line`` is answered with ``exc`` as its result, written with its offset."""
-        result = error_result(line, exc)
+        result = error_result(line, self._id_of(tp, line), exc)
         self.ledger.add(tp, offset, result_records(self.worker.topics, result, None, tp.topic))
         self._let_go(result.request_id, tp, offset)
         return result
@@ -234,7 +240,7 @@ class BatchLane:
         when Kafka or Redis did not answer: it is tried again."""
         try:
             line, stored_at = await self._read_back(work)
-            env = await self.lines.envelope(line, stored_at)
+            env = await self.lines.envelope(line, work.env.id, stored_at)
         except RecordGone as exc:
             log.warning("parked batch line %s answered: %s", work.env.id, exc)
             gone = Expired(f"the line was deleted from Kafka before it could run: {exc}")
@@ -254,7 +260,7 @@ class BatchLane:
         """``work``'s line read again from its partition, and when it was stored."""
         record = await self.reread.read(work.tp, work.offset)
         line = self._line_of(work.tp, record)
-        if line is None or batch_request_id(line.job_id, line.line_id) != work.env.id:
+        if line is None or self._id_of(work.tp, line) != work.env.id:
             # Another record at its offset (the topic deleted and made anew): not this line.
             raise RecordGone(f"{work.tp.topic}:{work.tp.partition}@{work.offset} is another line")
         return line, self._stored_at(record)
@@ -604,14 +610,12 @@ def _line_digest(tp: TopicPartition, line: BatchRequest) -> bytes:
     return hashlib.blake2b(content, digest_size=16).digest()
 
 
-def _twice(
-    request_id: str, tp: TopicPartition, holder: tuple[TopicPartition, int, bytes]
-) -> DuplicateLine:
-    where = ""
-    if holder[0].topic == tp.topic:  # another topic's place would name another team's
-        where = f", at {holder[0].topic}:{holder[0].partition}@{holder[1]}"
+def _twice(request_id: str, holder: tuple[TopicPartition, int, bytes]) -> DuplicateLine:
+    # The first is on the same topic (a team's own topic scopes its ids): its place names
+    # nothing of another team's.
+    where = f"{holder[0].topic}:{holder[0].partition}@{holder[1]}"
     return DuplicateLine(
-        f"another line of the same id ({request_id}{where}) is still running: its job or "
+        f"another line of the same id ({request_id}, at {where}) is still running: its job or "
         "its custom_id was used twice; this line is not run (send it again once the first is "
         "answered, or give it a custom_id of its own)",
         param="custom_id",
