@@ -394,6 +394,19 @@ async def test_real_vllm_completion_and_prefix_cache(
     assert cached % block == 0
     assert cached <= shared_tokens
 
+    # Another team's request of the same prefix finds none of it: each team's requests carry
+    # its own cache_salt, and vLLM keeps salted blocks apart (docs/security.md).
+    other = openai.AsyncOpenAI(
+        base_url=stack.ingresses[0].base_url + "/v1",
+        api_key=await stack.api_key("team-b"),
+        max_retries=0,
+    )
+    stack._clients.append(other)  # closed with the stack
+    theirs = await other.completions.create(
+        model="laneway-code", prompt=shared + "\n# two", max_tokens=4
+    )
+    assert (await _usage(stack, theirs.id))[theirs.id]["cached_tokens"] == 0
+
     beat = await _heartbeat(stack, served, lambda i: i["prefix_cache_hits"] >= cached)
     print("heartbeat", beat)
     assert beat["engine"] == "vllm"
