@@ -18,6 +18,7 @@ from ops.drills.chaos import ChaosPlan
 from ops.drills.chaos_audit import (
     Accepted,
     TopicRecord,
+    batch_tokens_used,
     ids_with_usage,
     rollup_requests,
     tally,
@@ -91,15 +92,17 @@ def test_batch_results_beyond_one_per_line_and_doubled_usage_are_counted() -> No
     ids = {f"batch-j-l{i}": ["ok"] for i in range(3)}
     ids["batch-j-l0"] = ["ok", "ok"]  # a re-run after a crash: reported, not failed
     ids["batch-j-l1"] = ["ok", "error"]
-    out = tally([], {}, [], ids, job_id="j", lines=["l0", "l1", "l2"], results=["l0", "l1", "l2"])
+    lines = [f"batch-j-l{i}" for i in range(3)]
+    out = tally([], {}, [], ids, lines=lines, results=lines)
     assert (out.batch_duplicates, out.batch_missing, out.usage_missing) == (0, [], [])
     assert out.usage_twice == ["batch-j-l0", "batch-j-l1"]
     assert out.usage_extra == 2
     assert out.usage_conflicting == ["batch-j-l1: ok, error"]
     assert out.target_met
-    twice = tally([], {}, [], ids, job_id="j", lines=["l0", "l1", "l9"], results=["l0", "l0"])
+    lines = ["batch-j-l0", "batch-j-l1", "batch-j-l9"]
+    twice = tally([], {}, [], ids, lines=lines, results=["batch-j-l0", "batch-j-l0"])
     assert twice.batch_duplicates == 1
-    assert twice.batch_missing == ["l1", "l9"]
+    assert twice.batch_missing == ["batch-j-l1", "batch-j-l9"]
     assert twice.usage_missing == ["batch-j-l9"]
     assert not twice.target_met
     table = tally_table(twice)
@@ -108,7 +111,32 @@ def test_batch_results_beyond_one_per_line_and_doubled_usage_are_counted() -> No
         in (table)
     )
     assert "| batch lines without a result | 2 of 3 | 0 | FAIL |" in table
-    assert "batch lines without a result (2):\n  l1\n  l9" in details(twice)
+    assert "batch lines without a result (2):\n  batch-j-l1\n  batch-j-l9" in details(twice)
+
+
+def test_batch_tokens_charged_other_than_used_fails_the_drill() -> None:
+    def event(team: str, rid: str, prompt: int, completion: int, cls: str = "batch") -> TopicRecord:
+        fields = {"team": team, "id": rid, "class": cls, "prompt_tokens": prompt}
+        return ("laneway.usage", orjson.dumps({**fields, "completion_tokens": completion}))
+
+    records = [
+        event("a", "l0", 10, 24),
+        event("a", "l0", 10, 24),  # its re-run: charged once
+        event("a", "l1", 0, 0),  # failed before it used a token: the minimum charge
+        event("b", "l0", 7, 24),  # the other team's line of the same id
+        event("a", "c0", 99, 99, cls="chat"),  # not a batch pool's
+        event("z", "l0", 99, 99),  # not a team of the drill
+    ]
+    used = batch_tokens_used(records, ("a", "b"), min_charge=16)
+    assert used == 34 + 16 + 31
+    out = tally([], {}, [], {}, batch_tokens=used)
+    assert out.target_met  # unread: nothing to compare
+    out.batch_tokens_charged = used
+    assert out.target_met
+    assert f"| {used} / {used} | equal | PASS |" in tally_table(out)
+    out.batch_tokens_charged = used + 34  # a line charged twice
+    assert not out.target_met
+    assert f"| {used + 34} / {used} | equal | FAIL |" in tally_table(out)
 
 
 def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -> None:
@@ -120,7 +148,7 @@ def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -
         for rid, statuses in usage.items()
         for _ in statuses
     ]
-    with_usage = ids_with_usage(records, "t")
+    with_usage = ids_with_usage(records, ("t",))
     assert with_usage == {"completion": 3}
 
     def rollup(cls: str, hour: int, requests: int) -> TopicRecord:
@@ -130,7 +158,7 @@ def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -
     # The last value of each hour's rollup counts; other teams' are not the drill's.
     changelog = [rollup("completion", 7, 1), rollup("completion", 7, 2), rollup("completion", 8, 1)]
     changelog.append(("x", orjson.dumps({"team": "u", "class": "completion", "requests": 9})))
-    counted = rollup_requests(changelog, "t")
+    counted = rollup_requests(changelog, ("t",))
     assert counted == {"completion": 3}
     out = tally(answered, {}, accepted, usage, with_usage=with_usage, rollups=counted)
     assert (out.usage_counted_twice, out.usage_uncounted, out.usage_extra) == (0, 0, 1)
@@ -217,6 +245,8 @@ async def test_the_clients_record_what_they_saw_and_retry_elsewhere() -> None:
 def test_a_plan_that_cannot_run_is_refused() -> None:
     with pytest.raises(ConfigError, match="--batch-lines must be at least 1, not 0"):
         ChaosPlan(batch_lines=0)
+    with pytest.raises(ConfigError, match="--lean-lines must be at least 1, not -3"):
+        ChaosPlan(lean_lines=-3)
     with pytest.raises(ConfigError, match="--gap-s must be above 0"):
         ChaosPlan(gap_s=0)
 
@@ -275,6 +305,8 @@ def test_the_short_chaos_drill_loses_and_duplicates_nothing(
         r"\| usage events missing \(accepted, no usage event\) \| 0 \([1-9]\d* events read",
     ):
         assert re.search(row, out), (row, out)
+    # The over-budget team's lines waited for its budget through the faults, then ran.
+    assert re.search(r"chaos-lean's budget raised: its [1-9]\d* waiting lines may run", out), out
     # Every fault happened while the load ran.
     for fault in ("SIGKILL worker-chat", "SIGSTOP worker-batch", "SIGKILL broker", "SIGKILL Redis",
                   "SIGKILL ingress-1"):  # fmt: skip

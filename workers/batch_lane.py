@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,10 @@ _MAX_PARKED = 50_000
 _TXN_STUCK_S = 30.0
 # Bounds the stop of a stuck producer.
 _PRODUCER_STOP_S = 10.0
+# A partition whose producer was fenced while the group still has it here is taken back
+# after this many session timeouts (``_reclaim``): time for a worker expelled from the group
+# to learn so at its next heartbeat.
+_RECLAIM_SESSIONS = 2.0
 _INTERACTIVE_POOLS = ("completion", "chat")
 
 
@@ -112,6 +117,8 @@ class BatchLane:
         # (Its digest, ``_line_digest``: a copy of the line from another line of its id.)
         self._holding: dict[str, tuple[TopicPartition, int, bytes]] = {}
         self._aborting: set[asyncio.Task[None]] = set()
+        # The tasks starting producers for an assignment, by the partitions they start.
+        self._starting: dict[asyncio.Task[None], set[TopicPartition]] = {}
         self.yielding = False
 
     def consumer_options(self) -> dict[str, Any]:
@@ -484,6 +491,36 @@ class BatchLane:
         await self.txns.close([tp])
         if tp in self.worker.consumer.assignment():
             self.worker.consumer.pause(tp)
+            self._background(self._reclaim(tp, self.worker.offsets.epoch(tp)))
+
+    async def _reclaim(self, tp: TopicPartition, epoch: int) -> None:
+        """Fenced on ``tp`` while the group still has it here. A worker expelled from the
+        group learns so at its next heartbeat, and the rebalance that follows takes ``tp``
+        away (a new tenure). But the fence can also come from a producer of the partition's
+        previous owner that started late (its start retried past the rebalance): then
+        nothing would resume ``tp`` until some later rebalance. Once the group has had time
+        to say otherwise, the partition is taken back: its producer's start fences the late
+        one, and its lines run from the committed offset, as on an assignment."""
+        wait_s = _RECLAIM_SESSIONS * self.worker.settings.session_timeout_ms / 1000
+        await asyncio.sleep(wait_s)
+        if (
+            tp in self._fenced
+            and self.worker.offsets.current(tp, epoch)
+            and tp in self.worker.consumer.assignment()
+        ):
+            log.warning(
+                "partition %s:%d still assigned here %.0f s after its fence: taken back",
+                tp.topic,
+                tp.partition,
+                wait_s,
+            )
+            await self.assigned({tp})
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+        return task
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
         """Fence any instance still writing for these partitions before running their lines:
@@ -493,9 +530,9 @@ class BatchLane:
         self._fenced -= partitions
         self.worker.consumer.pause(*partitions)
         tenure = {tp: self.worker.offsets.epoch(tp) for tp in partitions}
-        task = asyncio.get_running_loop().create_task(self._open_then_resume(tenure))
-        self._aborting.add(task)
-        task.add_done_callback(self._aborting.discard)
+        task = self._background(self._open_then_resume(tenure))
+        self._starting[task] = set(partitions)
+        task.add_done_callback(lambda done: self._starting.pop(done, None))
 
     async def _open_then_resume(self, tenure: dict[TopicPartition, int]) -> None:
         partitions = set(tenure)
@@ -536,6 +573,16 @@ class BatchLane:
             self.worker.consumer.resume(*ready)
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
+        # A start of their producers still under way (waiting on a transaction left open,
+        # retrying) ends here, before the group hands them on: had it gone on, it would
+        # fence their next owner's producers, started after it (seen in the chaos drill:
+        # two partitions stalled for 47 s, until another rebalance).
+        starting = [task for task, tps in self._starting.items() if tps & partitions]
+        for task in starting:
+            task.cancel()
+        for task in starting:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.commit(only=partitions)
         self.worker.runs.forget(partitions)
         await self.txns.close(partitions)

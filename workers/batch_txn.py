@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, ProducerFenced
@@ -51,6 +52,7 @@ class PartitionTransactions:
             await self._open(partitions)
 
     async def _open(self, partitions: Iterable[TopicPartition]) -> None:
+        _quiet_fences(asyncio.get_running_loop())
         for tp in partitions:
             if tp not in self._producers:
                 producer = make_producer(self.settings, transactional_id=self.transactional_id(tp))
@@ -92,3 +94,24 @@ class PartitionTransactions:
             # aiokafka asserts when a fenced producer (its transaction state fatal) is asked
             # for another transaction: it is fenced all the same.
             raise ProducerFenced(f"{tp.topic}:{tp.partition}: {exc}") from exc
+
+
+def _quiet_fences(loop: asyncio.AbstractEventLoop) -> None:
+    """A fenced producer leaves its fence on futures nobody awaits (its transaction's end,
+    its records' deliveries), and asyncio logs each as an error with a traceback when they
+    are collected: several alarming errors for one fence, which the lane handles and logs
+    once ("fenced by its new owner"). Those go to the debug log; anything else as before."""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "quiets_fences", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), ProducerFenced) and "future" in context:
+            log.debug("a fenced producer's %s", context.get("message", "future"))
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.quiets_fences = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)

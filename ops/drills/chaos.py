@@ -1,7 +1,9 @@
 """The chaos drill (issue 25): nothing lost, nothing twice.
 
 On a topology of its own (``ops.drills.topology``), under steady mixed load
-(completions, streamed chats, a running batch job), it SIGKILLs a chat worker and starts it
+(completions, streamed chats, a running batch job, and a job of another team several
+times its batch budget, whose lines wait for it beside the lane through the faults and run
+once its budget is raised after them), it SIGKILLs a chat worker and starts it
 again under the same worker id, SIGSTOPs a batch worker past its session timeout and
 resumes it, kills the broker that leads request and usage partitions (and restarts it),
 kills Redis (and restarts it on its append-only file), and kills an ingress, whose clients
@@ -15,8 +17,10 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -31,8 +35,8 @@ from ops.drills.chaos_audit import (
     ChaosTally,
     accepted_requests,
     batch_lines,
-    batch_request_id,
     batch_results,
+    batch_tokens_used,
     ids_with_usage,
     read_to_end,
     rollup_requests,
@@ -42,12 +46,20 @@ from ops.drills.chaos_audit import (
 from ops.drills.chaos_clients import ChaosClients
 from ops.drills.load import OpenLoop
 from ops.drills.topology import ChaosTopology, TopologyPlan
+from quota.model import QuotaPolicy
 
 __all__ = ["ChaosPlan", "ChaosRun", "run_chaos"]
 
 log = logging.getLogger(__name__)
 
 _TEAM = "chaos"
+# A team whose batch budget covers about 90 of its lines (2,000 tokens an hour, a line is
+# charged about 23): the rest of its lines wait, parked beside the lane, most of them
+# without their bodies (topology: LANEWAY_BATCH_PARKED_BODIES), through every fault.
+_LEAN = "chaos-lean"
+_TEAMS = (_TEAM, _LEAN)
+_LEAN_BUDGET: dict[str, Any] = {"size": 1, "complexity": 0.04, "type_through": False}
+_RAISED_BUDGET: dict[str, Any] = {"size": 100_000, "type_through": False}
 _FOREVER_S = 24 * 3600.0  # the load runs until it is stopped
 
 
@@ -59,6 +71,7 @@ class ChaosPlan:
     chat_rps: float = 2.0
     chat_tokens: int = 96
     batch_lines: int = 2400
+    lean_lines: int = 600  # the over-budget team's job
     batch_tokens: int = 24
     lead_s: float = 20.0  # load before the first fault
     gap_s: float = 20.0  # load between one fault's end and the next one
@@ -73,8 +86,9 @@ class ChaosPlan:
         for name in ("completion_rps", "chat_rps", "lead_s", "gap_s", "pause_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be above 0")
-        if self.batch_lines < 1:
-            raise ConfigError(f"--batch-lines must be at least 1, not {self.batch_lines}")
+        for name in ("batch_lines", "lean_lines"):
+            if (value := getattr(self, name)) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
 
     @classmethod
     def short(cls) -> ChaosPlan:
@@ -83,6 +97,7 @@ class ChaosPlan:
             completion_rps=4.0,
             chat_rps=1.5,
             batch_lines=1000,
+            lean_lines=300,
             lead_s=5.0,
             gap_s=7.0,
             pause_s=9.0,
@@ -107,6 +122,8 @@ class ChaosRun:
     events: list[tuple[float, str]] = field(default_factory=list)
     tally: ChaosTally = field(default_factory=ChaosTally)
     job_id: str = ""
+    lean_job_id: str = ""  # the over-budget team's
+    lean_waited: int | None = None  # its lines still waiting when its budget was raised
     seconds: float = 0.0
 
 
@@ -127,7 +144,9 @@ async def _drive(plan: ChaosPlan, topology: ChaosTopology, run: ChaosRun) -> Non
     settings = CommonSettings(
         kafka_bootstrap=topology.kafka.bootstrap, redis_url=topology.redis.url
     )
-    key = await _team_key(settings, topology)
+    first_hour = int(time.time() // 3600)  # Redis's clock, on this machine
+    key = await _team_key(settings, topology, _TEAM, {"size": 100_000, "type_through": False})
+    await _team_key(settings, topology, _LEAN, _LEAN_BUDGET)
     clients = ChaosClients(
         topology.urls, key, started=topology.started, chat_tokens=plan.chat_tokens
     )
@@ -136,8 +155,22 @@ async def _drive(plan: ChaosPlan, topology: ChaosTopology, run: ChaosRun) -> Non
     killed: dict[int, float] = {}
     try:
         async with BatchClient(settings) as batch:
-            run.job_id = await batch.submit(_batch_input(plan), team=_TEAM, source="chaos drill")
+            # The over-budget job first: its lines are ahead on the partitions, and those
+            # its budget does not cover wait from the start.
+            run.lean_job_id = await batch.submit(
+                _batch_input(plan.lean_lines, plan.batch_tokens),
+                team=_LEAN,
+                source="chaos drill, over its budget",
+            )
+            topology.note(
+                f"batch job {run.lean_job_id} of team {_LEAN}: {plan.lean_lines} lines "
+                "submitted, several times its batch budget"
+            )
+            run.job_id = await batch.submit(
+                _batch_input(plan.batch_lines, plan.batch_tokens), team=_TEAM, source="chaos drill"
+            )
             topology.note(f"batch job {run.job_id}: {plan.batch_lines} lines submitted")
+            progress = _Progress(batch, {run.job_id: None, run.lean_job_id: _LEAN}, topology)
             # The load goes on until the faults are over and for ``tail_s`` after them,
             # however long the restarts took.
             loads = asyncio.gather(
@@ -145,7 +178,11 @@ async def _drive(plan: ChaosPlan, topology: ChaosTopology, run: ChaosRun) -> Non
                 chats.run(plan.chat_rps, _FOREVER_S),
             )
             try:
-                await _faults(plan, topology, killed, _Progress(batch, run.job_id, topology))
+                await _faults(plan, topology, killed, progress)
+                waiting = await progress.waiting(run.lean_job_id)
+                await _set_team(topology.urls[-1], topology.admin_key, _LEAN, _RAISED_BUDGET)
+                topology.note(f"{_LEAN}'s budget raised: its {waiting} waiting lines may run")
+                run.lean_waited = waiting
                 await asyncio.sleep(plan.tail_s)
             finally:
                 loads.cancel()
@@ -153,31 +190,39 @@ async def _drive(plan: ChaosPlan, topology: ChaosTopology, run: ChaosRun) -> Non
                     await loads
             topology.note(f"load stopped: {completions.sent} completions, {chats.sent} chats sent")
             await asyncio.gather(completions.drain(90.0), chats.drain(90.0))
-            await _settle(plan, topology, batch, run.job_id)
-        run.tally = await _count(topology, clients, killed, run.job_id)
+            await _settle(plan, topology, batch, [run.job_id, run.lean_job_id])
+        run.tally = await _count(topology, clients, killed, [run.job_id, run.lean_job_id])
+        hours = range(first_hour, int(time.time() // 3600) + 1)
+        run.tally.batch_tokens_charged = await _charged(settings, _TEAMS, hours)
     finally:
         await clients.aclose()
 
 
-async def _team_key(settings: CommonSettings, topology: ChaosTopology) -> str:
-    """A key of a team whose budget never limits the drill, set through the admin API."""
+async def _team_key(
+    settings: CommonSettings, topology: ChaosTopology, team: str, record: dict[str, Any]
+) -> str:
+    """A key of ``team``, whose record (its budget) is set through the admin API."""
     redis = make_redis(settings)
     try:
-        key = await create_key(redis, settings.keys, _TEAM)
+        key = await create_key(redis, settings.keys, team)
     finally:
         await redis.aclose()
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        response = await http.put(
-            f"{topology.urls[0]}/admin/teams/{_TEAM}",
-            json={"size": 100_000, "type_through": False},
-            headers={"Authorization": f"Bearer {topology.admin_key}"},
-        )
-    if response.status_code != 200:
-        raise LanewayError(f"could not set up team {_TEAM}: {response.text}")
+    await _set_team(topology.urls[0], topology.admin_key, team, record)
     return key
 
 
-def _batch_input(plan: ChaosPlan) -> list[str]:
+async def _set_team(url: str, admin_key: str, team: str, record: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        response = await http.put(
+            f"{url}/admin/teams/{team}",
+            json=record,
+            headers={"Authorization": f"Bearer {admin_key}"},
+        )
+    if response.status_code != 200:
+        raise LanewayError(f"could not set up team {team}: {response.text}")
+
+
+def _batch_input(lines: int, max_tokens: int) -> list[str]:
     """OpenAI Batch input lines: completions of prompts of their own."""
     return [
         orjson.dumps(
@@ -188,27 +233,59 @@ def _batch_input(plan: ChaosPlan) -> list[str]:
                 "body": {
                     "model": "laneway-code",
                     "prompt": f"# batch line {i}\ndef job_{i}():",
-                    "max_tokens": plan.batch_tokens,
+                    "max_tokens": max_tokens,
                 },
             }
         ).decode()
-        for i in range(plan.batch_lines)
+        for i in range(lines)
     ]
 
 
 class _Progress:
-    """Notes how far the batch job is: proof that it runs while the faults happen."""
+    """Notes how far the batch jobs are: proof that they run, or wait, while the faults
+    happen. ``jobs``: job id → the team whose batch pool the note shows too (None: not)."""
 
-    def __init__(self, batch: BatchClient, job: str, topology: ChaosTopology) -> None:
-        self.batch, self.job, self.topology = batch, job, topology
+    def __init__(
+        self, batch: BatchClient, jobs: dict[str, str | None], topology: ChaosTopology
+    ) -> None:
+        self.batch, self.jobs, self.topology = batch, jobs, topology
 
     async def note(self) -> None:
+        for job, team in self.jobs.items():
+            named = f" ({team})" if team else ""
+            try:
+                status = await self.batch.status(job)
+            except (LanewayError, KafkaError) as exc:
+                self.topology.note(f"batch job{named} progress unreadable: {exc}")
+                continue
+            pool = f"; {await self._pool(team)}" if team else ""
+            self.topology.note(f"batch job{named}: {status.done}/{status.lines} lines done{pool}")
+
+    async def _pool(self, team: str) -> str:
+        """The team's batch pool, as the admin API shows it (at an ingress still up)."""
         try:
-            status = await self.batch.status(self.job)
-        except (LanewayError, KafkaError) as exc:
-            self.topology.note(f"batch job progress unreadable: {exc}")
-            return
-        self.topology.note(f"batch job: {status.done}/{status.lines} lines done")
+            async with httpx.AsyncClient(timeout=5.0) as http:
+                response = await http.get(
+                    f"{self.topology.urls[-1]}/admin/teams/{team}",
+                    headers={"Authorization": f"Bearer {self.topology.admin_key}"},
+                )
+            response.raise_for_status()
+            pool = response.json()["pools"]["batch"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            return f"its batch pool unreadable ({exc!r})"
+        return (
+            f"its batch pool: {pool['remaining_tokens']} of {pool['budget_tokens_per_hour']} "
+            f"tokens left, {pool['used_tokens_this_hour']} used this hour, "
+            f"{pool['reservations']} reservations ({pool['reserved_tokens']} tokens)"
+        )
+
+    async def waiting(self, job: str) -> int | None:
+        """Lines of ``job`` not answered yet (None: unreadable)."""
+        try:
+            status = await self.batch.status(job)
+        except (LanewayError, KafkaError):
+            return None
+        return status.lines - status.done
 
 
 async def _faults(
@@ -263,54 +340,71 @@ async def _faults(
     topology.note("SIGKILL ingress-1 (its clients go on at ingress-2)")
 
 
-async def _settle(plan: ChaosPlan, topology: ChaosTopology, batch: BatchClient, job: str) -> None:
-    """Wait for the batch job to finish (or ``settle_s`` to pass)."""
+async def _settle(
+    plan: ChaosPlan, topology: ChaosTopology, batch: BatchClient, jobs: list[str]
+) -> None:
+    """Wait for the batch jobs to finish (or ``settle_s`` to pass)."""
     deadline = time.monotonic() + plan.settle_s
-    while True:
+    left = list(jobs)
+    while left:
+        job = left[0]
         try:
             status = await batch.status(job)
             if status.complete:
-                topology.note(f"batch job complete: {status.done}/{status.lines} lines")
-                return
+                topology.note(f"batch job {job} complete: {status.done}/{status.lines} lines")
+                left.pop(0)
+                continue
         except LanewayError as exc:
             log.info("batch status not read yet: %s", exc)
         if time.monotonic() > deadline:
-            topology.note(f"batch job not complete after {plan.settle_s:g} s of settling")
+            topology.note(f"batch job {job} not complete after {plan.settle_s:g} s of settling")
             return
         await asyncio.sleep(2.0)
 
 
 async def _count(
-    topology: ChaosTopology, clients: ChaosClients, killed: dict[int, float], job: str
+    topology: ChaosTopology, clients: ChaosClients, killed: dict[int, float], jobs: list[str]
 ) -> ChaosTally:
     topics = topology.topics
     bootstrap = topology.kafka.bootstrap
     interactive = [t for pool in ("completion", "chat") for t in topics.pool_topics(pool)]
     requests = await read_to_end(bootstrap, interactive)
     accepted = accepted_requests(requests)
-    lines = batch_lines(await read_to_end(bootstrap, [topics.request("batch")]), job)
-    ids = {a.id for a in accepted} | {batch_request_id(job, line) for line in lines}
+    lines = batch_lines(await read_to_end(bootstrap, [topics.request("batch")]), jobs)
+    ids = {a.id for a in accepted} | set(lines)
     # Usage of requests still finishing may be a moment behind, and the streams app's count
     # of it a moment more: read again until every accepted request has its event and the
     # rollups count every one, or for a minute.
     deadline = time.monotonic() + 60.0
     while True:
         raw = await read_to_end(bootstrap, [topics.usage])
-        usage, with_usage = usage_outcomes(raw), ids_with_usage(raw, _TEAM)
-        counted = rollup_requests(await read_to_end(bootstrap, [topology.rollups_changelog]), _TEAM)
+        usage, with_usage = usage_outcomes(raw), ids_with_usage(raw, _TEAMS)
+        changelog = await read_to_end(bootstrap, [topology.rollups_changelog])
+        counted = rollup_requests(changelog, _TEAMS)
         if (ids <= usage.keys() and counted == with_usage) or time.monotonic() > deadline:
             break
         await asyncio.sleep(2.0)
-    results = batch_results(await read_to_end(bootstrap, [topics.results_batch]), job)
+    results = batch_results(await read_to_end(bootstrap, [topics.results_batch]), jobs)
+    used = batch_tokens_used(raw, _TEAMS, QuotaPolicy().min_charge_tokens)
     topology.note("topics read to their end offsets (read_committed)")
     return tally(
         clients.requests,
         killed,
         accepted,
         usage,
-        job_id=job,
         lines=lines,
         results=results,
         with_usage=with_usage,
         rollups=counted,
+        batch_tokens=used,
     )
+
+
+async def _charged(settings: CommonSettings, teams: Sequence[str], hours: range) -> int:
+    """Tokens the quota charged the batch pools of ``teams`` in ``hours`` (epoch hours)."""
+    redis = make_redis(settings)
+    try:
+        keys = [settings.keys.quota_used(t, "batch", h) for t in teams for h in hours]
+        return sum(int(v) for v in await redis.mget(keys) if v is not None)
+    finally:
+        await redis.aclose()

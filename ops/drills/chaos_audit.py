@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -60,6 +60,10 @@ class ChaosTally:
     # Per class: request ids with a usage event, and requests the streams app counted.
     usage_ids: Counter[str] = field(default_factory=Counter)
     usage_counted: Counter[str] | None = None  # None: not read
+    # Batch tokens the usage events say the lines used (each line once), and what the
+    # quota charged the teams' batch pools in Redis (None: not read).
+    batch_tokens_used: int = 0
+    batch_tokens_charged: int | None = None
     clients_sent: int = 0
     clients_retried: int = 0
     clients_without_answer: int = 0
@@ -86,7 +90,15 @@ class ChaosTally:
             or self.usage_missing
             or self.usage_counted_twice
             or self.usage_uncounted
+            or self.batch_charge_off
         )
+
+    @property
+    def batch_charge_off(self) -> int:
+        """Batch tokens charged beyond (or, negative, short of) those used; 0 unread."""
+        if self.batch_tokens_charged is None:
+            return 0
+        return self.batch_tokens_charged - self.batch_tokens_used
 
 
 async def read_to_end(
@@ -136,18 +148,22 @@ def accepted_requests(records: Sequence[TopicRecord]) -> list[Accepted]:
     ]
 
 
-def batch_lines(records: Sequence[TopicRecord], job_id: str) -> list[str]:
-    """Line ids of ``job_id`` on the batch request topic."""
-    return [line.line_id for line in _decoded(records, BatchRequest) if line.job_id == job_id]
+def batch_lines(records: Sequence[TopicRecord], jobs: Collection[str]) -> list[str]:
+    """Request ids of the lines of ``jobs`` on the batch request topic."""
+    return [
+        batch_request_id(line.job_id, line.line_id)
+        for line in _decoded(records, BatchRequest)
+        if line.job_id in jobs
+    ]
 
 
-def batch_results(records: Sequence[TopicRecord], job_id: str) -> list[str]:
-    """Line ids of the result records of ``job_id`` (a line twice: a duplicate)."""
+def batch_results(records: Sequence[TopicRecord], jobs: Collection[str]) -> list[str]:
+    """Request ids of the result records of ``jobs`` (a line twice: a duplicate)."""
     found = []
     for _, value in records:
         item = orjson.loads(value)
-        if item.get("type") == "result" and item.get("job_id") == job_id:
-            found.append(str(item["line_id"]))
+        if item.get("type") == "result" and item.get("job_id") in jobs:
+            found.append(batch_request_id(str(item["job_id"]), str(item["line_id"])))
     return found
 
 
@@ -160,24 +176,39 @@ def usage_outcomes(records: Sequence[TopicRecord]) -> dict[str, list[str]]:
     return found
 
 
-def ids_with_usage(records: Sequence[TopicRecord], team: str) -> Counter[str]:
-    """Per class: the request ids of ``team`` with at least one usage event."""
+def ids_with_usage(records: Sequence[TopicRecord], teams: Collection[str]) -> Counter[str]:
+    """Per class: the request ids of ``teams`` with at least one usage event."""
     classes = {}
     for _, value in records:
         item = orjson.loads(value)
-        if item.get("team") == team:
-            classes[str(item.get("id"))] = str(item.get("class"))
+        if item.get("team") in teams:
+            classes[(str(item["team"]), str(item.get("id")))] = str(item.get("class"))
     return Counter(classes.values())
 
 
-def rollup_requests(records: Sequence[TopicRecord], team: str) -> Counter[str]:
-    """Per class: the requests of ``team`` the streams app's hourly rollups count, from the
+def batch_tokens_used(
+    records: Sequence[TopicRecord], teams: Collection[str], min_charge: int
+) -> int:
+    """The tokens the batch lines of ``teams`` used, as their usage events say (a line's
+    re-run counted once; one that used none, ``min_charge``, as the quota charges it): what
+    the quota must have charged their batch pools."""
+    used: dict[tuple[str, str], int] = {}
+    for _, value in records:
+        item = orjson.loads(value)
+        if item.get("team") in teams and item.get("class") == "batch":
+            tokens = int(item.get("prompt_tokens", 0)) + int(item.get("completion_tokens", 0))
+            used.setdefault((str(item["team"]), str(item.get("id"))), tokens or min_charge)
+    return sum(used.values())
+
+
+def rollup_requests(records: Sequence[TopicRecord], teams: Collection[str]) -> Counter[str]:
+    """Per class: the requests of ``teams`` the streams app's hourly rollups count, from the
     rollups table's changelog (the last value of each team/class/model/hour wins)."""
     latest: dict[tuple[str, str, str, int], int] = {}
     for _, value in records:
         item = orjson.loads(value) if value else None
-        if isinstance(item, dict) and item.get("team") == team and "requests" in item:
-            key = (team, str(item["class"]), str(item["model"]), int(item["hour"]))
+        if isinstance(item, dict) and item.get("team") in teams and "requests" in item:
+            key = (str(item["team"]), str(item["class"]), str(item["model"]), int(item["hour"]))
             latest[key] = int(item["requests"])
     counted: Counter[str] = Counter()
     for (_, cls, _, _), requests in latest.items():
@@ -196,13 +227,15 @@ def tally(
     accepted: Sequence[Accepted],
     usage: Mapping[str, list[str]],
     *,
-    job_id: str = "",
     lines: Sequence[str] = (),
     results: Sequence[str] = (),
     with_usage: Counter[str] | None = None,
     rollups: Counter[str] | None = None,
+    batch_tokens: int = 0,
 ) -> ChaosTally:
-    """Set the clients' records against the topics' (pure: what the unit tests check)."""
+    """Set the clients' records against the topics' (pure: what the unit tests check).
+    ``lines`` and ``results``: the request ids of the batch lines on the request topic and
+    of the result records (``batch_lines``, ``batch_results``)."""
     out = ChaosTally()
     by_tag = {r.tag: r for r in requests}
     by_id = {a.request_id: a for r in requests for a in r.attempts if a.request_id}
@@ -221,7 +254,7 @@ def tally(
     out.batch_duplicates = sum(n - 1 for n in per_line.values() if n > 1)
     out.batch_missing = [line for line in lines if line not in per_line]
     out.accepted["batch"] += len(lines)
-    ids = [a.id for a in accepted] + [batch_request_id(job_id, line) for line in lines]
+    ids = [a.id for a in accepted] + list(lines)
     out.usage_events = sum(len(v) for v in usage.values())
     out.usage_missing = [i for i in ids if not usage.get(i)]
     for rid in ids:
@@ -233,6 +266,7 @@ def tally(
                 out.usage_conflicting.append(f"{rid}: {', '.join(statuses)}")
     out.usage_ids = with_usage or Counter()
     out.usage_counted = rollups
+    out.batch_tokens_used = batch_tokens
     return out
 
 

@@ -90,6 +90,14 @@ def tally_table(t: ChaosTally) -> str:
             *_judged(t.usage_uncounted),
         ),
         (
+            "batch tokens charged to the teams' batch pools (Redis) / used (usage events, "
+            "each line once)",
+            "not read"
+            if t.batch_tokens_charged is None
+            else f"{t.batch_tokens_charged} / {t.batch_tokens_used}",
+            *(("equal", "PASS" if t.batch_charge_off == 0 else "FAIL")),
+        ),
+        (
             "second usage events on the topic (a re-run's; the streams app skips them)",
             f"{len(t.usage_twice)} ids, {t.usage_extra} extra events",
             "reported",

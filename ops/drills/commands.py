@@ -333,5 +333,9 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
     say(f"{events_table(run.events)}\n\n{tally_table(run.tally)}")
     if problems := details(run.tally):
         say(f"\n{problems}")
-    say(f"\nbatch job {run.job_id}; whole drill {run.seconds:.0f} s; logs in {data / 'logs'}")
+    say(
+        f"\nbatch jobs {run.job_id} and {run.lean_job_id} (over its budget, {run.lean_waited} "
+        f"lines waiting for it through the faults); whole drill {run.seconds:.0f} s; logs in "
+        f"{data / 'logs'}"
+    )
     return 0 if run.tally.target_met else 1

@@ -101,6 +101,8 @@ class ChaosTopology:
             LANEWAY_KAFKA_BOOTSTRAP=self.kafka.bootstrap,
             LANEWAY_REDIS_URL=self.redis.url,
             LANEWAY_LOG_LEVEL="INFO",
+            # Batch budgets alike at any hour: off-peak, batch would borrow interactive budget.
+            LANEWAY_QUOTA_OFFPEAK="",
         )
         for i in range(plan.ingresses):
             self._service(
@@ -128,6 +130,9 @@ class ChaosTopology:
                     # the drill is about what survives the faults, not about priorities.
                     extra["LANEWAY_BATCH_YIELD_BACKLOG"] = "1000000"
                     extra["LANEWAY_SIM_BATCH_SLOTS"] = str(plan.batch_slots)
+                    # Lines waiting for their team's budget beyond the first few wait without
+                    # their bodies and are read back from Kafka when admitted.
+                    extra["LANEWAY_BATCH_PARKED_BODIES"] = "16"
                 self._service(f"worker-{pool}-{i}", "workers", env, **extra)
         self._service(
             "streams",
