@@ -6,7 +6,6 @@ Each test gets its own topic and key prefix, so tests never see each other's rec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
 import random
@@ -422,19 +421,11 @@ class LiveStack:
         environ.update(extra)  # a test may set any of the above its own way
         return environ
 
-    def spawn(
-        self, module: str, *, log: Path | None = None, **extra: str
-    ) -> subprocess.Popen[bytes]:
-        """``python -m module`` (ingress, workers, streams) as a real process of this stack;
-        its log (stderr) to ``log`` when given."""
-        with contextlib.ExitStack() as files:
-            stderr = files.enter_context(log.open("wb")) if log is not None else None
-            return subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=self.process_env(**extra),
-                cwd=ROOT,
-                stderr=stderr,
-            )
+    def spawn(self, module: str, **extra: str) -> subprocess.Popen[bytes]:
+        """``python -m module`` (ingress, workers, streams) as a real process of this stack."""
+        return subprocess.Popen(
+            [sys.executable, "-m", module], env=self.process_env(**extra), cwd=ROOT
+        )
 
     async def stop(self) -> None:
         for client in reversed(self._clients):

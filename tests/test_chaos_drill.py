@@ -128,15 +128,18 @@ def test_batch_tokens_charged_other_than_used_fails_the_drill() -> None:
         event("z", "l0", 99, 99),  # not a team of the drill
     ]
     used = batch_tokens_used(records, ("a", "b"), min_charge=16)
-    assert used == 34 + 16 + 31
+    assert used == {"a": 34 + 16, "b": 31}
     out = tally([], {}, [], {}, batch_tokens=used)
     assert out.target_met  # unread: nothing to compare
-    out.batch_tokens_charged = used
+    out.batch_tokens_charged = {"a": 50, "b": 31}
     assert out.target_met
-    assert f"| {used} / {used} | equal | PASS |" in tally_table(out)
-    out.batch_tokens_charged = used + 34  # a line charged twice
+    assert "| a 50 / 50, b 31 / 31 | equal | PASS |" in tally_table(out)
+    out.batch_tokens_charged = {"a": 84, "b": 31}  # a line charged twice
     assert not out.target_met
-    assert f"| {used + 34} / {used} | equal | FAIL |" in tally_table(out)
+    assert "| a 84 / 50, b 31 / 31 | equal | FAIL |" in tally_table(out)
+    out.batch_tokens_charged = {"a": 84, "b": -3}  # one team's excess, another's shortfall
+    assert out.batch_charge_off == 34 + 34
+    assert not out.target_met
 
 
 def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -> None:

@@ -66,10 +66,7 @@ _MAX_PARKED = 50_000
 _TXN_STUCK_S = 30.0
 # Bounds the stop of a stuck producer.
 _PRODUCER_STOP_S = 10.0
-# A partition whose producer was fenced while the group still has it here is taken back
-# after this many session timeouts (``_reclaim``): time for a worker expelled from the group
-# to learn so at its next heartbeat.
-_RECLAIM_SESSIONS = 2.0
+
 _INTERACTIVE_POOLS = ("completion", "chat")
 
 
@@ -491,30 +488,6 @@ class BatchLane:
         await self.txns.close([tp])
         if tp in self.worker.consumer.assignment():
             self.worker.consumer.pause(tp)
-            self._background(self._reclaim(tp, self.worker.offsets.epoch(tp)))
-
-    async def _reclaim(self, tp: TopicPartition, epoch: int) -> None:
-        """Fenced on ``tp`` while the group still has it here. A worker expelled from the
-        group learns so at its next heartbeat, and the rebalance that follows takes ``tp``
-        away (a new tenure). But the fence can also come from a producer of the partition's
-        previous owner that started late (its start retried past the rebalance): then
-        nothing would resume ``tp`` until some later rebalance. Once the group has had time
-        to say otherwise, the partition is taken back: its producer's start fences the late
-        one, and its lines run from the committed offset, as on an assignment."""
-        wait_s = _RECLAIM_SESSIONS * self.worker.settings.session_timeout_ms / 1000
-        await asyncio.sleep(wait_s)
-        if (
-            tp in self._fenced
-            and self.worker.offsets.current(tp, epoch)
-            and tp in self.worker.consumer.assignment()
-        ):
-            log.warning(
-                "partition %s:%d still assigned here %.0f s after its fence: taken back",
-                tp.topic,
-                tp.partition,
-                wait_s,
-            )
-            await self.assigned({tp})
 
     def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(work)
@@ -580,9 +553,7 @@ class BatchLane:
         starting = [task for task, tps in self._starting.items() if tps & partitions]
         for task in starting:
             task.cancel()
-        for task in starting:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*starting, return_exceptions=True)
         await self.commit(only=partitions)
         self.worker.runs.forget(partitions)
         await self.txns.close(partitions)

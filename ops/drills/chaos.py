@@ -400,11 +400,14 @@ async def _count(
     )
 
 
-async def _charged(settings: CommonSettings, teams: Sequence[str], hours: range) -> int:
-    """Tokens the quota charged the batch pools of ``teams`` in ``hours`` (epoch hours)."""
+async def _charged(settings: CommonSettings, teams: Sequence[str], hours: range) -> dict[str, int]:
+    """Per team: tokens the quota charged its batch pool in ``hours`` (epoch hours)."""
     redis = make_redis(settings)
     try:
-        keys = [settings.keys.quota_used(t, "batch", h) for t in teams for h in hours]
-        return sum(int(v) for v in await redis.mget(keys) if v is not None)
+        charged = {}
+        for team in teams:
+            keys = [settings.keys.quota_used(team, "batch", h) for h in hours]
+            charged[team] = sum(int(v) for v in await redis.mget(keys) if v is not None)
+        return charged
     finally:
         await redis.aclose()

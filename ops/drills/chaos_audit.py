@@ -62,8 +62,8 @@ class ChaosTally:
     usage_counted: Counter[str] | None = None  # None: not read
     # Batch tokens the usage events say the lines used (each line once), and what the
     # quota charged the teams' batch pools in Redis (None: not read).
-    batch_tokens_used: int = 0
-    batch_tokens_charged: int | None = None
+    batch_tokens_used: dict[str, int] = field(default_factory=dict)  # by team
+    batch_tokens_charged: dict[str, int] | None = None
     clients_sent: int = 0
     clients_retried: int = 0
     clients_without_answer: int = 0
@@ -95,10 +95,16 @@ class ChaosTally:
 
     @property
     def batch_charge_off(self) -> int:
-        """Batch tokens charged beyond (or, negative, short of) those used; 0 unread."""
+        """Batch tokens charged other than used, summed over the teams (each team's
+        difference counted whole, so one team's excess cannot hide another's shortfall);
+        0 unread."""
         if self.batch_tokens_charged is None:
             return 0
-        return self.batch_tokens_charged - self.batch_tokens_used
+        teams = set(self.batch_tokens_charged) | set(self.batch_tokens_used)
+        return sum(
+            abs(self.batch_tokens_charged.get(t, 0) - self.batch_tokens_used.get(t, 0))
+            for t in teams
+        )
 
 
 async def read_to_end(
@@ -188,8 +194,8 @@ def ids_with_usage(records: Sequence[TopicRecord], teams: Collection[str]) -> Co
 
 def batch_tokens_used(
     records: Sequence[TopicRecord], teams: Collection[str], min_charge: int
-) -> int:
-    """The tokens the batch lines of ``teams`` used, as their usage events say (a line's
+) -> dict[str, int]:
+    """Per team: the tokens the batch lines of ``teams`` used, as their usage events say (a line's
     re-run counted once; one that used none, ``min_charge``, as the quota charges it): what
     the quota must have charged their batch pools."""
     used: dict[tuple[str, str], int] = {}
@@ -198,7 +204,10 @@ def batch_tokens_used(
         if item.get("team") in teams and item.get("class") == "batch":
             tokens = int(item.get("prompt_tokens", 0)) + int(item.get("completion_tokens", 0))
             used.setdefault((str(item["team"]), str(item.get("id"))), tokens or min_charge)
-    return sum(used.values())
+    per_team = dict.fromkeys(teams, 0)
+    for (team, _), tokens in used.items():
+        per_team[team] += tokens
+    return per_team
 
 
 def rollup_requests(records: Sequence[TopicRecord], teams: Collection[str]) -> Counter[str]:
@@ -231,7 +240,7 @@ def tally(
     results: Sequence[str] = (),
     with_usage: Counter[str] | None = None,
     rollups: Counter[str] | None = None,
-    batch_tokens: int = 0,
+    batch_tokens: dict[str, int] | None = None,
 ) -> ChaosTally:
     """Set the clients' records against the topics' (pure: what the unit tests check).
     ``lines`` and ``results``: the request ids of the batch lines on the request topic and
@@ -266,7 +275,7 @@ def tally(
                 out.usage_conflicting.append(f"{rid}: {', '.join(statuses)}")
     out.usage_ids = with_usage or Counter()
     out.usage_counted = rollups
-    out.batch_tokens_used = batch_tokens
+    out.batch_tokens_used = dict(batch_tokens or {})
     return out
 
 

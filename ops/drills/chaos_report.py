@@ -94,7 +94,10 @@ def tally_table(t: ChaosTally) -> str:
             "each line once)",
             "not read"
             if t.batch_tokens_charged is None
-            else f"{t.batch_tokens_charged} / {t.batch_tokens_used}",
+            else ", ".join(
+                f"{team} {t.batch_tokens_charged.get(team, 0)} / {used}"
+                for team, used in sorted(t.batch_tokens_used.items())
+            ),
             *(("equal", "PASS" if t.batch_charge_off == 0 else "FAIL")),
         ),
         (
