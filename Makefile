@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.batch
 	$(BIN)/python -m bench.batch_teams
+	$(BIN)/python -m bench.batch_teams --drain
 	$(BIN)/python -m bench.streams
 	$(BIN)/python -m bench.broker_jit
 	$(BIN)/python -m bench.hops

@@ -14,8 +14,16 @@ line of the other team's jobs once, and of the team over its budget no more than
 covers. Each "behind" round uses a team of its own, so the waiting lines of earlier rounds
 stay parked (they hold no engine slot) while later rounds run.
 
+``--drain``: instead, how fast parked lines run once their budget is raised. Per round, a
+job of ``--waiting`` lines is run straight by a team with budget to spare, then the same
+number by a team over its budget: its lines park (here all without their bodies,
+LANEWAY_BATCH_PARKED_BODIES=0) and, once all are parked, the team's budget is raised; the
+time from the raise until every line has its result is compared with the straight run, with
+the lines read back per Kafka fetch. With ``--engine openai`` the server's log says how
+many times each line ran.
+
     .venv/bin/python -m bench.batch_teams [--waiting 3000] [--lines 200] [--rounds 2] \
-        [--engine sim|openai]
+        [--engine sim|openai] [--drain]
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import asyncio
 import time
 from collections import Counter
 
+import httpx
 from aiokafka.admin import AIOKafkaAdminClient
 from redis import Redis
 
@@ -37,6 +46,7 @@ from laneway.constants import RedisKeys
 from laneway.settings import CommonSettings
 from quota import QuotaPolicy, Team
 from workers.answered import MAX_METADATA_CHARS
+from workers.batch_budget import RETRY_MAX_S
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
@@ -46,6 +56,7 @@ COSTS = {
 # Within this, the job behind the waiting team must finish, or the round reports it did not.
 _WITHIN_S = 180.0
 UPSTREAM_PORT = 31950
+METRICS_PORT = 31960  # the worker's, read by --drain
 # The team over its budget: one member at a tenth of the default complexity.
 THRIFTY = Team("thrifty", size=1, complexity=0.1)
 
@@ -155,6 +166,101 @@ async def _rounds(
     return over
 
 
+async def _gauges(port: int) -> dict[str, float]:
+    """The batch worker's metrics, by name (unlabelled ones)."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
+    return {
+        name: float(value)
+        for name, _, value in (row.partition(" ") for row in text.splitlines())
+        if name.startswith("laneway_batch_") and "{" not in name
+    }
+
+
+async def _drain(
+    stack: BenchStack, settings: CommonSettings, args: argparse.Namespace, port: int
+) -> list[str]:
+    """The drain rounds (see the module); the teams that waited."""
+    print(f"# batch, parked lines once their budget is raised — {machine()}")
+    engine = "sim engine (a simulated GPU)" if args.engine == "sim" else "openai engine"
+    print(f"# {engine}, 32 slots, 3 ms a token; one batch worker, every parked line")
+    print(f"# without its body; per round {args.waiting} lines straight, then {args.waiting}")
+    print(f"# parked and their team's budget raised (parked lines retry every {RETRY_MAX_S:.0f} s")
+    print("# at most and read its team's record through a 4 s cache); lines/s counts from the")
+    print("# first line read back (first s after the raise)")
+    print(
+        f"{'round':>6} {'run':>10} {'lines':>6} {'job s':>7} {'first s':>8} {'lines/s':>8} "
+        f"{'per fetch':>10}"
+    )
+    ratios: list[float] = []  # a line's seconds read back over straight, from the raise
+    drains: list[float] = []  # the same, from the first line read back
+    waited: list[str] = []
+    async with BatchClient(settings) as client:
+        for n in range(1, args.rounds + 1):
+            straight = await _job_time(client, f"rich-{n}", args.waiting)
+            print(
+                f"{n:>6} {'straight':>10} {args.waiting:>6} {straight:>7.1f} {'':>8} "
+                f"{args.waiting / straight:>8.0f} {'':>10}",
+                flush=True,
+            )
+            team = f"thrifty-{n}"
+            await asyncio.to_thread(
+                stack.api_key, team, THRIFTY.size, complexity=THRIFTY.complexity
+            )
+            waited.append(team)
+            job = await client.submit(_lines(args.waiting, team), team=team)
+            started = time.perf_counter()
+            while (await _gauges(port)).get("laneway_batch_parked", 0) + (
+                await client.status(job)
+            ).done < args.waiting:
+                if time.perf_counter() - started > _WITHIN_S:
+                    raise SystemExit(f"round {n}: the lines of {team} did not all park in time")
+                await asyncio.sleep(0.2)
+            before = await client.status(job)
+            fetches = (await _gauges(port)).get("laneway_batch_read_back_fetches_total", 0)
+            raised = time.perf_counter()
+            await asyncio.to_thread(stack.api_key, team, 10_000)
+            first = None  # seconds from the raise to the first line answered
+            while not (status := await client.status(job)).complete:
+                if first is None and status.done > before.done:
+                    first = time.perf_counter() - raised
+                if time.perf_counter() - raised > _WITHIN_S:
+                    raise SystemExit(f"round {n}: the parked lines of {team} did not all run")
+                await asyncio.sleep(0.1)
+            took = time.perf_counter() - raised
+            first = took if first is None else first
+            fetched = (await _gauges(port)).get("laneway_batch_read_back_fetches_total", 0)
+            lines = args.waiting - before.done
+            per_fetch = lines / max(fetched - fetches, 1)
+            print(
+                f"{n:>6} {'read back':>10} {lines:>6} {took:>7.1f} {first:>8.1f} "
+                f"{lines / (took - first):>8.0f} {per_fetch:>10.1f}",
+                flush=True,
+            )
+            ratios.append((took / lines) / (straight / args.waiting))
+            drains.append((took - first) / lines / (straight / args.waiting))
+    for what, values in (("from the raise", ratios), ("from the first line read back", drains)):
+        print(
+            f"read back / straight, seconds a line {what}, per round: "
+            f"{', '.join(f'{r:.2f}' for r in values)}; "
+            f"spread {min(values):.2f}–{max(values):.2f}"
+        )
+    return waited
+
+
+def _drain_counts(upstream: Upstream, args: argparse.Namespace, teams: list[str]) -> None:
+    """How many times the server ran each line of the drain rounds, by its own log."""
+    done = [e for e in upstream.entries() if e["outcome"] == "done"]
+    print(f"\nthe upstream's log ({len(done)} requests done), times each line ran:")
+    for n, team in enumerate(teams, start=1):
+        for name in (f"rich-{n}", team):
+            ran = Counter(e["prompt"] for e in done if e["prompt"].startswith(f"summarise {name} "))
+            print(
+                f"  {name:>10}: {len(ran)} of {args.waiting} lines ran, times each: "
+                f"{dict(sorted(Counter(ran.values()).items()))}"
+            )
+
+
 async def _metadata(stack: BenchStack) -> None:
     """How much of the commit metadata (``workers.answered``) the waiting lines take, per
     partition: past MAX_METADATA_CHARS, results above the cut would wait to be written."""
@@ -180,6 +286,9 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=200, help="lines of the other team's job")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--engine", choices=["sim", "openai"], default="sim")
+    parser.add_argument(
+        "--drain", action="store_true", help="parked lines once their budget is raised instead"
+    )
     args = parser.parse_args()
     if args.waiting < 1 or args.lines < 1 or args.rounds < 1:
         parser.error("--waiting, --lines and --rounds must be at least 1")
@@ -189,6 +298,8 @@ def main() -> None:
         "LANEWAY_QUOTA_OFFPEAK": "",
         **COSTS,
     }
+    if args.drain:
+        worker |= {"LANEWAY_BATCH_PARKED_BODIES": "0", "LANEWAY_METRICS_PORT": str(METRICS_PORT)}
     if args.engine == "openai":
         worker |= {
             "LANEWAY_ENGINE": "openai",
@@ -206,6 +317,13 @@ def main() -> None:
 def _run(worker: dict[str, str], args: argparse.Namespace, upstream: Upstream | None) -> None:
     stack = BenchStack(workers=[worker], partitions=2)
     with bench_stack(stack):
+        if args.drain:
+            for n in range(1, args.rounds + 1):
+                stack.api_key(f"rich-{n}")
+            waited = asyncio.run(_drain(stack, stack.settings(), args, METRICS_PORT))
+            if upstream is not None:
+                _drain_counts(upstream, args, waited)
+            return
         stack.api_key("rich")
         over = asyncio.run(_rounds(stack, stack.settings(), args))
         if upstream is not None:

@@ -30,7 +30,17 @@ class _Lane:
         self.queued: list[Work] = []
         self.refused: list[tuple[Work, LanewayError]] = []
         self.released: list[int] = []
-        self.room = 100  # lines the dispatch queue takes
+        self._room = 100  # lines the dispatch queue takes
+        self.freed = asyncio.Event()  # as the worker's: set when a line leaves the queue
+
+    @property
+    def room(self) -> int:
+        return self._room
+
+    @room.setter
+    def room(self, lines: int) -> None:
+        self._room = lines
+        self.freed.set()
 
     def waiting(
         self,
@@ -48,6 +58,7 @@ class _Lane:
             refuse=self.refuse,
             release=self.release,
             room=lambda: len(self.queued) < self.room,
+            freed=self.freed,
             current=lambda work: True,
             cancelled=cancelled,
             restore=restore,

@@ -17,6 +17,7 @@ for room.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 RETRY_MAX_S = 5.0
 # A line that could not be read back is tried again after this (the other teams' meanwhile).
 _READ_BACK_RETRY_S = 1.0
-# Admission waits this long for room in the dispatch queue.
-_NO_ROOM_RETRY_S = 0.2
 
 
 class NotReadBack(Exception):
@@ -74,6 +73,7 @@ class BudgetWait:
         refuse: Callable[[Work, LanewayError], None],
         release: Callable[[Work], Awaitable[None]],
         room: Callable[[], bool],
+        freed: asyncio.Event,
         current: Callable[[Work], bool],
         cancelled: Callable[[RequestEnvelope], Awaitable[bool]],
         restore: Callable[[Work], Awaitable[Work | None]],
@@ -88,6 +88,7 @@ class BudgetWait:
         # The dispatch queue can take more: admitted lines wait while it cannot (a line read
         # back brings its body back into memory).
         self._room = room
+        self._freed = freed  # set when a line leaves the dispatch queue or the engine
         self._current = current  # its partition is still this worker's, in the same tenure
         self._cancelled = cancelled
         # A line parked without its body, admitted: the line read back, or None when it was
@@ -202,7 +203,13 @@ class BudgetWait:
         pool is worth trying again."""
         while (lines := self._lines.get(name)) is not None:
             if not self._room():
-                return _NO_ROOM_RETRY_S
+                # The next line is admitted as soon as a slot frees (a poll here capped a
+                # drain at a slot's worth of lines per poll); the wait is bounded all the
+                # same, should room come some other way.
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), RETRY_MAX_S)
+                continue
             work = lines[0]
             try:
                 team = await self._team(name)

@@ -94,6 +94,7 @@ class BatchLane:
                 refuse=self._refuse,
                 release=lambda work: self._release(work.env.team, work.env.id),
                 room=lambda: worker.held < worker.settings.max_inflight,
+                freed=worker.room,
                 current=lambda work: worker.offsets.current(work.tp, work.epoch),
                 cancelled=self._job_cancelled,
                 restore=self._restore,

@@ -86,6 +86,11 @@ BATCH_PARKED = Gauge(
     "laneway_batch_parked",
     "Batch lines waiting for their team's batch budget beside the lane (workers.batch_budget)",
 )
+BATCH_READ_BACK_FETCHES = Counter(
+    "laneway_batch_read_back_fetches_total",
+    "Fetches that read back batch lines parked without their bodies (workers.reread); one "
+    "brings the lines after it on its partition too",
+)
 BATCH_COPIES = Counter(
     "laneway_batch_copies_total",
     "Batch lines fetched while the same line (same id, same record content) was still on "

@@ -74,7 +74,7 @@ class PoolWorker:
         self.shield = CancelShield(enabled=settings.shield, wall=self.clock.now)
         self.offsets = OffsetTracker()
         self.queue = DispatchQueue()
-        self._room = asyncio.Event()  # set when the fetch loop may take more in
+        self.room = asyncio.Event()  # set when the fetch loop may take more in
         self._stopping = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self._commit_s = settings.commit_interval_ms / 1000
@@ -123,7 +123,7 @@ class PoolWorker:
             self.lane,
             engine_done=self.dispatcher.done,
             wake=self.dispatcher.wake,
-            room=self._room,
+            room=self.room,
         )
         self.memory = MemoryGuard(
             settings,
@@ -320,7 +320,7 @@ class PoolWorker:
 
     def _wake(self) -> None:
         """Memory pressure began or ended: held work may start, or hi work be fetched."""
-        self._room.set()
+        self.room.set()
         self.dispatcher.wake()
 
     async def _after_beat(self) -> None:

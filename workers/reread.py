@@ -4,12 +4,19 @@ A team far over its batch budget can have thousands of lines waiting beside the 
 (``workers.batch_budget``). Past a bound, a waiting line keeps only its place and its
 reservation's size, and its body is read back from the topic, which still holds it (the
 group's committed offset is below it), when its budget admits it.
+
+A team's parked lines are admitted in the order they came, so the next line asked for most
+often follows the last one on its partition: the records a fetch brings past the one asked
+for (up to 64 kB of them) are kept, the latest fetch of each of the last partitions read,
+and a drain takes one fetch per few dozen lines instead of one per line. A kept record is
+served even if retention deleted it since: it was in the topic when fetched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -17,11 +24,15 @@ from aiokafka.errors import OffsetOutOfRangeError
 
 from laneway.clients import make_consumer, start_client
 from laneway.settings import CommonSettings
+from workers import metrics
 
 __all__ = ["RecordGone", "RecordReader"]
 
 # One read waits this long for the broker's answer before it is tried again.
 _READ_TIMEOUT_MS = 5_000
+# The latest fetch is kept for this many partitions, the least recently read let go first
+# (at most a megabyte or so: a fetch is 64 kB, or one record batch when that is larger).
+_KEPT_PARTITIONS = 16
 
 
 class RecordGone(Exception):
@@ -30,36 +41,55 @@ class RecordGone(Exception):
 
 class RecordReader:
     """Reads single records by offset with a consumer of its own, outside any group; one
-    read at a time. Started at its first read."""
+    read at a time, the records each fetch brings kept (see the module). Started at its
+    first read."""
 
     def __init__(self, settings: CommonSettings) -> None:
         self.settings = settings
         self._consumer: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
+        self._kept: OrderedDict[TopicPartition, _Fetched] = OrderedDict()
 
     async def read(self, tp: TopicPartition, offset: int) -> ConsumerRecord[Any, Any]:
         """The record at ``offset`` of ``tp``. ``RecordGone`` if the partition no longer
         holds it; a ``KafkaError`` or ``TimeoutError`` (the caller tries again) if the broker
         cannot say."""
         async with self._lock:
-            consumer = await self._started()
-            consumer.assign([tp])
-            consumer.seek(tp, offset)
-            try:
-                fetched = await consumer.getmany(tp, timeout_ms=_READ_TIMEOUT_MS, max_records=1)
-            except OffsetOutOfRangeError as exc:
-                raise RecordGone(
-                    f"{tp.topic}:{tp.partition} no longer holds offset {offset} (retention)"
-                ) from exc
-            for record in fetched.get(tp, []):
-                if record.offset == offset:
-                    return record
-                # Past it: the offset holds no data record (never the case for a line that
-                # was fetched from it once, short of a compacted topic).
+            kept = self._kept.get(tp)
+            if kept is None or not kept.covers(offset):
+                kept = await self._fetch(tp, offset)
+            self._kept[tp] = kept
+            self._kept.move_to_end(tp)
+            while len(self._kept) > _KEPT_PARTITIONS:
+                self._kept.popitem(last=False)
+            record = kept.records.get(offset)
+            if record is None:
+                # Inside what was fetched, yet no data record there (never the case for a
+                # line that was fetched from it once, short of a compacted topic).
                 raise RecordGone(f"{tp.topic}:{tp.partition} has no record at {offset}")
+            return record
+
+    async def _fetch(self, tp: TopicPartition, offset: int) -> _Fetched:
+        consumer = await self._started()
+        consumer.assign([tp])
+        consumer.seek(tp, offset)
+        try:
+            fetched = await consumer.getmany(tp, timeout_ms=_READ_TIMEOUT_MS)
+        except OffsetOutOfRangeError as exc:
+            self._kept.pop(tp, None)
+            raise RecordGone(
+                f"{tp.topic}:{tp.partition} no longer holds offset {offset} (retention)"
+            ) from exc
+        # From the offset sought (the consumer gives nothing before it; said here, for the
+        # records kept are taken to begin there).
+        records = [record for record in fetched.get(tp, []) if record.offset >= offset]
+        if not records:
             raise TimeoutError(f"no answer for {tp.topic}:{tp.partition}@{offset}")
+        metrics.BATCH_READ_BACK_FETCHES.inc()
+        return _Fetched(offset, records)
 
     async def close(self) -> None:
+        self._kept.clear()
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -73,8 +103,8 @@ class RecordReader:
                 isolation_level="read_committed",
                 # A deleted record is reported, not replaced by another one.
                 auto_offset_reset="none",
-                # One line is wanted, not the megabyte after it (the broker still sends the
-                # first record batch whole, however large).
+                # The few dozen lines after the one wanted, not the megabyte after it (the
+                # broker still sends the first record batch whole, however large).
                 max_partition_fetch_bytes=64 * 1024,
             )
             try:
@@ -85,3 +115,17 @@ class RecordReader:
                 raise
             self._consumer = consumer
         return self._consumer
+
+
+class _Fetched:
+    """One fetch of a partition: its data records from ``first`` to the last one brought,
+    by offset (an offset in between without one held a transaction marker, or an aborted
+    transaction's record)."""
+
+    def __init__(self, first: int, records: list[ConsumerRecord[Any, Any]]) -> None:
+        self.first = first
+        self.last: int = records[-1].offset
+        self.records = {record.offset: record for record in records}
+
+    def covers(self, offset: int) -> bool:
+        return self.first <= offset <= self.last
