@@ -245,3 +245,20 @@ def document_lines(documents: Iterable[str], max_tokens: int) -> list[str]:
         ).decode()
         for i, document in enumerate(documents)
     ]
+
+
+def metric_samples(text: str, *prefixes: str) -> dict[str, float]:
+    """The samples of a ``/metrics`` page whose names (labels included, as the page writes
+    them: ``laneway_late_starts_total{pool="completion"}``) start with one of ``prefixes``."""
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes) and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def scrape(port: int, *prefixes: str) -> dict[str, float]:
+    """``metric_samples`` of the ``/metrics`` page served on ``port`` of this machine."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return metric_samples(text, *prefixes)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
-from bench._stack import BenchStack, document_lines
+from bench._stack import BenchStack, document_lines, metric_samples
 from ops.drills.http_pool import HttpPool
 from ops.drills.typists import LETTERS as _LETTERS
 from ops.drills.typists import TypingStats
@@ -122,11 +122,12 @@ async def watch_open(base_url: str, stats: RunStats, stop: asyncio.Event) -> Non
     async with httpx.AsyncClient(base_url=base_url, timeout=5) as http:
         while not stop.is_set():
             text = (await http.get("/metrics")).text
-            for line in text.splitlines():
-                if line.startswith("laneway_ingress_open_requests "):
-                    value = float(line.split()[1])
-                    stats.open_max = max(stats.open_max, value)
-                    stats.open_end = value
+            value = metric_samples(text, "laneway_ingress_open_requests ").get(
+                "laneway_ingress_open_requests"
+            )
+            if value is not None:
+                stats.open_max = max(stats.open_max, value)
+                stats.open_end = value
             await asyncio.sleep(0.5)
 
 

@@ -38,7 +38,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from redis import Redis
 
 from bench._proc import machine
-from bench._stack import BenchStack, bench_stack, document_lines
+from bench._stack import BenchStack, bench_stack, document_lines, metric_samples
 from bench._upstream import Upstream, upstream_process
 from bench.upstream_server import reported_usage
 from laneway.batch import BatchClient
@@ -167,14 +167,10 @@ async def _rounds(
 
 
 async def _gauges(port: int) -> dict[str, float]:
-    """The batch worker's metrics, by name (unlabelled ones)."""
+    """The batch worker's metrics, by name."""
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"http://127.0.0.1:{port}/metrics", timeout=5)).text
-    return {
-        name: float(value)
-        for name, _, value in (row.partition(" ") for row in text.splitlines())
-        if name.startswith("laneway_batch_") and "{" not in name
-    }
+    return metric_samples(text, "laneway_batch_")
 
 
 async def _drain(

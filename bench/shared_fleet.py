@@ -31,12 +31,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 import uvloop
 
 from bench._proc import machine
-from bench._stack import BenchStack, bench_stack
+from bench._stack import BenchStack, bench_stack, scrape
 from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
 from bench.upstream_storm import drain, usage_events
@@ -146,12 +145,7 @@ def _batch_done(upstream: Upstream, phase: Phase, prefix: str) -> int:
 
 
 def _preemptions() -> float:
-    text = httpx.get(f"http://127.0.0.1:{BATCH_METRICS_PORT}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("laneway_fleet_preemptions_total{")
-    )
+    return sum(scrape(BATCH_METRICS_PORT, "laneway_fleet_preemptions_total{").values())
 
 
 def _job_lines(round_: int, count: int) -> list[str]:

@@ -42,7 +42,7 @@ import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench._proc import machine
-from bench._stack import BenchStack, bench_stack
+from bench._stack import BenchStack, bench_stack, scrape
 from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
 from ops.drills.http_pool import HttpPool
@@ -370,12 +370,7 @@ def _run(
     for window in uvloop.run(windows()):
         verdict = judge(window, upstream.entries())
         results.setdefault((window.path, window.stream), []).append(verdict)
-    metrics = httpx.get(f"http://127.0.0.1:{WORKER_METRICS_PORT}/metrics", timeout=5).text
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in metrics.splitlines()
-        if line.startswith(("laneway_abort_seconds_", "laneway_late_starts_total"))
-    }
+    values = scrape(WORKER_METRICS_PORT, "laneway_abort_seconds_", "laneway_late_starts_total")
     label = '{pool="completion"}'
     aborts = values.get(f"laneway_abort_seconds_count{label}", 0.0)
     late = values.get(f"laneway_late_starts_total{label}", 0.0)

@@ -9,6 +9,7 @@ import tracemalloc
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
+import pytest
 from aiokafka import TopicPartition
 
 from laneway.constants import RedisKeys
@@ -16,6 +17,7 @@ from laneway.errors import LanewayError
 from laneway.schema import RequestEnvelope
 from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import LiveStack, envelope, eventually
+from workers import batch_budget
 from workers.batch_budget import BudgetWait, NotReadBack
 from workers.dispatch import Work
 
@@ -166,13 +168,16 @@ async def test_off_peak_a_line_borrows_the_idle_interactive_budget_instead_of_wa
 
 
 async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
-    stack: LiveStack,
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past ``bodies`` parked lines, a line waits without its body (a team's whole job can
     wait in little memory); admitted, it is read back in full before it queues, and one
     Kafka cannot give back yet waits first in line while it is tried again. One of a job
     cancelled meanwhile is answered as cancelled, never queued without its body; a line
-    sent twice (one id, two places) is read back at each place."""
+    sent twice (one id, two places) is read back at each place. With the dispatch queue
+    full, admission goes on as soon as a slot frees, not at its next look."""
+    # Its next look only after the test's bound: the queue's room must wake it.
+    monkeypatch.setattr(batch_budget, "_NO_ROOM_WAIT_S", 60.0)
     policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
     team = Team("thrifty", size=1)
@@ -218,7 +223,7 @@ async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
         await asyncio.sleep(0.5)
         assert len(queued) == 2
         assert restored == [2]
-        lane.room = 100
+        lane.room = 100  # as a line leaves the worker's queue: its event wakes admission
         await eventually(lambda: len(queued) == 4, 15, "the rest admitted")
         assert [w.offset for w in queued] == [1, 2, 3, 5]  # in order, the retried one too
         assert [w.env.prompt for w in queued] == [

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # A parked team's pool is tried again at least this often.
 RETRY_MAX_S = 5.0
+# With no room in the dispatch queue, admission waits for a slot to free (the worker's event)
+# at most this long before it looks again.
+_NO_ROOM_WAIT_S = RETRY_MAX_S
 # A line that could not be read back is tried again after this (the other teams' meanwhile).
 _READ_BACK_RETRY_S = 1.0
 
@@ -208,7 +211,7 @@ class BudgetWait:
                 # same, should room come some other way.
                 self._freed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), RETRY_MAX_S)
+                    await asyncio.wait_for(self._freed.wait(), _NO_ROOM_WAIT_S)
                 continue
             work = lines[0]
             try:

@@ -263,12 +263,17 @@ class BatchLane:
 
     async def _read_back(self, work: Work) -> tuple[BatchRequest, float]:
         """``work``'s line read again from its partition, and when it was stored."""
-        record = await self.reread.read(work.tp, work.offset)
-        line = self._line_of(work.tp, record)
-        if line is None or self._id_of(work.tp, line) != work.env.id:
-            # Another record at its offset (the topic deleted and made anew): not this line.
-            raise RecordGone(f"{work.tp.topic}:{work.tp.partition}@{work.offset} is another line")
-        return line, self._stored_at(record)
+        for fresh in (False, True):
+            if fresh:
+                # Another record at its offset: the topic was deleted and made anew, before
+                # or after the reader fetched it. What it kept may be the old topic's: asked
+                # of the broker once more before the line is answered as gone.
+                self.reread.forget({work.tp})
+            record = await self.reread.read(work.tp, work.offset)
+            line = self._line_of(work.tp, record)
+            if line is not None and self._id_of(work.tp, line) == work.env.id:
+                return line, self._stored_at(record)
+        raise RecordGone(f"{work.tp.topic}:{work.tp.partition}@{work.offset} is another line")
 
     async def _answer_parked(self, work: Work, exc: LanewayError) -> None:
         """An admitted line that cannot run after all (its job was cancelled, it cannot be
@@ -561,6 +566,7 @@ class BatchLane:
 
     def forgot(self, partitions: set[TopicPartition], gone: list[Work]) -> None:
         self.ledger.forget(partitions)
+        self.reread.forget(partitions)
         if self.budget is not None:
             self.budget.forget(partitions)
         # A line still on the engine keeps its id until it leaves (``finished``, ``ended``):

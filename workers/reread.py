@@ -30,9 +30,12 @@ __all__ = ["RecordGone", "RecordReader"]
 
 # One read waits this long for the broker's answer before it is tried again.
 _READ_TIMEOUT_MS = 5_000
-# The latest fetch is kept for this many partitions, the least recently read let go first
-# (at most a megabyte or so: a fetch is 64 kB, or one record batch when that is larger).
+# The latest fetch is kept for this many partitions, the least recently read let go first,
+# and for fewer while the records kept add up to more than _KEPT_BYTES: a fetch is 64 kB,
+# but the broker sends a partition's first record batch whole, up to a megabyte (a batch
+# line's bound) or the topic's max.message.bytes, and 16 of those would be 16 MB or more.
 _KEPT_PARTITIONS = 16
+_KEPT_BYTES = 4 * 1024 * 1024
 
 
 class RecordGone(Exception):
@@ -49,6 +52,10 @@ class RecordReader:
         self._consumer: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
         self._kept: OrderedDict[TopicPartition, _Fetched] = OrderedDict()
+        self._kept_bytes = 0
+        # Counts the calls of ``forget``: a fetch under way while its partition is forgotten
+        # is not kept.
+        self._forgets = 0
 
     async def read(self, tp: TopicPartition, offset: int) -> ConsumerRecord[Any, Any]:
         """The record at ``offset`` of ``tp``. ``RecordGone`` if the partition no longer
@@ -56,12 +63,13 @@ class RecordReader:
         cannot say."""
         async with self._lock:
             kept = self._kept.get(tp)
-            if kept is None or not kept.covers(offset):
+            if kept is not None and kept.covers(offset):
+                self._kept.move_to_end(tp)
+            else:
+                forgets = self._forgets
                 kept = await self._fetch(tp, offset)
-            self._kept[tp] = kept
-            self._kept.move_to_end(tp)
-            while len(self._kept) > _KEPT_PARTITIONS:
-                self._kept.popitem(last=False)
+                if forgets == self._forgets:
+                    self._keep(tp, kept)
             record = kept.records.get(offset)
             if record is None:
                 # Inside what was fetched, yet no data record there (never the case for a
@@ -69,17 +77,47 @@ class RecordReader:
                 raise RecordGone(f"{tp.topic}:{tp.partition} has no record at {offset}")
             return record
 
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """What was kept of ``partitions`` is let go (the worker no longer owns them, or a
+        kept record turned out not to be the one at that offset now)."""
+        self._forgets += 1
+        for tp in partitions:
+            self._drop(tp)
+
+    def _keep(self, tp: TopicPartition, fetched: _Fetched) -> None:
+        self._drop(tp)
+        self._kept[tp] = fetched
+        self._kept_bytes += fetched.size
+        # The latest fetch stays, however large.
+        while len(self._kept) > 1 and (
+            len(self._kept) > _KEPT_PARTITIONS or self._kept_bytes > _KEPT_BYTES
+        ):
+            _, oldest = self._kept.popitem(last=False)
+            self._kept_bytes -= oldest.size
+
+    def _drop(self, tp: TopicPartition) -> None:
+        dropped = self._kept.pop(tp, None)
+        if dropped is not None:
+            self._kept_bytes -= dropped.size
+
     async def _fetch(self, tp: TopicPartition, offset: int) -> _Fetched:
         consumer = await self._started()
+        # Assigned anew, so unpaused (see below).
         consumer.assign([tp])
         consumer.seek(tp, offset)
         try:
             fetched = await consumer.getmany(tp, timeout_ms=_READ_TIMEOUT_MS)
         except OffsetOutOfRangeError as exc:
-            self._kept.pop(tp, None)
+            self._drop(tp)
             raise RecordGone(
                 f"{tp.topic}:{tp.partition} no longer holds offset {offset} (retention)"
             ) from exc
+        finally:
+            # No fetch ahead: the consumer would ask for the records after these as soon as
+            # they are handed over, and the next read's ``assign`` would throw them away (two
+            # fetches per read; an idle reader long-polling the broker). Paused before this
+            # task yields, so before the consumer's fetch task runs again.
+            consumer.pause(tp)
         # From the offset sought (the consumer gives nothing before it; said here, for the
         # records kept are taken to begin there).
         records = [record for record in fetched.get(tp, []) if record.offset >= offset]
@@ -90,6 +128,7 @@ class RecordReader:
 
     async def close(self) -> None:
         self._kept.clear()
+        self._kept_bytes = 0
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -126,6 +165,7 @@ class _Fetched:
         self.first = first
         self.last: int = records[-1].offset
         self.records = {record.offset: record for record in records}
+        self.size = sum(len(record.value or b"") + len(record.key or b"") for record in records)
 
     def covers(self, offset: int) -> bool:
         return self.first <= offset <= self.last
