@@ -46,7 +46,6 @@ from laneway.constants import RedisKeys
 from laneway.settings import CommonSettings
 from quota import QuotaPolicy, Team
 from workers.answered import MAX_METADATA_CHARS
-from workers.batch_budget import RETRY_MAX_S
 
 COSTS = {
     "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
@@ -181,9 +180,8 @@ async def _drain(
     engine = "sim engine (a simulated GPU)" if args.engine == "sim" else "openai engine"
     print(f"# {engine}, 32 slots, 3 ms a token; one batch worker, every parked line")
     print(f"# without its body; per round {args.waiting} lines straight, then {args.waiting}")
-    print(f"# parked and their team's budget raised (parked lines retry every {RETRY_MAX_S:.0f} s")
-    print("# at most and read its team's record through a 4 s cache); lines/s counts from the")
-    print("# first line read back (first s after the raise)")
+    print("# parked and their team's budget raised (announced on Redis: the worker looks at")
+    print("# once); lines/s counts from the first line read back (first s after the raise)")
     print(
         f"{'round':>6} {'run':>10} {'lines':>6} {'job s':>7} {'first s':>8} {'lines/s':>8} "
         f"{'per fetch':>10}"

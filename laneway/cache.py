@@ -25,6 +25,10 @@ class TtlCache(Generic[V]):
             return None
         return hit[1]
 
+    def pop(self, key: str) -> None:
+        """``key``'s entry is let go (its record changed)."""
+        self._data.pop(key, None)
+
     def put(self, key: str, value: V) -> None:
         if len(self._data) >= self.max_entries:
             self._data.clear()

@@ -182,6 +182,11 @@ class RedisKeys:
     def teams(self) -> str:
         return f"{self.prefix}:teams"
 
+    def team_changes(self) -> str:
+        """Pub/sub channel that carries the name of each team whose record was just set
+        (a batch worker admits the team's parked lines at once, not at its next look)."""
+        return f"{self.prefix}:team-changes"
+
     def reply_stream(self, instance: str) -> str:
         return f"{self.prefix}:reply:{instance}"
 

@@ -48,6 +48,7 @@ def _text(value: bytes | str) -> str:
 
 
 async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
+    """Store ``team``'s record and announce the change (``RedisKeys.team_changes``)."""
     await redis.hset(
         keys.team(team.name),
         mapping={
@@ -59,6 +60,7 @@ async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
         },
     )
     await redis.sadd(keys.teams(), team.name)
+    await redis.publish(keys.team_changes(), team.name)
 
 
 async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:

@@ -15,7 +15,7 @@ from aiokafka import TopicPartition
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError
 from laneway.schema import RequestEnvelope
-from quota import QuotaEnforcer, QuotaPolicy, Team
+from quota import QuotaEnforcer, QuotaPolicy, Team, get_team, set_team
 from tests.stack import LiveStack, envelope, eventually
 from workers import batch_budget
 from workers.batch_budget import BudgetWait, NotReadBack
@@ -32,6 +32,7 @@ class _Lane:
         self.queued: list[Work] = []
         self.refused: list[tuple[Work, LanewayError]] = []
         self.released: list[int] = []
+        self.changed: list[str] = []  # teams whose record the lane was told changed
         self._room = 100  # lines the dispatch queue takes
         self.freed = asyncio.Event()  # as the worker's: set when a line leaves the queue
 
@@ -66,6 +67,7 @@ class _Lane:
             restore=restore,
             max_lines=10,
             bodies=bodies,
+            team_changed=self.changed.append,
         )
 
     def refuse(self, work: Work, exc: LanewayError) -> None:
@@ -128,6 +130,48 @@ async def test_a_teams_lines_wait_oldest_first_and_one_that_can_never_fit_is_ans
         assert [w.offset for w in queued] == [2]
         assert [(w.offset, getattr(exc, "never", None)) for w, exc in refused] == [(1, True)]
         assert len(wait) == 0
+    finally:
+        await wait.close()
+
+
+async def test_a_raised_budget_admits_the_parked_lines_at_once(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An admin raises a team's budget (``set_team``, as the admin API and the CLI do): its
+    parked lines are admitted as soon as the new budget covers them, not at the pool's next
+    look (here a minute away), and the lane is told to let go of the team's old record."""
+    monkeypatch.setattr(batch_budget, "RETRY_MAX_S", 60.0)
+    keys = RedisKeys(stack.prefix)
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
+    quota = QuotaEnforcer(stack.redis, keys, policy)
+    await set_team(stack.redis, keys, Team("thrifty", size=1))
+    await set_team(stack.redis, keys, Team("other", size=1))
+    lane = _Lane()
+
+    async def lookup(name: str) -> Team:  # the lane's cache let go: the stored record
+        return await get_team(stack.redis, keys, name)
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return False
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=10)
+    try:
+        await quota.reserve(await lookup("thrifty"), "batch", "earlier-work", 1000)  # empty
+        lines = [_line(100, 1), _line(100, 2)]
+        for work in lines:
+            await wait.reserve(await lookup("thrifty"), work.env)
+            assert await wait.park(work)
+        await asyncio.sleep(1.5)  # the first look done: the next one a minute away
+        assert lane.queued == []
+        await set_team(stack.redis, keys, Team("other", size=5))  # not the parked team
+        await asyncio.sleep(1.0)
+        assert lane.queued == []
+        # A million tokens an hour: the pool refills at the new rate (a raise adds no
+        # tokens at once), the two lines' 200 in under a second.
+        await set_team(stack.redis, keys, Team("thrifty", size=1000))
+        await eventually(lambda: len(lane.queued) == 2, 10, "the parked lines admitted")
+        assert [w.offset for w in lane.queued] == [1, 2]
+        assert lane.changed == ["other", "thrifty"]
     finally:
         await wait.close()
 

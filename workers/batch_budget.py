@@ -12,6 +12,11 @@ what waiting needs (team, job, size, place) and are read back from Kafka
 (``workers.reread``) when admitted, so a job of tens of thousands of lines waits in about
 2 kB a line, whatever its prompts. Up to ``max_lines`` are parked; past that the lane waits
 for room.
+
+A team's pool is tried again when its refill could cover the next line, at least every
+``RETRY_MAX_S``, and at once when the team's record changes (an admin raised its budget:
+``quota.set_team`` announces it on a Redis channel, which this worker follows while it has
+lines parked; with Redis away, the next look finds the change all the same).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from aiokafka import TopicPartition
 from redis.exceptions import RedisError
 
 from laneway.errors import Cancelled, LanewayError, QuotaExceeded
+from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 from laneway.schema import RequestEnvelope
 from laneway.tasks import cancel_all, kept
@@ -45,6 +51,9 @@ RETRY_MAX_S = 5.0
 # at most this long before it looks again.
 _NO_ROOM_WAIT_S = RETRY_MAX_S
 # A line that could not be read back is tried again after this (the other teams' meanwhile).
+# The channel of team changes is read in waits this long, so a closing or a circuit that
+# opened is noticed.
+_CHANGES_POLL_S = 1.0
 _READ_BACK_RETRY_S = 1.0
 
 
@@ -82,9 +91,12 @@ class BudgetWait:
         restore: Callable[[Work], Awaitable[Work | None]],
         max_lines: int,
         bodies: int,
+        team_changed: Callable[[str], None] = lambda name: None,
     ) -> None:
         self.quota = quota
         self._team = team
+        # A team's record changed: any copy of it held for ``team`` is let go.
+        self._team_changed = team_changed
         self._queue = queue  # a line admitted (or cancelled): to the dispatch queue
         self._refuse = refuse  # a line that must not run (never fits, cancelled): its error
         self._release = release  # a line's reservation, given back
@@ -110,7 +122,10 @@ class BudgetWait:
         self._space = asyncio.Event()
         self._space.set()
         self._parked = asyncio.Event()
+        self._woken = asyncio.Event()  # a parked team's record changed: look again at once
         self._task: asyncio.Task[None] | None = None
+        self._changes: asyncio.Task[None] | None = None
+        self._closing = False
 
     def __len__(self) -> int:
         return sum(len(lines) for lines in self._lines.values())
@@ -157,6 +172,7 @@ class BudgetWait:
         self._parked.set()
         if self._task is None:
             self._task = kept("batch budget", self._admit)
+            self._changes = kept("batch budget: team changes", self._follow_changes)
         return True
 
     def forget(self, partitions: set[TopicPartition]) -> None:
@@ -179,8 +195,44 @@ class BudgetWait:
                 self._take_job(team, job_id)
 
     async def close(self) -> None:
-        if self._task is not None:
-            await cancel_all([self._task])
+        self._closing = True
+        await cancel_all([task for task in (self._task, self._changes) if task is not None])
+
+    async def _follow_changes(self) -> None:
+        """The names on ``quota.set_team``'s channel: a parked team's lines are looked at
+        again at once. While Redis does not answer (its circuit open) the loop waits, then
+        subscribes anew (a subscription that lived through a partition may be dead without
+        a word); the admission's own looks go on meanwhile."""
+        redis = self.quota.redis
+        circuit = circuit_of(redis)
+        backoff = Backoff(0.5, 10.0)
+        # The flag too: redis-py's timed read swallows a cancellation now and then.
+        while not self._closing:
+            await circuit.wait_closed()
+            closings = circuit.closings
+            try:
+                async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.quota.keys.team_changes())
+                    backoff.reset()
+                    while circuit.closings == closings and not circuit.open:
+                        if self._closing:
+                            return
+                        message = await pubsub.get_message(timeout=_CHANGES_POLL_S)
+                        if message is not None:
+                            self._changed_team(message["data"])
+            except (RedisError, OSError) as exc:
+                log.info(
+                    "team changes not followed (%s); parked lines look every %.0f s",
+                    exc,
+                    RETRY_MAX_S,
+                )
+                await backoff.wait()
+
+    def _changed_team(self, raw: bytes | str) -> None:
+        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        self._team_changed(name)
+        if name in self._lines:
+            self._woken.set()
 
     async def _admit(self) -> None:
         """Each parked team's oldest lines, as its pool refills; every team in turn."""
@@ -190,6 +242,8 @@ class BudgetWait:
                 self._parked.clear()
                 await self._parked.wait()
             wait = RETRY_MAX_S
+            # Cleared before the round: a change announced during it wakes the next at once.
+            self._woken.clear()
             try:
                 for team in list(self._lines):
                     wait = min(wait, await self._admit_team(team))
@@ -199,7 +253,8 @@ class BudgetWait:
                 continue
             backoff.reset()
             if self._lines:
-                await asyncio.sleep(wait)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), wait)
 
     async def _admit_team(self, name: str) -> float:
         """Admit ``name``'s parked lines while its pool covers them; the seconds until its

@@ -100,6 +100,7 @@ class BatchLane:
                 restore=self._restore,
                 max_lines=_MAX_PARKED,
                 bodies=worker.settings.batch_parked_bodies,
+                team_changed=self._teams.pop,
             )
         )
         self.reread = RecordReader(worker.settings)
