@@ -9,12 +9,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from prometheus_client import REGISTRY
 
-from tests.stack import LiveStack, eventually
+from laneway.schema import BatchRequest
+from tests.stack import LiveStack, envelope, eventually
 from workers import reread
+from workers.batch import batch_request_id
+from workers.batch_lane import BatchLane
+from workers.dispatch import Work
 from workers.reread import RecordGone, RecordReader
 
 
@@ -63,6 +67,10 @@ async def test_a_record_is_read_back_by_its_offset_until_retention_deletes_it(
             assert (await reader.read(tp, offsets[n])).value == f"line {n}".encode()
         # Line 3 took a fetch, line 0 another; lines 1 and 2 came with line 0's.
         assert _fetches() - before == 2
+        # And nothing more is fetched meanwhile (the reader's consumer fetches no further
+        # records ahead, nor long-polls while idle).
+        assert reader._consumer is not None
+        assert reader._consumer.paused() == {tp}
         # Retention (here its admin call) deletes the first three: a reader that did not
         # fetch them is told they are gone, never answered by another record in their
         # place; the one that did still has them, until it forgets them.
@@ -82,7 +90,8 @@ async def test_an_aborted_line_in_a_fetch_is_not_read_back(
     stack: LiveStack, readers: list[RecordReader]
 ) -> None:
     """Between two lines, one of an aborted transaction and its marker: the fetch that
-    brings the first line brings the second, and the offsets between hold no line."""
+    brings the first line brings the second, and the offsets between hold no line (the
+    broker is asked again: a kept fetch without a line there may be a stale one)."""
     tp = TopicPartition(stack.topics.request("batch"), 1)
     [first] = await _send(stack, tp, "line 0")
     txn = AIOKafkaProducer(
@@ -115,11 +124,12 @@ async def test_an_aborted_line_in_a_fetch_is_not_read_back(
     reader = _reader(readers, stack)
     before = _fetches()
     assert (await reader.read(tp, first)).value == b"line 0"
+    assert (await reader.read(tp, last)).value == b"line 1"
+    assert _fetches() - before == 1
     for offset in range(first + 1, last):
         with pytest.raises(RecordGone, match="has no record"):
             await reader.read(tp, offset)
-    assert (await reader.read(tp, last)).value == b"line 1"
-    assert _fetches() - before == 1
+    assert _fetches() - before == 1 + (last - first - 1)
 
 
 @pytest.mark.parametrize("bound", ["_KEPT_PARTITIONS", "_KEPT_BYTES"])
@@ -139,4 +149,38 @@ async def test_what_is_kept_is_bounded(
     assert (await reader.read(one, on_one[1])).value == b"one 1"  # kept: the latest
     assert _fetches() - before == 2
     assert (await reader.read(zero, on_zero[1])).value == b"zero 1"  # let go: fetched again
+    assert _fetches() - before == 3
+
+
+async def test_the_lane_asks_again_when_the_kept_line_at_an_offset_is_another(
+    stack: LiveStack,
+) -> None:
+    """A parked line is read back, and what the reader kept at its offset is another line:
+    a fetch from before its topic was deleted and made anew, planted here. The lane lets it
+    go and asks the broker, which has the line; a line the broker does not have there either
+    is answered as gone. A partition the worker no longer owns leaves nothing kept."""
+    lane = (await stack.start_worker("batch")).lane
+    assert isinstance(lane, BatchLane)
+    tp = TopicPartition(stack.topics.request("batch"), 0)
+    body = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
+
+    def line(line_id: str) -> bytes:
+        return BatchRequest(job_id="j", line_id=line_id, team="docs", body=body).to_json()
+
+    def parked(line_id: str) -> Work:
+        return Work(tp, offset, envelope(id=batch_request_id("j", line_id), cls="batch"))
+
+    producer = await stack.producer()
+    offset = (await producer.send_and_wait(tp.topic, line("new"), partition=0)).offset
+    stale = ConsumerRecord(tp.topic, 0, offset, 0, 0, None, line("old"), None, -1, -1, ())
+    lane.reread._keep(tp, reread._Fetched([stale]))
+    before = _fetches()
+    read, _ = await lane._read_back(parked("new"))
+    assert (read.job_id, read.line_id) == ("j", "new")
+    assert _fetches() - before == 1
+    with pytest.raises(RecordGone, match="is another line"):
+        await lane._read_back(parked("other"))
+    assert _fetches() - before == 2  # it asked the broker before it said so
+    lane.forgot({tp}, [])
+    await lane._read_back(parked("new"))
     assert _fetches() - before == 3

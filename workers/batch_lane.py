@@ -191,12 +191,18 @@ class BatchLane:
             else:
                 return env
 
-    def _line_of(self, tp: TopicPartition, record: ConsumerRecord[Any, Any]) -> BatchRequest | None:
+    def _line_of(
+        self, tp: TopicPartition, record: ConsumerRecord[Any, Any], *, read_back: bool = False
+    ) -> BatchRequest | None:
         """The batch line ``record`` holds (one that is not valid carries its problem as its
-        error); None, skipped, for a record that names no job and line."""
+        error); None, skipped, for a record that names no job and line. ``read_back``: the
+        record read again for a parked line, which was valid at intake; None, and nothing
+        counted or logged, for one that is not valid (another record at its offset)."""
         try:
             line = decode(BatchRequest, record.value)
         except MalformedMessage as exc:
+            if read_back:
+                return None
             salvaged = _salvage(record.value, exc)
             if salvaged is None:  # it names no job and line: there is nowhere to answer it
                 skip_record(self.worker.pool, tp, record.offset, exc)
@@ -271,7 +277,7 @@ class BatchLane:
                 # of the broker once more before the line is answered as gone.
                 self.reread.forget({work.tp})
             record = await self.reread.read(work.tp, work.offset)
-            line = self._line_of(work.tp, record)
+            line = self._line_of(work.tp, record, read_back=True)
             if line is not None and self._id_of(work.tp, line) == work.env.id:
                 return line, self._stored_at(record)
         raise RecordGone(f"{work.tp.topic}:{work.tp.partition}@{work.offset} is another line")

@@ -9,7 +9,10 @@ A team's parked lines are admitted in the order they came, so the next line aske
 often follows the last one on its partition: the records a fetch brings past the one asked
 for (up to 64 kB of them) are kept, the latest fetch of each of the last partitions read,
 and a drain takes one fetch per few dozen lines instead of one per line. A kept record is
-served even if retention deleted it since: it was in the topic when fetched.
+served even if retention deleted it since: it was in the topic when fetched. An offset
+without a kept record is asked of the broker, and what is kept of a partition is let go
+when the worker no longer owns it, or when the caller finds a kept record is not the line
+it wanted (the topic deleted and made anew): ``forget``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ __all__ = ["RecordGone", "RecordReader"]
 # One read waits this long for the broker's answer before it is tried again.
 _READ_TIMEOUT_MS = 5_000
 # The latest fetch is kept for this many partitions, the least recently read let go first,
-# and for fewer while the records kept add up to more than _KEPT_BYTES: a fetch is 64 kB,
-# but the broker sends a partition's first record batch whole, up to a megabyte (a batch
-# line's bound) or the topic's max.message.bytes, and 16 of those would be 16 MB or more.
+# and for fewer while their records' keys and values add up to more than _KEPT_BYTES (the
+# latest kept whole, however large): a fetch is 64 kB, but the broker sends a partition's
+# first record batch whole, up to a megabyte (a batch line's bound) or the topic's
+# max.message.bytes, and 16 of those would be 16 MB or more.
 _KEPT_PARTITIONS = 16
 _KEPT_BYTES = 4 * 1024 * 1024
 
@@ -53,9 +57,10 @@ class RecordReader:
         self._lock = asyncio.Lock()
         self._kept: OrderedDict[TopicPartition, _Fetched] = OrderedDict()
         self._kept_bytes = 0
-        # Counts the calls of ``forget``: a fetch under way while its partition is forgotten
-        # is not kept.
-        self._forgets = 0
+        # The partition of the fetch under way (one at a time), and whether it was
+        # forgotten meanwhile: then what it brings answers its read and is not kept.
+        self._fetching: TopicPartition | None = None
+        self._fetch_forgotten = False
 
     async def read(self, tp: TopicPartition, offset: int) -> ConsumerRecord[Any, Any]:
         """The record at ``offset`` of ``tp``. ``RecordGone`` if the partition no longer
@@ -63,24 +68,32 @@ class RecordReader:
         cannot say."""
         async with self._lock:
             kept = self._kept.get(tp)
-            if kept is not None and kept.covers(offset):
+            record = None if kept is None else kept.records.get(offset)
+            if record is not None:
                 self._kept.move_to_end(tp)
-            else:
-                forgets = self._forgets
-                kept = await self._fetch(tp, offset)
-                if forgets == self._forgets:
-                    self._keep(tp, kept)
-            record = kept.records.get(offset)
+                return record
+            # Not kept, or kept without a data record there (a transaction's marker or an
+            # aborted line, or a fetch of a topic since deleted and made anew): the broker
+            # is asked.
+            self._fetching, self._fetch_forgotten = tp, False
+            try:
+                fetched = await self._fetch(tp, offset)
+            finally:
+                self._fetching = None
+            if not self._fetch_forgotten:
+                self._keep(tp, fetched)
+            record = fetched.records.get(offset)
             if record is None:
-                # Inside what was fetched, yet no data record there (never the case for a
-                # line that was fetched from it once, short of a compacted topic).
+                # No data record there (never the case for a line that was fetched from it
+                # once, short of a compacted topic).
                 raise RecordGone(f"{tp.topic}:{tp.partition} has no record at {offset}")
             return record
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """What was kept of ``partitions`` is let go (the worker no longer owns them, or a
         kept record turned out not to be the one at that offset now)."""
-        self._forgets += 1
+        if self._fetching in partitions:
+            self._fetch_forgotten = True
         for tp in partitions:
             self._drop(tp)
 
@@ -113,18 +126,16 @@ class RecordReader:
                 f"{tp.topic}:{tp.partition} no longer holds offset {offset} (retention)"
             ) from exc
         finally:
-            # No fetch ahead: the consumer would ask for the records after these as soon as
-            # they are handed over, and the next read's ``assign`` would throw them away (two
-            # fetches per read; an idle reader long-polling the broker). Paused before this
-            # task yields, so before the consumer's fetch task runs again.
+            # No fetch ahead: the consumer would ask for the records after these once they
+            # are handed over, for the next read's ``assign`` to throw away, and an idle
+            # reader would long-poll the broker. Paused before this task yields, so before
+            # the consumer's fetch task runs again.
             consumer.pause(tp)
-        # From the offset sought (the consumer gives nothing before it; said here, for the
-        # records kept are taken to begin there).
-        records = [record for record in fetched.get(tp, []) if record.offset >= offset]
+        records = fetched.get(tp, [])
         if not records:
             raise TimeoutError(f"no answer for {tp.topic}:{tp.partition}@{offset}")
         metrics.BATCH_READ_BACK_FETCHES.inc()
-        return _Fetched(offset, records)
+        return _Fetched(records)
 
     async def close(self) -> None:
         self._kept.clear()
@@ -157,15 +168,9 @@ class RecordReader:
 
 
 class _Fetched:
-    """One fetch of a partition: its data records from ``first`` to the last one brought,
-    by offset (an offset in between without one held a transaction marker, or an aborted
-    transaction's record)."""
+    """One fetch of a partition: the data records it brought, by offset (an offset in
+    between without one held a transaction marker, or an aborted transaction's record)."""
 
-    def __init__(self, first: int, records: list[ConsumerRecord[Any, Any]]) -> None:
-        self.first = first
-        self.last: int = records[-1].offset
+    def __init__(self, records: list[ConsumerRecord[Any, Any]]) -> None:
         self.records = {record.offset: record for record in records}
         self.size = sum(len(record.value or b"") + len(record.key or b"") for record in records)
-
-    def covers(self, offset: int) -> bool:
-        return self.first <= offset <= self.last
