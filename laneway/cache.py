@@ -17,6 +17,9 @@ class TtlCache(Generic[V]):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._data: dict[str, tuple[float, V]] = {}
+        # Counts the entries let go (``pop``, ``clear``): a record read while this changed may
+        # be the one let go, and is not put (``put_if``).
+        self.changes = 0
 
     def get(self, key: str, *, stale_ok: bool = False) -> V | None:
         """The live entry, or with ``stale_ok`` an expired one (fallback while a store is down)."""
@@ -27,7 +30,19 @@ class TtlCache(Generic[V]):
 
     def pop(self, key: str) -> None:
         """``key``'s entry is let go (its record changed)."""
+        self.changes += 1
         self._data.pop(key, None)
+
+    def clear(self) -> None:
+        """Every entry is let go (any record may have changed)."""
+        self.changes += 1
+        self._data.clear()
+
+    def put_if(self, changes: int, key: str, value: V) -> None:
+        """``put``, unless an entry was let go since ``changes`` was read (the value, read
+        before, may be the record that changed)."""
+        if changes == self.changes:
+            self.put(key, value)
 
     def put(self, key: str, value: V) -> None:
         if len(self._data) >= self.max_entries:

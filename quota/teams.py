@@ -48,19 +48,22 @@ def _text(value: bytes | str) -> str:
 
 
 async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
-    """Store ``team``'s record and announce the change (``RedisKeys.team_changes``)."""
-    await redis.hset(
-        keys.team(team.name),
-        mapping={
-            "size": team.size,
-            "complexity": team.complexity,
-            "tier": team.tier,
-            "supersede_grace_tokens": team.supersede_grace_tokens,
-            "type_through": int(team.type_through),
-        },
-    )
-    await redis.sadd(keys.teams(), team.name)
-    await redis.publish(keys.team_changes(), team.name)
+    """Store ``team``'s record and announce the change (``RedisKeys.team_changes``), in one
+    transaction: stored and announced, or neither."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(
+            keys.team(team.name),
+            mapping={
+                "size": team.size,
+                "complexity": team.complexity,
+                "tier": team.tier,
+                "supersede_grace_tokens": team.supersede_grace_tokens,
+                "type_through": int(team.type_through),
+            },
+        )
+        pipe.sadd(keys.teams(), team.name)
+        pipe.publish(keys.team_changes(), team.name)
+        await pipe.execute()
 
 
 async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:

@@ -8,6 +8,7 @@ import asyncio
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
@@ -17,8 +18,9 @@ from laneway.errors import LanewayError
 from laneway.schema import RequestEnvelope
 from quota import QuotaEnforcer, QuotaPolicy, Team, get_team, set_team
 from tests.stack import LiveStack, envelope, eventually
-from workers import batch_budget
+from workers import batch_budget, batch_lane
 from workers.batch_budget import BudgetWait, NotReadBack
+from workers.batch_lane import BatchLane
 from workers.dispatch import Work
 
 TP = TopicPartition("lines", 0)
@@ -32,7 +34,7 @@ class _Lane:
         self.queued: list[Work] = []
         self.refused: list[tuple[Work, LanewayError]] = []
         self.released: list[int] = []
-        self.changed: list[str] = []  # teams whose record the lane was told changed
+        self.changed: list[str | None] = []  # teams whose record the lane was told changed
         self._room = 100  # lines the dispatch queue takes
         self.freed = asyncio.Event()  # as the worker's: set when a line leaves the queue
 
@@ -171,7 +173,8 @@ async def test_a_raised_budget_admits_the_parked_lines_at_once(
         await set_team(stack.redis, keys, Team("thrifty", size=1000))
         await eventually(lambda: len(lane.queued) == 2, 10, "the parked lines admitted")
         assert [w.offset for w in lane.queued] == [1, 2]
-        assert lane.changed == ["other", "thrifty"]
+        # Its subscription counts as a change of any team (None), then the two announced.
+        assert lane.changed == [None, "other", "thrifty"]
     finally:
         await wait.close()
 
@@ -358,3 +361,29 @@ async def test_a_line_waiting_without_its_body_holds_a_small_fixed_size(stack: L
         assert held / 2000 < 4000, f"{held / 2000:.0f} bytes a line"
     finally:
         await wait.close()
+
+
+async def test_a_team_record_read_while_it_changed_is_not_kept(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lane caches team records; one read from Redis while its change was announced may
+    be the old record, so it answers that lookup and is not cached: the next reads again."""
+    lane = (await stack.start_worker("batch")).lane
+    assert isinstance(lane, BatchLane)
+    read = batch_lane.get_team
+    reads = 0
+
+    async def get_team(redis: Any, keys: RedisKeys, name: str) -> Team:
+        nonlocal reads
+        reads += 1
+        team = await read(redis, keys, name)
+        if reads == 1:
+            lane._team_changed(name)  # announced while this read was under way
+        return team
+
+    monkeypatch.setattr(batch_lane, "get_team", get_team)
+    await lane._team("thrifty")
+    await lane._team("thrifty")
+    assert reads == 2  # the first read was not kept
+    await lane._team("thrifty")
+    assert reads == 2  # the second was

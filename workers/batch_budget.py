@@ -15,8 +15,10 @@ for room.
 
 A team's pool is tried again when its refill could cover the next line, at least every
 ``RETRY_MAX_S``, and at once when the team's record changes (an admin raised its budget:
-``quota.set_team`` announces it on a Redis channel, which this worker follows while it has
-lines parked; with Redis away, the next look finds the change all the same).
+``quota.set_team`` announces it on a Redis channel, which this worker follows from its first
+parked line on). A change made while the channel was not followed (before its subscription,
+or while Redis was away) is not announced to it: each new subscription counts as a change
+of every team.
 """
 
 from __future__ import annotations
@@ -91,11 +93,12 @@ class BudgetWait:
         restore: Callable[[Work], Awaitable[Work | None]],
         max_lines: int,
         bodies: int,
-        team_changed: Callable[[str], None] = lambda name: None,
+        team_changed: Callable[[str | None], None] = lambda name: None,
     ) -> None:
         self.quota = quota
         self._team = team
-        # A team's record changed: any copy of it held for ``team`` is let go.
+        # A team's record changed (None: any team's may have): any copy of it held for
+        # ``team`` is let go.
         self._team_changed = team_changed
         self._queue = queue  # a line admitted (or cancelled): to the dispatch queue
         self._refuse = refuse  # a line that must not run (never fits, cancelled): its error
@@ -200,9 +203,10 @@ class BudgetWait:
 
     async def _follow_changes(self) -> None:
         """The names on ``quota.set_team``'s channel: a parked team's lines are looked at
-        again at once. While Redis does not answer (its circuit open) the loop waits, then
-        subscribes anew (a subscription that lived through a partition may be dead without
-        a word); the admission's own looks go on meanwhile."""
+        again at once (and every parked team's at each new subscription: a change made while
+        none was live went unheard). While Redis does not answer (its circuit open) the loop
+        waits, then subscribes anew (a subscription that lived through a partition may be
+        dead without a word); the admission's own looks go on meanwhile."""
         redis = self.quota.redis
         circuit = circuit_of(redis)
         backoff = Backoff(0.5, 10.0)
@@ -214,6 +218,7 @@ class BudgetWait:
                 async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.quota.keys.team_changes())
                     backoff.reset()
+                    self._changed_team(None)
                     while circuit.closings == closings and not circuit.open:
                         if self._closing:
                             return
@@ -228,10 +233,11 @@ class BudgetWait:
                 )
                 await backoff.wait()
 
-    def _changed_team(self, raw: bytes | str) -> None:
-        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    def _changed_team(self, raw: bytes | str | None) -> None:
+        """A team's record changed (None: any team's may have)."""
+        name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         self._team_changed(name)
-        if name in self._lines:
+        if name in self._lines or (name is None and self._lines):
             self._woken.set()
 
     async def _admit(self) -> None:

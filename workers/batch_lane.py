@@ -100,7 +100,7 @@ class BatchLane:
                 restore=self._restore,
                 max_lines=_MAX_PARKED,
                 bodies=worker.settings.batch_parked_bodies,
-                team_changed=self._teams.pop,
+                team_changed=self._team_changed,
             )
         )
         self.reread = RecordReader(worker.settings)
@@ -386,9 +386,17 @@ class BatchLane:
     async def _team(self, name: str) -> Team:
         team = self._teams.get(name)
         if team is None:
+            changes = self._teams.changes
             team = await get_team(self.worker.redis, self.worker.keys, name)
-            self._teams.put(name, team)
+            self._teams.put_if(changes, name, team)
         return team
+
+    def _team_changed(self, name: str | None) -> None:
+        """``name``'s record changed (None: any team's may have)."""
+        if name is None:
+            self._teams.clear()
+        else:
+            self._teams.pop(name)
 
     # --- exactly-once commit --------------------------------------------------------------
 
