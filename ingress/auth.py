@@ -1,4 +1,5 @@
-"""Who is calling: bearer key → team, team → record, both cached briefly in-process.
+"""Who is calling: bearer key → team, team → record, both cached briefly in-process (a
+team's record until ``quota.set_team`` announces a change of it: ``team_changed``).
 
 Keys are known by their hash here too (no key is kept in memory longer than a request). A
 revoked key is refused first, from the revocations every replica reads off Kafka, so it
@@ -73,8 +74,9 @@ class CallerResolver:
             team = self._teams.get(team_name)
             if team is None:
                 named = team_name
+                changes = self._teams.changes
                 team = await self.circuit.hot(lambda: get_team(self.redis, self.keys, named))
-                self._teams.put(team_name, team)
+                self._teams.put_if(changes, team_name, team)
         except (RedisError, OSError) as exc:
             # Redis is down or hangs: a key seen before keeps working on its last known record
             # (a revoked one does not: the check above reads Kafka's revocations, not Redis).
@@ -87,3 +89,11 @@ class CallerResolver:
                     retry_after=2,
                 ) from exc
         return Caller(team=team, key_id=key_id(digest))
+
+    def team_changed(self, name: str | None) -> None:
+        """``name``'s record changed (None: any team's may have): read again at its next
+        request, the cached one kept only as the fallback while Redis does not answer."""
+        if name is None:
+            self._teams.expire_all()
+        else:
+            self._teams.expire(name)

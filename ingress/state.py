@@ -34,8 +34,9 @@ from laneway.constants import HEARTBEAT_TTL_S, POOLS
 from laneway.loops import keep_running
 from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope
-from laneway.tasks import stop_task
+from laneway.tasks import kept, stop_task
 from quota import CancelRateLimit, QuotaEnforcer, QuotaPolicy
+from quota.teams import follow_team_changes
 
 __all__ = ["IngressState"]
 
@@ -103,6 +104,8 @@ class IngressState:
             settings, self.topics.replies, auto_offset_reset="latest"
         )
         self._tail: asyncio.Task[None]
+        self._team_changes: asyncio.Task[None]
+        self._closing = False
         self._lease_returns: asyncio.Task[None]
         self._clock_sync: asyncio.Task[None]
         self.started_at = time.time()
@@ -130,6 +133,13 @@ class IngressState:
             ),
             name="reply-tail",
         )
+        # A team's new record (an admin's change of its budget or tier) is used at once.
+        self._team_changes = kept(
+            "team changes",
+            lambda: follow_team_changes(
+                self.redis, self.keys, self.callers.team_changed, closing=lambda: self._closing
+            ),
+        )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
         self._clock_sync = asyncio.create_task(self._sync_clock(), name="clock-sync")
         await self.batches.start()
@@ -140,7 +150,8 @@ class IngressState:
         await self.batches.stop()
         await self.cancels.stop()  # while Kafka and Redis are still there
         await self.shadows.stop()
-        for task in (self._clock_sync, self._lease_returns, self._tail):
+        self._closing = True
+        for task in (self._clock_sync, self._team_changes, self._lease_returns, self._tail):
             await stop_task(task)
         await self.revoked.stop()
         await self._reply_fallback.stop()

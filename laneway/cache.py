@@ -17,8 +17,8 @@ class TtlCache(Generic[V]):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._data: dict[str, tuple[float, V]] = {}
-        # Counts the entries let go (``pop``, ``clear``): a record read while this changed may
-        # be the one let go, and is not put (``put_if``).
+        # Counts the entries expired early (``expire``, ``expire_all``): a record read while
+        # this changed may be the one expired, and is not put (``put_if``).
         self.changes = 0
 
     def get(self, key: str, *, stale_ok: bool = False) -> V | None:
@@ -28,15 +28,18 @@ class TtlCache(Generic[V]):
             return None
         return hit[1]
 
-    def pop(self, key: str) -> None:
-        """``key``'s entry is let go (its record changed)."""
+    def expire(self, key: str) -> None:
+        """``key``'s entry expires now (its record changed): ``get`` reads it only
+        ``stale_ok``, as the fallback while the store does not answer."""
         self.changes += 1
-        self._data.pop(key, None)
+        hit = self._data.get(key)
+        if hit is not None:
+            self._data[key] = (0.0, hit[1])
 
-    def clear(self) -> None:
-        """Every entry is let go (any record may have changed)."""
+    def expire_all(self) -> None:
+        """Every entry expires now (any record may have changed)."""
         self.changes += 1
-        self._data.clear()
+        self._data = {key: (0.0, value) for key, (_, value) in self._data.items()}
 
     def put_if(self, changes: int, key: str, value: V) -> None:
         """``put``, unless an entry was let go since ``changes`` was read (the value, read

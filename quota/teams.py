@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from laneway.constants import Band, RedisKeys
 from laneway.errors import BadRequest
+from laneway.redis_circuit import circuit_of
+from laneway.retry import Backoff
 
-__all__ = ["Team", "get_team", "set_team"]
+__all__ = ["Team", "follow_team_changes", "get_team", "set_team"]
+
+log = logging.getLogger(__name__)
+
+# The channel of team changes is read in waits this long, so a closing or a circuit that
+# opened is noticed.
+_CHANGES_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +92,38 @@ async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:
         supersede_grace_tokens=int(fields.get("supersede_grace_tokens", 0)),
         type_through=fields.get("type_through", "1") != "0",
     )
+
+
+async def follow_team_changes(
+    redis: aioredis.Redis,
+    keys: RedisKeys,
+    changed: Callable[[str | None], None],
+    *,
+    closing: Callable[[], bool],
+) -> None:
+    """Calls ``changed`` with each team name ``set_team`` announces, and with None at each
+    new subscription (a change made while none was live went unheard: any team's record may
+    have changed), until ``closing()``. While Redis does not answer (its circuit open) it
+    waits, then subscribes anew: a subscription that lived through a partition may be dead
+    without a word. Meanwhile the callers' cached records expire as they would anyway."""
+    circuit = circuit_of(redis)
+    backoff = Backoff(0.5, 10.0)
+    # The flag too: redis-py's timed read swallows a cancellation now and then.
+    while not closing():
+        await circuit.wait_closed()
+        closings = circuit.closings
+        try:
+            async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                await pubsub.subscribe(keys.team_changes())
+                backoff.reset()
+                changed(None)
+                while circuit.closings == closings and not circuit.open:
+                    if closing():
+                        return
+                    message = await pubsub.get_message(timeout=_CHANGES_POLL_S)
+                    if message is not None:
+                        raw = message["data"]
+                        changed(raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
+        except (RedisError, OSError) as exc:
+            log.info("team changes not followed (%s); cached records expire as usual", exc)
+            await backoff.wait()

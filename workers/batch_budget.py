@@ -34,12 +34,12 @@ from aiokafka import TopicPartition
 from redis.exceptions import RedisError
 
 from laneway.errors import Cancelled, LanewayError, QuotaExceeded
-from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 from laneway.schema import RequestEnvelope
 from laneway.tasks import cancel_all, kept
 from quota import Team
 from quota.enforcer import QuotaEnforcer
+from quota.teams import follow_team_changes
 from workers import metrics
 from workers.dispatch import Work
 
@@ -53,9 +53,6 @@ RETRY_MAX_S = 5.0
 # at most this long before it looks again.
 _NO_ROOM_WAIT_S = RETRY_MAX_S
 # A line that could not be read back is tried again after this (the other teams' meanwhile).
-# The channel of team changes is read in waits this long, so a closing or a circuit that
-# opened is noticed.
-_CHANGES_POLL_S = 1.0
 _READ_BACK_RETRY_S = 1.0
 
 
@@ -202,40 +199,14 @@ class BudgetWait:
         await cancel_all([task for task in (self._task, self._changes) if task is not None])
 
     async def _follow_changes(self) -> None:
-        """The names on ``quota.set_team``'s channel: a parked team's lines are looked at
-        again at once (and every parked team's at each new subscription: a change made while
-        none was live went unheard). While Redis does not answer (its circuit open) the loop
-        waits, then subscribes anew (a subscription that lived through a partition may be
-        dead without a word); the admission's own looks go on meanwhile."""
-        redis = self.quota.redis
-        circuit = circuit_of(redis)
-        backoff = Backoff(0.5, 10.0)
-        # The flag too: redis-py's timed read swallows a cancellation now and then.
-        while not self._closing:
-            await circuit.wait_closed()
-            closings = circuit.closings
-            try:
-                async with redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.quota.keys.team_changes())
-                    backoff.reset()
-                    self._changed_team(None)
-                    while circuit.closings == closings and not circuit.open:
-                        if self._closing:
-                            return
-                        message = await pubsub.get_message(timeout=_CHANGES_POLL_S)
-                        if message is not None:
-                            self._changed_team(message["data"])
-            except (RedisError, OSError) as exc:
-                log.info(
-                    "team changes not followed (%s); parked lines look every %.0f s",
-                    exc,
-                    RETRY_MAX_S,
-                )
-                await backoff.wait()
+        """A parked team's lines are looked at again as soon as its record changes, every
+        parked team's when any may have (``follow_team_changes``)."""
+        await follow_team_changes(
+            self.quota.redis, self.quota.keys, self._changed_team, closing=lambda: self._closing
+        )
 
-    def _changed_team(self, raw: bytes | str | None) -> None:
+    def _changed_team(self, name: str | None) -> None:
         """A team's record changed (None: any team's may have)."""
-        name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         self._team_changed(name)
         if name in self._lines or (name is None and self._lines):
             self._woken.set()

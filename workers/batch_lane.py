@@ -394,9 +394,9 @@ class BatchLane:
     def _team_changed(self, name: str | None) -> None:
         """``name``'s record changed (None: any team's may have)."""
         if name is None:
-            self._teams.clear()
+            self._teams.expire_all()
         else:
-            self._teams.pop(name)
+            self._teams.expire(name)
 
     # --- exactly-once commit --------------------------------------------------------------
 
