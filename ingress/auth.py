@@ -93,7 +93,4 @@ class CallerResolver:
     def team_changed(self, name: str | None) -> None:
         """``name``'s record changed (None: any team's may have): read again at its next
         request, the cached one kept only as the fallback while Redis does not answer."""
-        if name is None:
-            self._teams.expire_all()
-        else:
-            self._teams.expire(name)
+        self._teams.expire(name)

@@ -17,8 +17,8 @@ class TtlCache(Generic[V]):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._data: dict[str, tuple[float, V]] = {}
-        # Counts the entries expired early (``expire``, ``expire_all``): a record read while
-        # this changed may be the one expired, and is not put (``put_if``).
+        # Counts the calls of ``expire``: a record read while this changed may be the one
+        # expired, and is not put (``put_if``).
         self.changes = 0
 
     def get(self, key: str, *, stale_ok: bool = False) -> V | None:
@@ -28,22 +28,18 @@ class TtlCache(Generic[V]):
             return None
         return hit[1]
 
-    def expire(self, key: str) -> None:
-        """``key``'s entry expires now (its record changed): ``get`` reads it only
-        ``stale_ok``, as the fallback while the store does not answer."""
+    def expire(self, key: str | None) -> None:
+        """``key``'s entry expires now (its record changed; None: every entry, any record
+        may have): ``get`` reads it only ``stale_ok``, as the fallback while the store does
+        not answer."""
         self.changes += 1
-        hit = self._data.get(key)
-        if hit is not None:
-            self._data[key] = (0.0, hit[1])
-
-    def expire_all(self) -> None:
-        """Every entry expires now (any record may have changed)."""
-        self.changes += 1
-        self._data = {key: (0.0, value) for key, (_, value) in self._data.items()}
+        keys = list(self._data) if key is None else [key] if key in self._data else []
+        for name in keys:
+            self._data[name] = (0.0, self._data[name][1])
 
     def put_if(self, changes: int, key: str, value: V) -> None:
-        """``put``, unless an entry was let go since ``changes`` was read (the value, read
-        before, may be the record that changed)."""
+        """``put``, unless an entry expired early since ``changes`` was read (the value,
+        read before, may be the record that changed)."""
         if changes == self.changes:
             self.put(key, value)
 

@@ -184,7 +184,8 @@ class RedisKeys:
 
     def team_changes(self) -> str:
         """Pub/sub channel that carries the name of each team whose record was just set
-        (a batch worker admits the team's parked lines at once, not at its next look)."""
+        (``quota.teams.follow_team_changes``: the ingresses and the batch workers with parked
+        lines use the new record at once)."""
         return f"{self.prefix}:team-changes"
 
     def reply_stream(self, instance: str) -> str:

@@ -100,7 +100,7 @@ class BatchLane:
                 restore=self._restore,
                 max_lines=_MAX_PARKED,
                 bodies=worker.settings.batch_parked_bodies,
-                team_changed=self._team_changed,
+                team_changed=self._teams.expire,
             )
         )
         self.reread = RecordReader(worker.settings)
@@ -390,13 +390,6 @@ class BatchLane:
             team = await get_team(self.worker.redis, self.worker.keys, name)
             self._teams.put_if(changes, name, team)
         return team
-
-    def _team_changed(self, name: str | None) -> None:
-        """``name``'s record changed (None: any team's may have)."""
-        if name is None:
-            self._teams.expire_all()
-        else:
-            self._teams.expire(name)
 
     # --- exactly-once commit --------------------------------------------------------------
 
