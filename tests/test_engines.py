@@ -36,6 +36,34 @@ async def test_sim_is_deterministic_and_costed() -> None:
     assert again[-1].engine_ms == pytest.approx(0.0)
 
 
+async def test_sim_stops_at_a_stop_sequence_and_leaves_it_out() -> None:
+    engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0))
+    plain = await _run(engine, EngineRequest(id="a", route="m", prompt="def f():", max_tokens=64))
+    words = [d.text for d in plain]
+    text = "".join(words)
+    assert len(words) >= 6
+    # A stop that begins inside the fourth step and ends inside the fifth.
+    cut = len("".join(words[:3])) + 2
+    stop = text[cut : len("".join(words[:4])) + 1]
+    assert text.find(stop) == cut, "the stop must first occur where the test cut the text"
+    stopped = await _run(
+        engine,
+        EngineRequest(id="b", route="m", prompt="def f():", max_tokens=64, stop=["zz", stop]),
+    )
+    assert "".join(d.text for d in stopped) == text[:cut]
+    assert stopped[-1].finish_reason == "stop"
+    assert stopped[-1].completion_tokens == 5  # the step that completed the stop was generated
+    # At max_tokens, a stop met on the last step is still a stop, not the length.
+    capped = await _run(
+        engine, EngineRequest(id="c", route="m", prompt="def f():", max_tokens=5, stop=[stop])
+    )
+    assert (len(capped), capped[-1].finish_reason) == (5, "stop")
+    unmatched = await _run(
+        engine, EngineRequest(id="d", route="m", prompt="def f():", max_tokens=64, stop=["\n\n"])
+    )
+    assert [d.text for d in unmatched] == words
+
+
 async def test_sim_prefix_cache_counts_only_whole_shared_blocks() -> None:
     engine = SimEngine(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0, block_tokens=4))
     await _run(engine, EngineRequest(id="a", route="m", prompt="a" * 40 + "tail-one", max_tokens=4))

@@ -178,3 +178,28 @@ async def test_over_http_refusals_name_the_field_and_an_answer_can_be_sent_back(
         model="laneway-chat", messages=messages, max_tokens=8, n=1, user="u-1"
     )
     assert second.choices[0].message.content
+
+
+async def test_over_http_a_stop_sequence_ends_the_text(stack: LiveStack) -> None:
+    """``stop`` reaches the engine: the text ends before the stop sequence, ``finish_reason``
+    ``stop`` (the sim engine here honours it as vLLM does)."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    prompt = "def parse(self, data):\n    "
+    whole = await client.completions.create(model="laneway-code", prompt=prompt, max_tokens=64)
+    text = whole.choices[0].text
+    assert len(text) > 12
+    stop = text[8:12]
+    cut = text.find(stop)
+    stopped = await client.completions.create(
+        model="laneway-code", prompt=prompt, max_tokens=64, stop=[stop]
+    )
+    assert stopped.choices[0].text == text[:cut]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = await client.completions.create(
+        model="laneway-code", prompt=prompt, max_tokens=64, stop=stop, stream=True
+    )
+    assert "".join([chunk.choices[0].text async for chunk in streamed]) == text[:cut]

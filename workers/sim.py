@@ -7,7 +7,8 @@ decode step costs ``decode_ms_per_step``, at most ``batch_slots`` sequences deco
 step at the same moment (one batch step for all, a new one joining at the next step), and
 the prefix cache is an LRU of ``block_tokens``-token blocks keyed by the hash of everything
 before them. Text is deterministic: the same prompt yields the same completion, so a re-run
-after a crash repeats what the client already saw.
+after a crash repeats what the client already saw. A stop sequence ends it as an engine's
+would: left out of the text, ``finish_reason`` ``stop``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,26 @@ class SimProfile:
 
 def _tokens(text: str) -> list[str]:
     return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def _cut_at_stop(words: list[str], stops: list[str]) -> tuple[list[str], bool]:
+    """The steps' texts up to the first stop sequence, as an engine streams them: the stop
+    sequence is left out, and so is whatever came after it; the step that completed it
+    still counts as a generated token (its text may be empty). ``True`` when one stopped."""
+    text = "".join(words)
+    found = [(at, len(stop)) for stop in stops if stop and (at := text.find(stop)) >= 0]
+    if not found:
+        return words, False
+    # The engine stops at the step that completes a stop sequence: the first to end wins.
+    cut, end = min(((at, at + size) for at, size in found), key=lambda span: (span[1], span[0]))
+    kept: list[str] = []
+    written = 0
+    for word in words:
+        kept.append(word[: max(0, cut - written)])
+        written += len(word)
+        if written >= end:
+            break
+    return kept, True
 
 
 class SimEngine:
@@ -207,11 +228,11 @@ class SimEngine:
         failure_rate = profile.route_failure_rates.get(request.route, profile.failure_rate)
         if failure_rate and self._rng.random() < failure_rate:
             raise EngineError(f"sim: injected failure ({failure_rate:.0%} of {request.route})")
-        words = self._completion_words(request)
+        words, stopped = _cut_at_stop(self._completion_words(request), request.stop)
         held = len(tokens)
         self._kv_used += held
         try:
-            decode = self._decode(request, words, len(tokens), cached, engine_ms)
+            decode = self._decode(request, words, len(tokens), cached, engine_ms, stopped=stopped)
             async with contextlib.aclosing(decode) as deltas:
                 async for delta in deltas:
                     self._kv_used += 1
@@ -221,7 +242,14 @@ class SimEngine:
             self._kv_used -= held
 
     async def _decode(
-        self, request: EngineRequest, words: list[str], prompt: int, cached: int, engine_ms: float
+        self,
+        request: EngineRequest,
+        words: list[str],
+        prompt: int,
+        cached: int,
+        engine_ms: float,
+        *,
+        stopped: bool,
     ) -> AsyncGenerator[EngineDelta, None]:
         profile = self.profile
         step_s = profile.decode_ms_per_step / 1000
@@ -249,7 +277,8 @@ class SimEngine:
                 await self._sleep_ms(0, i)
             engine_ms += profile.decode_ms_per_step
             last = i == len(words) - 1
-            finish = ("length" if len(words) == request.max_tokens else "stop") if last else None
+            length = len(words) == request.max_tokens and not stopped
+            finish = ("length" if length else "stop") if last else None
             yield EngineDelta(
                 text=word,
                 prompt_tokens=prompt,
