@@ -4,9 +4,12 @@ answer, the copy it had still serves."""
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from laneway.cache import TtlCache
 from quota import Team, set_team
 from tests.stack import LiveStack, eventually
+from tests.tcp_proxy import TcpProxy
 
 
 async def test_the_ingress_uses_a_changed_team_record_at_once(stack: LiveStack) -> None:
@@ -24,6 +27,46 @@ async def test_the_ingress_uses_a_changed_team_record_at_once(stack: LiveStack) 
         return (team.size, team.tier) == (12, "lo")
 
     await eventually(changed, 10, "the ingress to use the new record")
+
+
+async def test_a_change_announced_while_the_ingress_could_not_hear_is_used_after(
+    stack: LiveStack,
+) -> None:
+    """The announcement is lost on an ingress cut off from Redis (a partition, a restart);
+    once it reaches Redis again it reads every team anew, not when its copies expire."""
+    target = urlsplit(stack.services.redis_url)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)
+    await proxy.start()
+    try:
+        # The key first: its own announcement comes before the ingress follows.
+        key = await stack.api_key("payments", size=1)
+        ingress = await stack.start_ingress(redis_url=proxy.url())
+        callers = ingress.state.callers
+        callers._teams.ttl_s = 600.0  # only the follower can bring the change in within bound
+        channel = ingress.state.keys.team_changes()
+        await eventually(lambda: _listeners(stack, channel), 10, "the ingress to follow")
+        assert (await callers.resolve(f"Bearer {key}")).team.size == 1
+        await proxy.cut_off()
+        await eventually(
+            lambda: _listeners(stack, channel, 0), 10, "Redis to see the follower gone"
+        )
+        # Made on Redis itself (the admin reaches it; this ingress does not): nobody hears.
+        await set_team(stack.redis, ingress.state.keys, Team("payments", size=12))
+        assert callers._teams.get("payments") is not None, "the copy must be fresh here"
+        assert (await callers.resolve(f"Bearer {key}")).team.size == 1  # its copy serves
+        proxy.mend()
+
+        async def changed() -> bool:
+            return (await callers.resolve(f"Bearer {key}")).team.size == 12
+
+        await eventually(changed, 30, "the ingress to use the record changed while cut off")
+    finally:
+        await proxy.stop()
+
+
+async def _listeners(stack: LiveStack, channel: str, count: int = 1) -> bool:
+    [(_, live)] = await stack.redis.pubsub_numsub(channel)
+    return live == count
 
 
 def test_a_record_expired_by_its_change_stays_the_fallback() -> None:
