@@ -15,12 +15,14 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
+from ingress.headers import authorization
 from ingress.responses import JSONResponse
 from ingress.state import IngressState
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.errors import NotFound, Unauthorized
 from laneway.openai_api import parse_body
 from quota import Team, get_team, set_team
+from quota.teams import MAX_GRACE_TOKENS, MAX_TEAM_SIZE
 
 __all__ = [
     "KeyBody",
@@ -40,10 +42,10 @@ admin_router = APIRouter(prefix="/admin")
 class TeamBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    size: int = Field(ge=1)
+    size: int = Field(ge=1, le=MAX_TEAM_SIZE)
     complexity: float = Field(1.0, gt=0, le=10)
     tier: str = Field("hi", pattern="^(hi|lo)$")
-    supersede_grace_tokens: int = Field(0, ge=0)
+    supersede_grace_tokens: int = Field(0, ge=0, le=MAX_GRACE_TOKENS)
     type_through: bool = True
 
 
@@ -57,7 +59,7 @@ def is_admin(request: Request) -> bool:
     """Whether the request carries the admin key (never true while the admin API is off)."""
     state: IngressState = request.app.state.laneway
     expected = state.settings.admin_key.get_secret_value()
-    given = request.headers.get("authorization", "")
+    given = authorization(request.headers) or ""
     return bool(expected) and hmac.compare_digest(
         given.encode(errors="surrogatepass"), f"Bearer {expected}".encode()
     )

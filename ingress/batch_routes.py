@@ -13,6 +13,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
 from ingress.batch_records import CreateBatch
+from ingress.headers import authorization
 from ingress.responses import JSONResponse
 from ingress.state import IngressState
 from laneway.batch import new_job_id
@@ -28,7 +29,7 @@ FILES_PATH = "/v1/files"
 
 async def _caller(request: Request) -> tuple[IngressState, Team]:
     state: IngressState = request.app.state.laneway
-    caller = await state.callers.resolve(request.headers.get("authorization"))
+    caller = await state.callers.resolve(authorization(request.headers))
     return state, caller.team
 
 

@@ -182,6 +182,11 @@ class BatchBook:
             await self._fail(
                 record.id, "not_queued", "the batch's lines could not be queued; create it again"
             )
+        except Exception as exc:
+            # A fault of laneway's own: the batch says so at once rather than waiting in
+            # validating until it is given up on.
+            log.exception("batch %s not queued", record.id)
+            await self._fail(record.id, "not_queued", f"the batch could not be queued: {exc!r}")
 
     async def _write(
         self,
@@ -247,7 +252,8 @@ class BatchBook:
     # --- progress -----------------------------------------------------------------------
 
     async def _refresh(self, record: BatchRecord) -> BatchRecord:
-        if record.status == "validating" and record.id not in self._submitting:
+        if record.status in ("validating", "cancelling") and record.id not in self._submitting:
+            # A batch cancelled while it was being queued ends as one left validating does.
             record = await self._recover(record)
         if record.status in _COUNTING and record.scanned_to is not None:
             record = await self._count(record)

@@ -22,6 +22,8 @@ __all__ = [
     "SEQ_HEADER",
     "SESSION_HEADER",
     "LanewayHeaders",
+    "authorization",
+    "single",
 ]
 
 SESSION_HEADER = "x-laneway-session"
@@ -46,17 +48,17 @@ class LanewayHeaders:
     @classmethod
     def parse(cls, headers: Headers) -> LanewayHeaders:
         """The headers a request carries, or ``BadRequest`` naming the first bad one."""
-        priority = headers.get(PRIORITY_HEADER)
+        priority = single(headers, PRIORITY_HEADER)
         if priority is not None and priority not in ("hi", "lo"):
             raise BadRequest(
                 f"header {PRIORITY_HEADER}: {priority[:20]!r} must be 'hi' or 'lo'",
                 param=PRIORITY_HEADER,
             )
         return cls(
-            session=_session(headers.get(SESSION_HEADER)),
-            seq=_integer(headers.get(SEQ_HEADER), SEQ_HEADER, 0, MAX_SEQ),
+            session=_session(single(headers, SESSION_HEADER)),
+            seq=_integer(single(headers, SEQ_HEADER), SEQ_HEADER, 0, MAX_SEQ),
             deadline_ms=_integer(
-                headers.get(DEADLINE_HEADER), DEADLINE_HEADER, 1, _MAX_DEADLINE_MS
+                single(headers, DEADLINE_HEADER), DEADLINE_HEADER, 1, _MAX_DEADLINE_MS
             ),
             lower_band=priority == "lo",
         )
@@ -64,6 +66,19 @@ class LanewayHeaders:
     def band(self, tier: Band) -> Band:
         """The team's band, lowered by the header if it asked (a header never raises it)."""
         return "lo" if self.lower_band else tier
+
+
+def single(headers: Headers, name: str) -> str | None:
+    """The value of header ``name``, or ``BadRequest`` when it came more than once: which
+    one a proxy, the ingress and a log each read would differ (two keys, two sessions)."""
+    values = headers.getlist(name)
+    if len(values) > 1:
+        raise BadRequest(f"header {name} was sent {len(values)} times: send it once", param=name)
+    return values[0] if values else None
+
+
+def authorization(headers: Headers) -> str | None:
+    return single(headers, "authorization")
 
 
 def _session(raw: str | None) -> str | None:

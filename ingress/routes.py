@@ -19,6 +19,7 @@ from starlette.routing import Route
 from ingress import metrics
 from ingress.admin import is_admin
 from ingress.auth import Caller
+from ingress.headers import authorization
 from ingress.replies import ReplyChannel
 from ingress.responses import (
     DONE,
@@ -129,7 +130,7 @@ async def _next_reply(
 
 async def _serve(request: Request, model: type[B]) -> Response:
     state = _state(request)
-    caller = await state.callers.resolve(request.headers.get("authorization"))
+    caller = await state.callers.resolve(authorization(request.headers))
     try:
         raw = await request.body()
     except ClientDisconnect:
@@ -374,7 +375,7 @@ HOT_ROUTES = (
 async def cancel_request(request_id: str, request: Request) -> Response:
     """Cancel a request of the caller's team; another team's request is 'not found'."""
     state = _state(request)
-    caller = await state.callers.resolve(request.headers.get("authorization"))
+    caller = await state.callers.resolve(authorization(request.headers))
     if len(request_id) > _MAX_REQUEST_ID_CHARS or _CONTROL.search(request_id):
         raise BadRequest(
             f"request id of {len(request_id)} characters: ids have up to "
@@ -401,7 +402,7 @@ async def cancel_request(request_id: str, request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    await state.callers.resolve(request.headers.get("authorization"))
+    await state.callers.resolve(authorization(request.headers))
     created = int(state.started_at)
     data = [_model(m, created) for m in state.settings.models]
     return JSONResponse({"object": "list", "data": data})
@@ -411,7 +412,7 @@ async def list_models(request: Request) -> Response:
 async def retrieve_model(model_id: str, request: Request) -> Response:
     """One served model (the SDK's ``models.retrieve``); 404 in OpenAI's shape otherwise."""
     state = _state(request)
-    await state.callers.resolve(request.headers.get("authorization"))
+    await state.callers.resolve(authorization(request.headers))
     if model_id not in state.settings.models:
         raise ModelNotFound(
             f"model {model_id[:200]!r} is not served here; available: "

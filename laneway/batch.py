@@ -19,11 +19,13 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from laneway.clients import make_consumer, make_producer, start_client
 from laneway.errors import BadRequest, DuplicateLine
+from laneway.json_shape import json_problem
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
 
 __all__ = [
     "MAX_CUSTOM_ID_CHARS",
+    "MAX_JOB_ID_CHARS",
     "MAX_LINE_BYTES",
     "BatchClient",
     "JobStatus",
@@ -55,6 +57,7 @@ class JobStatus:
 # 1 MiB), with room for the record's other fields.
 MAX_LINE_BYTES = 1_000_000
 MAX_CUSTOM_ID_CHARS = 500  # as a line_id holds (laneway.schema.BatchRequest)
+MAX_JOB_ID_CHARS = 200  # as a job_id holds
 
 
 def parse_input(
@@ -114,7 +117,7 @@ def parse_input(
             problem = f"custom_id {line_id!r} repeats an earlier line"
             line_id = fresh(f"{line_id[:480]}#{number}")
         else:
-            problem = _line_problem(item, endpoint)
+            problem = _line_problem(item, endpoint) or _body_problem(item["body"])
         if problem:
             yield failed(line_id, problem)
         else:
@@ -154,6 +157,12 @@ def _line_problem(item: dict[str, Any], endpoint: str | None) -> str | None:
     if not isinstance(item.get("body"), dict):
         return "body must be a JSON object"
     return None
+
+
+def _body_problem(body: dict[str, Any]) -> str | None:
+    """What keeps a line's body from being carried (``laneway.json_shape``)."""
+    problem = json_problem(body)
+    return None if problem is None else f"body.{problem[0]}: {problem[1]}"
 
 
 def output_line(result: BatchResult) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 from laneway.errors import BadRequest
+from laneway.json_shape import json_problem
 from laneway.schema import ChatMessage
 
 __all__ = [
@@ -192,6 +193,9 @@ def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
     """Validate decoded JSON; ``BadRequest`` names the field (under ``prefix``)."""
     if not isinstance(data, dict):
         raise BadRequest(f"{prefix or 'request body'} must be a JSON object", param=prefix or None)
+    if (problem := json_problem(data)) is not None:
+        path, what = problem
+        raise BadRequest(f"{prefix}{path}: {what}", param=prefix + path.split(".", 1)[0])
     try:
         return model.model_validate(data)
     except ValidationError as exc:

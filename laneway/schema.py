@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from laneway.constants import Band, RequestClass
 from laneway.errors import MalformedMessage
+from laneway.json_shape import json_problem
 
 __all__ = [
     "BatchJob",
@@ -247,6 +248,15 @@ class BatchRequest(_Wire):
     error: str | None = None
     submitted_ts: float = Field(default_factory=time.time)
 
+    @field_validator("body")
+    @classmethod
+    def _carried(cls, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A record written straight to Kafka is checked as the doors check a line: one that
+        # could not be written out again is answered with the error, not retried forever.
+        if body is not None and (problem := json_problem(body)) is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
+        return body
+
     def to_json(self) -> bytes:
         # A key is never written back: a re-queued legacy line leaves it behind.
         return self.model_dump_json(by_alias=True, exclude={"api_key"}).encode()
@@ -327,4 +337,5 @@ def decode(model: type[M], raw: bytes | str | None) -> M:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "<record>"
-        raise MalformedMessage(f"bad {model.__name__} record: {where}: {err['msg']}") from None
+        reason = err["msg"].removeprefix("Value error, ")
+        raise MalformedMessage(f"bad {model.__name__} record: {where}: {reason}") from None

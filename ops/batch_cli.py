@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
-from laneway.batch import BatchClient, output_line
+from laneway.batch import MAX_JOB_ID_CHARS, BatchClient, output_line
 from laneway.batch_http import HttpBatchClient
 from laneway.errors import BadRequest, ConfigError, LanewayError
 from laneway.settings import CommonSettings, load_settings
@@ -45,11 +45,24 @@ def _endpoint_of(lines: list[str]) -> str:
     return "/v1/chat/completions"
 
 
-def cmd_batch_submit(args: argparse.Namespace) -> int:
-    path = Path(args.file)
+def _jsonl_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file: UTF-8, split at ``\n`` alone (U+2028, form feeds and the
+    like are text inside a JSON string, which ``str.splitlines`` would cut at)."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: name a JSONL file")
     if not path.is_file():
         raise ConfigError(f"no such file: {path}")
-    lines = path.read_text().splitlines()
+    try:
+        return path.read_bytes().decode("utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(
+            f"{path} is not UTF-8 text (byte {exc.start}): a batch file is JSON lines"
+        ) from None
+
+
+def cmd_batch_submit(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    lines = _jsonl_lines(path)
     settings = load_settings(CommonSettings)
     if args.kafka:
         return _submit_to_kafka(args, path, lines, settings)
@@ -101,6 +114,10 @@ def _submit_to_kafka(
     ACL lets it write the team's batch work."""
     if not args.team:
         raise ConfigError("--kafka writes lines for a team: name it with --team T")
+    if args.job_id is not None and not 1 <= len(args.job_id) <= MAX_JOB_ID_CHARS:
+        raise ConfigError(
+            f"--job-id has {len(args.job_id)} characters: a job id has 1 to {MAX_JOB_ID_CHARS}"
+        )
 
     async def submit() -> int:
         async with BatchClient(settings) as client:

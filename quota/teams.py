@@ -14,13 +14,25 @@ from laneway.errors import BadRequest
 from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 
-__all__ = ["Team", "follow_team_changes", "get_team", "set_team"]
+__all__ = [
+    "MAX_GRACE_TOKENS",
+    "MAX_TEAM_SIZE",
+    "Team",
+    "follow_team_changes",
+    "get_team",
+    "set_team",
+]
 
 log = logging.getLogger(__name__)
 
 # The channel of team changes is read in waits this long, so a closing or a circuit that
 # opened is noticed.
 _CHANGES_POLL_S = 1.0
+
+
+# Bounds that keep a team's budget, and every number derived from it, a plain 64-bit one.
+MAX_TEAM_SIZE = 100_000
+MAX_GRACE_TOKENS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,17 +51,20 @@ class Team:
     def __post_init__(self) -> None:
         if not self.name:
             raise BadRequest("team name is empty", param="team")
-        if self.size < 1:
-            raise BadRequest(f"team size {self.size} must be at least 1", param="size")
+        if not 1 <= self.size <= MAX_TEAM_SIZE:
+            raise BadRequest(
+                f"team size {self.size} must be from 1 to {MAX_TEAM_SIZE:,}", param="size"
+            )
         if not 0 < self.complexity <= 10:
             raise BadRequest(
                 f"complexity factor {self.complexity} must be in (0, 10]", param="complexity"
             )
         if self.tier not in ("hi", "lo"):
             raise BadRequest(f"tier {self.tier!r} must be 'hi' or 'lo'", param="tier")
-        if self.supersede_grace_tokens < 0:
+        if not 0 <= self.supersede_grace_tokens <= MAX_GRACE_TOKENS:
             raise BadRequest(
-                f"supersede_grace_tokens {self.supersede_grace_tokens} must be 0 or more",
+                f"supersede_grace_tokens {self.supersede_grace_tokens} must be from 0 to "
+                f"{MAX_GRACE_TOKENS:,}",
                 param="supersede_grace_tokens",
             )
 

@@ -89,7 +89,8 @@ async def _latest_rollups(
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         # Rollups are published after their hour ends: start an hour before the window.
-        found = await consumer.offsets_for_times({tp: int((start - 3600) * 1000) for tp in tps})
+        since_ms = int(max(0.0, start - 3600) * 1000)  # a window past 1970 is all of it
+        found = await consumer.offsets_for_times(dict.fromkeys(tps, since_ms))
         ends = await consumer.end_offsets(tps)
         for tp in tps:
             hit = found.get(tp)

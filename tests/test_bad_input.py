@@ -60,6 +60,13 @@ def _error(response: object) -> dict[str, object]:
             "LANEWAY_COMPLETION_MAX_TOKENS",
         ),
         (b'{"model": "gpt-nope", "prompt": "x"}', 404, "model", "not served"),
+        # JSON laneway could not write out again: refused at the door, naming the field.
+        (
+            b'{"model": "laneway-code", "prompt": "x", "tools": ' + b"[" * 300 + b"]" * 300 + b"}",
+            400,
+            "tools",
+            "nested more than 64 levels deep",
+        ),
         (
             b'{"model": "laneway-code", "prompt": "' + b"x" * 8000 + b'"}',
             413,
@@ -117,6 +124,27 @@ async def test_bad_header_is_named(ingress_and_key: tuple[LiveStack, str]) -> No
     )
     assert response.status_code == 400
     assert _error(response)["param"] == "x-laneway-seq"
+
+
+async def test_a_repeated_key_or_session_header_is_refused(
+    ingress_and_key: tuple[LiveStack, str],
+) -> None:
+    """Which of two keys a proxy, the ingress and a log each read could differ."""
+    stack, key = ingress_and_key
+    other = await stack.api_key("team-b")
+    http = stack.http(stack.ingresses[0])
+    body = {"model": "laneway-code", "prompt": "x"}
+    for name, values in (
+        ("authorization", [f"Bearer {other}", f"Bearer {key}"]),
+        ("x-laneway-session", ["a.py", "b.py"]),
+    ):
+        headers = [(name, value) for value in values]
+        if name != "authorization":
+            headers.append(("authorization", f"Bearer {key}"))
+        response = await http.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == 400, response.text
+        error = _error(response)
+        assert (error["param"], "sent 2 times" in str(error["message"])) == (name, True)
 
 
 async def test_malformed_kafka_records_are_skipped(ingress_and_key: tuple[LiveStack, str]) -> None:

@@ -515,7 +515,16 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
     body = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
     producer = await stack.producer()
     topic = stack.topics.request("batch")
+    line = {"v": 1, "job_id": "j-bad", "team": "docs"}
+    # JSON that orjson cannot write out again: an integer beyond 64 bits (written by hand),
+    # nesting past laneway's limit. Ahead of the good line: the worker must live through them.
+    huge = orjson.dumps({**line, "line_id": "huge", "body": {**body, "max_tokens": 7}})
+    deep: Any = []
+    for _ in range(100):
+        deep = [deep]
     records: list[dict[str, Any] | bytes] = [
+        huge.replace(b'"max_tokens":7', b'"max_tokens":' + str(10**30).encode()),
+        {**line, "line_id": "deep", "body": {**body, "metadata": deep}},
         {"v": 1, "job_id": "j-bad", "line_id": "good", "team": "docs", "body": body},
         {"v": 1, "job_id": "j-bad", "line_id": "a-string", "team": "docs", "body": "hi"},
         {"v": 2, "job_id": "j-bad", "line_id": "newer", "team": "docs", "body": body},
@@ -527,22 +536,28 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         value = record if isinstance(record, bytes) else orjson.dumps(record)
         await producer.send_and_wait(topic, value, key=b"j-bad")
     results = await stack.read_topic(
-        stack.topics.results_batch, count=4, where=lambda r: r.get("job_id") == "j-bad"
+        stack.topics.results_batch, count=6, where=lambda r: r.get("job_id") == "j-bad"
     )
     by_line = {r["line_id"]: r for r in results}
-    (cut,) = set(by_line) - {"a-string", "good", "newer"}
+    answered = ["a-string", "deep", "good", "huge", "newer"]
+    (cut,) = set(by_line) - set(answered)
     assert cut.startswith("x" * 400)
     assert len(cut) <= 500
     assert "line_id" in by_line.pop(cut)["body"]["error"]["message"]
-    assert sorted(by_line) == ["a-string", "good", "newer"]
+    assert sorted(by_line) == answered
     assert by_line["good"]["status_code"] == 200
-    for line, words in (("a-string", "body"), ("newer", "v")):
-        assert by_line[line]["status_code"] == 400, by_line[line]
-        message = by_line[line]["body"]["error"]["message"]
+    for name, words in (
+        ("a-string", "body"),
+        ("newer", "v"),
+        ("huge", "body: max_tokens: an integer of 100 bits, beyond 64"),
+        ("deep", "nested more than 64 levels deep"),
+    ):
+        assert by_line[name]["status_code"] == 400, by_line[name]
+        message = by_line[name]["body"]["error"]["message"]
         assert "not a laneway batch line" in message, message
         assert words in message, message
     await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
-    assert len(await stack.read_all(stack.topics.results_batch)) == 4
+    assert len(await stack.read_all(stack.topics.results_batch)) == 6
 
 
 _JOBS = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}

@@ -278,7 +278,12 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
     settings = IngressSettings(**stack.common)
     request_topic = stack.topics.request("batch")
     ended: dict[str, str] = {}
-    for outcome in ("aborted", "committed"):
+    # The third was cancelled while its replica queued it: it ends cancelled, not cancelling.
+    for outcome, status in (
+        ("aborted", "validating"),
+        ("committed", "validating"),
+        ("cancelled", "cancelling"),
+    ):
         batch_id = f"batch_{outcome}_{stack.prefix}"
         producer = AIOKafkaProducer(
             bootstrap_servers=stack.services.bootstrap, transactional_id=f"test-{batch_id}"
@@ -311,16 +316,35 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
             header_offset=meta.offset,
             scanned_to=meta.offset + 1,
             total=3,
+            status=status,
         )
         await stack.redis.set(settings.keys.batch(batch_id), record.model_dump_json(), ex=3600)
-        assert (await client.batches.retrieve(batch_id)).status == "validating"  # still open
-        if outcome == "aborted":
-            await producer.abort_transaction()
-        else:
+        assert (await client.batches.retrieve(batch_id)).status == status  # still open
+        if outcome == "committed":
             await producer.commit_transaction()
+        else:
+            await producer.abort_transaction()
         ended[outcome] = (await _until_done(client, batch_id)).status
+    # One whose replica stopped before it wrote a line, cancelled meanwhile, given up on.
+    now = int(time.time())
+    never = BatchRecord(
+        id=f"batch_never_{stack.prefix}",
+        team="docs",
+        endpoint="/v1/chat/completions",
+        input_file_id=uploaded.id,
+        created_at=now - 3600,
+        expires_at=now + 3600,
+        status="cancelling",
+    )
+    await stack.redis.set(settings.keys.batch(never.id), never.model_dump_json(), ex=3600)
+    ended["never"] = (await _until_done(client, never.id)).status
 
-    assert ended == {"aborted": "failed", "committed": "completed"}
+    assert ended == {
+        "aborted": "failed",
+        "committed": "completed",
+        "cancelled": "cancelled",
+        "never": "cancelled",
+    }
     failed = await client.batches.retrieve(f"batch_aborted_{stack.prefix}")
     assert failed.errors is not None
     assert failed.errors.data

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
+import pytest
 
 from laneway.batch import MAX_CUSTOM_ID_CHARS, parse_input
+from laneway.errors import BadRequest, ConfigError
+from ops.batch_cli import _jsonl_lines
 
 
 def _line(custom_id: str) -> str:
@@ -98,3 +103,32 @@ def test_a_custom_id_written_with_escapes_is_still_claimed() -> None:
     assert parsed[1].line_id == "line-1"
     assert parsed[1].error is None
     assert parsed[0].line_id != "line-1"
+
+
+def test_a_body_laneway_could_not_write_out_again_is_an_error_line() -> None:
+    """Nesting past the limit (orjson and pydantic refuse 255 levels when the line is
+    written to Kafka): the line is answered with the problem, the others run."""
+    deep = "[" * 300 + '"hi"' + "]" * 300  # written by hand: orjson itself would refuse it
+    line = '{"custom_id": "deep", "url": "/v1/chat/completions", "body": {"metadata": %s}}'
+    bad, good = parse_input([line % deep, _line("good")], job_id="j", team="t")
+    assert (bad.line_id, good.error) == ("deep", None)
+    assert "line 1: body.metadata.0.0" in (bad.error or "")
+    assert "nested more than 64 levels deep" in (bad.error or "")
+    bad.to_json()  # an error line is carried
+
+
+def test_the_cli_reads_a_jsonl_file_at_newlines_only(tmp_path: Path) -> None:
+    """U+2028, NEL and form feeds are text inside a JSON string, not line ends."""
+    text = _line("a\u2028b\x85c\x0cd") + "\r\n" + _line("second") + "\n"
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(text, encoding="utf-8")
+    lines = list(parse_input(_jsonl_lines(path), job_id="j", team="t"))
+    assert [(line.line_id, line.error) for line in lines] == [
+        ("a\u2028b\x85c\x0cd", None),
+        ("second", None),
+    ]
+    path.write_bytes(b'{"custom_id": "\xff"}\n')
+    with pytest.raises(BadRequest, match="not UTF-8 text"):
+        _jsonl_lines(path)
+    with pytest.raises(ConfigError, match="is a directory"):
+        _jsonl_lines(tmp_path)

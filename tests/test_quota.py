@@ -19,7 +19,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from laneway.constants import RedisKeys, Topics
-from laneway.errors import QuotaExceeded
+from laneway.errors import BadRequest, QuotaExceeded
 from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
@@ -526,6 +526,11 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     bad = await admin.put("/admin/teams/docs", json={"size": 2, "supersede_grace_tokens": -1})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "supersede_grace_tokens"
+    # A size whose budget no 64-bit number holds is refused, not stored.
+    bad = await admin.put("/admin/teams/docs", json={"size": 400_000_000_000_000})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "size")
+    with pytest.raises(BadRequest, match="from 1 to 100,000"):
+        Team("docs", size=400_000_000_000_000)
 
     user = stack.http(ingress, await stack.api_key("docs"))
     done = await user.post(
