@@ -182,11 +182,17 @@ class BatchBook:
             await self._fail(
                 record.id, "not_queued", "the batch's lines could not be queued; create it again"
             )
-        except Exception as exc:
-            # A fault of laneway's own: the batch says so at once rather than waiting in
-            # validating until it is given up on.
+        except Exception:
+            # A fault of laneway's own. Before the lines were committed the batch fails at
+            # once, rather than waiting in validating until it is given up on; after (its
+            # header's offset stored), recovery reads what the transaction did.
             log.exception("batch %s not queued", record.id)
-            await self._fail(record.id, "not_queued", f"the batch could not be queued: {exc!r}")
+            with contextlib.suppress(RedisError, OSError):
+                stored = await self.records.load(record.id)
+                if stored is not None and stored.header_offset is None:
+                    await self._fail(
+                        record.id, "not_queued", "laneway could not queue the batch's lines"
+                    )
 
     async def _write(
         self,
@@ -223,15 +229,7 @@ class BatchBook:
                 ),
             )
         now = int(time.time())
-
-        def started(current: BatchRecord) -> BatchRecord | None:
-            if current.status == "validating":
-                return current.model_copy(update={"status": "in_progress", "in_progress_at": now})
-            if current.status == "cancelling":
-                return current.model_copy(update={"in_progress_at": now})
-            return None
-
-        await self.records.update(batch_id, started)
+        await self.records.update(batch_id, lambda current: _started(current, now))
 
     async def _fail(self, batch_id: str, code: str, message: str) -> None:
         now = int(time.time())
@@ -252,8 +250,7 @@ class BatchBook:
     # --- progress -----------------------------------------------------------------------
 
     async def _refresh(self, record: BatchRecord) -> BatchRecord:
-        if record.status in ("validating", "cancelling") and record.id not in self._submitting:
-            # A batch cancelled while it was being queued ends as one left validating does.
+        if _unsettled(record) and record.id not in self._submitting:
             record = await self._recover(record)
         if record.status in _COUNTING and record.scanned_to is not None:
             record = await self._count(record)
@@ -390,11 +387,22 @@ class BatchBook:
             )
             return await self.records.load(record.id) or record
         now = int(time.time())
-        return await self.records.update(
-            record.id,
-            lambda current: (
-                current.model_copy(update={"status": "in_progress", "in_progress_at": now})
-                if current.status == "validating"
-                else None
-            ),
-        )
+        return await self.records.update(record.id, lambda current: _started(current, now))
+
+
+def _unsettled(record: BatchRecord) -> bool:
+    """Whether it is not known yet if the batch's lines were queued: validating, or
+    cancelled while it was (``in_progress_at`` is set once they are)."""
+    return record.status == "validating" or (
+        record.status == "cancelling" and record.in_progress_at is None
+    )
+
+
+def _started(current: BatchRecord, now: int) -> BatchRecord | None:
+    """Its lines are queued: in progress, or, cancelled meanwhile, cancelling on (its lines
+    are answered "cancelled"); None when that is known already."""
+    if not _unsettled(current):
+        return None
+    if current.status == "cancelling":
+        return current.model_copy(update={"in_progress_at": now})
+    return current.model_copy(update={"status": "in_progress", "in_progress_at": now})

@@ -69,11 +69,15 @@ class LanewayHeaders:
 
 
 def single(headers: Headers, name: str) -> str | None:
-    """The value of header ``name``, or ``BadRequest`` when it came more than once: which
-    one a proxy, the ingress and a log each read would differ (two keys, two sessions)."""
+    """The value of header ``name``, or ``BadRequest`` when it came more than once with
+    different values: which one a proxy, the ingress and a log each read could differ (two
+    keys, two sessions). A proxy that adds the same value again changes nothing."""
     values = headers.getlist(name)
-    if len(values) > 1:
-        raise BadRequest(f"header {name} was sent {len(values)} times: send it once", param=name)
+    if len(set(values)) > 1:
+        raise BadRequest(
+            f"header {name} was sent {len(values)} times with different values: send it once",
+            param=name,
+        )
     return values[0] if values else None
 
 

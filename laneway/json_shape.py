@@ -10,6 +10,9 @@ nests more than a few levels, so the limit here is low and the path short.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 __all__ = ["MAX_JSON_DEPTH", "json_problem"]
 
 MAX_JSON_DEPTH = 64
@@ -18,26 +21,59 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson writes: i64 and u64
 
 def json_problem(value: object) -> tuple[str, str] | None:
     """A place in ``value`` (decoded JSON) that laneway cannot carry, as (its dotted path,
-    shortened past 80 characters; what is wrong), or None when there is none. Iterative: a
-    value nested a thousand deep costs no recursion."""
+    shortened past 80 characters; what is wrong), or None when there is none. Depth first
+    with one iterator a level: memory follows the depth (at most the limit), time the size,
+    and a value nested a thousand deep costs no recursion."""
+    if _carried(value):
+        return None
     found = _first_problem(value)
     if found is None:
         return None
-    path, problem = found
+    keys, problem = found
+    path = ".".join(str(key) for key in keys)
     return (path if len(path) <= 80 else path[:77] + "..."), problem
 
 
-def _first_problem(value: object) -> tuple[str, str] | None:
-    stack: list[tuple[object, str, int]] = [(value, "", 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth >= MAX_JSON_DEPTH:
-                return path, f"nested more than {MAX_JSON_DEPTH} levels deep"
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            for key, inner in pairs:
-                inner_path = f"{path}.{key}" if path else str(key)
-                stack.append((inner, inner_path, depth + 1))
-        elif isinstance(item, int) and not _INT_MIN <= item <= _INT_MAX:
-            return path, f"an integer of {item.bit_length()} bits, beyond 64"
+def _carried(value: Any) -> bool:
+    """The check alone, without keys: what every request pays (a few microseconds)."""
+    levels: list[Iterator[Any]] = [iter((value,))]  # the top, as the one item of a level
+    while levels:
+        for inner in levels[-1]:
+            kind = type(inner)
+            if kind is dict or kind is list:
+                if len(levels) > MAX_JSON_DEPTH:
+                    return False
+                levels.append(iter(inner.values() if kind is dict else inner))
+                break
+            if kind is int and not _INT_MIN <= inner <= _INT_MAX:
+                return False
+        else:
+            levels.pop()
+    return True
+
+
+def _first_problem(value: Any) -> tuple[list[Any], str] | None:
+    """The same walk, keeping the keys that lead to where it stops (run once a problem is
+    known to be there)."""
+    keys: list[Any] = []  # the key of each level entered below the top
+    levels: list[Iterator[tuple[Any, Any]]] = [iter(((None, value),))]
+    while levels:
+        for key, inner in levels[-1]:
+            kind = type(inner)
+            path = keys if key is None and len(levels) == 1 else [*keys, key]
+            if kind is dict or kind is list:
+                if len(levels) > MAX_JSON_DEPTH:
+                    return path, f"nested more than {MAX_JSON_DEPTH} levels deep"
+                keys = path
+                levels.append(iter(inner.items()) if kind is dict else enumerate(inner))
+                break
+            if kind is int and not _INT_MIN <= inner <= _INT_MAX:
+                return path, _too_big(inner)
+        else:
+            levels.pop()
+            keys = keys[:-1]
     return None
+
+
+def _too_big(number: int) -> str:
+    return f"an integer of {number.bit_length()} bits, beyond 64"

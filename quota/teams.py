@@ -99,12 +99,21 @@ async def get_team(redis: aioredis.Redis, keys: RedisKeys, name: str) -> Team:
         return Team(name)
     fields = {_text(k): _text(v) for k, v in raw.items()}
     tier = fields.get("tier", "hi")
+    size = int(fields.get("size", 1))
+    grace = int(fields.get("supersede_grace_tokens", 0))
+    if size > MAX_TEAM_SIZE or grace > MAX_GRACE_TOKENS:
+        # Stored before the bounds: read within them (the team keeps working) until an admin
+        # sets it again.
+        log.warning(
+            "team %s: size %d or grace %d beyond the bounds, read at them", name, size, grace
+        )
+        size, grace = min(size, MAX_TEAM_SIZE), min(grace, MAX_GRACE_TOKENS)
     return Team(
         name,
-        size=int(fields.get("size", 1)),
+        size=size,
         complexity=float(fields.get("complexity", 1.0)),
         tier="lo" if tier == "lo" else "hi",
-        supersede_grace_tokens=int(fields.get("supersede_grace_tokens", 0)),
+        supersede_grace_tokens=grace,
         type_through=fields.get("type_through", "1") != "0",
     )
 

@@ -145,6 +145,9 @@ async def test_a_repeated_key_or_session_header_is_refused(
         assert response.status_code == 400, response.text
         error = _error(response)
         assert (error["param"], "sent 2 times" in str(error["message"])) == (name, True)
+    # The same value twice (a proxy that adds it again) reads one way only.
+    twice = [("authorization", f"Bearer {key}")] * 2 + [("x-laneway-session", "a.py")] * 2
+    assert (await http.post("/v1/completions", json=body, headers=twice)).status_code == 200
 
 
 async def test_malformed_kafka_records_are_skipped(ingress_and_key: tuple[LiveStack, str]) -> None:

@@ -278,11 +278,14 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
     settings = IngressSettings(**stack.common)
     request_topic = stack.topics.request("batch")
     ended: dict[str, str] = {}
-    # The third was cancelled while its replica queued it: it ends cancelled, not cancelling.
-    for outcome, status in (
-        ("aborted", "validating"),
-        ("committed", "validating"),
-        ("cancelled", "cancelling"),
+    # The last two were cancelled while their replica queued them: they end cancelled, not
+    # cancelling for ever; the committed one's lines run (a line not started is answered
+    # "cancelled" where the cancel is known: this test wrote the record alone).
+    for outcome, status, commit in (
+        ("aborted", "validating", False),
+        ("committed", "validating", True),
+        ("cancelled", "cancelling", False),
+        ("cancelled-committed", "cancelling", True),
     ):
         batch_id = f"batch_{outcome}_{stack.prefix}"
         producer = AIOKafkaProducer(
@@ -317,10 +320,11 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
             scanned_to=meta.offset + 1,
             total=3,
             status=status,
+            cancelling_at=now if status == "cancelling" else None,
         )
         await stack.redis.set(settings.keys.batch(batch_id), record.model_dump_json(), ex=3600)
         assert (await client.batches.retrieve(batch_id)).status == status  # still open
-        if outcome == "committed":
+        if commit:
             await producer.commit_transaction()
         else:
             await producer.abort_transaction()
@@ -335,6 +339,7 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
         created_at=now - 3600,
         expires_at=now + 3600,
         status="cancelling",
+        cancelling_at=now - 3000,
     )
     await stack.redis.set(settings.keys.batch(never.id), never.model_dump_json(), ex=3600)
     ended["never"] = (await _until_done(client, never.id)).status
@@ -343,6 +348,7 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
         "aborted": "failed",
         "committed": "completed",
         "cancelled": "cancelled",
+        "cancelled-committed": "cancelled",
         "never": "cancelled",
     }
     failed = await client.batches.retrieve(f"batch_aborted_{stack.prefix}")
@@ -362,7 +368,9 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
         await asyncio.sleep(0.1)
     results = await stack.read_all(stack.topics.results_batch)
     ran = sorted(r["job_id"] for r in results if r.get("type") == "result")
-    assert ran == [f"batch_committed_{stack.prefix}"] * 3
+    assert ran == sorted(
+        [f"batch_committed_{stack.prefix}", f"batch_cancelled-committed_{stack.prefix}"] * 3
+    )
 
 
 async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack) -> None:

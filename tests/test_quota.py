@@ -23,7 +23,8 @@ from laneway.errors import BadRequest, QuotaExceeded
 from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
-from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, utilisation_sigma
+from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, get_team, utilisation_sigma
+from quota.teams import MAX_TEAM_SIZE
 from tests.stack import (
     LiveStack,
     Services,
@@ -531,6 +532,12 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "size")
     with pytest.raises(BadRequest, match="from 1 to 100,000"):
         Team("docs", size=400_000_000_000_000)
+    # One stored before the bounds is read within them: the team keeps working.
+    keys = RedisKeys(stack.prefix)
+    await stack.redis.hset(keys.team("legacy"), mapping={"size": 400_000_000_000_000})
+    await stack.redis.sadd(keys.teams(), "legacy")
+    assert (await get_team(stack.redis, keys, "legacy")).size == MAX_TEAM_SIZE
+    assert (await admin.get("/admin/teams/legacy")).status_code == 200
 
     user = stack.http(ingress, await stack.api_key("docs"))
     done = await user.post(

@@ -14,8 +14,10 @@ would: left out of the text, ``finish_reason`` ``stop``.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
+import itertools
 import math
 import random
 import time
@@ -75,19 +77,19 @@ def _cut_at_stop(words: list[str], stops: list[str]) -> tuple[list[str], bool]:
     sequence is left out, and so is whatever came after it; the step that completed it
     still counts as a generated token (its text may be empty). ``True`` when one stopped."""
     text = "".join(words)
-    found = [(at, len(stop)) for stop in stops if stop and (at := text.find(stop)) >= 0]
+    ends = list(itertools.accumulate(len(word) for word in words))  # text length per step
+    # vLLM checks the stops after each step, in the order given: the first step to complete
+    # one ends the text, and of those it completes, the first listed.
+    found = [
+        (bisect.bisect_left(ends, at + len(stop)), order, at)
+        for order, stop in enumerate(stops)
+        if stop and (at := text.find(stop)) >= 0
+    ]
     if not found:
         return words, False
-    # The engine stops at the step that completes a stop sequence: the first to end wins.
-    cut, end = min(((at, at + size) for at, size in found), key=lambda span: (span[1], span[0]))
-    kept: list[str] = []
-    written = 0
-    for word in words:
-        kept.append(word[: max(0, cut - written)])
-        written += len(word)
-        if written >= end:
-            break
-    return kept, True
+    step, _, cut = min(found)
+    kept = [word[: max(0, cut - (end - len(word)))] for word, end in zip(words, ends, strict=True)]
+    return kept[: step + 1], True
 
 
 class SimEngine:
