@@ -205,6 +205,9 @@ def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:
 
 
 def _reason(err: ErrorDetails) -> str:
+    if err["type"] in ("int_type", "int_parsing_size") and isinstance(err["input"], float):
+        # JSON integers beyond 64 bits arrive as floats: say what was sent, not "a string".
+        return f"expected an integer, got {err['input']:g}"
     if err["type"] != "extra_forbidden":
         return err["msg"].removeprefix("Value error, ")
     loc = err["loc"]

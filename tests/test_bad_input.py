@@ -47,6 +47,13 @@ def _error(response: object) -> dict[str, object]:
         (b'{"model": "laneway-code", "prompt": "x", "max_tokens": true}', 400, "max_tokens", "int"),
         (b'{"model": "laneway-code", "prompt": "x", "max_tokens": "8"}', 400, "max_tokens", "int"),
         (b'{"model": "laneway-code", "prompt": "x", "top_p": "1"}', 400, "top_p", "number"),
+        # Beyond 64 bits JSON parsers read a float: the message says what was sent.
+        (
+            b'{"model": "laneway-code", "prompt": "x", "max_tokens": 1' + b"0" * 30 + b"}",
+            400,
+            "max_tokens",
+            "expected an integer, got 1e+30",
+        ),
         (
             b'{"model": "laneway-code", "prompt": "x", "temperature": 9}',
             400,
