@@ -76,4 +76,6 @@ def _first_problem(value: Any) -> tuple[list[Any], str] | None:
 
 
 def _too_big(number: int) -> str:
-    return f"an integer of {number.bit_length()} bits, beyond 64"
+    # Not the number itself: one of thousands of digits is more than str() will write.
+    sign = "below" if number < 0 else "above"
+    return f"an integer {sign} the 64-bit range ({number.bit_length()} bits)"

@@ -74,8 +74,8 @@ def shape_request(
         prompt = "".join(m.content for m in messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
-    if cls == "batch":
-        cap, setting = max(cap, settings.chat_max_tokens), "LANEWAY_CHAT_MAX_TOKENS"
+    if cls == "batch" and settings.chat_max_tokens > cap:  # a batch line may be as long
+        cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
     max_tokens = max_tokens or cap
     if max_tokens > cap:
         raise BadRequest(

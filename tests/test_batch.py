@@ -549,7 +549,7 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
     for name, words in (
         ("a-string", "body"),
         ("newer", "v"),
-        ("huge", "body: max_tokens: an integer of 100 bits, beyond 64"),
+        ("huge", "body: max_tokens: an integer above the 64-bit range (100 bits)"),
         ("deep", "nested more than 64 levels deep"),
     ):
         assert by_line[name]["status_code"] == 400, by_line[name]

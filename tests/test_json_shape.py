@@ -38,9 +38,10 @@ def test_integers_pass_as_far_as_orjson_writes_them(number: int, carried: bool) 
     if carried:
         orjson.dumps(body)
     else:
+        sign = "below" if number < 0 else "above"
         assert found == (
             "metadata.runs.1.n",
-            f"an integer of {number.bit_length()} bits, beyond 64",
+            f"an integer {sign} the 64-bit range ({number.bit_length()} bits)",
         )
 
 
@@ -49,5 +50,5 @@ def test_a_wide_value_is_walked_once_with_its_keys_kept_short() -> None:
     problem at the very end of a flat list are found, and named by their path."""
     wide = {"k" * 50_000: [*range(20_000), 2**70]}
     path, problem = json_problem(wide) or ("", "")
-    assert (len(path), problem) == (80, "an integer of 71 bits, beyond 64")
+    assert (len(path), problem) == (80, "an integer above the 64-bit range (71 bits)")
     assert json_problem({"k" * 50_000: list(range(20_000))}) is None
