@@ -219,6 +219,8 @@ class IngressState:
                     )
                 )
                 checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
+                if pool == "batch" and not live:
+                    checks["workers.batch"]["degraded"] = True
         except (RedisError, OSError) as exc:
             # Degraded, not down: keys and breaker levels come from memory, quota from the
             # local limiter, replies through Kafka.
@@ -232,5 +234,9 @@ class IngressState:
                 "latency_ms": round(probe.latency_s * 1000, 1),
                 "at": probe.ts,
                 **({"error": probe.error} if probe.error else {}),
+                # Batch lines wait on Kafka for their pool, and no ingress serves them better
+                # than another: a batch pool down or stalled must not take the ingresses, and
+                # every team's completions with them, out of rotation.
+                **({"degraded": True} if probed == "batch" and not probe.ok else {}),
             }
         return checks

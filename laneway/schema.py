@@ -44,6 +44,9 @@ class _Wire(BaseModel):
 
 M = TypeVar("M", bound=_Wire)
 
+MAX_USAGE_TOKENS = 10**9  # one request's count: far above any context a model has
+LAST_USAGE_TS = 4_102_444_800.0  # 2100-01-01 UTC
+
 
 class ChatMessage(_Wire):
     role: str
@@ -177,9 +180,11 @@ class UsageEvent(_Wire):
     model: str
     route: str
     status: Outcome
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+    # Bounded: a count no request can reach, or a time no clock shows, is a bad record,
+    # skipped, not a bill of 10^18 tokens or a rollup hour in the year 3000.
+    prompt_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
+    cached_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
+    completion_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
     engine_ms: float = 0.0
     stale_engine_ms: float = Field(
         0.0, description="engine time used after the request turned stale (cancel/supersession)"
@@ -192,7 +197,7 @@ class UsageEvent(_Wire):
     queue_ms: float = 0.0
     ttft_ms: float | None = None
     total_ms: float = 0.0
-    ts: float = Field(default_factory=time.time)
+    ts: float = Field(default_factory=time.time, gt=0, lt=LAST_USAGE_TS)
     worker: str | None = None
     error: str | None = None
     job_id: str | None = None

@@ -73,6 +73,9 @@ _QUIET_LOGGERS = (
     "org.apache.kafka.raft",
     "org.apache.kafka.storage",
     "state.change.logger",
+    # Every refused request is a line at INFO: one tenant's client retrying a topic it may
+    # not read wrote 44 MB a minute into kafka.log, which nothing rotates (the secured mode).
+    "kafka.authorizer.logger",
 )
 # Console to stdout, which the broker's Popen sends to kafka.log. No log4j shutdown hook:
 # it would stop logging before Kafka's own hook has logged its shutdown.

@@ -61,6 +61,11 @@ RETENTION_HOURS = WINDOW_HOURS + 2
 _COUNTED_STATUSES = ("ok", "error", "rejected")
 
 
+# Workers stamp usage by Redis's clock, so an event this far ahead of the streams app's own
+# clock says more about its writer than about when it happened.
+_MAX_AHEAD_S = 3600.0
+
+
 @dataclass
 class ProcessorCounters:
     events: int = 0
@@ -134,6 +139,16 @@ class UsageProcessor:
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
+        if event.ts > now + _MAX_AHEAD_S:
+            # Not a time any worker's (Redis's) clock shows yet: counted now, in the open
+            # hour, rather than moving the stream's clock on and closing hours early.
+            log.warning(
+                "usage record at %d/%d is %.0f s ahead; counted at the time it came",
+                partition,
+                offset,
+                event.ts - now,
+            )
+            event = event.model_copy(update={"ts": now})
         if self.ids is not None and self.ids.repeat(event, partition, offset):
             # A worker's re-run sent it again: the request is counted once.
             self.counters.repeated += 1

@@ -46,7 +46,10 @@ def _cell(record: dict[str, Any], name: str) -> str:
     if name == "status" and record.get("shadow"):  # a mirror, not billed (docs/shadow.md)
         return f"shadow {record.get('status')}"
     if name == "ts":
-        return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
+        try:
+            return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
+        except (TypeError, ValueError, OverflowError, OSError):  # a record's own odd time
+            return str(record.get("ts"))[:8]
     value = (record.get("latency_ms") or {}).get("p99") if name == "p99_ms" else record.get(name)
     if isinstance(value, float):
         return f"{value:.4f}" if name == "cost" else f"{value:.1f}"

@@ -14,7 +14,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from laneway.constants import RedisKeys
-from laneway.errors import LanewayError
+from laneway.errors import LanewayError, QuotaExceeded
 from laneway.schema import RequestEnvelope
 from quota import QuotaEnforcer, QuotaPolicy, Team, get_team, set_team
 from tests.stack import LiveStack, envelope, eventually
@@ -343,7 +343,7 @@ async def test_a_line_waiting_without_its_body_holds_a_small_fixed_size(stack: L
         return False
 
     wait = _Lane().waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=0)
-    wait.max_lines = 5000
+    wait.max_lines = wait.max_team_lines = 5000
     try:
         await quota.reserve(team, "batch", "earlier-work", 1000)  # the pool is empty
         tracemalloc.start()
@@ -387,3 +387,37 @@ async def test_a_team_record_read_while_it_changed_is_not_kept(
     assert reads == 2  # the first read was not kept
     await lane._team("thrifty")
     assert reads == 2  # the second was
+
+
+async def test_past_its_share_a_teams_line_is_answered_and_no_one_waits(stack: LiveStack) -> None:
+    """One team's spent budget never stops the lane: its lines past its share of the parked
+    lines, and any line past the worker's, are answered at once (a 429 that says why);
+    before, the lane's intake waited for room, and every team's lines with it."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    lane = _Lane()
+
+    async def lookup(name: str) -> Team:
+        return Team(name, size=1)
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return False
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=10)
+    wait.max_lines, wait.max_team_lines = 5, 3
+    try:
+        # Each team's budget covers its first line (600 of 1,000 tokens): the rest are short.
+        for offset, name in enumerate(["spent"] * 5 + ["other"] * 4):
+            line = _line(600, offset)
+            line = Work(TP, offset, line.env.model_copy(update={"team": name}))
+            await wait.reserve(Team(name, size=1), line.env)
+            await asyncio.wait_for(wait.park(line), 5)  # never a wait
+        answered = {w.offset: exc for w, exc in lane.refused}
+        # "spent": 1-3 parked, 4 past its share; "other": 6-7 parked, 8 past the worker's.
+        assert sorted(answered) == [4, 8]
+        assert all(isinstance(exc, QuotaExceeded) for exc in answered.values())
+        assert "team spent has 3 batch lines waiting for its budget" in str(answered[4])
+        assert "this worker holds 5 batch lines waiting" in str(answered[8])
+        assert sorted(w.offset for w in wait) == [1, 2, 3, 6, 7]
+    finally:
+        await wait.close()

@@ -69,6 +69,8 @@ async def test_login_sets_a_strict_http_only_session_and_a_wrong_key_gets_none(
     expired = ConsoleSessions(ADMIN, 60, clock=lambda: 0.0).issue()
     http.cookies.set(COOKIE, expired, path="/console")
     assert 'name="admin_key"' in (await http.get("/console")).text
+    # One that is not even ASCII (a 500 before: compare_digest takes ASCII strings only).
+    assert ConsoleSessions(ADMIN, 60).verify("9999999999.a.\xe9") is None
 
 
 async def test_forms_need_the_sessions_token_and_the_consoles_own_origin(

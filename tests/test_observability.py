@@ -139,6 +139,16 @@ async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) ->
 
     await stack.start_worker("completion")
     await eventually(is_ready, 20, "the ingress ready again")
+
+    # The batch pool stopped: its probe fails, yet the ingress stays ready (batch lines wait
+    # on Kafka; taking ingresses out of rotation would stop every team's completions).
+    async def batch_probe_failed() -> tuple[int, dict[str, dict[str, object]]] | None:
+        status, checks = await ready()
+        return (status, checks) if checks.get("probe.batch", {}).get("ok") is False else None
+
+    await workers["batch"].stop()
+    status, checks = await eventually(batch_probe_failed, 20, "the batch probe to fail")
+    assert (status, checks["probe.batch"].get("degraded")) == (200, True)
     control = await stack.read_topic(
         stack.topics.control, count=6, where=lambda r: r.get("kind") == "probe"
     )

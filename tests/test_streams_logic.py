@@ -388,3 +388,33 @@ async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> No
     # An event of a worker from before ``accepted_ts`` is known by its id alone.
     assert not ids.repeat(event("r-3", 1060.0, accepted_ts=None), partition=0, offset=20)
     assert ids.repeat(event("r-3", 1061.0, accepted_ts=None), partition=0, offset=21)
+
+
+async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it_is() -> None:
+    """A time far ahead is counted when it came (it would move the stream's clock on and
+    close open hours early); a time no clock shows, or a token count no request reaches, is
+    a bad record (before: a crashed agent, a bill of 10^18 tokens)."""
+    now = float(int(time.time()) // 3600 * 3600 + 600)
+    rollups = _Table()
+    processor = UsageProcessor(
+        StreamsSettings(),
+        rollups=rollups,
+        outcomes=_Table(),
+        announcer=None,  # type: ignore[arg-type]
+        redis=None,  # type: ignore[arg-type]
+        keys=None,  # type: ignore[arg-type]
+        send=None,  # type: ignore[arg-type]
+        clock=lambda: now,
+    )
+    processor.handle(usage_event(ts=now + 5 * 365 * 86400).to_json(), 0, 0)
+    (rollup,) = rollups.values()
+    assert (rollup["hour"], rollup["requests"]) == (int(now // 3600), 1)
+    assert processor._stream_clock[0] == now
+    fields = orjson.loads(usage_event().to_json())
+    for offset, bad in enumerate(
+        [{"ts": 1e308}, {"ts": -5.0}, {"prompt_tokens": -(10**9)}, {"completion_tokens": 10**18}],
+        start=1,
+    ):
+        processor.handle(orjson.dumps({**fields, "id": f"bad-{offset}", **bad}), 0, offset)
+    assert processor.counters.malformed == 4
+    assert rollup["requests"] == 1

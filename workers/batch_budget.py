@@ -10,8 +10,10 @@ answered with a 429 at once instead: it would never leave.
 The first ``bodies`` parked lines keep their bodies; those parked beyond them keep only
 what waiting needs (team, job, size, place) and are read back from Kafka
 (``workers.reread``) when admitted, so a job of tens of thousands of lines waits in about
-2 kB a line, whatever its prompts. Up to ``max_lines`` are parked; past that the lane waits
-for room.
+2 kB a line, whatever its prompts. A team parks up to ``max_team_lines`` (a whole batch of
+the most lines one may have), and the worker up to ``max_lines`` in all: a line past either
+is answered at once with a 429 that says so. Never a wait for room: the lane's intake
+waiting would hold up every team's lines behind one team's spent budget.
 
 A team's pool is tried again when its refill could cover the next line, at least every
 ``RETRY_MAX_S``, and at once when the team's record changes (an admin raised its budget:
@@ -73,7 +75,8 @@ def without_body(env: RequestEnvelope) -> RequestEnvelope:
 
 class BudgetWait:
     """The lines whose team's batch pool could not cover them at intake, per team, oldest
-    first; up to ``max_lines`` of them, the bodies of ``bodies`` (see the module)."""
+    first; up to ``max_team_lines`` a team and ``max_lines`` in all, the bodies of
+    ``bodies`` (see the module)."""
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class BudgetWait:
         restore: Callable[[Work], Awaitable[Work | None]],
         max_lines: int,
         bodies: int,
+        max_team_lines: int | None = None,
         team_changed: Callable[[str | None], None] = lambda name: None,
     ) -> None:
         self.quota = quota
@@ -111,6 +115,7 @@ class BudgetWait:
         # ``NotReadBack`` when Kafka did not answer.
         self._restore = restore
         self.max_lines = max_lines
+        self.max_team_lines = max_team_lines or max_lines
         self.bodies = bodies
         # The lines parked without their bodies, by place (two lines may share an id: a job
         # sent twice, or two teams' jobs of the same id on their own topics).
@@ -119,8 +124,6 @@ class BudgetWait:
         # went away before it queued goes when the line comes back (or with the worker).
         self._short: set[str] = set()
         self._lines: dict[str, deque[Work]] = {}
-        self._space = asyncio.Event()
-        self._space.set()
         self._parked = asyncio.Event()
         self._woken = asyncio.Event()  # a parked team's record changed: look again at once
         self._task: asyncio.Task[None] | None = None
@@ -154,15 +157,16 @@ class BudgetWait:
 
     async def park(self, work: Work) -> bool:
         """Whether ``work`` is parked (its reservation at intake found the pool short);
-        False: it reserved already and may queue. Waits while ``max_lines`` are parked."""
+        False: it reserved already and may queue. Past the bounds it is answered instead
+        (``True`` too: the lane is done with it)."""
         if work.env.id not in self._short:
             return False
         self._short.discard(work.env.id)
-        while len(self) >= self.max_lines and self._current(work):
-            self._space.clear()
-            await self._space.wait()
         if not self._current(work):
             return True  # its partition went away meanwhile: its next owner's
+        if (full := self._full(work.env.team)) is not None:
+            self._refuse(work, full)
+            return True
         if len(self) >= self.bodies:
             work = replace(work, env=without_body(work.env))
             self._light.add(_place(work))
@@ -327,8 +331,23 @@ class BudgetWait:
 
     def _changed(self) -> None:
         metrics.BATCH_PARKED.set(len(self))
-        if len(self) < self.max_lines:
-            self._space.set()
+
+    def _full(self, team: str) -> QuotaExceeded | None:
+        """Why a line of ``team`` cannot be parked (None: it can)."""
+        held, parked = len(self._lines.get(team, ())), len(self)
+        if held >= self.max_team_lines:
+            why = f"team {team} has {held:,} batch lines waiting for its budget here already"
+        elif parked >= self.max_lines:
+            why = f"this worker holds {parked:,} batch lines waiting for their teams' budgets"
+        else:
+            return None
+        return QuotaExceeded(
+            f"{why}, as many as it keeps: this line was not queued. Send it again once they "
+            "have run, or raise the team's budget",
+            team=team,
+            limit=0,
+            retry_after=RETRY_MAX_S,
+        )
 
 
 def _place(work: Work) -> tuple[TopicPartition, int]:

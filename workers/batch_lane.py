@@ -54,12 +54,13 @@ __all__ = ["BatchLane"]
 
 log = logging.getLogger(__name__)
 
-# Lines waiting for their team's budget beside the lane, at most: beyond them the lane waits
-# for one to leave. Those past LANEWAY_BATCH_PARKED_BODIES hold no body (about 2 kB each,
-# tests/test_batch_budget.py measures it), so this bounds their memory to about 100 MB: a
-# whole job of the most lines a batch may have (LANEWAY_BATCH_MAX_LINES) waits without
-# holding up another team.
-_MAX_PARKED = 50_000
+# Lines waiting for their team's budget beside the lane, at most: a team's, a whole job of
+# the most lines a batch may have (LANEWAY_BATCH_MAX_LINES), and the worker's, two such
+# jobs. Beyond them a line is answered with a 429 (never a wait: the lane's intake would
+# hold up every team). Those past LANEWAY_BATCH_PARKED_BODIES hold no body (about 2 kB
+# each, tests/test_batch_budget.py measures it): about 200 MB at the most.
+_MAX_PARKED_A_TEAM = 50_000
+_MAX_PARKED = 2 * _MAX_PARKED_A_TEAM
 # A partition's transaction not ended after this is stuck: an aiokafka producer whose
 # coordinator's broker died mid-transaction can wait for good (seen in the chaos drill, every
 # commit stopped). Its producer is replaced, which ends that transaction one way or the other.
@@ -99,6 +100,7 @@ class BatchLane:
                 cancelled=self._job_cancelled,
                 restore=self._restore,
                 max_lines=_MAX_PARKED,
+                max_team_lines=_MAX_PARKED_A_TEAM,
                 bodies=worker.settings.batch_parked_bodies,
                 team_changed=self._teams.expire,
             )
@@ -137,8 +139,20 @@ class BatchLane:
         )
 
     async def close(self) -> None:
-        for task in self._aborting:
+        # Producers being started are let finish first (then closed below with the rest): one
+        # cancelled in its start can leave its bootstrap connection open (aiokafka's
+        # bootstrap does not close it on a cancel).
+        starting = list(self._starting)
+        if starting:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await asyncio.wait(starting)
+        tasks = list(self._aborting)
+        for task in tasks:
             task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await asyncio.gather(*tasks, return_exceptions=True)
         if self.budget is not None:
             await self.budget.close()
         await self.reread.close()

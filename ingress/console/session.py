@@ -62,7 +62,8 @@ class ConsoleSessions:
         nonce, _, signature = rest.partition(".")
         if not (expires.isdigit() and nonce and signature):
             return None
-        if not hmac.compare_digest(signature, self._sign(f"{expires}.{nonce}")):
+        expected = self._sign(f"{expires}.{nonce}")
+        if not hmac.compare_digest(signature.encode(errors="surrogatepass"), expected.encode()):
             return None
         if int(expires) <= self.clock():
             return None
