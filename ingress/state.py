@@ -218,9 +218,12 @@ class IngressState:
                         self.redis.zcount, self.keys.workers(pool), now - HEARTBEAT_TTL_S, "+inf"
                     )
                 )
-                checks[f"workers.{pool}"] = {"ok": live > 0, "live": live}
-                if pool == "batch" and not live:
-                    checks["workers.batch"]["degraded"] = True
+                checks[f"workers.{pool}"] = {
+                    "ok": live > 0,
+                    "live": live,
+                    # As its probe's (below): a batch pool down leaves the ingress ready.
+                    **({"degraded": True} if pool == "batch" and not live else {}),
+                }
         except (RedisError, OSError) as exc:
             # Degraded, not down: keys and breaker levels come from memory, quota from the
             # local limiter, replies through Kafka.

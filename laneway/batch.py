@@ -20,7 +20,13 @@ from aiokafka.partitioner import DefaultPartitioner
 from laneway.clients import make_consumer, make_producer, start_client
 from laneway.errors import BadRequest, DuplicateLine
 from laneway.json_shape import json_problem
-from laneway.schema import BatchJob, BatchRequest, BatchResult
+from laneway.schema import (
+    MAX_CUSTOM_ID_CHARS,
+    MAX_JOB_ID_CHARS,
+    BatchJob,
+    BatchRequest,
+    BatchResult,
+)
 from laneway.settings import CommonSettings
 
 __all__ = [
@@ -56,8 +62,6 @@ class JobStatus:
 # A line becomes one Kafka record: it must fit one (the broker's and the producers' limit is
 # 1 MiB), with room for the record's other fields.
 MAX_LINE_BYTES = 1_000_000
-MAX_CUSTOM_ID_CHARS = 500  # as a line_id holds (laneway.schema.BatchRequest)
-MAX_JOB_ID_CHARS = 200  # as a job_id holds
 
 
 def parse_input(

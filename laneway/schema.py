@@ -44,6 +44,8 @@ class _Wire(BaseModel):
 
 M = TypeVar("M", bound=_Wire)
 
+MAX_JOB_ID_CHARS = 200
+MAX_CUSTOM_ID_CHARS = 500  # a batch line's id (its custom_id)
 MAX_USAGE_TOKENS = 10**9  # one request's count: far above any context a model has
 LAST_USAGE_TS = 4_102_444_800.0  # 2100-01-01 UTC
 
@@ -240,8 +242,10 @@ class BatchRequest(_Wire):
     """
 
     v: Literal[1] = 1
-    job_id: str = Field(min_length=1, max_length=200)
-    line_id: str = Field(min_length=1, max_length=500, description="the line's custom_id")
+    job_id: str = Field(min_length=1, max_length=MAX_JOB_ID_CHARS)
+    line_id: str = Field(
+        min_length=1, max_length=MAX_CUSTOM_ID_CHARS, description="the line's custom_id"
+    )
     team: str | None = Field(None, min_length=1, max_length=200)
     api_key: str | None = Field(
         None,
