@@ -56,9 +56,14 @@ class PartitionTransactions:
         for tp in partitions:
             if tp not in self._producers:
                 producer = make_producer(self.settings, transactional_id=self.transactional_id(tp))
+                # Shielded: aiokafka's bootstrap leaves its connection open when cancelled
+                # in it, so a cancel (the worker closing) lets the start end, then stops it.
+                start = asyncio.ensure_future(producer.start())
                 try:
-                    await producer.start()
+                    await asyncio.shield(start)
                 except BaseException:
+                    with contextlib.suppress(BaseException):
+                        await start
                     with contextlib.suppress(KafkaError):
                         await producer.stop()
                     raise
