@@ -6,14 +6,20 @@ levels and integers beyond 64 bits. One such value in a body would fail where it
 far from the door (a batch worker that cannot hash its line, a batch that never leaves
 ``validating``): the door refuses it instead, naming where it is. No OpenAI request field
 nests more than a few levels, so the limit here is low and the path short.
+
+``top_level_strings`` reads what a record nested past any parser still says at its top level
+(a batch line's job and line id), so that it can be answered with its error.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["MAX_JSON_DEPTH", "json_problem"]
+import orjson
+
+__all__ = ["MAX_JSON_DEPTH", "json_problem", "top_level_strings"]
 
 MAX_JSON_DEPTH = 64
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson writes: i64 and u64
@@ -79,3 +85,63 @@ def _too_big(number: int) -> str:
     # Not the number itself: one of thousands of digits is more than str() will write.
     sign = "below" if number < 0 else "above"
     return f"an integer {sign} the 64-bit range ({number.bit_length()} bits)"
+
+
+# One JSON token after optional whitespace: a string, a structural character, or a run of
+# anything else (a number, true, false, null; checked only by what follows it).
+_TOKEN = re.compile(rb'\s*("(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+)', re.DOTALL)
+
+
+def top_level_strings(raw: bytes) -> dict[str, str] | None:
+    """The string members of the JSON object ``raw`` at its top level, however deep its
+    other members nest: for a record no parser takes (orjson stops at 1024 levels) that
+    still says whose it is. None when ``raw`` is not an object as far as its top level
+    shows (what nests below it is skipped, its brackets only counted). No recursion; time
+    follows the size."""
+    tokens = _top_level(raw)
+    if next(tokens, None) != b"{":
+        return None
+    members: dict[str, str] = {}
+    key = next(tokens, None)
+    while key != b"}":  # a member: "key" : value, then , or }
+        colon, value, end = (next(tokens, None) for _ in range(3))
+        if key is None or key[:1] != b'"' or colon != b":" or value in _NOT_VALUES:
+            return None
+        if value is not None and value[:1] == b'"':
+            members[_string(key)] = _string(value)
+        if end not in (b",", b"}"):
+            return None
+        key = next(tokens, None) if end == b"," else end
+        if end == b"," and key == b"}":
+            return None  # a trailing comma
+    return members if next(tokens, None) is None else None
+
+
+_NOT_VALUES = (None, b":", b",", b"}", b"]")
+
+
+def _top_level(raw: bytes) -> Iterator[bytes]:
+    """The tokens of ``raw``'s top level: an array or object nested in it is one ``[``."""
+    depth, pos = 0, 0
+    while (match := _TOKEN.match(raw, pos)) is not None:
+        token, pos = match.group(1), match.end()
+        if token in (b"{", b"["):
+            depth += 1
+            if depth <= 2:
+                yield token if depth == 1 else b"["
+        elif token in (b"}", b"]"):
+            depth -= 1
+            if depth <= 0:
+                yield token
+        elif depth <= 1:
+            yield token
+
+
+def _string(token: bytes) -> str:
+    """A string token's text; a bad escape or invalid UTF-8 in it (rare: a record that is
+    broken as well as deep) is replaced, never raised."""
+    try:
+        text = orjson.loads(token)
+    except orjson.JSONDecodeError:
+        return token[1:-1].decode(errors="replace")
+    return text if isinstance(text, str) else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -15,7 +16,7 @@ from laneway.clients import make_admin
 from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
 from laneway.metrics import serve_metrics
-from laneway.settings import load_settings
+from laneway.settings import load_settings, settings_only
 from streams.app import TABLES, StreamsApp
 from streams.settings import StreamsSettings
 
@@ -75,7 +76,8 @@ async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
     raise ServiceError(f"changelog topics {names} not listed with {partitions} partitions")
 
 
-async def serve(settings: StreamsSettings) -> None:
+async def serve(settings: StreamsSettings) -> int:
+    """Run the app until SIGTERM or SIGINT (0) or until it fails (1)."""
     partitions = settings.streams_partitions or await usage_partitions(settings)
     await ensure_changelogs(settings, partitions)
     streams = StreamsApp(settings, partitions=partitions)
@@ -90,11 +92,24 @@ async def serve(settings: StreamsSettings) -> None:
     await asyncio.wait({stopping, crashed}, return_when=asyncio.FIRST_COMPLETED)
     for waiter in (stopping, crashed):
         waiter.cancel()
+    if streams.failure is not None:
+        # Gone at once, as a killed process is: a graceful stop could commit past the record
+        # (Faust acks an event as its agent lets go of it). The committed offsets and the
+        # tables' changelogs are a state a restart continues from; what it reads again is
+        # counted once (each table records the offsets it applied).
+        log.error("%s; exiting to be restarted, which reads it again", streams.failure)
+        logging.shutdown()
+        os._exit(1)
     log.info("stopping: committing offsets and flushing table changelogs")
     await streams.stop()
+    if not stop.is_set():
+        log.error("the streams app stopped by itself: %r", streams.app.crash_reason)
+        return 1
+    return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    settings_only("python -m streams", __doc__, argv)
     try:
         settings = load_settings(StreamsSettings)
     except ConfigError as exc:
@@ -107,11 +122,10 @@ def main() -> int:
             max(logging.WARNING, logging.getLevelName(settings.log_level))
         )
     try:
-        asyncio.run(serve(settings))
+        return asyncio.run(serve(settings))
     except (ConfigError, ServiceError) as exc:
         log.error("%s", exc)  # noqa: TRY400 - the message says what to do; no traceback
         return 2
-    return 0
 
 
 if __name__ == "__main__":

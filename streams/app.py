@@ -10,11 +10,14 @@ Tables (memory store, rebuilt from their changelog topics on start):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import faust
+import orjson
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
@@ -27,6 +30,7 @@ from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
 from streams.faust_flow import hold_flow_for_recovery
+from streams.metrics import EVENTS
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
@@ -141,6 +145,11 @@ class StreamsApp:
         self._timer(_SHADOW_EVAL_S, "shadows", self.shadow.evaluate)
         self._timer(_CLOCK_SYNC_S, "clock", self._sync_clock)
         self._levels_restored = False
+        # A record the agent could not fold: what the process reports as it exits.
+        self.failure: str | None = None
+        self._failed = asyncio.Event()
+        # The record whose failure ended the previous run: skipped if it fails again.
+        self._unfolded = Path(settings.streams_data_dir) / "unfolded.json"
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
         self._stopping = False
@@ -154,7 +163,49 @@ class StreamsApp:
     async def _consume(self, stream: Any) -> None:
         async for event in stream.events():
             message = event.message
-            self.processor.handle(event.value, message.partition, message.offset)
+            try:
+                self.processor.handle(event.value, message.partition, message.offset)
+            except Exception as exc:  # a bug: its record must not be passed over unsaid
+                # A malformed record is skipped inside ``handle``; this is a valid one the
+                # tables could not take. Left to Faust, the agent would be restarted past it
+                # (the record acked, its usage lost) or not at all (nothing folded any more,
+                # the process still up).
+                where = f"{message.topic}:{message.partition}@{message.offset}"
+                if self._failed_before(where):
+                    # Read again after the restart its first failure caused, and failed again:
+                    # a bug no restart mends. Skipped, so that one record does not hold
+                    # every later one back (nor restart the process for ever).
+                    log.exception(
+                        "usage record %s failed to fold again after a restart; skipped: "
+                        "its usage is not counted",
+                        where,
+                    )
+                    EVENTS.labels("unfolded").inc()
+                    continue
+                # The first time: the agent parks on it unacked, so no commit passes it, and
+                # the process exits (``python -m streams``) for its supervisor to restart
+                # it, which reads it again with the tables as their changelogs hold them.
+                log.exception("usage record %s was not folded", where)
+                self._remember_failure(where)
+                self.failure = f"usage record {where} was not folded: {exc!r}"
+                self._failed.set()
+                await asyncio.Event().wait()
+
+    def _failed_before(self, where: str) -> bool:
+        try:
+            return bool(orjson.loads(self._unfolded.read_bytes()).get("record") == where)
+        except (OSError, orjson.JSONDecodeError, AttributeError):
+            return False
+
+    def _remember_failure(self, where: str) -> None:
+        """Note the record for the restart (in the data dir, which a restart keeps)."""
+        try:
+            self._unfolded.parent.mkdir(parents=True, exist_ok=True)
+            draft = self._unfolded.with_suffix(".draft")
+            draft.write_bytes(orjson.dumps({"record": where}))
+            draft.replace(self._unfolded)
+        except OSError as exc:
+            log.warning("could not note %s in %s: %s", where, self._unfolded, exc)
 
     async def _send(self, topic: str, key: bytes, value: bytes) -> None:
         """Produce one record and return once the broker has it."""
@@ -200,7 +251,17 @@ class StreamsApp:
         log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)
 
     async def wait_crashed(self) -> None:
-        await self.app.wait_until_stopped()
+        """Return when the app stopped by itself or a record could not be folded
+        (``failure`` says which)."""
+        waiters = {
+            asyncio.ensure_future(self.app.wait_until_stopped()),
+            asyncio.ensure_future(self._failed.wait()),
+        }
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def stop(self) -> None:
         """Stop consuming, flush table changelogs, commit offsets, close the clients."""

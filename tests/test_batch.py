@@ -531,15 +531,20 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         b"{not json",
         {"v": 1, "job_id": "j-bad", "team": "docs", "body": body},  # no line id
         {"v": 1, "job_id": "j-bad", "line_id": "x" * 600, "team": "docs", "body": body},
+        # Past what orjson parses at all (1024 levels): its top level still names the line.
+        b'{"v": 1, "job_id": "j-bad", "line_id": "abyss", "team": "docs", "body": '
+        + b"[" * 3000
+        + b"]" * 3000
+        + b"}",
     ]
     for record in records:
         value = record if isinstance(record, bytes) else orjson.dumps(record)
         await producer.send_and_wait(topic, value, key=b"j-bad")
     results = await stack.read_topic(
-        stack.topics.results_batch, count=6, where=lambda r: r.get("job_id") == "j-bad"
+        stack.topics.results_batch, count=7, where=lambda r: r.get("job_id") == "j-bad"
     )
     by_line = {r["line_id"]: r for r in results}
-    answered = ["a-string", "deep", "good", "huge", "newer"]
+    answered = ["a-string", "abyss", "deep", "good", "huge", "newer"]
     (cut,) = set(by_line) - set(answered)
     assert cut.startswith("x" * 400)
     assert len(cut) <= 500
@@ -551,13 +556,14 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         ("newer", "v"),
         ("huge", "body: max_tokens: an integer above the 64-bit range (100 bits)"),
         ("deep", "nested more than 64 levels deep"),
+        ("abyss", "recursion limit exceeded"),
     ):
         assert by_line[name]["status_code"] == 400, by_line[name]
         message = by_line[name]["body"]["error"]["message"]
         assert "not a laneway batch line" in message, message
         assert words in message, message
     await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
-    assert len(await stack.read_all(stack.topics.results_batch)) == 6
+    assert len(await stack.read_all(stack.topics.results_batch)) == 7
 
 
 _JOBS = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}

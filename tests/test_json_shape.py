@@ -6,8 +6,10 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from laneway.json_shape import MAX_JSON_DEPTH, json_problem
+from laneway.json_shape import MAX_JSON_DEPTH, json_problem, top_level_strings
 
 
 def _nested(levels: int) -> Any:
@@ -52,3 +54,52 @@ def test_a_wide_value_is_walked_once_with_its_keys_kept_short() -> None:
     path, problem = json_problem(wide) or ("", "")
     assert (len(path), problem) == (80, "an integer above the 64-bit range (71 bits)")
     assert json_problem({"k" * 50_000: list(range(20_000))}) is None
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53), 2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(), _json, max_size=6), st.booleans())
+def test_the_top_level_strings_of_any_object_are_read_as_a_parser_reads_them(
+    value: dict[str, Any], indent: bool
+) -> None:
+    raw = orjson.dumps(value, option=orjson.OPT_INDENT_2 if indent else 0)
+    expected = {k: v for k, v in value.items() if isinstance(v, str)}
+    assert top_level_strings(raw) == expected
+
+
+def test_the_top_level_strings_of_a_record_nested_past_any_parser_are_read() -> None:
+    raw = b'{"job_id": "j-1", "body": ' + b"[" * 5000 + b"]" * 5000 + b', "line_id": "l\\u00e9"}'
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    assert top_level_strings(raw) == {"job_id": "j-1", "line_id": "lé"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"[1]",
+        b'"s"',
+        b"{",
+        b'{"a"}',
+        b'{"a":}',
+        b'{"a":"b",}',
+        b'{"a":"b"]',
+        b'{"a" "b"}',
+        b'{"a":"b" "c":"d"}',
+        b'{"a":"b"}x',
+        b'{"a":"b"',
+        b"{,}",
+    ],
+)
+def test_what_is_not_an_object_at_its_top_level_has_no_top_level_strings(raw: bytes) -> None:
+    assert top_level_strings(raw) is None

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,7 +35,10 @@ FAST: dict[str, Any] = {
 class StreamsProcess:
     """One ``python -m streams`` child with the stack's prefixes and a data dir of its own."""
 
-    def __init__(self, stack: LiveStack, data_dir: Path, **settings: Any) -> None:
+    def __init__(
+        self, stack: LiveStack, data_dir: Path, *, module: str = "streams", **settings: Any
+    ) -> None:
+        self.module = module
         env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
         values: dict[str, Any] = {
             **stack.common,
@@ -55,7 +59,7 @@ class StreamsProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "streams", env=self.env, cwd=ROOT, stdout=log, stderr=log
+                sys.executable, "-m", self.module, env=self.env, cwd=ROOT, stdout=log, stderr=log
             )
 
     async def stop(self, sig: int = signal.SIGTERM, within_s: float = 30.0) -> int:
@@ -128,3 +132,79 @@ async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
         code = await streams.stop()
     assert code == 0, streams.log()
     assert "skipping usage record" in streams.log()
+
+
+async def _exits(streams: StreamsProcess, within_s: float) -> int | None:
+    """The child's exit code once it exits by itself within ``within_s``; None if it runs on."""
+    proc = streams.proc
+    assert proc is not None
+    try:
+        return await asyncio.wait_for(proc.wait(), within_s)
+    except TimeoutError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["once", "always"])
+async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_it_fails_again(
+    stack: LiveStack, tmp_path: Path, fault: str
+) -> None:
+    """A bug that raises while folding one valid record (tests/streams_fault.py plants one)
+    ends the process with an error naming the record, instead of leaving it up with nothing
+    folded or going on past the record unsaid. The restart (same data dir) reads it again:
+    counted once if the fault has passed, skipped with an error if it fails again, so the
+    records after it are counted and the process stays up either way."""
+    teams = {"team-a": 5, "team-fault": 1, "team-b": 5}
+    events = [
+        usage_event(team=team, ts=time.time() - 7200)
+        for team, count in teams.items()
+        for _ in range(count)
+    ]
+    producer = await stack.producer()
+    await produce_usage(producer, stack.topics.usage, events)
+    settings: dict[str, Any] = {"rollup_idle_s": 0.5, "rollup_grace_s": 0}
+    runs = [
+        StreamsProcess(stack, tmp_path / "data", module="tests.streams_fault", **settings)
+        for _ in range(2)
+    ]
+    for run in runs:
+        run.env["STREAMS_FAULT"] = fault
+        run.env["STREAMS_FAULT_MARKER"] = str(tmp_path / "fault-met")
+    first, second = runs
+    await first.start()
+    try:
+        code = await _exits(first, within_s=60)
+    finally:
+        await first.stop()
+    assert code == 1, first.log()
+    assert "was not folded: RuntimeError('a planted bug')" in first.log()
+    assert f"usage record {stack.topics.usage}:" in first.log()
+
+    await second.start()
+    try:
+        await stack.read_topic(
+            stack.topics.usage_hourly,
+            count=2,
+            within_s=60,
+            where=lambda r: r["team"] != "team-fault",
+        )
+        if fault == "once":
+            await stack.read_topic(
+                stack.topics.usage_hourly,
+                count=1,
+                within_s=60,
+                where=lambda r: r["team"] == "team-fault",
+            )
+        await asyncio.sleep(2)  # any hour published late, or twice
+        latest: dict[str, dict[str, Any]] = {}
+        for record in await stack.read_all(stack.topics.usage_hourly):
+            team = record["team"]
+            if team not in latest or record["revision"] > latest[team]["revision"]:
+                latest[team] = record
+        assert await _exits(second, within_s=0.1) is None, second.log()  # still up
+    finally:
+        assert await second.stop() == 0, second.log()
+    if fault == "always":
+        del teams["team-fault"]
+        assert "failed to fold again after a restart; skipped" in second.log()
+    assert {team: r["requests"] for team, r in latest.items()} == teams, second.log()

@@ -28,6 +28,7 @@ from laneway.batch import MAX_CUSTOM_ID_CHARS
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, HEARTBEAT_TTL_S
 from laneway.errors import DuplicateLine, Expired, LanewayError, MalformedMessage
+from laneway.json_shape import top_level_strings
 from laneway.retry import Backoff
 from laneway.schema import BatchRequest, BatchResult, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
@@ -675,12 +676,16 @@ def _named_top(answered: Answered) -> int:
 
 def _salvage(raw: bytes | None, exc: MalformedMessage) -> BatchRequest | None:
     """A record that is not a valid line but names its job and line (a wrong body, a newer
-    version): the line its submitter counts on, carrying the problem as its error, so it is
-    answered with an error result instead of never. None when it names no job and line."""
+    version, a body nested too deep for any parser): the line its submitter counts on,
+    carrying the problem as its error, so it is answered with an error result instead of
+    never. None when it names no job and line."""
+    fields: object
     try:
         fields = orjson.loads(raw or b"")
     except orjson.JSONDecodeError:
-        return None
+        # Not JSON orjson takes (nested past 1024 levels, say); its top level may still
+        # name the line.
+        fields = top_level_strings(raw or b"")
     if not isinstance(fields, dict):
         return None
     team = fields.get("team")
