@@ -2,24 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import uvicorn
+from aiokafka.errors import KafkaError
 
 from ingress.app import create_app
 from ingress.settings import IngressSettings
+from laneway.clients import make_admin
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
-from laneway.settings import load_settings
+from laneway.settings import load_settings, settings_only
 
 
-def main() -> int:
+async def _kafka_answers(settings: IngressSettings) -> str | None:
+    """Why Kafka cannot be used, or None. The ingress cannot start without it (Redis it can:
+    its fallbacks answer); asked first so that a broker that is down is one line, not the
+    traceback uvicorn prints for a failed start."""
+    admin = make_admin(settings)
+    try:
+        await admin.start()
+    except KafkaError as exc:
+        return f"Kafka at {settings.kafka_bootstrap} did not answer: {exc!r}"
+    finally:
+        await admin.close()
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings_only("python -m ingress", __doc__, argv)
     try:
         settings = load_settings(IngressSettings)
     except ConfigError as exc:
         print(f"laneway ingress: {exc}", file=sys.stderr)  # noqa: T201
         return 2
     setup_logging(settings.log_level, settings.log_format)
+    problem = asyncio.run(_kafka_answers(settings))
+    if problem is not None:
+        print(f"laneway ingress: {problem}", file=sys.stderr)  # noqa: T201
+        return 1
     tune_gc()
     uvicorn.run(
         create_app(settings),

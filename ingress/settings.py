@@ -7,11 +7,14 @@ import secrets
 from pydantic import (
     Field,
     SecretStr,
+    field_validator,
 )
 
 from laneway.settings import CommonSettings
 
 __all__ = ["IngressSettings"]
+
+_BREAKER_LEVELS = ("quantized", "fallback")  # the routes of breaker levels 1 and 2
 
 
 class IngressSettings(CommonSettings):
@@ -94,3 +97,19 @@ class IngressSettings(CommonSettings):
     quota_lease_idle_s: float = Field(
         10.0, gt=0, description="an unused quota lease goes back to its pool after this long"
     )
+
+    @field_validator("breaker_routes")
+    @classmethod
+    def _known_levels(cls, routes: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        # A misspelt level ("quantised") would leave that level on the model itself, unsaid.
+        for model, alternatives in routes.items():
+            unknown = sorted(set(alternatives) - set(_BREAKER_LEVELS))
+            if unknown:
+                raise ValueError(
+                    f"{model}: {', '.join(unknown)} is not a breaker level's route "
+                    f"(each model has {' and '.join(_BREAKER_LEVELS)})"
+                )
+            empty = [level for level, route in alternatives.items() if not route.strip()]
+            if empty:
+                raise ValueError(f"{model}: the {empty[0]} route is empty")
+        return routes

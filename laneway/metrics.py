@@ -10,6 +10,8 @@ import threading
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from laneway.errors import ConfigError
+
 __all__ = [
     "BREAKER_LEVEL",
     "CONSUMER_LAG",
@@ -46,7 +48,12 @@ def team_label(team: str) -> str:
 def serve_metrics(port: int) -> None:
     """Serve ``/metrics`` on ``port`` (services without an HTTP server of their own)."""
     if port:
-        start_http_server(port)
+        try:
+            start_http_server(port)
+        except OSError as exc:
+            raise ConfigError(
+                f"LANEWAY_METRICS_PORT={port}: cannot serve /metrics there: {exc.strerror or exc}"
+            ) from None
 
 
 TOKENS = Counter(

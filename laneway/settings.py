@@ -8,7 +8,10 @@ never be silently ignored.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+import re
 from importlib.metadata import entry_points
 from typing import Any, Literal, TypeVar
 
@@ -21,7 +24,8 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from redis.connection import parse_url
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import ConfigError
@@ -39,6 +43,7 @@ __all__ = [
     "known_variables",
     "load_settings",
     "settings_classes",
+    "settings_only",
 ]
 
 # Read outside the settings classes (before a venv or Python exists, or by the test setup).
@@ -53,7 +58,7 @@ _OTHER_KNOWN_VARIABLES = {
 class Price(BaseModel):
     """Price of one model route, per 1,000 tokens of each kind."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     prompt: float = Field(0.0, ge=0)
     cached: float = Field(0.0, ge=0)
@@ -71,7 +76,10 @@ def _default_prices() -> dict[str, Price]:
 class CommonSettings(BaseSettings):
     """Where Kafka and Redis are and how laneway names things in them."""
 
-    model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid")
+    # No setting means "for ever" or "unbounded" by inf, and a NaN compares false with every
+    # bound: both are refused at the door instead of failing far from it (int(inf) on a
+    # request path, a timer that never fires).
+    model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid", allow_inf_nan=False)
 
     kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
     redis_url: str = Field(
@@ -185,6 +193,17 @@ class CommonSettings(BaseSettings):
         "", description="SASL_SSL: CA bundle that signed the brokers' certificates ('': system)"
     )
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: str) -> str:
+        # A Sentinel URL is read where its client is made (laneway.clients.sentinel_redis).
+        if not value.startswith(("redis+sentinel://", "rediss+sentinel://")):
+            try:
+                parse_url(value)  # type: ignore[no-untyped-call]
+            except ValueError as exc:
+                raise ValueError(f"not a Redis URL: {exc}") from None
+        return value
+
     @field_validator("kafka_username")
     @classmethod
     def _kafka_login_complete(cls, value: str, info: ValidationInfo) -> str:
@@ -248,11 +267,18 @@ def check_environment(environ: dict[str, str] | None = None) -> None:
         k for k in env if k.upper().startswith("LANEWAY_") and k.upper() not in known_variables()
     )
     if unknown:
-        retired = [f"{k} is now {RETIRED[k.upper()]}" for k in unknown if k.upper() in RETIRED]
+        known = sorted(known_variables())
+        hints = [
+            f"{k} is now {RETIRED[k.upper()]}"
+            if k.upper() in RETIRED
+            else f"{k}: did you mean {close[0]}?"
+            for k in unknown
+            if k.upper() in RETIRED or (close := difflib.get_close_matches(k.upper(), known, 1))
+        ]
         raise ConfigError(
             f"unknown setting(s) {', '.join(unknown)}: no laneway service reads them "
             "(see the settings table in README.md for the names)"
-            + (f"; {'; '.join(retired)}" if retired else "")
+            + (f"; {'; '.join(hints)}" if hints else "")
         )
 
 
@@ -261,6 +287,14 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
     check_environment()
     try:
         return cls(**overrides)
+    except SettingsError as exc:
+        # A value that is not the JSON a list or map setting needs (pydantic-settings parses
+        # it before validation, and names the field only in its message).
+        named = re.search(r'field "([^"]+)"', str(exc))
+        variable = f"LANEWAY_{named.group(1).upper()}" if named else "a LANEWAY_* variable"
+        raise ConfigError(
+            f"bad setting: {variable}: not valid JSON ({exc.__cause__ or exc})"
+        ) from None
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -269,5 +303,22 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
             known = cls.model_fields.get(field)
             if known is not None and known.annotation is SecretStr:
                 value = "(secret)"
-            problems.append(f"LANEWAY_{field.upper()}={value!r}: {err['msg']}")
+            elif field == "redis_url":
+                value = "(not shown: it may hold a password)"
+            message = err["msg"].removeprefix("Value error, ")
+            if not field:  # a check of several settings together: its message names them
+                problems.append(message)
+                continue
+            problems.append(f"LANEWAY_{field.upper()}={value!r}: {message}")
         raise ConfigError("bad setting: " + "; ".join(problems)) from None
+
+
+def settings_only(prog: str, description: str | None, argv: list[str] | None = None) -> None:
+    """The command line of a service configured by ``LANEWAY_*`` variables alone: ``--help``
+    says so, and any argument is refused (argparse exits 2) instead of being ignored."""
+    argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog="Configured by LANEWAY_* environment variables only: README.md's settings "
+        "table lists them.",
+    ).parse_args(argv)

@@ -8,6 +8,7 @@ import time
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
 from laneway.clients import kafka_auth, make_producer
@@ -199,7 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     except LanewayError as exc:
         print(f"laneway: {exc}", file=sys.stderr)
         return 1
+    except RedisError as exc:
+        # Not the URL: it may hold a password.
+        print(f"laneway: Redis (LANEWAY_REDIS_URL) did not answer: {exc}", file=sys.stderr)
+        return 1
+    except KafkaError as exc:
+        print(f"laneway: Kafka at {_bootstrap()} did not answer: {exc!r}", file=sys.stderr)
+        return 1
     return result
+
+
+def _bootstrap() -> str:
+    """Where the CLI looked for Kafka (LANEWAY_KAFKA_BOOTSTRAP, or its default)."""
+    try:
+        return load_settings(CommonSettings).kafka_bootstrap
+    except ConfigError:
+        return "LANEWAY_KAFKA_BOOTSTRAP"
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from ingress.settings import IngressSettings
 from laneway.constants import POOLS, RequestClass
-from laneway.settings import CommonSettings
+from laneway.errors import ConfigError
+from laneway.settings import CommonSettings, load_settings
 from ops.autoscale import LocalAutoscaler
 from ops.devstack import KafkaBroker, RedisServer, create_topics
 from ops.group_members import GroupMembers
@@ -24,6 +26,8 @@ from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
 from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+from streams.settings import StreamsSettings
+from workers.settings import WorkerSettings
 
 __all__ = ["pool_replicas", "run_local_stack", "stack_processes", "standby_processes"]
 
@@ -126,6 +130,7 @@ def stack_processes(
             {"LANEWAY_STREAMS_DATA_DIR": str(data / "streams"), **login("streams")},
         )
     )
+    _check_services(services, env)
     width = max(len(name) for name, _, _ in services)
     processes: list[Supervised] = [
         LocalServer(redis),
@@ -223,3 +228,32 @@ def run_local_stack(settings: StackSettings) -> None:
     finally:
         if close_metrics is not None:
             close_metrics()
+
+
+_SETTINGS_OF: dict[str, type[CommonSettings]] = {
+    "ingress": IngressSettings,
+    "workers": WorkerSettings,
+    "streams": StreamsSettings,
+}
+
+
+def _check_services(services: list[tuple[str, str, dict[str, str]]], env: dict[str, str]) -> None:
+    """Each service's settings as it will be started: one it would refuse stops ``laneway up``
+    now, naming it, instead of after Kafka and Redis started, as a crash loop."""
+    if env.get("LANEWAY_METRICS_PORT", "0") not in ("", "0"):
+        raise ConfigError(
+            f"LANEWAY_METRICS_PORT={env['LANEWAY_METRICS_PORT']}: under `laneway up` every "
+            "worker and the streams app would serve /metrics on that one port (all but one "
+            "failing); leave it unset: LANEWAY_SUPERVISOR_PORT serves the stack's /metrics"
+        )
+    checked: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for name, module, extra in services:
+        own = {k.removeprefix("LANEWAY_").lower(): v for k, v in extra.items()}
+        key = (module, tuple(sorted((k, v) for k, v in own.items() if k != "worker_id")))
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            load_settings(_SETTINGS_OF[module], **own)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None

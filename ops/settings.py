@@ -6,6 +6,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from laneway.constants import RequestClass
@@ -22,7 +23,7 @@ class StackSettings(CommonSettings):
     """``laneway up``: the local single-node stack."""
 
     kafka_port: int = Field(
-        19092, gt=0, le=65535, description="`laneway up`: Kafka port (controller: +1)"
+        19092, gt=0, le=65534, description="`laneway up`: Kafka port (controller: +1)"
     )
     redis_port: int = Field(16379, gt=0, le=65535, description="`laneway up`: Redis port")
     redis_maxmemory: str = Field(
@@ -111,3 +112,20 @@ class StackSettings(CommonSettings):
                 f"must be at least LANEWAY_RESTART_BACKOFF_S ({first}), the first wait"
             )
         return value
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> StackSettings:
+        # Two of the stack's listeners on one port: the second fails after the first started.
+        ports = {
+            "LANEWAY_KAFKA_PORT": self.kafka_port,
+            "LANEWAY_KAFKA_PORT + 1 (the Kafka controller)": self.kafka_port + 1,
+            "LANEWAY_REDIS_PORT": self.redis_port,
+            "LANEWAY_PORT": self.port,
+            "LANEWAY_SUPERVISOR_PORT": self.supervisor_port,
+        }
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port and port in seen:
+                raise ValueError(f"{seen[port]} and {name} are both {port}: each needs its own")
+            seen[port] = name
+        return self

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -10,7 +15,9 @@ import pytest
 from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
 from laneway.settings import load_settings
-from tests.stack import LiveStack
+from ops.local_stack import stack_processes
+from ops.settings import StackSettings
+from tests.stack import ROOT, LiveStack, free_port
 from workers import metrics
 from workers.settings import WorkerSettings
 
@@ -203,3 +210,115 @@ def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("LANEWAY_MAX_INFLIGHT", "-3")
     with pytest.raises(ConfigError, match="LANEWAY_MAX_INFLIGHT"):
         load_settings(WorkerSettings)
+
+
+def test_a_misspelt_setting_is_told_the_name_it_was_meant_to_be(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LANEWAY_PROT", "9000")
+    with pytest.raises(ConfigError, match="LANEWAY_PROT: did you mean LANEWAY_PORT"):
+        load_settings(IngressSettings)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        # pydantic-settings parses JSON before validation: its error named no variable.
+        ("LANEWAY_MODELS", "[not json", "LANEWAY_MODELS: not valid JSON"),
+        # Passed before, then int(inf) failed every admission.
+        ("LANEWAY_QUOTA_UNITS_PER_MEMBER", "inf", "finite number"),
+        ("LANEWAY_QUOTA_BATCH_RATIO", "nan", "finite number"),
+        ("LANEWAY_PRICES", '{"*": {"prompt": 1e999}}', "LANEWAY_PRICES.*.PROMPT"),
+        # A misspelt breaker level left that level on the model itself.
+        ("LANEWAY_BREAKER_ROUTES", '{"m": {"quantised": "m-q"}}', "quantised is not"),
+        ("LANEWAY_REDIS_URL", "redis://u:hunter2@h:notaport/0", "not a Redis URL"),
+        ("LANEWAY_REDIS_URL", "notaurl", "not a Redis URL"),
+    ],
+)
+def test_a_setting_laneway_cannot_use_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, words: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as refused:
+        load_settings(IngressSettings)
+    assert variable in str(refused.value)
+    assert words in str(refused.value)
+    assert "hunter2" not in str(refused.value)  # a Redis URL may hold a password
+
+
+def test_a_heartbeat_slower_than_liveness_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LANEWAY_HEARTBEAT_INTERVAL_S", "7")  # beats counted live for 6 s
+    with pytest.raises(ConfigError, match="LANEWAY_HEARTBEAT_INTERVAL_S"):
+        load_settings(WorkerSettings)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "words"),
+    [
+        ("LANEWAY_MAX_INFLIGHT", "abc", "worker-completion: bad setting: LANEWAY_MAX_INFLIGHT"),
+        ("LANEWAY_BREAKER_ENTER", "[0.5, 0.1, 0.2]", "streams: bad setting"),
+        ("LANEWAY_SUPERVISOR_PORT", "8000", "LANEWAY_PORT and LANEWAY_SUPERVISOR_PORT"),
+        ("LANEWAY_REDIS_PORT", "19093", "Kafka controller) and LANEWAY_REDIS_PORT"),
+        ("LANEWAY_METRICS_PORT", "9100", "that one port"),
+    ],
+)
+def test_laneway_up_refuses_what_a_service_would_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str, value: str, words: str
+) -> None:
+    """Each of these passed `laneway up`'s own settings and failed later, after Kafka and
+    Redis had started, as a service's crash loop."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        stack_processes(load_settings(StackSettings, data_dir=str(tmp_path / "stack")))
+    assert not (tmp_path / "stack").exists()
+
+
+@pytest.mark.parametrize("module", ["ingress", "streams"])
+def test_a_service_without_arguments_refuses_one(module: str) -> None:
+    """`python -m ingress --port 9000` listened on 8000, and `--help` started the service."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--port", "9000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 2
+    assert "unrecognized arguments: --port 9000" in run.stderr
+    helped = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert helped.returncode == 0
+    assert "LANEWAY_* environment variables" in helped.stdout
+
+
+def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    env["LANEWAY_KAFKA_BOOTSTRAP"] = f"127.0.0.1:{free_port()}"
+    for argv in (
+        ["-m", "ingress"],
+        ["-m", "workers", "--pool", "chat"],
+        ["-m", "ops.cli", "topics", "create"],
+    ):
+        run = subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+            check=False,
+        )
+        assert run.returncode == 1, (argv, run.stderr)
+        assert f"Kafka at {env['LANEWAY_KAFKA_BOOTSTRAP']} did not answer" in run.stderr, argv
+        assert "Traceback" not in run.stderr, (argv, run.stderr)
+        assert "Unclosed" not in run.stderr, (argv, run.stderr)

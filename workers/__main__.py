@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 from collections.abc import Callable
+
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
@@ -29,7 +33,13 @@ async def _serve(settings: WorkerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await worker.start()
+    try:
+        await worker.start()
+    except BaseException:
+        # Whatever did start is closed (a broker that is down fails the start midway).
+        with contextlib.suppress(Exception):
+            await worker.stop(grace_s=0)
+        raise
     tune_gc()
     stopped = asyncio.create_task(worker.wait_stopped())
     signalled = asyncio.create_task(stop.wait())
@@ -67,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)  # noqa: TRY400 - a config error needs no traceback
         return 2
+    except KafkaError as exc:
+        log.error("Kafka at %s did not answer: %r", settings.kafka_bootstrap, exc)  # noqa: TRY400
+        return 1
+    except RedisError as exc:
+        log.error("Redis (LANEWAY_REDIS_URL) did not answer: %s", exc)  # noqa: TRY400
+        return 1
 
 
 if __name__ == "__main__":

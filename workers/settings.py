@@ -12,7 +12,7 @@ from pydantic import (
     field_validator,
 )
 
-from laneway.constants import RequestClass
+from laneway.constants import HEARTBEAT_TTL_S, RequestClass
 from laneway.settings import CommonSettings
 
 __all__ = ["EngineName", "WorkerSettings"]
@@ -104,7 +104,14 @@ class WorkerSettings(CommonSettings):
     )
     commit_interval_ms: int = Field(200, gt=0, description="how often offsets are committed")
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: time to finish in-flight")
-    heartbeat_interval_s: float = Field(2.0, gt=0, description="worker heartbeat to Redis")
+    heartbeat_interval_s: float = Field(
+        2.0,
+        gt=0,
+        le=HEARTBEAT_TTL_S / 2,
+        description="worker heartbeat to Redis (at most half the "
+        f"{HEARTBEAT_TTL_S:g} s a beat counts a worker live: longer, and a live worker is "
+        "taken for dead between beats)",
+    )
     session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
 
     upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
