@@ -24,6 +24,7 @@ class IngressSettings(CommonSettings):
     port: int = Field(8000, ge=0, le=65535, description="ingress listen port")
     instance_id: str = Field(
         default_factory=lambda: f"ingress-{secrets.token_hex(4)}",
+        pattern=r"^\S{1,200}$",
         description="names this replica's reply stream; unique per replica",
     )
     admin_key: SecretStr = Field(

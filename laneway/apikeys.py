@@ -28,6 +28,7 @@ from laneway.schema import KeyRevocation
 
 __all__ = [
     "KeyRecord",
+    "check_team_name",
     "create_key",
     "find_key",
     "hash_key",
@@ -79,13 +80,29 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+MAX_TEAM_NAME_CHARS = 200
+
+
+def check_team_name(team: str) -> None:
+    """A team name as it is shown, logged and used as a label: not empty or blank, without
+    spaces around it or control characters (a name only those tell apart from another is a
+    second team nobody can tell from the first)."""
+    if not team.strip():
+        raise BadRequest("team name is empty", param="team")
+    if team != team.strip() or not team.isprintable() or len(team) > MAX_TEAM_NAME_CHARS:
+        raise BadRequest(
+            f"team name {team[:MAX_TEAM_NAME_CHARS]!r} must be printable, without spaces "
+            f"around it, and at most {MAX_TEAM_NAME_CHARS} characters",
+            param="team",
+        )
+
+
 async def create_key(
     redis: aioredis.Redis, keys: RedisKeys, team: str, *, ttl_s: int | None = None
 ) -> str:
     """A new key for ``team``; only its hash is stored, so it is shown once. ``ttl_s``: the
     key stops working after that long (the health prober's own keys)."""
-    if not team:
-        raise BadRequest("team name is empty", param="team")
+    check_team_name(team)
     key = KEY_PREFIX + secrets.token_urlsafe(24)
     record = keys.api_key(hash_key(key))
     async with redis.pipeline(transaction=True) as pipe:

@@ -88,8 +88,15 @@ class CommonSettings(BaseSettings):
         "behind Sentinels redis+sentinel://[user:password@]host:port[,...]/<service>[/<db>] "
         "(never logged)",
     )
-    topic_prefix: str = Field("laneway", description="prefix of every Kafka topic")
-    redis_prefix: str = Field("laneway", description="prefix of every Redis key")
+    topic_prefix: str = Field(
+        "laneway",
+        # What Kafka takes in a topic name, short enough for the longest name built on it.
+        pattern=r"^[A-Za-z0-9._-]{1,150}$",
+        description="prefix of every Kafka topic (letters, digits, '.', '_', '-')",
+    )
+    redis_prefix: str = Field(
+        "laneway", pattern=r"^\S{1,150}$", description="prefix of every Redis key (no spaces)"
+    )
     redis_hot_timeout_ms: int = Field(
         DEFAULT_HOT_TIMEOUT_MS,
         ge=1,
@@ -306,6 +313,8 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
             elif field == "redis_url":
                 value = "(not shown: it may hold a password)"
             message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "string_pattern_mismatch" and known is not None:
+                message = f"{message}: {known.description}"
             if not field:  # a check of several settings together: its message names them
                 problems.append(message)
                 continue

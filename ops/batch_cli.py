@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
+from laneway.arguments import finite_float
 from laneway.batch import MAX_JOB_ID_CHARS, BatchClient, output_line
 from laneway.batch_http import HttpBatchClient
 from laneway.errors import BadRequest, ConfigError, LanewayError
@@ -50,10 +51,12 @@ def _jsonl_lines(path: Path) -> list[str]:
     like are text inside a JSON string, which ``str.splitlines`` would cut at)."""
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: name a JSONL file")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"no such file: {path}")
     try:
         return path.read_bytes().decode("utf-8").split("\n")
+    except OSError as exc:  # not readable by this user, a broken disk
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise BadRequest(
             f"{path} is not UTF-8 text (byte {exc.start}): a batch file is JSON lines"
@@ -184,6 +187,8 @@ def cmd_batch_status(args: argparse.Namespace) -> int:
 
 def cmd_batch_results(args: argparse.Namespace) -> int:
     settings = load_settings(CommonSettings)
+    if args.output != "-":
+        _writable(Path(args.output))  # before the results are fetched, not after
 
     async def from_kafka() -> bytes:
         async with BatchClient(settings) as client:
@@ -198,9 +203,23 @@ def cmd_batch_results(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text.decode())
     else:
-        Path(args.output).write_bytes(text)
+        try:
+            Path(args.output).write_bytes(text)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"wrote {len(text.splitlines())} results to {args.output}")
     return 0
+
+
+def _writable(path: Path) -> None:
+    """Refuse an output path that cannot be a file written by this user."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: name the file to write")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"cannot write {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"cannot write {path}: permission denied")
 
 
 def add_batch_commands(sub: Any) -> None:
@@ -222,7 +241,9 @@ def add_batch_commands(sub: Any) -> None:
         help="the batch's endpoint (default: the url of the file's first line)",
     )
     bsubmit.add_argument("--wait", action="store_true", help="follow the job until it is done")
-    bsubmit.add_argument("--timeout", type=float, default=24 * 3600, help="--wait: give up after")
+    bsubmit.add_argument(
+        "--timeout", type=finite_float, default=24 * 3600, help="--wait: give up after"
+    )
     bsubmit.add_argument("--kafka", action="store_true", help=kafka_help)
     bsubmit.add_argument("--team", default=None, help="--kafka: the team the lines run for")
     bsubmit.add_argument("--job-id", default=None, help="--kafka: the job id (default: new)")

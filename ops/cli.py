@@ -11,6 +11,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.apikeys import create_key, hash_key, key_id, list_keys, revoke_key
+from laneway.arguments import finite_float, int_from
 from laneway.clients import kafka_auth, make_producer
 from laneway.errors import BadRequest, ConfigError, LanewayError, ServiceError
 from laneway.logs import setup_logging
@@ -56,6 +57,9 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    if not args.key.strip():
+        raise BadRequest("name the key to revoke: the key itself or its id (laneway keys list)")
+
     async def revoke(settings: CommonSettings, redis: aioredis.Redis) -> int:
         producer = make_producer(settings)
         try:
@@ -147,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     tset.add_argument("team")
     tset.add_argument("--size", type=int, required=True)
-    tset.add_argument("--complexity", type=float, default=1.0)
+    tset.add_argument("--complexity", type=finite_float, default=1.0)
     tset.add_argument("--tier", choices=["hi", "lo"], default="hi")
     tset.add_argument(
         "--supersede-grace-tokens",
@@ -171,7 +175,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="topics_command", required=True
     )
     tcreate = topics.add_parser("create", help="create the topics of DESIGN.md that are missing")
-    tcreate.add_argument("--partitions", type=int, default=0, help="default: LANEWAY_PARTITIONS")
+    tcreate.add_argument(
+        "--partitions", type=int_from(0, 256), default=0, help="default: LANEWAY_PARTITIONS"
+    )
     tcreate.add_argument(
         "--replication-factor",
         type=int,

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from aiokafka.errors import KafkaError
 
+from laneway.arguments import int_from
 from laneway.errors import ServiceError
 from laneway.settings import load_settings
 from ops.principals import ROLES, Role, create_principal, delete_principal, show_acls
@@ -104,7 +105,10 @@ def add_principal_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "--password-stdin", action="store_true", help="read the password from stdin"
     )
     create.add_argument(
-        "--partitions", type=int, default=0, help="tenant: partitions of its two topics"
+        "--partitions",
+        type=int_from(0, 256),
+        default=0,
+        help="tenant: partitions of its two topics (0: LANEWAY_PARTITIONS)",
     )
     create.add_argument(
         "--streams-app-id", default="", help="streams: the Faust app id (LANEWAY_STREAMS_APP_ID)"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from laneway.apikeys import check_team_name
 from laneway.constants import Band, RedisKeys
 from laneway.errors import BadRequest
 from laneway.redis_circuit import circuit_of
@@ -75,7 +76,9 @@ def _text(value: bytes | str) -> str:
 
 async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
     """Store ``team``'s record and announce the change (``RedisKeys.team_changes``), in one
-    transaction: stored and announced, or neither."""
+    transaction: stored and announced, or neither. A new name must be one people can tell
+    apart (``check_team_name``); a record read back need only have one."""
+    check_team_name(team.name)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(
             keys.team(team.name),

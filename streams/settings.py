@@ -58,7 +58,10 @@ class StreamsSettings(CommonSettings):
         0.25, gt=0, description="breaker: how often levels are evaluated"
     )
     breaker_webhook_url: str = Field(
-        "", description="breaker: on-call webhook POSTed on entering level 2 ('' : none)"
+        "",
+        pattern=r"^(https?://[^/\s]+\S*)?$",
+        description="breaker: on-call webhook POSTed on entering level 2 (http:// or "
+        "https://; '' : none)",
     )
 
     rollup_grace_s: float = Field(

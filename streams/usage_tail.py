@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import orjson
 from aiokafka import AIOKafkaConsumer
 
+from laneway.arguments import int_from
 from laneway.clients import kafka_auth
 from laneway.settings import CommonSettings, load_settings
 
@@ -223,5 +224,7 @@ def add_usage_commands(subparsers: argparse._SubParsersAction) -> None:  # type:
     tail.add_argument(
         "--from-beginning", action="store_true", help="start at the oldest retained record"
     )
-    tail.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    tail.add_argument(
+        "--limit", type=int_from(1, 10**9), default=None, help="stop after this many records"
+    )
     tail.set_defaults(func=_cmd_tail)

@@ -15,6 +15,7 @@ import pytest
 from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
 from laneway.settings import load_settings
+from ops.cli import main as cli_main
 from ops.local_stack import stack_processes
 from ops.settings import StackSettings
 from tests.stack import ROOT, LiveStack, free_port
@@ -322,3 +323,30 @@ def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
         assert f"Kafka at {env['LANEWAY_KAFKA_BOOTSTRAP']} did not answer" in run.stderr, argv
         assert "Traceback" not in run.stderr, (argv, run.stderr)
         assert "Unclosed" not in run.stderr, (argv, run.stderr)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["keys", "revoke", ""], "name the key to revoke"),
+        (["keys", "create", "--team", "   "], "team name is empty"),
+        (["teams", "set", " x", "--size", "3"], "without spaces around it"),
+        (["usage", "tail", "--limit", "-1"], "--limit: -1 is not from 1"),
+        (["topics", "create", "--partitions", "100000"], "--partitions: 100000 is not from 0"),
+        (["drill", "canary", "--rps", "nan"], "--rps: not a finite number"),
+        (["drill", "surge", "--surge-s", "inf"], "--surge-s: not a finite number"),
+        (["batch", "results", "j", "-o", "/"], "/ is a directory"),
+        (["batch", "results", "j", "-o", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),
+        (["drill", "chaos", "--data-dir", __file__], "is a file"),
+    ],
+)
+def test_the_cli_refuses_bad_arguments_before_reaching_a_server(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each passed and then failed against a server, or after minutes, or not at all."""
+    try:
+        code = cli_main(argv)
+    except SystemExit as exit_:  # argparse's own usage error
+        code = int(exit_.code or 0)
+    assert code == 2
+    assert words in capsys.readouterr().err

@@ -114,7 +114,11 @@ class WorkerSettings(CommonSettings):
     )
     session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
 
-    upstream_url: str = Field("", description="OpenAI-compatible base URL for engine=openai")
+    upstream_url: str = Field(
+        "",
+        pattern=r"^(https?://[^/\s]+\S*)?$",
+        description="OpenAI-compatible base URL for engine=openai (http:// or https://)",
+    )
     upstream_api_key: SecretStr = Field(SecretStr(""), description="bearer key of the upstream")
     upstream_model: str = Field("", description="model name upstream; default: the route")
     engine_id: str = Field(

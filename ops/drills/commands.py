@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ingress.settings import IngressSettings
+from laneway.arguments import finite_float
 from laneway.canary import parse_steps
 from laneway.errors import ConfigError
 from laneway.settings import load_settings
@@ -30,7 +31,7 @@ from ops.drills.memory import summary as memory_summary
 from ops.drills.memory import write_timeline as write_memory_timeline
 from ops.drills.memory_drive import run_memory
 from ops.drills.observe import StackObserver
-from ops.drills.preflight import check_ready, say
+from ops.drills.preflight import check_ready, output_path, report, say
 from ops.drills.storm_command import add_storm_command
 from ops.drills.surge import SurgePlan, judge, phase_summary, run_surge, table
 from ops.drills.topology import TopologyPlan
@@ -54,12 +55,14 @@ def add_drill_commands(sub: Any) -> None:
     )
     surge.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
     surge.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
-    surge.add_argument("--baseline-rps", type=float, default=3.0, help="completions per second")
-    surge.add_argument("--factor", type=float, default=5.0, help="the surge's rate multiple")
-    surge.add_argument("--baseline-s", type=float, default=30.0)
-    surge.add_argument("--surge-s", type=float, default=60.0)
     surge.add_argument(
-        "--after-s", type=float, default=75.0, help="long enough to see the scale-in"
+        "--baseline-rps", type=finite_float, default=3.0, help="completions per second"
+    )
+    surge.add_argument("--factor", type=finite_float, default=5.0, help="the surge's rate multiple")
+    surge.add_argument("--baseline-s", type=finite_float, default=30.0)
+    surge.add_argument("--surge-s", type=finite_float, default=60.0)
+    surge.add_argument(
+        "--after-s", type=finite_float, default=75.0, help="long enough to see the scale-in"
     )
     surge.add_argument("--max-tokens", type=int, default=16)
     surge.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
@@ -76,12 +79,14 @@ def add_drill_commands(sub: Any) -> None:
     memory.add_argument(
         "--short", action="store_true", help="a small drill of about a minute (fewer lines)"
     )
-    memory.add_argument("--hi-rps", type=float, help="hi-band completions per second (5)")
-    memory.add_argument("--lo-rps", type=float, help="lo-band chats per second (1)")
-    memory.add_argument("--baseline-s", type=float, help="before the hold (30)")
-    memory.add_argument("--hold-s", type=float, help="the hold; the chat deadline bounds it (20)")
-    memory.add_argument("--after-s", type=float, help="traffic after the hold (20)")
-    memory.add_argument("--hold", type=float, help="share of KV memory held (0.93)")
+    memory.add_argument("--hi-rps", type=finite_float, help="hi-band completions per second (5)")
+    memory.add_argument("--lo-rps", type=finite_float, help="lo-band chats per second (1)")
+    memory.add_argument("--baseline-s", type=finite_float, help="before the hold (30)")
+    memory.add_argument(
+        "--hold-s", type=finite_float, help="the hold; the chat deadline bounds it (20)"
+    )
+    memory.add_argument("--after-s", type=finite_float, help="traffic after the hold (20)")
+    memory.add_argument("--hold", type=finite_float, help="share of KV memory held (0.93)")
     memory.add_argument("--batch-lines", type=int, help="lines of the batch job (400)")
     memory.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     memory.set_defaults(func=cmd_drill_memory)
@@ -99,7 +104,7 @@ def add_drill_commands(sub: Any) -> None:
         "--faulty", default="laneway-code-bad", help="a route the engine fails (the rollback)"
     )
     canary.add_argument("--steps", default="1,5,10,100")
-    canary.add_argument("--rps", type=float, default=20.0, help="completions per second")
+    canary.add_argument("--rps", type=finite_float, default=20.0, help="completions per second")
     canary.add_argument("--sessions", type=int, default=400, help="distinct sessions")
     canary.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     canary.set_defaults(func=cmd_drill_canary)
@@ -149,7 +154,7 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
     stack = load_settings(StackSettings)
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    out = Path(args.out or Path(stack.data_dir) / "drills" / f"surge-{stamp}.png")
+    out = output_path(Path(args.out or Path(stack.data_dir) / "drills" / f"surge-{stamp}.png"))
     check_ready(url)
     total = plan.baseline_s + plan.surge_s + plan.after_s
     say(
@@ -174,7 +179,7 @@ def cmd_drill_surge(args: argparse.Namespace) -> int:
 
     title = f"laneway surge drill {stamp}: {plan.factor:g}× {plan.baseline_rps:g}/s completions"
     rows = judge(run)
-    say(f"{phase_summary(run)}\n\n{table(rows)}\n\ntimeline: {write_timeline(run, out, title)}")
+    report(f"{phase_summary(run)}\n\n{table(rows)}", lambda: write_timeline(run, out, title))
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -215,7 +220,7 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     stack = load_settings(StackSettings)
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    out = Path(args.out or Path(stack.data_dir) / "drills" / f"memory-{stamp}.png")
+    out = output_path(Path(args.out or Path(stack.data_dir) / "drills" / f"memory-{stamp}.png"))
     check_ready(url)
     say(
         f"memory drill against {url}: {plan.hi_rps:g} hi completions/s and {plan.lo_rps:g} lo "
@@ -238,8 +243,9 @@ def cmd_drill_memory(args: argparse.Namespace) -> int:
     run = asyncio.run(drive())
     rows = memory_judge(run)
     title = f"laneway memory drill {stamp}: KV memory held at {plan.hold_share:.0%}"
-    path = write_memory_timeline(run, out, title)
-    say(f"{memory_summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
+    report(
+        f"{memory_summary(run)}\n\n{table(rows)}", lambda: write_memory_timeline(run, out, title)
+    )
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -262,7 +268,7 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
     )
     url = args.url or f"http://127.0.0.1:{stack.port}"
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    out = Path(args.out or Path(stack.data_dir) / "drills" / f"canary-{stamp}.png")
+    out = output_path(Path(args.out or Path(stack.data_dir) / "drills" / f"canary-{stamp}.png"))
     check_ready(url)
     need = 100 / plan.steps[0] * judged.canary_min_requests / plan.rps
     say(
@@ -288,8 +294,10 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
     run = asyncio.run(drive())
     rows = canary_judge(run)
     title = f"laneway canary drill {stamp}: {plan.model} → {plan.good_target} / {plan.bad_target}"
-    path = write_canary_timeline(run, out, title)
-    say(f"{canary_summary(run)}\n\n{canary_table(rows)}\n\ntimeline: {path}")
+    report(
+        f"{canary_summary(run)}\n\n{canary_table(rows)}",
+        lambda: write_canary_timeline(run, out, title),
+    )
     return 0 if all(r.ok for r in rows) else 1
 
 
@@ -310,6 +318,8 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
     data = Path(
         args.data_dir or Path(load_settings(StackSettings).data_dir) / "drills" / f"chaos-{stamp}"
     ).resolve()
+    if data.exists() and not data.is_dir():
+        raise ConfigError(f"--data-dir {data} is a file: name a directory (new or empty)")
     if data.exists() and any(data.iterdir()):
         raise ConfigError(
             f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "

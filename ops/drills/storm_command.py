@@ -13,10 +13,11 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 
 from laneway.apikeys import lookup_team
+from laneway.arguments import finite_float
 from laneway.errors import ConfigError, LanewayError
 from laneway.settings import load_settings
 from ops.drills.canary import table
-from ops.drills.preflight import check_ready, say
+from ops.drills.preflight import check_ready, output_path, report, say
 from ops.drills.storm import StormPlan, StormRun, judge, run_storm, summary, write_timeline
 from ops.drills.surge import Verdict
 from ops.settings import StackSettings
@@ -34,9 +35,9 @@ def add_storm_command(drills: Any) -> None:
     storm.add_argument("--key", help="an API key (or LANEWAY_API_KEY) of a team big enough")
     storm.add_argument("--url", default="", help="ingress base URL (default: LANEWAY_PORT's)")
     storm.add_argument("--typists", type=int, default=10)
-    storm.add_argument("--window-s", type=float, default=30.0, help="length of one window")
+    storm.add_argument("--window-s", type=finite_float, default=30.0, help="length of one window")
     storm.add_argument("--rounds", type=int, default=2, help="windows of each phase (ABBA)")
-    storm.add_argument("--warmup-s", type=float, default=15.0, help="storm, not measured")
+    storm.add_argument("--warmup-s", type=finite_float, default=15.0, help="storm, not measured")
     storm.add_argument("--out", default="", help="PNG path (default: <data dir>/drills/...)")
     storm.set_defaults(func=cmd_drill_storm)
 
@@ -63,7 +64,7 @@ def cmd_drill_storm(args: argparse.Namespace) -> int:
     url = args.url or f"http://127.0.0.1:{stack.port}"
     address = _address(url)
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
-    out = Path(args.out or Path(stack.data_dir) / "drills" / f"storm-{stamp}.png")
+    out = output_path(Path(args.out or Path(stack.data_dir) / "drills" / f"storm-{stamp}.png"))
     check_ready(url)
     total = plan.warmup_s + 2 * plan.rounds * (plan.window_s + 4)
     say(
@@ -87,6 +88,5 @@ def cmd_drill_storm(args: argparse.Namespace) -> int:
     title = (
         f"laneway storm drill {stamp}: {plan.typists} typists, ABBA windows of {plan.window_s:g} s"
     )
-    path = write_timeline(run, out, title)
-    say(f"{summary(run)}\n\n{table(rows)}\n\ntimeline: {path}")
+    report(f"{summary(run)}\n\n{table(rows)}", lambda: write_timeline(run, out, title))
     return 0 if all(r.ok for r in rows) else 1
