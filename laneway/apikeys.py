@@ -14,6 +14,7 @@ import hashlib
 import re
 import secrets
 import time
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,16 +84,22 @@ def _text(value: bytes | str) -> str:
 MAX_TEAM_NAME_CHARS = 200
 
 
-def check_team_name(team: str) -> None:
-    """A team name as it is shown, logged and used as a label: not empty or blank, without
+async def check_team_name(redis: aioredis.Redis, keys: RedisKeys, team: str) -> None:
+    """A new team's name as it is shown, logged and used as a label: not blank, without
     spaces around it or control characters (a name only those tell apart from another is a
-    second team nobody can tell from the first)."""
+    second team nobody can tell from the first), at most 200 characters. A team that has
+    keys already keeps its name, whatever it is."""
     if not team.strip():
         raise BadRequest("team name is empty", param="team")
-    if team != team.strip() or not team.isprintable() or len(team) > MAX_TEAM_NAME_CHARS:
+    fine = (
+        team == team.strip()
+        and len(team) <= MAX_TEAM_NAME_CHARS
+        and not any(unicodedata.category(c) == "Cc" for c in team)
+    )
+    if not fine and not await redis.sismember(keys.teams(), team):
         raise BadRequest(
-            f"team name {team[:MAX_TEAM_NAME_CHARS]!r} must be printable, without spaces "
-            f"around it, and at most {MAX_TEAM_NAME_CHARS} characters",
+            f"team name {team[:MAX_TEAM_NAME_CHARS]!r} must have no spaces around it and no "
+            f"control characters, and at most {MAX_TEAM_NAME_CHARS} characters",
             param="team",
         )
 
@@ -102,7 +109,7 @@ async def create_key(
 ) -> str:
     """A new key for ``team``; only its hash is stored, so it is shown once. ``ttl_s``: the
     key stops working after that long (the health prober's own keys)."""
-    check_team_name(team)
+    await check_team_name(redis, keys, team)
     key = KEY_PREFIX + secrets.token_urlsafe(24)
     record = keys.api_key(hash_key(key))
     async with redis.pipeline(transaction=True) as pipe:

@@ -177,6 +177,12 @@ async def start_canary(
     steps: tuple[float, ...] = DEFAULT_STEPS,
 ) -> CanaryState:
     """Start ``model``'s canary on ``target`` at its first step; one running canary a model."""
+    try:  # the caller's input (a name too long or empty, bad steps), before Redis is asked
+        state = CanaryState(model=model, target=target, steps=steps, since=0.0)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "model"
+        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
     current = await get_canary(redis, keys, model)
     if current is not None and current.status == "running":
         raise Conflict(
@@ -185,12 +191,7 @@ async def start_canary(
             param="model",
         )
     seconds, micros = await redis.time()  # Redis's clock, which the streams app judges on
-    try:
-        state = CanaryState(model=model, target=target, steps=steps, since=seconds + micros / 1e6)
-    except ValidationError as exc:  # a name too long or empty, bad steps: the caller's input
-        error = exc.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else "model"
-        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
+    state = state.model_copy(update={"since": seconds + micros / 1e6})
     await put_canary(redis, keys, state)
     return state
 

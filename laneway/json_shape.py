@@ -19,9 +19,12 @@ from typing import Any
 
 import orjson
 
-__all__ = ["MAX_JSON_DEPTH", "json_problem", "top_level_strings"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_SCANNED_BYTES", "json_problem", "top_level_strings"]
 
 MAX_JSON_DEPTH = 64
+# ``top_level_strings`` reads no more (about a second of CPU for a record of nested brackets
+# alone); Kafka's default largest record is 1 MiB.
+MAX_SCANNED_BYTES = 1 << 20
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson writes: i64 and u64
 
 
@@ -98,6 +101,8 @@ def top_level_strings(raw: bytes) -> dict[str, str] | None:
     still says whose it is. None when ``raw`` is not an object as far as its top level
     shows (what nests below it is skipped, its brackets only counted). No recursion; time
     follows the size."""
+    if len(raw) > MAX_SCANNED_BYTES:
+        return None
     tokens = _top_level(raw)
     if next(tokens, None) != b"{":
         return None
@@ -109,6 +114,8 @@ def top_level_strings(raw: bytes) -> dict[str, str] | None:
             return None
         if value is not None and value[:1] == b'"':
             members[_string(key)] = _string(value)
+        else:  # a later member of the same name is the one a parser keeps
+            members.pop(_string(key), None)
         if end not in (b",", b"}"):
             return None
         key = next(tokens, None) if end == b"," else end

@@ -132,6 +132,7 @@ class CommonSettings(BaseSettings):
     )
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],
+        min_length=1,
         description="model names served (JSON list)",
     )
     max_prompt_tokens: int = Field(32_768, gt=0, description="largest accepted prompt")
@@ -207,8 +208,12 @@ class CommonSettings(BaseSettings):
         if not value.startswith(("redis+sentinel://", "rediss+sentinel://")):
             try:
                 parse_url(value)  # type: ignore[no-untyped-call]
-            except ValueError as exc:
-                raise ValueError(f"not a Redis URL: {exc}") from None
+            except ValueError:
+                # Not redis-py's words: they may quote a piece of the password.
+                raise ValueError(
+                    "not a Redis URL: redis://, rediss:// or unix://, then host and port "
+                    "(a password with '/', ':' or '@' in it URL-encoded)"
+                ) from None
         return value
 
     @field_validator("kafka_username")

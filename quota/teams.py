@@ -78,7 +78,7 @@ async def set_team(redis: aioredis.Redis, keys: RedisKeys, team: Team) -> None:
     """Store ``team``'s record and announce the change (``RedisKeys.team_changes``), in one
     transaction: stored and announced, or neither. A new name must be one people can tell
     apart (``check_team_name``); a record read back need only have one."""
-    check_team_name(team.name)
+    await check_team_name(redis, keys, team.name)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(
             keys.team(team.name),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ TABLES = ("rollups", "outcomes", "usage_ids")
 _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 _SHADOW_EVAL_S = 5.0  # how often shadow comparisons are written (each over its whole window)
 _CLOCK_SYNC_S = 30.0  # how often the offset to Redis's clock is learned again
+# How long a run that a failure to fold restarted skips records that fail to fold.
+_SKIP_AFTER_FAILURE_S = 600.0
 
 register()
 
@@ -148,8 +151,12 @@ class StreamsApp:
         # A record the agent could not fold: what the process reports as it exits.
         self.failure: str | None = None
         self._failed = asyncio.Event()
-        # The record whose failure ended the previous run: skipped if it fails again.
+        # A run that a failure to fold restarted skips the records that fail to fold for a
+        # while (one restart per window, not one per failing record).
         self._unfolded = Path(settings.streams_data_dir) / "unfolded.json"
+        self._skipping_until = (
+            time.monotonic() + _SKIP_AFTER_FAILURE_S if self._after_failure() else 0.0
+        )
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
         self._stopping = False
@@ -171,38 +178,43 @@ class StreamsApp:
                 # (the record acked, its usage lost) or not at all (nothing folded any more,
                 # the process still up).
                 where = f"{message.topic}:{message.partition}@{message.offset}"
-                if self._failed_before(where):
-                    # Read again after the restart its first failure caused, and failed again:
-                    # a bug no restart mends. Skipped, so that one record does not hold
-                    # every later one back (nor restart the process for ever).
+                if time.monotonic() < self._skipping_until:
+                    # This run is the restart a failure caused, and a record fails again: a
+                    # bug no restart mends. Skipped, so that it does not hold back every
+                    # later record, nor restart the process once a record.
                     log.exception(
-                        "usage record %s failed to fold again after a restart; skipped: "
-                        "its usage is not counted",
+                        "usage record %s failed to fold in the run a failure restarted; "
+                        "skipped: its usage is not counted (or only in part)",
                         where,
                     )
                     EVENTS.labels("unfolded").inc()
                     continue
-                # The first time: the agent parks on it unacked, so no commit passes it, and
-                # the process exits (``python -m streams``) for its supervisor to restart
-                # it, which reads it again with the tables as their changelogs hold them.
+                # The agent parks on it unacked, so no commit passes it, and the process
+                # exits (``python -m streams``) for its supervisor to restart it, which
+                # reads it again with the tables as their changelogs hold them.
                 log.exception("usage record %s was not folded", where)
-                self._remember_failure(where)
+                self._note_failure(where)
                 self.failure = f"usage record {where} was not folded: {exc!r}"
                 self._failed.set()
                 await asyncio.Event().wait()
 
-    def _failed_before(self, where: str) -> bool:
+    def _after_failure(self) -> bool:
+        """Whether the previous run ended on a record it could not fold (the note is taken
+        up: the run after this one starts afresh)."""
         try:
-            return bool(orjson.loads(self._unfolded.read_bytes()).get("record") == where)
-        except (OSError, orjson.JSONDecodeError, AttributeError):
+            self._unfolded.unlink()
+        except FileNotFoundError:
             return False
+        except OSError as exc:
+            log.warning("could not take up %s: %s", self._unfolded, exc)
+        return True
 
-    def _remember_failure(self, where: str) -> None:
-        """Note the record for the restart (in the data dir, which a restart keeps)."""
+    def _note_failure(self, where: str) -> None:
+        """Tell the restart (in the data dir, which a restart keeps) how this run ended."""
         try:
             self._unfolded.parent.mkdir(parents=True, exist_ok=True)
             draft = self._unfolded.with_suffix(".draft")
-            draft.write_bytes(orjson.dumps({"record": where}))
+            draft.write_bytes(orjson.dumps({"record": where, "ts": time.time()}))
             draft.replace(self._unfolded)
         except OSError as exc:
             log.warning("could not note %s in %s: %s", where, self._unfolded, exc)
@@ -266,6 +278,9 @@ class StreamsApp:
     async def stop(self) -> None:
         """Stop consuming, flush table changelogs, commit offsets, close the clients."""
         self._stopping = True
+        if self.failure is not None:
+            # Faust's stop waits for every fetched record to be acked: not the one parked.
+            self.app.conf.stream_wait_empty = False
         await self.app.stop()
         await self.webhook.aclose()
         await self.redis.aclose()

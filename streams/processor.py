@@ -161,8 +161,6 @@ class UsageProcessor:
             if self.shadow is not None:
                 self.shadow.fold(event)
             return
-        self.counters.events += 1
-        EVENTS.labels("folded").inc()
         self._last_event[partition] = now
         self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), event.ts)
         self._fold_rollup(event, partition, offset, now)
@@ -172,6 +170,8 @@ class UsageProcessor:
             self.canary.fold(event)
         if self.shadow is not None:
             self.shadow.fold(event)
+        self.counters.events += 1  # once folded: a fold that raises is not counted here
+        EVENTS.labels("folded").inc()
 
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)

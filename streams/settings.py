@@ -59,7 +59,7 @@ class StreamsSettings(CommonSettings):
     )
     breaker_webhook_url: str = Field(
         "",
-        pattern=r"^(https?://[^/\s]+\S*)?$",
+        pattern=r"(?i)^(https?://[^/\s]+\S*)?$",
         description="breaker: on-call webhook POSTed on entering level 2 (http:// or "
         "https://; '' : none)",
     )

@@ -330,7 +330,6 @@ def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
     [
         (["keys", "revoke", ""], "name the key to revoke"),
         (["keys", "create", "--team", "   "], "team name is empty"),
-        (["teams", "set", " x", "--size", "3"], "without spaces around it"),
         (["usage", "tail", "--limit", "-1"], "--limit: -1 is not from 1"),
         (["topics", "create", "--partitions", "100000"], "--partitions: 100000 is not from 0"),
         (["drill", "canary", "--rps", "nan"], "--rps: not a finite number"),

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laneway.json_shape import MAX_JSON_DEPTH, json_problem, top_level_strings
+from laneway.json_shape import (
+    MAX_JSON_DEPTH,
+    MAX_SCANNED_BYTES,
+    json_problem,
+    top_level_strings,
+)
 
 
 def _nested(levels: int) -> Any:
@@ -103,3 +108,10 @@ def test_the_top_level_strings_of_a_record_nested_past_any_parser_are_read() -> 
 )
 def test_what_is_not_an_object_at_its_top_level_has_no_top_level_strings(raw: bytes) -> None:
     assert top_level_strings(raw) is None
+
+
+def test_a_repeated_member_is_read_as_a_parser_keeps_it_and_a_huge_record_not_at_all() -> None:
+    assert top_level_strings(b'{"a": "x", "a": 1}') == {}  # orjson keeps the last: 1
+    assert top_level_strings(b'{"a": 1, "a": "y"}') == {"a": "y"}
+    huge = b'{"job_id": "j", "body": "' + b"x" * MAX_SCANNED_BYTES + b'"}'
+    assert top_level_strings(huge) is None

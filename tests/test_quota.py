@@ -538,6 +538,13 @@ async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
     await stack.redis.sadd(keys.teams(), "legacy")
     assert (await get_team(stack.redis, keys, "legacy")).size == MAX_TEAM_SIZE
     assert (await admin.get("/admin/teams/legacy")).status_code == 200
+    # A new name must be one people can tell apart; a team that has one already keeps it.
+    spaced = await admin.put("/admin/teams/%20docs", json={"size": 2})
+    assert (spaced.status_code, spaced.json()["error"]["param"]) == (400, "team"), spaced.text
+    assert "no spaces around it" in spaced.json()["error"]["message"]
+    await stack.redis.sadd(keys.teams(), " old")
+    kept = await admin.put("/admin/teams/%20old", json={"size": 2})
+    assert kept.status_code == 200, kept.text
 
     user = stack.http(ingress, await stack.api_key("docs"))
     done = await user.post(

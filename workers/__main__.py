@@ -38,7 +38,8 @@ async def _serve(settings: WorkerSettings) -> int:
     except BaseException:
         # Whatever did start is closed (a broker that is down fails the start midway).
         with contextlib.suppress(Exception):
-            await worker.stop(grace_s=0)
+            async with asyncio.timeout(10):
+                await worker.stop(grace_s=0)
         raise
     tune_gc()
     stopped = asyncio.create_task(worker.wait_stopped())

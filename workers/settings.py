@@ -116,7 +116,7 @@ class WorkerSettings(CommonSettings):
 
     upstream_url: str = Field(
         "",
-        pattern=r"^(https?://[^/\s]+\S*)?$",
+        pattern=r"(?i)^(https?://[^/\s]+\S*)?$",
         description="OpenAI-compatible base URL for engine=openai (http:// or https://)",
     )
     upstream_api_key: SecretStr = Field(SecretStr(""), description="bearer key of the upstream")
