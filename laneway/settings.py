@@ -145,7 +145,7 @@ class CommonSettings(BaseSettings):
     prices: dict[str, Price] = Field(
         default_factory=_default_prices,
         description="cost per 1k tokens by route: {route: {prompt, cached, completion}}; "
-        "'*' prices the rest (JSON)",
+        "'*' (required) prices the rest (JSON)",
     )
 
     quota_enabled: bool = Field(True, description="enforce team budgets")
@@ -200,6 +200,18 @@ class CommonSettings(BaseSettings):
     kafka_ssl_cafile: str = Field(
         "", description="SASL_SSL: CA bundle that signed the brokers' certificates ('': system)"
     )
+
+    @field_validator("prices")
+    @classmethod
+    def _every_route_priced(cls, prices: dict[str, Price]) -> dict[str, Price]:
+        # Without it every route not named (a canary, a breaker's fallback) would cost 0,
+        # unsaid, in every cost report.
+        if "*" not in prices:
+            raise ValueError(
+                "needs a '*' entry, the price of every route it does not name "
+                "('\"*\": {}' for free)"
+            )
+        return prices
 
     @field_validator("redis_url")
     @classmethod

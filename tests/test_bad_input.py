@@ -230,6 +230,8 @@ def test_a_misspelt_setting_is_told_the_name_it_was_meant_to_be(
         ("LANEWAY_QUOTA_UNITS_PER_MEMBER", "inf", "finite number"),
         ("LANEWAY_QUOTA_BATCH_RATIO", "nan", "finite number"),
         ("LANEWAY_PRICES", '{"*": {"prompt": 1e999}}', "LANEWAY_PRICES.*.PROMPT"),
+        # Without '*', every route it did not name (a canary, a fallback) cost 0, unsaid.
+        ("LANEWAY_PRICES", '{"laneway-code": {"prompt": 1}}', "needs a '*' entry"),
         # A misspelt breaker level left that level on the model itself.
         ("LANEWAY_BREAKER_ROUTES", '{"m": {"quantised": "m-q"}}', "quantised is not"),
         ("LANEWAY_REDIS_URL", "redis://u:hunter2@h:notaport/0", "not a Redis URL"),
