@@ -161,6 +161,12 @@ async def test_restart_mid_stream_gives_the_same_hourly_totals(
         assert await second.stop() == 0, second.log()
 
     latest = _latest(records)
+    missing = sorted(set(expected) - set(latest))
+    assert not missing, (
+        f"hours never published: {missing}; where the first run left them: "
+        f"{_where(left_at, await _left_at(stack), set(missing))}; the second run's last lines:\n"
+        + "\n".join(second.log().splitlines()[-60:])
+    )
     assert set(latest) == set(expected)
     after = await _left_at(stack) if any(latest[k] != w for k, w in expected.items()) else {}
     wrong = {
