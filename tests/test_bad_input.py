@@ -276,30 +276,27 @@ def test_laneway_up_refuses_what_a_service_would_before_starting_anything(
     assert not (tmp_path / "stack").exists()
 
 
+def _python(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python argv`` from the repository root with ``env``; its output, whatever its exit."""
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize("module", ["ingress", "streams"])
 def test_a_service_without_arguments_refuses_one(module: str) -> None:
     """`python -m ingress --port 9000` listened on 8000, and `--help` started the service."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    run = subprocess.run(
-        [sys.executable, "-m", module, "--port", "9000"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
+    run = _python(env, "-m", module, "--port", "9000")
     assert run.returncode == 2
     assert "unrecognized arguments: --port 9000" in run.stderr
-    helped = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-        check=False,
-    )
+    helped = _python(env, "-m", module, "--help")
     assert helped.returncode == 0
     assert "LANEWAY_* environment variables" in helped.stdout
 
@@ -312,15 +309,7 @@ def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
         ["-m", "workers", "--pool", "chat"],
         ["-m", "ops.cli", "topics", "create"],
     ):
-        run = subprocess.run(
-            [sys.executable, *argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=120,
-            check=False,
-        )
+        run = _python(env, *argv)
         assert run.returncode == 1, (argv, run.stderr)
         assert f"Kafka at {env['LANEWAY_KAFKA_BOOTSTRAP']} did not answer" in run.stderr, argv
         assert "Traceback" not in run.stderr, (argv, run.stderr)
