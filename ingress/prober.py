@@ -139,7 +139,7 @@ class Prober:
 
     async def _probe_batch(self) -> None:
         state = self.state
-        job = f"probe-{secrets.token_hex(6)}"
+        job = f"probe_{secrets.token_hex(6)}"
         line = BatchRequest(
             job_id=job,
             line_id="probe",

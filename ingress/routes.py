@@ -55,8 +55,7 @@ __all__ = ["HOT_ROUTES", "router"]
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# Request ids are ours ("cmpl-" and 24 hex digits; batch lines: "batch-<job>-<line>", or
-# "batch.<team>.<job>-<line>" on a team's own topic).
+# Request ids are ours ("cmpl-" and 24 hex digits; batch lines: laneway.batch.batch_request_id).
 _MAX_REQUEST_ID_CHARS = 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

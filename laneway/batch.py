@@ -35,6 +35,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "BatchClient",
     "JobStatus",
+    "batch_request_id",
     "new_job_id",
     "output_line",
     "output_line_bytes",
@@ -185,6 +186,23 @@ def output_line(result: BatchResult) -> dict[str, Any]:
         },
         "error": error,
     }
+
+
+def batch_request_id(job_id: str, line_id: str, topic_team: str | None = None) -> str:
+    """A line's request id: deterministic, so a line re-run after a crash settles the same
+    quota reservation.
+
+    ``batch-<job_id>-<line_id>``; a line of a team's own topic (``topic_team``, whose job ids
+    its tenant chooses) has ``batch.<team>.<job_id>-<line_id>``, which no other team's line
+    can take (a team name has no ``.``, and the lane's ids start ``batch-``). A ``-`` or ``%``
+    in the job id is written ``%2D`` or ``%25``, so the job id ends at the first ``-`` and
+    job ``a-b`` line ``c`` is not job ``a`` line ``b-c``. Ids of job ids without them (every
+    ``batch_…`` id the ingress makes) are those of laneway before 2026-12-06.
+    """
+    job = job_id.replace("%", "%25").replace("-", "%2D")
+    if topic_team is None:
+        return f"batch-{job}-{line_id}"
+    return f"batch.{topic_team}.{job}-{line_id}"
 
 
 def new_job_id() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import ProducerFenced
 
-from laneway.batch import BatchClient, JobStatus
+from laneway.batch import BatchClient, JobStatus, batch_request_id
 from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
 from laneway.schema import BatchRequest, RequestEnvelope
@@ -875,3 +876,46 @@ def test_a_fenced_producers_leftover_futures_are_not_logged_as_errors(
     assert [str(r.exc_info[1]) if r.exc_info else r.getMessage() for r in logged] == [
         "something else"
     ]
+
+
+async def test_a_dash_in_a_job_id_does_not_make_two_lines_one(stack: LiveStack) -> None:
+    """Job ``nightly`` line ``doc-0`` and job ``nightly-doc`` line ``0`` both had the request
+    id ``batch-nightly-doc-0``: held at once by the worker, the second was answered 409
+    ``duplicate_line`` and never run, and a usage total that knows requests by id would
+    have counted one."""
+    await stack.api_key("docs", size=1000)
+    # The sim engine (a simulated GPU) slow enough that both lines are on the worker at
+    # once: 8 tokens of 250 ms each.
+    await stack.start_worker("batch", sim_decode_ms_per_step=250.0, quota_offpeak="")
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        await client.submit([_line(0)], team="docs", job_id="nightly")  # custom_id doc-0
+        line = orjson.loads(_line(0)) | {"custom_id": "0"}
+        await client.submit([orjson.dumps(line).decode()], team="docs", job_id="nightly-doc")
+    records = await stack.read_topic(stack.topics.results_batch, count=4, within_s=60)
+    results = [r for r in records if r["type"] == "result"]  # and each job's header
+    assert sorted((r["job_id"], r["line_id"], r["status_code"]) for r in results) == [
+        ("nightly", "doc-0", 200),
+        ("nightly-doc", "0", 200),
+    ], results
+    ids = {r["request_id"] for r in results}
+    assert len(ids) == 2
+
+    async def charged() -> set[str]:
+        usage = await stack.read_all(stack.topics.usage)
+        found = {e["id"] for e in usage if e["status"] == "ok"}
+        return found if len(found) == 2 else set()
+
+    assert await eventually(charged, 30, "both lines in the usage stream") == ids
+
+
+def test_no_two_lines_share_a_request_id() -> None:
+    # Every pair of job and line id over an alphabet of the characters that matter.
+    names = ["".join(p) for n in range(1, 4) for p in itertools.product("a-%2D5.", repeat=n)]
+    for team in (None, "docs"):
+        seen: dict[str, tuple[str, str]] = {}
+        for job in names:
+            for line in ("0", "-0", "0-", "a-b"):
+                request_id = batch_request_id(job, line, team)
+                assert seen.setdefault(request_id, (job, line)) == (job, line), request_id
+    assert batch_request_id("batch_0f3a", "doc-1") == "batch-batch_0f3a-doc-1"  # as before
+    assert batch_request_id("nightly", "doc-1", "docs") == "batch.docs.nightly-doc-1"

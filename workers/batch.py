@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 
 from laneway.apikeys import lookup_team
+from laneway.batch import batch_request_id
 from laneway.cache import TtlCache
 from laneway.constants import API_KEY_CACHE_S, RedisKeys, Topics
 from laneway.errors import BadRequest, Cancelled, Expired, LanewayError, Unauthorized
@@ -55,16 +56,6 @@ _STATUS_CODES = {
 
 # A cancelled job's lines stop within this long of the cancel on every worker.
 _CANCEL_CHECK_S = 1.0
-
-
-def batch_request_id(job_id: str, line_id: str, topic_team: str | None = None) -> str:
-    """A line's request id: deterministic, so a line re-run after a crash settles the same
-    quota reservation. A line of a team's own topic (``topic_team``, whose job ids its
-    tenant chooses) has one no other team's line can take: a team name has no ``.``, and
-    the lane's ids start ``batch-``."""
-    if topic_team is None:
-        return f"batch-{job_id}-{line_id}"
-    return f"batch.{topic_team}.{job_id}-{line_id}"
 
 
 class BatchIntake:

@@ -20,6 +20,7 @@ from typing import TypeVar
 import orjson
 from aiokafka import AIOKafkaConsumer
 
+from laneway.batch import batch_request_id
 from laneway.errors import MalformedMessage, ServiceError
 from laneway.schema import BatchRequest, RequestEnvelope, decode
 from ops.drills.chaos_clients import Attempt, ClientRequest, tag_of
@@ -223,11 +224,6 @@ def rollup_requests(records: Sequence[TopicRecord], teams: Collection[str]) -> C
     for (_, cls, _, _), requests in latest.items():
         counted[cls] += requests
     return counted
-
-
-def batch_request_id(job_id: str, line_id: str) -> str:
-    # The id a batch line's result and usage event carry (docs/batch.md, request_id).
-    return f"batch-{job_id}-{line_id}"
 
 
 def tally(
