@@ -6,7 +6,7 @@ It behaves as vLLM's OpenAI server does where laneway's shield is concerned: at 
 ``--slots`` requests decode at once and the rest wait in its own queue (first come, first
 served), a token takes ``--token-ms`` for every running request, and a client that
 disconnects cancels its request whether it is still queued or already running. It is not a
-model: the text is made-up words, ``max_tokens`` of them.
+model: the text is made-up words, ``max_tokens`` of them (fewer when it meets a ``stop`` string).
 
 Each request it received writes one JSON line to ``--log`` when it ends: ``recv``, ``start``
 (a slot was free: the work began, or null), ``queued`` (no slot was free when it arrived,
@@ -14,6 +14,9 @@ so it waited in this server's queue), ``end``, ``tokens``, ``outcome`` (``done``
 ``gone_queued``, ``gone_running``), ``stream``, ``prompt`` (the prompt or the last chat
 message) and ``cache_salt`` (vLLM's prefix-cache salt as sent, or null), with times from
 ``time.time()``. Benches and tests judge laneway by this log, which laneway does not write.
+``sampling`` (the fields that steer the text, as received: ``max_tokens``, ``temperature``,
+``top_p``, ``seed``, ``stop``, ``suffix``, those sent) and ``finish`` (``length``, or ``stop``:
+the text reached one of ``stop``'s strings and ends before it, as vLLM's does).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -43,6 +46,7 @@ from typing import Any, TextIO
 import orjson
 from aiohttp import web
 
+_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "suffix")
 _WORDS = ("alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma ", "kappa ", "theta ")
 
 
@@ -97,11 +101,22 @@ class Upstream:
             await released.wait()
         if self.prefill_ms:
             await asyncio.sleep(self.prefill_ms / 1000)
+        stop = entry["sampling"].get("stop") or []
+        stops = [stop] if isinstance(stop, str) else [str(s) for s in stop if s]
+        text = ""
         for i in range(count):
             if self.token_ms:
                 await asyncio.sleep(self.token_ms / 1000)
             entry["tokens"] = i + 1
-            yield _WORDS[i % len(_WORDS)]
+            word = _WORDS[i % len(_WORDS)]
+            ends = [at for at in ((text + word).find(s) for s in stops) if at >= 0]
+            if ends:  # the text ends before the stop string, which is not sent
+                entry["finish"] = "stop"
+                if min(ends) > len(text):
+                    yield (text + word)[len(text) : min(ends)]
+                return
+            text += word
+            yield word
 
 
 def _too_long(upstream: Upstream, body: dict[str, Any], count: int) -> web.Response | None:
@@ -147,6 +162,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "stream": stream,
         "prompt": _prompt(body),
         "cache_salt": body.get("cache_salt"),
+        "sampling": {name: body[name] for name in _SAMPLING if name in body},
+        "finish": "length",
     }
     refused = _too_long(upstream, body, count)
     if refused is not None:
@@ -184,7 +201,7 @@ async def _stream(
     last = {
         "id": rid,
         "object": "chunk",
-        "choices": [{"index": 0, "finish_reason": "length", "delta": {}, "text": ""}],
+        "choices": [{"index": 0, "finish_reason": entry["finish"], "delta": {}, "text": ""}],
         "usage": reported_usage(entry),
     }
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
@@ -204,7 +221,7 @@ def reported_usage(entry: dict[str, Any]) -> dict[str, int]:
 
 
 def _body(rid: str, chat: bool, text: str, entry: dict[str, Any]) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": entry["finish"]}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,45 @@ async def test_over_http_a_stop_sequence_ends_the_text(stack: LiveStack) -> None
         model="laneway-code", prompt=prompt, max_tokens=64, stop=stop, stream=True
     )
     assert "".join([chunk.choices[0].text async for chunk in streamed]) == text[:cut]
+
+
+async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """In front of a separate OpenAI-compatible server (the openai engine), each honoured
+    field arrives there as the client sent it, judged by that server's own log, and its
+    ``stop`` ends the text there: the client gets the text before it and ``stop``."""
+    upstream = await upstreams(slots=2, token_ms=1)
+    ingress = await stack.start_ingress()
+    for pool in ("completion", "chat"):
+        await stack.start_worker(
+            pool, engine="openai", upstream_url=upstream.url, upstream_model="up"
+        )
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    steer = {"temperature": 0.3, "top_p": 0.8, "seed": 7}
+    completion = await client.completions.create(
+        model="laneway-code", prompt="fields-a", suffix=" return x", max_tokens=12,
+        stop=["gamma"], **steer,
+    )  # fmt: skip
+    assert completion.choices[0].text == "alpha beta "  # the upstream's words, cut at gamma
+    assert completion.choices[0].finish_reason == "stop"
+    chat = await client.chat.completions.create(
+        model="laneway-chat", messages=[{"role": "user", "content": "fields-b"}],
+        max_completion_tokens=12, stop="delta", stream=True, **steer,
+    )  # fmt: skip
+    chunks = [chunk async for chunk in chat]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        "alpha beta gamma "
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    sent = {
+        "fields-a": {**steer, "max_tokens": 12, "stop": ["gamma"], "suffix": " return x"},
+        "fields-b": {**steer, "max_tokens": 12, "stop": ["delta"]},
+    }
+    for prompt, fields in sent.items():
+        entry = upstream.entry(prompt)
+        assert entry is not None, f"{prompt} never reached the upstream"
+        assert entry["sampling"] == fields
+        assert entry["finish"] == "stop"
