@@ -109,7 +109,7 @@ async def test_thousand_lines_exactly_once_through_two_sigkills(stack: LiveStack
     # Usage events were written in the same transactions: one per line, none twice.
     usage = await stack.read_all(stack.topics.usage)
     assert sorted(e["id"] for e in usage if e["job_id"] == job) == sorted(
-        f"batch-{job}-doc-{i}" for i in range(1000)
+        batch_request_id(job, f"doc-{i}") for i in range(1000)
     )
     # And the team's batch budget was charged once per line: a line run again after a kill
     # (settled, not committed) gives its second reservation back instead of paying twice.
@@ -283,7 +283,9 @@ async def test_memory_pressure_sheds_batch_work_and_runs_it_again_exactly_once(
     usage = await stack.read_all(stack.topics.usage, where=lambda e: e["job_id"] == job)
     assert any(e["preempted"] for e in usage), "the engine never came under pressure"
     # One event per line, its final one: a shed attempt is not billed (or counted twice).
-    assert sorted(e["id"] for e in usage) == sorted(f"batch-{job}-doc-{i}" for i in range(12))
+    assert sorted(e["id"] for e in usage) == sorted(
+        batch_request_id(job, f"doc-{i}") for i in range(12)
+    )
     assert {e["status"] for e in usage} == {"ok"}
 
 
@@ -603,7 +605,7 @@ async def _each_line_answered_once(stack: LiveStack) -> list[dict[str, Any]]:
         assert got == list(range(lines)), f"{team}: each line answered once"
         assert all(r["status"] == "ok" for r in results if r.get("job_id") == job)
         charged = sorted(e["id"] for e in usage if e["job_id"] == job)
-        assert charged == sorted(f"batch-{job}-{line}" for line in range(lines))
+        assert charged == sorted(batch_request_id(job, str(line)) for line in range(lines))
     return results
 
 
