@@ -55,8 +55,9 @@ __all__ = ["HOT_ROUTES", "router"]
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# Request ids are ours ("cmpl-" and 24 hex digits; batch lines: laneway.batch.batch_request_id).
-_MAX_REQUEST_ID_CHARS = 1024
+# Request ids are ours ("cmpl-" and 24 hex digits; batch lines: laneway.batch.batch_request_id,
+# at most 1,308 characters: a 200-character job id all escaped, a 500-character line id, a team).
+_MAX_REQUEST_ID_CHARS = 2048
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 B = TypeVar("B", CompletionRequest, ChatRequest)

@@ -194,12 +194,13 @@ def batch_request_id(job_id: str, line_id: str, topic_team: str | None = None) -
 
     ``batch-<job_id>-<line_id>``; a line of a team's own topic (``topic_team``, whose job ids
     its tenant chooses) has ``batch.<team>.<job_id>-<line_id>``, which no other team's line
-    can take (a team name has no ``.``, and the lane's ids start ``batch-``). A ``-`` or ``%``
-    in the job id is written ``%2D`` or ``%25``, so the job id ends at the first ``-`` and
-    job ``a-b`` line ``c`` is not job ``a`` line ``b-c``. Ids of job ids without them (every
-    ``batch_…`` id the ingress makes) are those of laneway before 2026-12-06.
+    can take (a team name has no ``.``, and the lane's ids start ``batch-``). A ``-`` or ``~``
+    in the job id is written ``~2D`` or ``~7E``, so the job id ends at the first ``-`` and job
+    ``a-b`` line ``c`` is not job ``a`` line ``b-c``; ``~`` is one of the characters a URL
+    path carries as they are (``DELETE /v1/requests/{id}``). Ids of job ids without either
+    (every ``batch_…`` id the ingress makes) are those of laneway before 2026-12-06.
     """
-    job = job_id.replace("%", "%25").replace("-", "%2D")
+    job = job_id.replace("~", "~7E").replace("-", "~2D")
     if topic_team is None:
         return f"batch-{job}-{line_id}"
     return f"batch.{topic_team}.{job}-{line_id}"

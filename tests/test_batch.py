@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import orjson
@@ -900,7 +901,7 @@ async def test_a_dash_in_a_job_id_does_not_make_two_lines_one(stack: LiveStack) 
         ("nightly-doc", "0", 200),
     ], results
     ids = {r["request_id"] for r in results}
-    assert len(ids) == 2
+    assert ids == {"batch-nightly-doc-0", "batch-nightly~2Ddoc-0"}
 
     async def charged() -> set[str]:
         usage = await stack.read_all(stack.topics.usage)
@@ -911,13 +912,18 @@ async def test_a_dash_in_a_job_id_does_not_make_two_lines_one(stack: LiveStack) 
 
 
 def test_no_two_lines_share_a_request_id() -> None:
-    # Every pair of job and line id over an alphabet of the characters that matter.
-    names = ["".join(p) for n in range(1, 4) for p in itertools.product("a-%2D5.", repeat=n)]
-    for team in (None, "docs"):
-        seen: dict[str, tuple[str, str]] = {}
+    # Every pair of job and line id over an alphabet of the characters that matter, each
+    # on the lane and on two teams' topics.
+    names = ["".join(p) for n in range(1, 4) for p in itertools.product("a-~2D7E.%", repeat=n)]
+    seen: dict[str, tuple[str | None, str, str]] = {}
+    for team in (None, "docs", "docs-2"):
         for job in names:
-            for line in ("0", "-0", "0-", "a-b"):
+            for line in ("0", "-0", "0-", "a-b", "~2D", "%2D.x"):
                 request_id = batch_request_id(job, line, team)
-                assert seen.setdefault(request_id, (job, line)) == (job, line), request_id
+                assert seen.setdefault(request_id, (team, job, line)) == (team, job, line)
+                # The same in a URL path (DELETE /v1/requests/{id}), which is percent-decoded.
+                assert unquote(request_id) == request_id or "%" in job + line
     assert batch_request_id("batch_0f3a", "doc-1") == "batch-batch_0f3a-doc-1"  # as before
     assert batch_request_id("nightly", "doc-1", "docs") == "batch.docs.nightly-doc-1"
+    assert batch_request_id("nightly-doc", "0") == "batch-nightly~2Ddoc-0"
+    assert batch_request_id("a~b", "0", "docs") == "batch.docs.a~7Eb-0"
