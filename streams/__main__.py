@@ -86,10 +86,15 @@ async def serve(settings: StreamsSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await streams.start()
+    # Faust's start returns once the tables are recovered: a failure, or a signal, may come
+    # before that (a recovery lost at the first start would hold it for ever).
+    starting = asyncio.ensure_future(streams.start())
     stopping = asyncio.ensure_future(stop.wait())
     crashed = asyncio.ensure_future(streams.wait_crashed())
-    await asyncio.wait({stopping, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({starting, stopping, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # a start that failed says why
+        await asyncio.wait({stopping, crashed}, return_when=asyncio.FIRST_COMPLETED)
     for waiter in (stopping, crashed):
         waiter.cancel()
     if streams.failure is not None:
@@ -97,11 +102,15 @@ async def serve(settings: StreamsSettings) -> int:
         # (Faust acks an event as its agent lets go of it). The committed offsets and the
         # tables' changelogs are a state a restart continues from; what it reads again is
         # counted once (each table records the offsets it applied).
-        log.error("%s; exiting to be restarted, which reads it again", streams.failure)
+        log.error("%s; exiting to be restarted", streams.failure)
         logging.shutdown()
         os._exit(1)
     log.info("stopping: committing offsets and flushing table changelogs")
     await streams.stop()
+    if not starting.done():  # the stop ended a start still waiting for recovery
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
     if not stop.is_set():
         log.error("the streams app stopped by itself: %r", streams.app.crash_reason)
         return 1
@@ -121,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(
             max(logging.WARNING, logging.getLevelName(settings.log_level))
         )
+    # Except table recovery's few lines a rebalance: where a recovery stopped, if one does.
+    logging.getLogger("faust.tables.recovery").setLevel(settings.log_level)
     try:
         return asyncio.run(serve(settings))
     except (ConfigError, ServiceError) as exc:

@@ -30,7 +30,7 @@ from streams.announce import Announcer
 from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
 from streams.faust_buffer import drain_before_commit
-from streams.faust_flow import hold_flow_for_recovery
+from streams.faust_flow import end_on_a_lost_recovery, hold_flow_for_recovery
 from streams.metrics import EVENTS
 from streams.oncall import OnCallWebhook
 from streams.processor import UsageProcessor
@@ -96,6 +96,7 @@ class StreamsApp:
         app = self.app
         drain_before_commit(app)  # no offset commit ahead of the table changelogs
         hold_flow_for_recovery(app)  # no input record dropped as recovery hands over
+        end_on_a_lost_recovery(app, self._recovery_lost)  # no process up that folds nothing
         # Faust narrates rebalances at INFO only with its own chatter: these say what moved.
         app.on_partitions_assigned.connect(self._assigned)
         app.on_partitions_revoked.connect(self._revoked)
@@ -148,7 +149,8 @@ class StreamsApp:
         self._timer(_SHADOW_EVAL_S, "shadows", self.shadow.evaluate)
         self._timer(_CLOCK_SYNC_S, "clock", self._sync_clock)
         self._levels_restored = False
-        # A record the agent could not fold: what the process reports as it exits.
+        # A record the agent could not fold, or recovery lost: what the process reports as
+        # it exits.
         self.failure: str | None = None
         self._failed = asyncio.Event()
         # A run that a failure to fold restarted skips the records that fail to fold for a
@@ -197,6 +199,10 @@ class StreamsApp:
                 self.failure = f"usage record {where} was not folded: {exc!r}"
                 self._failed.set()
                 await asyncio.Event().wait()
+
+    def _recovery_lost(self, what: str) -> None:
+        self.failure = what
+        self._failed.set()
 
     def _after_failure(self) -> bool:
         """Whether the previous run ended on a record it could not fold (the note is taken
@@ -263,8 +269,8 @@ class StreamsApp:
         log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)
 
     async def wait_crashed(self) -> None:
-        """Return when the app stopped by itself or a record could not be folded
-        (``failure`` says which)."""
+        """Return when the app stopped by itself, a record could not be folded or table
+        recovery was lost (``failure`` says which of the last two)."""
         waiters = {
             asyncio.ensure_future(self.app.wait_until_stopped()),
             asyncio.ensure_future(self._failed.wait()),

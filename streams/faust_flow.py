@@ -18,13 +18,23 @@ before the tables are restored.
 ``hold_flow_for_recovery`` keeps the consumer's flow off from the start and turns it off
 again as recovery hands over; Faust's hand-over turns it back on after the seek and after
 emptying the queues, so the agent starts at the committed offsets and nothing is dropped.
+
+A step of recovery that outlasts ``broker_request_timeout`` (a flush, a seek, an offsets
+request; 90 s) is taken by Faust for the service stopping (``Recovery._wait``: mode's
+``wait_first`` reports a timeout as "stopped"): the recovery loop ends for good, saying so
+only at DEBUG, with the flow off. The process stays up and folds nothing, and later
+rebalances do not mend it. ``end_on_a_lost_recovery`` makes that a failure the process
+exits on, for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold_flow_for_recovery"]
+from faust.tables.recovery import ServiceStopped
+
+__all__ = ["end_on_a_lost_recovery", "hold_flow_for_recovery"]
 
 
 def hold_flow_for_recovery(app: Any) -> None:
@@ -39,3 +49,24 @@ def hold_flow_for_recovery(app: Any) -> None:
 
     recovery.on_recovery_completed = on_recovery_completed
     app.consumer.stop_flow()  # recovery turns it on for the changelogs alone
+
+
+def end_on_a_lost_recovery(app: Any, fail: Callable[[str], None]) -> None:
+    """Call ``fail`` (with what happened) when a step of ``app``'s table recovery times out,
+    which ends Faust's recovery for good while the app is not stopping."""
+    recovery = app.tables.recovery
+    wait = recovery._wait  # the one place Faust tells a timeout from a stop
+
+    async def _wait(coro: Any, timeout: Any = None) -> None:  # noqa: ASYNC109 - Faust's own
+        try:
+            await wait(coro, timeout=timeout)
+        except ServiceStopped:
+            if not recovery.should_stop:
+                fail(
+                    f"a step of table recovery took more than {timeout} s "
+                    "(broker_request_timeout); Faust ends its recovery on that, and the "
+                    "app would fold nothing more"
+                )
+            raise
+
+    recovery._wait = _wait

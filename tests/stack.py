@@ -442,15 +442,15 @@ class LiveStack:
         await _stops("topic deletion", self._delete_topics())
 
     async def _delete_topics(self) -> None:
-        """Delete this test's topics (its prefix's): a broker that kept every test's
-        (hundreds of stacks, thousands of partitions) took three times as long to create the
-        next test's, and twice the CPU when idle."""
+        """Delete this test's topics (its prefix's, its streams app's changelogs too): a
+        broker that kept every test's (hundreds of stacks, thousands of partitions) took
+        three times as long to create the next test's, and twice the CPU when idle."""
         admin = AIOKafkaAdminClient(
             bootstrap_servers=self.services.bootstrap, **self.services.admin_auth
         )
         await admin.start()
         try:
-            ours = [t for t in await admin.list_topics() if t.startswith(f"{self.prefix}.")]
+            ours = [t for t in await admin.list_topics() if t.startswith(self.prefix)]
             if ours:
                 await admin.delete_topics(ours)
         finally:

@@ -2,21 +2,29 @@
 
 Folding a record of team ``team-fault`` raises, as a bug in the processor would:
 ``STREAMS_FAULT=once`` the first time only (the file ``STREAMS_FAULT_MARKER`` names then
-exists, and the restart folds it), ``always`` every time. Everything else is the real entry
-point.
+exists, and the restart folds it), ``always`` every time. ``STREAMS_FAULT=recovery``: the
+first step of table recovery that Faust bounds by ``broker_request_timeout`` (a producer
+flush, a request for offsets) does not finish in time, once (the marker again), as a broker
+that stops answering for 90 s would have it. Everything else is the real entry point.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import runpy
 from pathlib import Path
+from typing import Any
+
+from faust.tables.recovery import Recovery
 
 from streams.processor import UsageProcessor
 
 FAULT_TEAM = b'"team-fault"'
 
-_always = os.environ["STREAMS_FAULT"] == "always"
+_fault = os.environ["STREAMS_FAULT"]
+_always = _fault == "always"
 _marker = Path(os.environ["STREAMS_FAULT_MARKER"])
 _handle = UsageProcessor.handle
 
@@ -28,5 +36,26 @@ def _faulty(self: UsageProcessor, raw: bytes | None, partition: int, offset: int
     _handle(self, raw, partition, offset)
 
 
-UsageProcessor.handle = _faulty  # type: ignore[method-assign]
+_wait = Recovery._wait
+
+
+def _met() -> bool:
+    """Whether the fault was met before (the first call says no, and notes it)."""
+    met = _marker.exists()
+    _marker.touch()
+    return met
+
+
+async def _stalled(self: Recovery, coro: Any, timeout: Any = None) -> None:  # noqa: ASYNC109
+    if timeout is not None and not _met():
+        if inspect.iscoroutine(coro):
+            coro.close()
+        await _wait(self, asyncio.sleep(3600), timeout=1.0)  # never done: times out
+    await _wait(self, coro, timeout=timeout)
+
+
+if _fault == "recovery":
+    Recovery._wait = _stalled  # type: ignore[method-assign]
+else:
+    UsageProcessor.handle = _faulty  # type: ignore[method-assign]
 runpy.run_module("streams", run_name="__main__", alter_sys=True)

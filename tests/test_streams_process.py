@@ -209,3 +209,44 @@ async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_i
         del teams["team-fault"]
         assert second.log().count("in the run a failure restarted; skipped") == 2
     assert {team: r["requests"] for team, r in latest.items()} == teams, second.log()
+
+
+@pytest.mark.slow
+async def test_a_table_recovery_step_that_times_out_ends_the_process_for_a_restart(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """Faust takes a recovery step that outlasts ``broker_request_timeout`` for the service
+    stopping: its recovery ends for good with the flow off, said only at DEBUG, and the
+    process stays up folding nothing. It now exits 1 saying so, and the restart counts
+    everything (tests/streams_fault.py plants the timeout)."""
+    teams = {"team-a": 4, "team-b": 3}
+    events = [
+        usage_event(team=team, ts=time.time() - 7200)
+        for team, count in teams.items()
+        for _ in range(count)
+    ]
+    await produce_usage(await stack.producer(), stack.topics.usage, events)
+    settings: dict[str, Any] = {"rollup_idle_s": 0.5, "rollup_grace_s": 0}
+    runs = [
+        StreamsProcess(stack, tmp_path / "data", module="tests.streams_fault", **settings)
+        for _ in range(2)
+    ]
+    for run in runs:
+        run.env["STREAMS_FAULT"] = "recovery"
+        run.env["STREAMS_FAULT_MARKER"] = str(tmp_path / "fault-met")
+    first, second = runs
+    await first.start()
+    try:
+        code = await _exits(first, within_s=60)
+    finally:
+        await first.stop()
+    assert code == 1, first.log()
+    assert "a step of table recovery took more than" in first.log()
+    assert not await stack.read_all(stack.topics.usage_hourly)  # it folded nothing
+
+    await second.start()
+    try:
+        records = await stack.read_topic(stack.topics.usage_hourly, count=2, within_s=60)
+    finally:
+        assert await second.stop() == 0, second.log()
+    assert {r["team"]: r["requests"] for r in records} == teams, second.log()
