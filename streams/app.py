@@ -201,7 +201,8 @@ class StreamsApp:
                 await asyncio.Event().wait()
 
     def _recovery_lost(self, what: str) -> None:
-        self.failure = what
+        if self.failure is None:  # the first failure is the one the process exits on
+            self.failure = what
         self._failed.set()
 
     def _after_failure(self) -> bool:

@@ -2,10 +2,12 @@
 
 Folding a record of team ``team-fault`` raises, as a bug in the processor would:
 ``STREAMS_FAULT=once`` the first time only (the file ``STREAMS_FAULT_MARKER`` names then
-exists, and the restart folds it), ``always`` every time. ``STREAMS_FAULT=recovery``: the
-first step of table recovery that Faust bounds by ``broker_request_timeout`` (a producer
-flush, a request for offsets) does not finish in time, once (the marker again), as a broker
-that stops answering for 90 s would have it. Everything else is the real entry point.
+exists, and the restart folds it), ``always`` every time. ``STREAMS_FAULT=recovery:<step>``:
+the step of table recovery that Faust bounds by ``broker_request_timeout`` and runs the
+coroutine ``<step>`` (``flush``: the producer's, first of all; ``perform_seek``: the seek to
+the committed offsets, inside the hand-over) does not finish in time (1 s here), once (the
+marker again), as a broker that stops answering for 90 s would have it. Everything else is
+the real entry point.
 """
 
 from __future__ import annotations
@@ -47,14 +49,16 @@ def _met() -> bool:
 
 
 async def _stalled(self: Recovery, coro: Any, timeout: Any = None) -> None:  # noqa: ASYNC109
-    if timeout is not None and not _met():
+    step = getattr(getattr(coro, "cr_code", None), "co_name", None)
+    if timeout is not None and step == _step and not _met():
         if inspect.iscoroutine(coro):
             coro.close()
         await _wait(self, asyncio.sleep(3600), timeout=1.0)  # never done: times out
     await _wait(self, coro, timeout=timeout)
 
 
-if _fault == "recovery":
+_step = _fault.partition(":")[2]
+if _fault.startswith("recovery:"):
     Recovery._wait = _stalled  # type: ignore[method-assign]
 else:
     UsageProcessor.handle = _faulty  # type: ignore[method-assign]
