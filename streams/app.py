@@ -267,7 +267,10 @@ class StreamsApp:
             log.warning("clock not synced with Redis yet (this machine's is used): %s", exc)
         self.app.in_worker = True
         await self.app.start()
-        log.info("streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage)
+        if not self._stopping:  # a stop while the tables recovered ends the start too
+            log.info(
+                "streams app %s consuming %s", self.settings.app_id, self.settings.topics.usage
+            )
 
     async def wait_crashed(self) -> None:
         """Return when the app stopped by itself, a record could not be folded or table

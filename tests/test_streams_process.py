@@ -134,6 +134,23 @@ async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
     assert "skipping usage record" in streams.log()
 
 
+async def test_a_sigterm_while_the_tables_recover_stops_the_process_cleanly(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """The entry point watches for signals while the app starts, which lasts as long as
+    table recovery: a SIGTERM then stops it (exit 0, nothing left unretrieved), as it does
+    once the app runs."""
+    streams = StreamsProcess(stack, tmp_path / "data")
+    await streams.start()
+    try:
+        await eventually(lambda: "partitions assigned" in streams.log(), 30, "an assignment")
+    finally:
+        code = await streams.stop()
+    assert code == 0, streams.log()
+    for said in ("Traceback", "never retrieved", "was never awaited"):
+        assert said not in streams.log(), streams.log()
+
+
 async def _exits(streams: StreamsProcess, within_s: float) -> int | None:
     """The child's exit code once it exits by itself within ``within_s``; None if it runs on."""
     proc = streams.proc
