@@ -161,6 +161,41 @@ async def _exits(streams: StreamsProcess, within_s: float) -> int | None:
         return None
 
 
+def _faulty_runs(
+    stack: LiveStack, tmp_path: Path, fault: str
+) -> tuple[StreamsProcess, StreamsProcess]:
+    """A run of the entry point with ``fault`` planted (tests/streams_fault.py) and its
+    restart: one data dir, one marker (a fault met once is not met again)."""
+    settings: dict[str, Any] = {"rollup_idle_s": 0.5, "rollup_grace_s": 0}
+    runs = [
+        StreamsProcess(stack, tmp_path / "data", module="tests.streams_fault", **settings)
+        for _ in range(2)
+    ]
+    for run in runs:
+        run.env["STREAMS_FAULT"] = fault
+        run.env["STREAMS_FAULT_MARKER"] = str(tmp_path / "fault-met")
+    return runs[0], runs[1]
+
+
+async def _exit_code(run: StreamsProcess) -> int | None:
+    """Start ``run``; its exit code once it exits by itself within 60 s (None: it ran on)."""
+    await run.start()
+    try:
+        return await _exits(run, within_s=60)
+    finally:
+        await run.stop()
+
+
+async def _requests_by_team(stack: LiveStack) -> dict[str, int]:
+    """Each team's requests in its hour's latest revision on the hourly topic."""
+    latest: dict[str, dict[str, Any]] = {}
+    for record in await stack.read_all(stack.topics.usage_hourly):
+        team = record["team"]
+        if team not in latest or record["revision"] > latest[team]["revision"]:
+            latest[team] = record
+    return {team: r["requests"] for team, r in latest.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["once", "always"])
 async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_it_fails_again(
@@ -180,21 +215,8 @@ async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_i
     ]
     producer = await stack.producer()
     await produce_usage(producer, stack.topics.usage, events)
-    settings: dict[str, Any] = {"rollup_idle_s": 0.5, "rollup_grace_s": 0}
-    runs = [
-        StreamsProcess(stack, tmp_path / "data", module="tests.streams_fault", **settings)
-        for _ in range(2)
-    ]
-    for run in runs:
-        run.env["STREAMS_FAULT"] = fault
-        run.env["STREAMS_FAULT_MARKER"] = str(tmp_path / "fault-met")
-    first, second = runs
-    await first.start()
-    try:
-        code = await _exits(first, within_s=60)
-    finally:
-        await first.stop()
-    assert code == 1, first.log()
+    first, second = _faulty_runs(stack, tmp_path, fault)
+    assert await _exit_code(first) == 1, first.log()
     assert "was not folded: RuntimeError('a planted bug')" in first.log()
     assert f"usage record {stack.topics.usage}:" in first.log()
 
@@ -214,18 +236,14 @@ async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_i
                 where=lambda r: r["team"] == "team-fault",
             )
         await asyncio.sleep(2)  # any hour published late, or twice
-        latest: dict[str, dict[str, Any]] = {}
-        for record in await stack.read_all(stack.topics.usage_hourly):
-            team = record["team"]
-            if team not in latest or record["revision"] > latest[team]["revision"]:
-                latest[team] = record
+        counted = await _requests_by_team(stack)
         assert await _exits(second, within_s=0.1) is None, second.log()  # still up
     finally:
         assert await second.stop() == 0, second.log()
     if fault == "always":
         del teams["team-fault"]
         assert second.log().count("in the run a failure restarted; skipped") == 2
-    assert {team: r["requests"] for team, r in latest.items()} == teams, second.log()
+    assert counted == teams, second.log()
 
 
 @pytest.mark.slow
@@ -244,31 +262,13 @@ async def test_a_table_recovery_step_that_times_out_ends_the_process_for_a_resta
         for _ in range(count)
     ]
     await produce_usage(await stack.producer(), stack.topics.usage, events)
-    settings: dict[str, Any] = {"rollup_idle_s": 0.5, "rollup_grace_s": 0}
-    runs = [
-        StreamsProcess(stack, tmp_path / "data", module="tests.streams_fault", **settings)
-        for _ in range(2)
-    ]
-    for run in runs:
-        run.env["STREAMS_FAULT"] = f"recovery:{step}"
-        run.env["STREAMS_FAULT_MARKER"] = str(tmp_path / "fault-met")
-    first, second = runs
-    await first.start()
-    try:
-        code = await _exits(first, within_s=60)
-    finally:
-        await first.stop()
-    assert code == 1, first.log()
+    first, second = _faulty_runs(stack, tmp_path, f"recovery:{step}")
+    assert await _exit_code(first) == 1, first.log()
     assert "a step of table recovery took more than 90.0 s" in first.log()  # its bound
     assert not await stack.read_all(stack.topics.usage_hourly)  # it folded nothing
 
     async def counted() -> dict[str, int]:
-        latest: dict[str, dict[str, Any]] = {}
-        for record in await stack.read_all(stack.topics.usage_hourly):
-            team = record["team"]
-            if team not in latest or record["revision"] > latest[team]["revision"]:
-                latest[team] = record
-        found = {team: r["requests"] for team, r in latest.items()}
+        found = await _requests_by_team(stack)
         return found if found == teams else {}
 
     await second.start()
