@@ -2,6 +2,8 @@
 
 The ports are free ones picked at start (so the suite runs beside `make up`, a bench or
 another checkout's suite); LANEWAY_TEST_KAFKA_PORT / LANEWAY_TEST_REDIS_PORT pin them.
+`make test` runs the suite in two processes (pytest-xdist, a test file stays in one), and each
+starts its own broker and Redis.
 """
 
 from __future__ import annotations
@@ -18,11 +20,30 @@ import pytest
 from ops.devstack import KafkaBroker, RedisServer
 from tests import socket_origins
 from tests.secured import SecuredServices
-from tests.stack import PARTITIONS, LiveStack, Services, free_port, free_port_pair
+from tests.stack import (
+    PARTITIONS,
+    LiveStack,
+    Services,
+    free_port,
+    free_port_pair,
+    xdist_process,
+)
 from tests.upstream_process import UpstreamProcess
 
-KAFKA_PORT = int(os.environ.get("LANEWAY_TEST_KAFKA_PORT") or free_port_pair())
-REDIS_PORT = int(os.environ.get("LANEWAY_TEST_REDIS_PORT") or free_port())
+
+def _pinned(variable: str, step: int) -> int | None:
+    """A port pinned by ``variable``; under `make test`'s test processes process i takes
+    the pinned port + i × step (the broker also listens on its port + 1)."""
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise pytest.UsageError(f"{variable} must be a port number (1-65535), got {value!r}")
+    return int(value) + xdist_process()[0] * step
+
+
+KAFKA_PORT = _pinned("LANEWAY_TEST_KAFKA_PORT", 2) or free_port_pair()
+REDIS_PORT = _pinned("LANEWAY_TEST_REDIS_PORT", 1) or free_port()
 
 # A socket left open names the code that opened it in the warning that fails its test.
 socket_origins.install()

@@ -76,10 +76,12 @@ def free_port() -> int:
 
     Never the same port twice in one test process: picks made before any server binds (an
     ingress port and a metrics port for one `laneway up`) would otherwise collide now and
-    then, and a `/readyz` once got the supervisor's metrics page."""
-    ceiling = _ephemeral_low()
+    then, and a `/readyz` once got the supervisor's metrics page. Under `make test`'s test
+    processes (pytest-xdist) each picks from its own slice of the range, so two never race
+    for one port."""
+    low, ceiling = _port_range()
     for _ in range(200):
-        port = random.randrange(_LOWEST_TEST_PORT, ceiling)
+        port = random.randrange(low, ceiling)
         if port in _HANDED_OUT or port - 1 in _HANDED_OUT:  # port - 1: a pair's controller
             continue
         with socket.socket() as sock:
@@ -89,11 +91,29 @@ def free_port() -> int:
                 continue
             _HANDED_OUT.add(port)
             return port
-    raise RuntimeError(f"no free port in {_LOWEST_TEST_PORT}..{ceiling - 1}")
+    raise RuntimeError(f"no free port in {low}..{ceiling - 1}")
 
 
 _LOWEST_TEST_PORT = 10_000
 _HANDED_OUT: set[int] = set()
+
+
+def xdist_process() -> tuple[int, int]:
+    """This test process's index and the number of them (pytest-xdist's ``gw<i>`` workers;
+    ``(0, 1)`` in a plain pytest run)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return index, max(count, index + 1)
+
+
+def _port_range() -> tuple[int, int]:
+    """The ports this test process picks from: its slice of the range below the ephemeral
+    ports."""
+    index, count = xdist_process()
+    low, ceiling = _LOWEST_TEST_PORT, _ephemeral_low()
+    width = (ceiling - low) // count
+    return low + index * width, low + (index + 1) * width
 
 
 def _ephemeral_low() -> int:
