@@ -224,7 +224,10 @@ async def test_the_worker_learns_how_much_the_upstream_runs_at_once(
 ) -> None:
     """No slots configured and no metrics: the worker finds the upstream's 3 slots from its
     first-byte times, and keeps the upstream's own queue near empty."""
-    upstream = await upstreams(slots=3, token_ms=30)
+    # A request queued upstream waits a whole generation (10 tokens × 60 ms) for its first
+    # byte: well past three times an unqueued one even when the test shares its two cores
+    # with another test process (at 30 ms a token, a busy run once learned nothing).
+    upstream = await upstreams(slots=3, token_ms=60)
     ingress = await _ingress_with_room(stack)
     worker = await _serving(stack, upstream, upstream_metrics_url="")
     http = stack.http(ingress, await stack.api_key(size=100))
