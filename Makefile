@@ -19,7 +19,7 @@ test: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --cov --cov-report=term:skip-covered
+	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --cov --cov-report=term:skip-covered
 
 # Opt-in: vLLM's CPU build in .venv-vllm (about 4 minutes the first time), then the vLLM tests.
 test-vllm: setup

@@ -426,6 +426,7 @@ def test_every_route_is_fuzzed(stack: LiveStack) -> None:
 # 3,000 requests, each generated, sent and checked on two shared cores: 57 s beside a bench,
 # past the suite's 120 s (a guard against hangs, not a speed bound) with more load beside.
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 async def test_no_generated_request_gets_a_5xx_or_a_dropped_connection(
     stack: LiveStack, request: pytest.FixtureRequest
 ) -> None:
