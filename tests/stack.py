@@ -197,15 +197,19 @@ async def eventually(
         await asyncio.sleep(every_s)
 
 
-async def clear_of_the_hour_turn(needed_s: float) -> None:
+async def clear_of_the_hour_turn(needed_s: float, *, into_hour_s: float = 0.0) -> None:
     """Return once at least ``needed_s`` seconds are left in this UTC hour, waiting for the
-    next hour if fewer are. Usage is rolled up by hour, so live traffic that a test counts
-    as "this hour" is split in two when the hour turns mid-test: the split is right, the
-    count the test expects is not. Costs nothing in most runs, at most ``needed_s`` + 1 s
-    (a test that may wait longer than the suite's 120 s hang guard allows raises its own)."""
-    left = 3600 - time.time() % 3600
-    if left < needed_s:
-        await asyncio.sleep(left + 1)
+    next hour if fewer are, and at least ``into_hour_s`` seconds of it have gone. Usage is
+    rolled up by hour, so live traffic that a test counts as "this hour" is split in two
+    when the hour turns mid-test: the split is right, the count the test expects is not.
+    Costs nothing in most runs, at most ``needed_s`` + ``into_hour_s`` + 1 s (a test that
+    may wait longer than the suite's 120 s hang guard allows raises its own)."""
+    into = time.time() % 3600
+    if 3600 - into < needed_s:
+        await asyncio.sleep(3600 - into + 1)
+        into = time.time() % 3600
+    if into < into_hour_s:
+        await asyncio.sleep(into_hour_s - into)
 
 
 class Ingress:
