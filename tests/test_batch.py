@@ -16,7 +16,7 @@ from urllib.parse import unquote
 import httpx
 import orjson
 import pytest
-from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import ProducerFenced
@@ -27,7 +27,7 @@ from laneway.constants import RedisKeys
 from laneway.schema import BatchRequest, RequestEnvelope
 from laneway.settings import CommonSettings
 from ops.devstack import create_topics
-from tests.stack import LiveStack, eventually, free_port
+from tests.stack import PARTITIONS, LiveStack, eventually, free_port
 from workers import batch_lane, batch_txn
 from workers.batch import BatchIntake
 from workers.batch_lane import BatchLane
@@ -388,6 +388,47 @@ async def test_commits_that_overlap_write_each_result_once(stack: LiveStack) -> 
             await asyncio.gather(lane.commit(), lane.commit(), lane.commit())
     assert (status.done, status.duplicates) == (150, 0)
     assert not lane._fenced
+
+
+@pytest.mark.slow
+async def test_an_owner_fenced_while_the_group_gives_it_the_partition_takes_it_back(
+    stack: LiveStack,
+) -> None:
+    """Another producer of a partition's transactional id (a start that came too late, a
+    tool run with the worker's id) fences the partition's owner while the group still gives
+    it the partition. The owner used to read no more of it until some other rebalance: the
+    job's remaining lines waited for good. It asks the group for it again and goes on, and
+    every line is answered once."""
+    await stack.api_key("docs", size=1000)
+    # Four lines at a time of 8 steps of 40 ms (the sim engine, a simulated GPU): the job
+    # takes about 5 s, most of it after the fence.
+    worker = await stack.start_worker("batch", sim_decode_ms_per_step=40.0, max_inflight=4)
+    lane = worker.lane
+    assert isinstance(lane, BatchLane)
+    topic = stack.topics.request("batch")
+    intruders = []
+    try:
+        async with BatchClient(CommonSettings(**stack.common)) as client:
+            job = await client.submit([_line(i) for i in range(60)], team="docs")
+            await _status_when(client, job, 10, 60)
+            for partition in range(PARTITIONS):
+                tp = TopicPartition(topic, partition)
+                intruder = AIOKafkaProducer(
+                    bootstrap_servers=stack.services.bootstrap,
+                    transactional_id=lane.txns.transactional_id(tp),
+                )
+                await intruder.start()  # bumps the id's epoch: the owner's producer is fenced
+                intruders.append(intruder)
+            status = await _status_when(client, job, 60, 90)
+            await asyncio.sleep(2)  # a result written twice would show by now
+            status = await client.status(job)
+            results = await client.results(job)
+    finally:
+        for intruder in intruders:
+            await intruder.stop()
+    assert lane.fences >= 1, "the worker was never fenced: the test proves nothing"
+    assert (status.done, status.ok, status.duplicates) == (60, 60, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
 
 
 class _HeldRevoke(ConsumerRebalanceListener):

@@ -83,6 +83,7 @@ class BatchLane:
         self.lines = BatchIntake(worker.settings, worker.redis, worker.keys)
         self.txns = PartitionTransactions(worker.settings, worker.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
+        self.fences = 0  # partitions lost so, in this worker's life
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
@@ -508,11 +509,27 @@ class BatchLane:
         }
 
     async def _lose(self, tp: TopicPartition) -> None:
-        """Another instance owns ``tp`` now (this worker was expelled from the group while
-        alive): what it holds of the partition is the owner's to run, and it reads no more
-        of it until the group assigns it here again."""
-        log.warning("partition %s:%d fenced by its new owner", tp.topic, tp.partition)
+        """Another instance started a producer of ``tp`` (the group gave it the partition
+        while this worker was expelled, or a start that came too late): what this worker
+        holds of the partition is dropped, and it reads no more of it until the group assigns
+        it here again. It asks the group at once: an expelled worker rejoins anyway, and one
+        the group still gives ``tp`` gets it back through a rebalance (its producer started
+        again, fencing the other; its reading from the committed offset) rather than wait,
+        the partition stalled, for the next rebalance someone else causes."""
+        log.warning(
+            "partition %s:%d fenced by another producer: asking the group for it again",
+            tp.topic,
+            tp.partition,
+        )
         self._fenced.add(tp)
+        self.fences += 1
+        metrics.BATCH_FENCES.labels(self.worker.pool).inc()
+        if not self.worker.stopping:
+            # Before anything below can fail or wait. aiokafka has no public call for it: the
+            # next round of its coordinator rejoins, through the revoke and assignment
+            # callbacks as any rebalance. Not while the worker stops: its last commit would
+            # make it wait out a rejoin, and start producers after it closed them.
+            self.worker.consumer._coordinator.request_rejoin()
         self.worker.runs.forget({tp})
         await self.txns.close([tp])
         if tp in self.worker.consumer.assignment():

@@ -97,6 +97,12 @@ BATCH_COPIES = Counter(
     "the worker: answered by that one's run",
     ["pool"],
 )
+BATCH_FENCES = Counter(
+    "laneway_batch_fences_total",
+    "Batch partitions whose transactional producer another instance fenced while this "
+    "worker held them; each time it asks the group for them again",
+    ["pool"],
+)
 BATCH_YIELDING = Gauge(
     "laneway_batch_yielding", "1 while the batch lane is paused for interactive backlog"
 )

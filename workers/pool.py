@@ -178,6 +178,11 @@ class PoolWorker:
         return self.runs.running
 
     @property
+    def stopping(self) -> bool:
+        """``stop`` has begun."""
+        return self._stopping.is_set()
+
+    @property
     def failed(self) -> bool:
         """The fetch loop failed: the worker stopped (its process exits non-zero)."""
         return self.intake.failed
