@@ -431,6 +431,55 @@ async def test_an_owner_fenced_while_the_group_gives_it_the_partition_takes_it_b
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
 
 
+@pytest.mark.slow
+async def test_a_follower_fenced_on_its_partition_takes_it_back_without_the_leader(
+    stack: LiveStack,
+) -> None:
+    """The same fence on a follower of a two-member group: its rejoin gets the group's
+    current assignment back without a rebalance of the others (Kafka's answer to a follower
+    that changed nothing), and its assignment callback still starts the producer again. The
+    leader's partition is never fenced and runs on."""
+    await stack.api_key("docs", size=1000)
+    workers = []
+    for worker_id in ("batch-a", "batch-b"):
+        workers.append(
+            await stack.start_worker(
+                "batch", worker_id=worker_id, sim_decode_ms_per_step=40.0, max_inflight=4
+            )
+        )
+    await eventually(
+        lambda: all(len(w.consumer.assignment()) == 1 for w in workers), 60, "one each"
+    )
+    # Only the leader computes assignments: it is the one that knows the group's topics.
+    followers = [w for w in workers if w.consumer._coordinator._group_subscription is None]
+    assert len(followers) == 1, "expected one leader and one follower"
+    follower = followers[0]
+    lane = follower.lane
+    assert isinstance(lane, BatchLane)
+    (tp,) = follower.consumer.assignment()
+    leader = next(w for w in workers if w is not follower)
+    generation = leader.consumer._coordinator.generation
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        job = await client.submit([_line(i) for i in range(80)], team="docs")
+        await _status_when(client, job, 10, 60)
+        intruder = AIOKafkaProducer(
+            bootstrap_servers=stack.services.bootstrap,
+            transactional_id=lane.txns.transactional_id(tp),
+        )
+        await intruder.start()
+        try:
+            await _status_when(client, job, 80, 90)
+            await asyncio.sleep(2)  # a result written twice would show by now
+            status = await client.status(job)
+            results = await client.results(job)
+        finally:
+            await intruder.stop()
+    assert lane.fences >= 1, "the follower was never fenced: the test proves nothing"
+    assert leader.consumer._coordinator.generation == generation, "the group rebalanced"
+    assert (status.done, status.ok, status.duplicates) == (80, 80, 0)
+    assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(80))
+
+
 class _HeldRevoke(ConsumerRebalanceListener):
     """A group member that, once ``hold`` is cleared, rejoins a rebalance only when it is set:
     the group's rebalance stays open that long, as it does while a member commits or sleeps."""
