@@ -24,7 +24,7 @@ from aiokafka.errors import ProducerFenced
 from laneway.batch import BatchClient, JobStatus, batch_request_id
 from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
-from laneway.schema import BatchRequest, RequestEnvelope
+from laneway.schema import BatchRequest, BatchResult, RequestEnvelope
 from laneway.settings import CommonSettings
 from ops.devstack import create_topics
 from tests.stack import PARTITIONS, LiveStack, eventually, free_port
@@ -412,17 +412,8 @@ async def test_an_owner_fenced_while_the_group_gives_it_the_partition_takes_it_b
             job = await client.submit([_line(i) for i in range(60)], team="docs")
             await _status_when(client, job, 10, 60)
             for partition in range(PARTITIONS):
-                tp = TopicPartition(topic, partition)
-                intruder = AIOKafkaProducer(
-                    bootstrap_servers=stack.services.bootstrap,
-                    transactional_id=lane.txns.transactional_id(tp),
-                )
-                await intruder.start()  # bumps the id's epoch: the owner's producer is fenced
-                intruders.append(intruder)
-            status = await _status_when(client, job, 60, 90)
-            await asyncio.sleep(2)  # a result written twice would show by now
-            status = await client.status(job)
-            results = await client.results(job)
+                intruders.append(await _fence(stack, lane, TopicPartition(topic, partition)))
+            status, results = await _settled(client, job, 60)
     finally:
         for intruder in intruders:
             await intruder.stop()
@@ -462,22 +453,36 @@ async def test_a_follower_fenced_on_its_partition_takes_it_back_without_the_lead
     async with BatchClient(CommonSettings(**stack.common)) as client:
         job = await client.submit([_line(i) for i in range(80)], team="docs")
         await _status_when(client, job, 10, 60)
-        intruder = AIOKafkaProducer(
-            bootstrap_servers=stack.services.bootstrap,
-            transactional_id=lane.txns.transactional_id(tp),
-        )
-        await intruder.start()
+        intruder = await _fence(stack, lane, tp)
         try:
-            await _status_when(client, job, 80, 90)
-            await asyncio.sleep(2)  # a result written twice would show by now
-            status = await client.status(job)
-            results = await client.results(job)
+            status, results = await _settled(client, job, 80)
         finally:
             await intruder.stop()
     assert lane.fences >= 1, "the follower was never fenced: the test proves nothing"
     assert leader.consumer._coordinator.generation == generation, "the group rebalanced"
     assert (status.done, status.ok, status.duplicates) == (80, 80, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(80))
+
+
+async def _fence(stack: LiveStack, lane: BatchLane, tp: TopicPartition) -> AIOKafkaProducer:
+    """A producer of ``tp``'s transactional id, started: that bumps the id's epoch, so the
+    lane's producer of ``tp`` is fenced at its next commit."""
+    intruder = AIOKafkaProducer(
+        bootstrap_servers=stack.services.bootstrap,
+        transactional_id=lane.txns.transactional_id(tp),
+    )
+    await intruder.start()
+    return intruder
+
+
+async def _settled(
+    client: BatchClient, job: str, lines: int
+) -> tuple[JobStatus, list[BatchResult]]:
+    """The job's status and results once all its lines are done, and 2 s more: a result
+    written twice would show by then."""
+    await _status_when(client, job, lines, 90)
+    await asyncio.sleep(2)
+    return await client.status(job), await client.results(job)
 
 
 class _HeldRevoke(ConsumerRebalanceListener):

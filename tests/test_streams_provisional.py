@@ -31,10 +31,10 @@ async def test_traffic_is_on_the_hourly_topic_within_30s_then_its_hour_closes(
         await stack.start_worker("completion")
         key = await stack.api_key("team-live")
         http = stack.http(ingress, key)
-        # The three requests are one open hour's record. And the event that closes it, an
-        # hour and the grace (60 s) later, is no more than the 3,600 s ahead of the streams
-        # app's clock that it believes: sent in the hour's first minute, it was counted at
-        # the time it came, and the hour never closed.
+        # The three requests are one open hour's record. The event that closes it (an hour
+        # and the grace, 60 s, after the hour's start) must be at most 3,600 s ahead of the
+        # streams app's clock, or the app counts it at the time it came (its guard against
+        # skewed clocks): sent in the hour's first minute, the hour never closed.
         await clear_of_the_hour_turn(40, into_hour_s=62)
         sent_at = time.monotonic()
         for i in range(3):
