@@ -39,7 +39,11 @@ class HttpBatchClient:
         try:
             response = await self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ServiceError(f"{method} {self._http.base_url}{path}: {exc!r}") from exc
+            url = str(self._http.base_url).rstrip("/") + path
+            raise ServiceError(
+                f"{method} {url}: {exc!r}; is the ingress there? (LANEWAY_INGRESS_URL, or "
+                "unset, the local stack's on LANEWAY_PORT)"
+            ) from exc
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]

@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, Literal, TypeVar
 
@@ -81,12 +82,16 @@ class CommonSettings(BaseSettings):
     # request path, a timer that never fires).
     model_config = SettingsConfigDict(env_prefix="LANEWAY_", extra="forbid", allow_inf_nan=False)
 
-    kafka_bootstrap: str = Field("127.0.0.1:19092", description="Kafka bootstrap servers")
+    kafka_bootstrap: str = Field(
+        "127.0.0.1:19092",
+        description="Kafka bootstrap servers; unset, the local stack's: "
+        "127.0.0.1:LANEWAY_KAFKA_PORT",
+    )
     redis_url: str = Field(
         "redis://127.0.0.1:16379/0",
         description="Redis URL; with Redis ACL users redis://<user>:<password>@host:port/0; "
         "behind Sentinels redis+sentinel://[user:password@]host:port[,...]/<service>[/<db>] "
-        "(never logged)",
+        "(never logged); unset, the local stack's: redis://127.0.0.1:LANEWAY_REDIS_PORT/0",
     )
     topic_prefix: str = Field(
         "laneway",
@@ -128,7 +133,8 @@ class CommonSettings(BaseSettings):
 
     ingress_url: str = Field(
         "http://127.0.0.1:8000/v1",
-        description="the CLI's batch commands: OpenAI base URL of an ingress",
+        description="the CLI's batch commands: OpenAI base URL of an ingress; unset, the "
+        "local stack's: http://127.0.0.1:LANEWAY_PORT/v1",
     )
     models: list[str] = Field(
         default_factory=lambda: ["laneway-code", "laneway-chat"],
@@ -306,11 +312,41 @@ def check_environment(environ: dict[str, str] | None = None) -> None:
         )
 
 
+# Where Kafka, Redis and the ingress are when their addresses are not set: on the local
+# stack's ports (`laneway up`'s LANEWAY_KAFKA_PORT, LANEWAY_REDIS_PORT and LANEWAY_PORT), so
+# that a command run in the shell that started a stack on other ports reaches that stack.
+_LOCAL_ADDRESSES = {
+    "kafka_bootstrap": ("LANEWAY_KAFKA_PORT", "127.0.0.1:{}"),
+    "redis_url": ("LANEWAY_REDIS_PORT", "redis://127.0.0.1:{}/0"),
+    "ingress_url": ("LANEWAY_PORT", "http://127.0.0.1:{}/v1"),
+}
+
+
+def local_addresses(cls: type[BaseSettings], environ: Mapping[str, str]) -> dict[str, str]:
+    """The addresses of ``cls`` that ``environ`` leaves unset but names a local stack's port
+    for (a port of 0, "any free one", names none)."""
+    env = {k.upper(): v for k, v in environ.items()}
+    found = {}
+    for field, (variable, address) in _LOCAL_ADDRESSES.items():
+        if (
+            field not in cls.model_fields
+            or f"LANEWAY_{field.upper()}" in env
+            or variable not in env
+        ):
+            continue
+        port = env[variable].strip()
+        if not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"bad setting: {variable}={env[variable]!r}: not a port number")
+        if int(port):
+            found[field] = address.format(int(port))
+    return found
+
+
 def load_settings(cls: type[S], **overrides: Any) -> S:
     """Build ``cls`` from the environment plus ``overrides``; errors name the variable."""
     check_environment()
     try:
-        return cls(**overrides)
+        return cls(**{**local_addresses(cls, os.environ), **overrides})
     except SettingsError as exc:
         # A value that is not the JSON a list or map setting needs (pydantic-settings parses
         # it before validation, and names the field only in its message).

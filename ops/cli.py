@@ -208,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RedisError as exc:
         # Not the URL: it may hold a password.
-        print(f"laneway: Redis (LANEWAY_REDIS_URL) did not answer: {exc}", file=sys.stderr)
+        print(
+            "laneway: Redis (LANEWAY_REDIS_URL, or unset the local stack's on "
+            f"LANEWAY_REDIS_PORT) did not answer: {exc}",
+            file=sys.stderr,
+        )
         return 1
     except KafkaError as exc:
         print(f"laneway: Kafka at {_bootstrap()} did not answer: {exc!r}", file=sys.stderr)

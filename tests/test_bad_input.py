@@ -14,7 +14,7 @@ import pytest
 
 from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
-from laneway.settings import load_settings
+from laneway.settings import CommonSettings, load_settings
 from ops.cli import main as cli_main
 from ops.local_stack import stack_processes
 from ops.settings import StackSettings
@@ -211,6 +211,17 @@ def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("LANEWAY_MAX_INFLIGHT", "-3")
     with pytest.raises(ConfigError, match="LANEWAY_MAX_INFLIGHT"):
         load_settings(WorkerSettings)
+
+
+def test_a_bad_local_stack_port_is_named_where_it_stands_for_an_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LANEWAY_REDIS_PORT", "16379x")
+    with pytest.raises(ConfigError, match="LANEWAY_REDIS_PORT='16379x': not a port number"):
+        load_settings(CommonSettings)
+    # An address that is set wins over the port, which then stands for nothing here.
+    monkeypatch.setenv("LANEWAY_REDIS_URL", "redis://10.0.0.5:6379/0")
+    assert load_settings(CommonSettings).redis_url == "redis://10.0.0.5:6379/0"
 
 
 def test_a_misspelt_setting_is_told_the_name_it_was_meant_to_be(

@@ -9,6 +9,8 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -21,11 +23,11 @@ import redis.asyncio as aioredis
 from laneway.errors import ConfigError
 from laneway.settings import load_settings
 from ops.devstack import RedisServer
-from ops.local_stack import stack_processes, standby_processes
+from ops.local_stack import claimed, stack_processes, standby_processes
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess
 from ops.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
-from tests.stack import eventually, free_port
+from tests.stack import ROOT, eventually, free_port
 
 FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)
 SLEEPER = "import os, time\nprint('running', os.getpid())\ntime.sleep(600)"
@@ -370,3 +372,48 @@ async def test_a_standby_process_runs_only_between_activate_and_park(tmp_path: P
 def test_standby_names_must_be_processes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"standby names that are none of them: \['nobody'\]"):
         Supervisor([_python("base", SLEEPER, tmp_path)], FAST, standby=["nobody"])
+
+
+def _laneway_up(data: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``laneway up`` on ``data``, expected to stop before it starts anything."""
+    free = {
+        "LANEWAY_KAFKA_PORT": str(free_port()),
+        "LANEWAY_REDIS_PORT": str(free_port()),
+        "LANEWAY_PORT": str(free_port()),
+        "LANEWAY_SUPERVISOR_PORT": "0",
+    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ops.cli", "up"],
+        env={**base, **free, "LANEWAY_DATA_DIR": str(data), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_up_refuses_a_taken_ingress_port_before_it_starts_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = _laneway_up(tmp_path, LANEWAY_PORT=str(port))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"the ingress port {port} is already in use; set LANEWAY_PORT" in run.stderr
+    assert not (tmp_path / "redis").exists()
+    assert not (tmp_path / "kafka").exists()
+
+
+def test_a_second_up_on_the_same_data_dir_is_refused_naming_the_first(tmp_path: Path) -> None:
+    with claimed(tmp_path):  # this test process stands for a running `laneway up`
+        run = _laneway_up(tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"laneway is already running on {tmp_path} (pid {os.getpid()})" in run.stderr
+    assert "kill -INT" in run.stderr
+    assert "LANEWAY_DATA_DIR" in run.stderr
+    assert not (tmp_path / "redis").exists()
+    # Once the first has gone, the data dir is free again (the kernel let go of the lock).
+    with claimed(tmp_path):
+        pass
