@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
 from ingress.settings import IngressSettings
 from laneway.constants import POOLS, RequestClass
-from laneway.errors import ConfigError
+from laneway.errors import ConfigError, ServiceError
 from laneway.settings import CommonSettings, load_settings
 from ops.autoscale import LocalAutoscaler
-from ops.devstack import KafkaBroker, RedisServer, create_topics
+from ops.devstack import KafkaBroker, RedisServer, create_topics, port_in_use
 from ops.group_members import GroupMembers
 from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings
@@ -150,8 +152,64 @@ def stack_processes(
     return processes
 
 
+@contextlib.contextmanager
+def claimed(data: Path) -> Iterator[None]:
+    """``data`` as this process's alone while inside: a second ``laneway up`` on the same data
+    dir is refused, naming the first (a lock the kernel lets go when its holder dies, however
+    it dies)."""
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "up.pid").open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid = lock.read().strip() or "unknown"
+            raise ServiceError(
+                f"laneway is already running on {data} (pid {pid}): Ctrl-C in its terminal, or "
+                f"kill -INT {pid}, stops it; a second stack beside it needs a LANEWAY_DATA_DIR "
+                "and ports of its own (LANEWAY_PORT, LANEWAY_KAFKA_PORT, LANEWAY_REDIS_PORT, "
+                "LANEWAY_SUPERVISOR_PORT)"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
+def _check_ingress_port(port: int) -> None:
+    """Before anything starts: the ingress would fail on a taken port only once Kafka and
+    Redis are up, and another server answering there would look like laneway."""
+    if port and port_in_use(port):
+        raise ServiceError(
+            f"the ingress port {port} is already in use; set LANEWAY_PORT to a free port or "
+            "stop whatever listens there"
+        )
+
+
+async def _accepting(port: int) -> None:
+    """Until something accepts connections on 127.0.0.1:``port`` (uvicorn listens once the
+    ingress has started)."""
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.2)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+
+
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
+    with claimed(Path(settings.data_dir).resolve()):
+        _check_ingress_port(settings.port)
+        _run_local_stack(settings)
+
+
+def _run_local_stack(settings: StackSettings) -> None:
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
     for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
@@ -167,9 +225,16 @@ def run_local_stack(settings: StackSettings) -> None:
     data = Path(settings.data_dir).resolve()
 
     ready = asyncio.Event()
+    announcing: list[asyncio.Task[None]] = []
 
     def started() -> None:
         ready.set()
+        announcing.append(asyncio.create_task(announce(), name="announce"))
+
+    async def announce() -> None:
+        # Once the ingress takes connections: a request sent on this line must not be refused.
+        if settings.port:
+            await _accepting(settings.port)
         print(  # noqa: T201 - the one line a user waits for
             f"laneway is up: OpenAI base URL http://127.0.0.1:{settings.port}/v1 "
             "(create a key: .venv/bin/laneway keys create --team myteam). Ctrl-C stops.\n"
@@ -217,9 +282,10 @@ def run_local_stack(settings: StackSettings) -> None:
         try:
             await supervisor.run(on_started=started)
         finally:
-            scaling.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await scaling
+            for task in (scaling, *announcing):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await redis.aclose()
             await groups.stop()
 

@@ -62,3 +62,17 @@ def test_there_are_links_to_check() -> None:
 def test_link_lands_on_a_heading(doc: Path, link: str, file: Path, anchor: str) -> None:
     assert file.exists(), f"{doc.name}: {link} names a file that does not exist"
     assert anchor in anchors(file), f"{doc.name}: {link} names no heading of {file.name}"
+
+
+def test_every_relative_link_names_a_file_of_the_repo() -> None:
+    """A link out of the repository (../shared/...) is dead in a clone and on GitHub."""
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(doc.read_text()):
+            path = target.partition("#")[0]
+            if not path or "://" in path or path.startswith("mailto:"):
+                continue
+            file = (doc.parent / path).resolve()
+            if not file.is_relative_to(ROOT) or not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, broken

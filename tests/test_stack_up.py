@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +48,9 @@ class UpStack:
     metrics_url: str
     kafka: str
     redis_url: str
+    env: dict[str, str]  # what it was started with: the shell of its user
+    # How a connection to the ingress went, made as soon as the "laneway is up" line came.
+    after_the_up_line: str = "not seen"
 
     def pid(self, name: str) -> int:
         """The pid of a process of the stack now, from its pid file."""
@@ -128,6 +133,22 @@ def _wait_ready(stack: UpStack, within_s: float) -> None:
     pytest.fail(f"laneway up was not ready within {within_s:.0f}s:\n{stack.log()}")
 
 
+def _connect_at_the_up_line(stack: UpStack, within_s: float) -> None:
+    """Wait for the line a user waits for, then connect to the ingress at once, as they
+    would (the outcome in ``after_the_up_line``)."""
+    deadline = time.monotonic() + within_s
+    while "laneway is up" not in stack.log():
+        if stack.process.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        stack.after_the_up_line = "connected"
+    except OSError as exc:
+        stack.after_the_up_line = repr(exc)
+
+
 def start_up(data: Path, output: Path, **extra_env: str) -> tuple[UpStack, dict[str, str]]:
     """``laneway up`` as a child on free ports (its output to ``output``), and its env."""
     kafka_port, redis_port, port, metrics = free_port_pair(), free_port(), free_port(), free_port()
@@ -148,6 +169,7 @@ def start_up(data: Path, output: Path, **extra_env: str) -> tuple[UpStack, dict[
         metrics_url=f"http://127.0.0.1:{metrics}/metrics",
         kafka=f"127.0.0.1:{kafka_port}",
         redis_url=f"redis://127.0.0.1:{redis_port}/0",
+        env=env,
     )
     return stack, env
 
@@ -157,6 +179,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     data = tmp_path_factory.mktemp("up")
     stack, _ = start_up(data, data / "up.out")
     try:
+        _connect_at_the_up_line(stack, 120)
         _wait_ready(stack, 120)
         yield stack
     finally:
@@ -436,3 +459,57 @@ async def test_readyz_reports_kafka_down_until_it_is_restarted(up: UpStack) -> N
         assert response.status_code == 200, response.text
     assert f"kafka (pid {victim}) exited: killed by SIGKILL" in up.log()
     _always_answered(health)
+
+
+def test_the_up_line_comes_once_the_ingress_takes_connections(up: UpStack) -> None:
+    assert up.after_the_up_line == "connected", up.log()
+
+
+def _cli(up: UpStack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in the shell that ran `laneway up` (its port variables, no URLs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ops.cli", *args],
+        env={**up.env, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+async def test_the_cli_in_the_shell_of_a_stack_on_other_ports_reaches_that_stack(
+    up: UpStack, tmp_path: Path
+) -> None:
+    assert "LANEWAY_REDIS_URL" not in up.env
+    assert "LANEWAY_INGRESS_URL" not in up.env
+    made = _cli(up, "keys", "create", "--team", "cli-shell")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.splitlines()[-1]
+    async with up.http(key) as http:
+        assert (await http.get("/v1/models")).status_code == 200
+    # The batch commands go to the ingress on LANEWAY_PORT.
+    lines = tmp_path / "one.jsonl"
+    body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 4}
+    line = {"custom_id": "only", "method": "POST", "url": "/v1/completions", "body": body}
+    lines.write_text(json.dumps(line) + "\n")
+    submitted = _cli(
+        up,
+        "batch",
+        "submit",
+        str(lines),
+        "--endpoint",
+        "/v1/completions",
+        "--wait",
+        LANEWAY_API_KEY=key,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "completed, 1 ok, 0 failed of 1" in submitted.stdout
+
+
+def test_a_second_up_in_the_same_place_is_refused_and_the_first_runs_on(up: UpStack) -> None:
+    second = _cli(up, "up")
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"laneway is already running on {up.data} (pid {up.process.pid})" in second.stderr
+    ready = httpx.get(f"{up.base_url}/readyz", headers=ADMIN, timeout=5)
+    assert ready.status_code == 200, ready.text
