@@ -12,11 +12,16 @@ processes) on the same upstream, in the same run, installed on demand into its o
 in flight as ``--concurrency`` for ``--seconds`` and prints the completions per second each
 served. Windows alternate laneway, peer, laneway, peer (``--rounds``).
 
+``--worker-engines openai,sim`` also measures, in each round, the completion worker on the
+sim engine (a simulation, at no time per token), restarting the worker between the two: the
+openai engine's worker should cost no more than the sim's plus the HTTP exchange with the
+upstream.
+
 Targets: laneway's whole stack ≤ 0.3× LiteLLM's CPU-ms per completion; laneway's saturation
 rate ≥ 4× LiteLLM's.
 
     .venv/bin/python -m bench.cpu [--rate 80] [--seconds 20] [--rounds 2] [--peer litellm]
-        [--litellm-workers 2] [--saturate] [--concurrency 64]
+        [--litellm-workers 2] [--saturate] [--concurrency 64] [--worker-engines openai,sim]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +53,27 @@ LITELLM_PORT = 31895
 LITELLM_VENV = Path.home() / ".cache" / "laneway" / "litellm-venv"
 LITELLM_KEY = "sk-laneway-bench"
 MAX_TOKENS = 16
+# The completion worker's settings per engine: each can take every request at once.
+WORKER_ENGINES = {
+    "openai": {
+        "LANEWAY_POOL": "completion",
+        "LANEWAY_ENGINE": "openai",
+        "LANEWAY_UPSTREAM_URL": f"http://127.0.0.1:{UPSTREAM_PORT}/v1",
+        "LANEWAY_UPSTREAM_MODEL": "up",
+        "LANEWAY_UPSTREAM_SLOTS": "256",
+        "LANEWAY_UPSTREAM_METRICS_URL": "",
+        "LANEWAY_MAX_INFLIGHT": "256",
+    },
+    "sim": {
+        "LANEWAY_POOL": "completion",
+        "LANEWAY_ENGINE": "sim",
+        "LANEWAY_SIM_PREFILL_MS_PER_TOKEN": "0",
+        "LANEWAY_SIM_DECODE_MS_PER_STEP": "0",
+        "LANEWAY_SIM_BATCH_SLOTS": "256",
+        "LANEWAY_MAX_INFLIGHT": "256",
+    },
+}
+SIM_WHO = "laneway (sim engine)"
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -81,10 +108,12 @@ class Window:
 
 async def _drive(
     port: int, headers: dict[str, str], model: str, rate: float, seconds: float, stream: bool
-) -> tuple[int, int]:
-    """Open-loop load: completion i goes at start + i/rate; returns (sent, answered 200)."""
+) -> tuple[int, int, Counter[str]]:
+    """Open-loop load: completion i goes at start + i/rate; returns (sent, answered 200, the
+    other outcomes: status codes and exceptions, counted)."""
     http = HttpPool("127.0.0.1", port, headers)
     ok = 0
+    failed: Counter[str] = Counter()
 
     async def one(i: int) -> None:
         nonlocal ok
@@ -101,9 +130,13 @@ async def _drive(
                         pass
             else:
                 status, _, _ = await http.post("/v1/completions", body)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            failed[type(exc).__name__] += 1
             return
-        ok += status == 200
+        if status == 200:
+            ok += 1
+        else:
+            failed[str(status)] += 1
 
     total = int(rate * seconds)
     start = time.perf_counter()
@@ -113,7 +146,7 @@ async def _drive(
         tasks.append(asyncio.create_task(one(i)))
     await asyncio.gather(*tasks)
     await http.close()
-    return total, ok
+    return total, ok, failed
 
 
 async def _saturate(
@@ -157,7 +190,7 @@ def _window(
     idle = {r: v - before[r] for r, v in cpu(pids).items()}
     before = cpu(pids)
     started = time.monotonic()
-    sent, ok = uvloop.run(_drive(port, headers, model, args.rate, args.seconds, stream))
+    sent, ok, failed = uvloop.run(_drive(port, headers, model, args.rate, args.seconds, stream))
     seconds = time.monotonic() - started
     after = cpu(pids)
     # The idle window ran for args.seconds; the load ran a little longer (its tail).
@@ -165,7 +198,9 @@ def _window(
     window = Window(who, stream, sent=sent, ok=ok, seconds=seconds)
     window.cpu_s = {r: after[r] - before[r] - idle[r] * scale for r in pids}
     print(
-        f"# {who} stream={stream}: {ok}/{sent} answered in {seconds:.1f}s; "
+        f"# {who} stream={stream}: {ok}/{sent} answered in {seconds:.1f}s"
+        + (f" (the others: {dict(failed)})" if failed else "")
+        + "; "
         + "  ".join(f"{r} {1000 * v / max(1, ok):.2f}" for r, v in window.cpu_s.items()),
         flush=True,
     )
@@ -230,14 +265,38 @@ def litellm_proxy(workers: int) -> Iterator[int]:
         stop_processes([proc])
 
 
+def _run_worker(stack: BenchStack, engine: str, auth: dict[str, str]) -> None:
+    """The stack's completion worker, restarted on ``engine`` (same worker id: it takes its
+    partitions back at once), then warmed up with a few seconds of the load."""
+    old = next(p for p in stack.procs if p.pid == stack.pids["worker"])
+    stop_processes([old])
+    stack.procs.remove(old)
+    stack.spawn(
+        "workers", {"LANEWAY_WORKER_ID": "bench-0", **WORKER_ENGINES[engine]}, role="worker"
+    )
+    stack.wait_ready({"completion"})
+    sent, ok, failed = uvloop.run(_drive(stack.ingress_port, auth, "laneway-code", 40, 5, False))
+    if ok != sent:
+        raise RuntimeError(
+            f"the {engine} worker answered {ok} of {sent} warm-up completions: {dict(failed)}"
+        )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def report(windows: list[Window], saturation: dict[str, list[float]]) -> None:
     print("| who, answers | completions | CPU-ms per completion, by process | total |")
     print("|---|---|---|---|")
     totals: dict[tuple[str, bool], list[float]] = {}
+    workers: dict[tuple[str, bool], list[float]] = {}
     for w in windows:
         per = {r: 1000 * v / max(1, w.ok) for r, v in w.cpu_s.items()}
         total = sum(per.values())
         totals.setdefault((w.who, w.stream), []).append(total)
+        if "worker" in per:
+            workers.setdefault((w.who, w.stream), []).append(per["worker"])
         parts = ", ".join(f"{r} {v:.2f}" for r, v in per.items())
         kind = "streamed" if w.stream else "not streamed"
         print(f"| {w.who}, {kind} | {w.ok} | {parts} | {total:.2f} |")
@@ -249,6 +308,15 @@ def report(windows: list[Window], saturation: dict[str, list[float]]) -> None:
             kind = "streamed" if stream else "not streamed"
             verdict = "met" if ratio <= 0.3 else "MISSED"
             print(f"{kind}: laneway / LiteLLM CPU-ms per completion {ratio:.2f} ({verdict}, ≤ 0.3)")
+        upstream, sim = workers.get(("laneway", stream)), workers.get((SIM_WHO, stream))
+        if upstream and sim:
+            kind = "streamed" if stream else "not streamed"
+            print(
+                f"{kind}: worker CPU-ms per completion, openai engine {_mean(upstream):.2f} "
+                f"(spread {min(upstream):.2f}–{max(upstream):.2f}), sim engine {_mean(sim):.2f} "
+                f"({min(sim):.2f}–{max(sim):.2f}): the HTTP exchange costs "
+                f"{_mean(upstream) - _mean(sim):+.2f}"
+            )
     if saturation.get("laneway") and saturation.get("litellm"):
         ours_rate = max(saturation["laneway"])
         theirs_rate = max(saturation["litellm"])
@@ -258,6 +326,16 @@ def report(windows: list[Window], saturation: dict[str, list[float]]) -> None:
             f"saturation: laneway {ours_rate:.0f}/s, LiteLLM {theirs_rate:.0f}/s, "
             f"{ratio:.1f}× ({verdict}, ≥ 4×)"
         )
+
+
+def _engines(text: str) -> list[str]:
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in WORKER_ENGINES]
+    if not engines or unknown or len(set(engines)) != len(engines):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give each of {', '.join(WORKER_ENGINES)} at most once, comma-separated"
+        )
+    return engines
 
 
 def main() -> None:
@@ -270,26 +348,22 @@ def main() -> None:
     parser.add_argument("--saturate", action="store_true")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--mode", choices=["both", "plain", "stream"], default="both")
+    parser.add_argument(
+        "--worker-engines",
+        type=_engines,
+        default=["openai"],
+        help="comma-separated engines of the completion worker, a set of windows each per "
+        "round (openai, sim); the peer and --saturate run beside the openai one",
+    )
     args = parser.parse_args()
     streams = {"both": [False, True], "plain": [False], "stream": [True]}[args.mode]
-    stack = BenchStack(
-        workers=[
-            {
-                "LANEWAY_POOL": "completion",
-                "LANEWAY_ENGINE": "openai",
-                "LANEWAY_UPSTREAM_URL": f"http://127.0.0.1:{UPSTREAM_PORT}/v1",
-                "LANEWAY_UPSTREAM_MODEL": "up",
-                "LANEWAY_UPSTREAM_SLOTS": "256",
-                "LANEWAY_UPSTREAM_METRICS_URL": "",
-                "LANEWAY_MAX_INFLIGHT": "256",
-            }
-        ],
-        streams=True,
-    )
+    engines: list[str] = args.worker_engines
+    stack = BenchStack(workers=[WORKER_ENGINES[engines[0]]], streams=True)
     print(f"# {machine()}")
     print(
         f"# {args.rate:g} completions/s (max_tokens {MAX_TOKENS}) for {args.seconds:.0f} s, "
-        f"idle subtracted; {args.rounds} rounds; peer {args.peer}"
+        f"idle subtracted; {args.rounds} rounds; peer {args.peer}; "
+        f"worker engines {', '.join(engines)}"
     )
     windows: list[Window] = []
     saturation: dict[str, list[float]] = {}
@@ -303,35 +377,57 @@ def main() -> None:
         auth = {"Authorization": f"Bearer {key}"}
         peer_auth = {"Authorization": f"Bearer {LITELLM_KEY}"}
         uvloop.run(_drive(stack.ingress_port, auth, "laneway-code", args.rate, 10, False))
+        running = engines[0]
         for _ in range(args.rounds):
-            for stream in streams:
-                windows.append(
-                    _window("laneway", ours, stack.ingress_port, auth, "laneway-code", args, stream)
-                )
-                if peer is not None:
+            for engine in engines:
+                if engine != running:
+                    _run_worker(stack, engine, auth)
+                    running = engine
+                    ours = dict(stack.pids)
+                if engine != "openai":
+                    for stream in streams:
+                        windows.append(
+                            _window(
+                                SIM_WHO,
+                                ours,
+                                stack.ingress_port,
+                                auth,
+                                "laneway-code",
+                                args,
+                                stream,
+                            )
+                        )
+                    continue
+                for stream in streams:
                     windows.append(
                         _window(
-                            "litellm",
-                            {"litellm": peer},
-                            LITELLM_PORT,
-                            peer_auth,
-                            "up",
-                            args,
-                            stream,
+                            "laneway", ours, stack.ingress_port, auth, "laneway-code", args, stream
                         )
                     )
-            if args.saturate:
-                rate = uvloop.run(
-                    _saturate(stack.ingress_port, auth, "laneway-code", args.concurrency, 10)
-                )
-                saturation.setdefault("laneway", []).append(rate)
-                print(f"# laneway saturation {rate:.0f}/s", flush=True)
-                if peer is not None:
+                    if peer is not None:
+                        windows.append(
+                            _window(
+                                "litellm",
+                                {"litellm": peer},
+                                LITELLM_PORT,
+                                peer_auth,
+                                "up",
+                                args,
+                                stream,
+                            )
+                        )
+                if args.saturate:
                     rate = uvloop.run(
-                        _saturate(LITELLM_PORT, peer_auth, "up", args.concurrency, 10)
+                        _saturate(stack.ingress_port, auth, "laneway-code", args.concurrency, 10)
                     )
-                    saturation.setdefault("litellm", []).append(rate)
-                    print(f"# litellm saturation {rate:.0f}/s", flush=True)
+                    saturation.setdefault("laneway", []).append(rate)
+                    print(f"# laneway saturation {rate:.0f}/s", flush=True)
+                    if peer is not None:
+                        rate = uvloop.run(
+                            _saturate(LITELLM_PORT, peer_auth, "up", args.concurrency, 10)
+                        )
+                        saturation.setdefault("litellm", []).append(rate)
+                        print(f"# litellm saturation {rate:.0f}/s", flush=True)
     report(windows, saturation)
 
 
