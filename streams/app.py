@@ -49,6 +49,11 @@ TABLES = ("rollups", "outcomes", "usage_ids")
 _CANARY_EVAL_S = 1.0  # how often running canaries are looked at (judged once a window)
 _SHADOW_EVAL_S = 5.0  # how often shadow comparisons are written (each over its whole window)
 _CLOCK_SYNC_S = 30.0  # how often the offset to Redis's clock is learned again
+# A process that is not ready (tables recovered, no rebalance under way) folds nothing and
+# publishes nothing, and its timers, which Faust starts only after the first recovery, say
+# nothing: how often that is looked at, and how often it is said, with where Faust stands.
+_READINESS_CHECK_S = 1.0
+_NOT_READY_WARN_S = 15.0
 # How long a run that a failure to fold restarted skips records that fail to fold.
 _SKIP_AFTER_FAILURE_S = 600.0
 
@@ -139,7 +144,12 @@ class StreamsApp:
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
-        self._timer(settings.breaker_eval_interval_s, "breakers", self.processor.evaluate_breakers)
+        self._timer(
+            settings.breaker_eval_interval_s,
+            "breakers",
+            self.processor.evaluate_breakers,
+            needs_levels=True,
+        )
         self._timer(settings.rollup_flush_interval_s, "rollups", self.processor.publish_rollups)
         self._timer(
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
@@ -162,6 +172,7 @@ class StreamsApp:
         # Faust stops the timers last; from the first step of a stop on they do nothing, so no
         # table write can come after the final changelog flush.
         self._stopping = False
+        self._watch: asyncio.Future[None] | None = None
 
     async def _assigned(self, _app: Any, /, *moved: Any, **_: Any) -> None:
         log.info("partitions assigned: %s", _usage_partitions(moved[0], self.settings))
@@ -242,12 +253,51 @@ class StreamsApp:
             and not getattr(self.app, "in_recovery", False)
         )
 
-    def _timer(self, interval: float, name: str, work: Callable[[], Awaitable[object]]) -> None:
+    def _state(self) -> str:
+        """Where Faust's rebalance and recovery are, for a log line."""
+        app = self.app
+        recovery = app.tables.recovery
+        consumer: Any = getattr(app, "_consumer", None)  # app.consumer would make one
+        try:
+            partitions: Any = _usage_partitions(consumer.assignment(), self.settings)
+        except Exception:  # noqa: BLE001 - a consumer not started yet has no assignment
+            partitions = "none yet"
+        return (
+            f"generation {app.consumer_generation_id}, usage partitions {partitions}, "
+            f"rebalancing {app.rebalancing}, reading changelogs {recovery.in_recovery}, "
+            f"recovered once {recovery.completed.is_set()}, "
+            f"consumer flow {'on' if getattr(consumer, 'flow_active', None) else 'off'}"
+        )
+
+    async def _watch_readiness(self) -> None:
+        """Say so, every ``_NOT_READY_WARN_S``, while the app is not ready."""
+        down = warned = time.monotonic()
+        while not self._stopping:
+            await asyncio.sleep(_READINESS_CHECK_S)
+            now = time.monotonic()
+            if self._ready() or self._stopping:
+                down = warned = now
+            elif now - warned >= _NOT_READY_WARN_S:
+                warned = now
+                log.warning("not ready for %.0f s, folding nothing: %s", now - down, self._state())
+
+    def _timer(
+        self,
+        interval: float,
+        name: str,
+        work: Callable[[], Awaitable[object]],
+        *,
+        needs_levels: bool = False,
+    ) -> None:
+        """``work`` every ``interval`` while the app is ready; ``needs_levels``: only once the
+        breaker levels a previous run stored are taken over (the other timers do not wait on
+        Redis for them)."""
+
         async def tick() -> None:
             if not self._ready():
                 return
             try:
-                if not self._levels_restored:
+                if needs_levels and not self._levels_restored:
                     await self.processor.restore_levels()
                     self._levels_restored = True
                 await work()
@@ -266,6 +316,7 @@ class StreamsApp:
         except (RedisError, OSError, LanewayError) as exc:
             log.warning("clock not synced with Redis yet (this machine's is used): %s", exc)
         self.app.in_worker = True
+        self._watch = asyncio.ensure_future(self._watch_readiness())
         await self.app.start()
         if not self._stopping:  # a stop while the tables recovered ends the start too
             log.info(
@@ -288,6 +339,8 @@ class StreamsApp:
     async def stop(self) -> None:
         """Stop consuming, flush table changelogs, commit offsets, close the clients."""
         self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
         if self.failure is not None:
             # Faust's stop waits for every fetched record to be acked: not the one parked.
             self.app.conf.stream_wait_empty = False

@@ -276,3 +276,28 @@ async def test_a_table_recovery_step_that_times_out_ends_the_process_for_a_resta
         await eventually(counted, 60, "every event counted by the restart")
     finally:
         assert await second.stop() == 0, second.log()
+
+
+async def test_usage_rolls_up_while_redis_does_not_answer(stack: LiveStack, tmp_path: Path) -> None:
+    """Rollups go to Kafka alone: a Redis that does not answer holds up the breaker levels
+    (which a restart takes over from it), not the hourly usage analysts and billing read."""
+    streams = StreamsProcess(
+        stack,
+        tmp_path,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+        rollup_idle_s=0.5,
+        rollup_grace_s=0,
+    )
+    await streams.start()
+    try:
+        producer = await stack.producer()
+        events = [usage_event(ts=time.time() - 7200, completion_tokens=10 + i) for i in range(3)]
+        await produce_usage(producer, stack.topics.usage, events)
+        records = await stack.read_topic(
+            stack.topics.usage_hourly, count=1, within_s=30, where=lambda r: r["final"]
+        )
+    finally:
+        code = await streams.stop()
+    assert code == 0, streams.log()
+    assert records[0]["requests"] == 3, records
+    assert records[0]["completion_tokens"] == 33, records
