@@ -13,9 +13,9 @@ in flight as ``--concurrency`` for ``--seconds`` and prints the completions per 
 served. Windows alternate laneway, peer, laneway, peer (``--rounds``).
 
 ``--worker-engines openai,sim`` also measures, in each round, the completion worker on the
-sim engine (a simulation, at no time per token), restarting the worker between the two: the
-openai engine's worker should cost no more than the sim's plus the HTTP exchange with the
-upstream.
+sim engine (a simulation, at no time per token), restarting the worker between the two, and
+the HTTP exchange with the upstream alone (``bench._http_floor``: the same requests from a bare
+aiohttp client): the openai engine's worker should cost no more than the sim's plus that.
 
 Targets: laneway's whole stack ≤ 0.3× LiteLLM's CPU-ms per completion; laneway's saturation
 rate ≥ 4× LiteLLM's.
@@ -282,11 +282,34 @@ def _run_worker(stack: BenchStack, engine: str, auth: dict[str, str]) -> None:
         )
 
 
+def _http_floor(args: argparse.Namespace) -> float:
+    """CPU-ms per request of the upstream exchange alone, at the bench's rate."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench._http_floor",
+            f"--port={UPSTREAM_PORT}",
+            f"--rate={args.rate}",
+            f"--seconds={args.seconds}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=args.seconds + 120,
+    ).stdout.split()
+    cpu_ms, answered = float(out[0]), int(out[1])
+    print(f"# the HTTP exchange alone: {cpu_ms:.2f} CPU-ms per request ({answered} answered)")
+    return cpu_ms
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def report(windows: list[Window], saturation: dict[str, list[float]]) -> None:
+def report(
+    windows: list[Window], saturation: dict[str, list[float]], floor: list[float] | None = None
+) -> None:
     print("| who, answers | completions | CPU-ms per completion, by process | total |")
     print("|---|---|---|---|")
     totals: dict[tuple[str, bool], list[float]] = {}
@@ -311,12 +334,19 @@ def report(windows: list[Window], saturation: dict[str, list[float]]) -> None:
         upstream, sim = workers.get(("laneway", stream)), workers.get((SIM_WHO, stream))
         if upstream and sim:
             kind = "streamed" if stream else "not streamed"
-            print(
+            extra = _mean(upstream) - _mean(sim)
+            line = (
                 f"{kind}: worker CPU-ms per completion, openai engine {_mean(upstream):.2f} "
                 f"(spread {min(upstream):.2f}–{max(upstream):.2f}), sim engine {_mean(sim):.2f} "
-                f"({min(sim):.2f}–{max(sim):.2f}): the HTTP exchange costs "
-                f"{_mean(upstream) - _mean(sim):+.2f}"
+                f"({min(sim):.2f}–{max(sim):.2f}): the upstream costs the worker {extra:+.2f}"
             )
+            if floor:
+                verdict = "met" if extra <= _mean(floor) else "MISSED"
+                line += (
+                    f"; the exchange alone {_mean(floor):.2f} ({min(floor):.2f}–"
+                    f"{max(floor):.2f}) ({verdict}, ≤ the exchange alone)"
+                )
+            print(line)
     if saturation.get("laneway") and saturation.get("litellm"):
         ours_rate = max(saturation["laneway"])
         theirs_rate = max(saturation["litellm"])
@@ -367,6 +397,7 @@ def main() -> None:
     )
     windows: list[Window] = []
     saturation: dict[str, list[float]] = {}
+    floor: list[float] = []
     with (
         upstream_process(UPSTREAM_PORT, slots=1024, token_ms=0) as _upstream,
         bench_stack(stack),
@@ -397,6 +428,7 @@ def main() -> None:
                                 stream,
                             )
                         )
+                    floor.append(_http_floor(args))
                     continue
                 for stream in streams:
                     windows.append(
@@ -428,7 +460,7 @@ def main() -> None:
                         )
                         saturation.setdefault("litellm", []).append(rate)
                         print(f"# litellm saturation {rate:.0f}/s", flush=True)
-    report(windows, saturation)
+    report(windows, saturation, floor)
 
 
 @contextmanager
