@@ -1,10 +1,15 @@
 # Every target runs the same commands in CI (.ci/run → make test) as on a laptop.
 BIN := .venv/bin
 
-.PHONY: setup up test test-vllm lint fmt bench clean
+.PHONY: setup setup-tests up test test-vllm lint fmt bench clean
 
 setup:
 	scripts/setup.sh
+
+# Also what only the suite needs: Chromium and its driver (the console's browser tests) and
+# promtool (the alert rules).
+setup-tests:
+	scripts/setup.sh --tests
 
 up: setup
 	$(BIN)/laneway up
@@ -14,7 +19,7 @@ up: setup
 # minutes to about 13 on two cores. TEST_PROCESSES=1 runs it in one.
 TEST_PROCESSES ?= 2
 
-test: setup
+test: setup-tests
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -18,16 +18,26 @@ as_root() {
     fi
 }
 
+# `--tests`: also what only the test suite needs (`make test`); `make up` goes without.
+for_tests=0
+case "${1:-}" in
+    "") ;;
+    --tests) for_tests=1 ;;
+    *) die "unknown argument '$1' (usage: scripts/setup.sh [--tests])" ;;
+esac
+
 # --- system packages ---------------------------------------------------------------------
 apt_packages=()
 if ! command -v redis-server >/dev/null 2>&1 && [ ! -x /usr/bin/redis-server ]; then
     apt_packages+=(redis-server)
 fi
-# promtool checks the alert rules in compose/ (Debian's prometheus package ships it).
-command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
-# The console's browser tests drive Debian's headless Chromium through its chromedriver.
-command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
-command -v chromedriver >/dev/null 2>&1 || apt_packages+=(chromium-driver)
+if [ "$for_tests" -eq 1 ]; then
+    # promtool checks the alert rules in compose/ (Debian's prometheus package ships it).
+    command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+    # The console's browser tests drive Debian's headless Chromium through its chromedriver.
+    command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || apt_packages+=(chromium-driver)
+fi
 if [ ${#apt_packages[@]} -gt 0 ]; then
     say "installing ${apt_packages[*]} (apt-get)"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q

@@ -55,7 +55,7 @@ PROMETHEUS_SERIES = {"up"}
 
 needs_promtool = pytest.mark.skipif(
     shutil.which("promtool") is None and not os.environ.get("CI"),
-    reason="promtool not installed: apt-get install -y prometheus (scripts/setup.sh does)",
+    reason="promtool not installed: apt-get install -y prometheus (scripts/setup.sh --tests does)",
 )
 
 
@@ -106,7 +106,7 @@ def exposed_ports(service: str) -> set[int]:
 def promtool(*args: str, cwd: Path = PROMETHEUS) -> None:
     if shutil.which("promtool") is None:
         pytest.fail(
-            "CI must have promtool: scripts/setup.sh installs the Debian package prometheus"
+            "CI must have promtool: scripts/setup.sh --tests installs the Debian package prometheus"
         )
     done = subprocess.run(["promtool", *args], cwd=cwd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"

@@ -41,8 +41,8 @@ pytestmark = [
     pytest.mark.timeout(120 + 151),
     pytest.mark.skipif(
         CHROMIUM is None or CHROMEDRIVER is None,
-        reason="needs Debian's chromium and chromium-driver (scripts/setup.sh installs them: "
-        "apt-get install -y chromium chromium-driver)",
+        reason="needs Debian's chromium and chromium-driver (scripts/setup.sh --tests installs "
+        "them: apt-get install -y chromium chromium-driver)",
     ),
 ]
 
