@@ -388,6 +388,10 @@ def main() -> None:
     args = parser.parse_args()
     streams = {"both": [False, True], "plain": [False], "stream": [True]}[args.mode]
     engines: list[str] = args.worker_engines
+    if "openai" not in engines and (args.peer != "none" or args.saturate):
+        parser.error(
+            "--peer and --saturate run beside the openai engine: keep it in --worker-engines"
+        )
     stack = BenchStack(workers=[WORKER_ENGINES[engines[0]]], streams=True)
     print(f"# {machine()}")
     print(
@@ -409,8 +413,9 @@ def main() -> None:
         peer_auth = {"Authorization": f"Bearer {LITELLM_KEY}"}
         uvloop.run(_drive(stack.ingress_port, auth, "laneway-code", args.rate, 10, False))
         running = engines[0]
-        for _ in range(args.rounds):
-            for engine in engines:
+        for round_ in range(args.rounds):
+            # ABBA: each engine as often first as second, against drift over the run.
+            for engine in engines if round_ % 2 == 0 else engines[::-1]:
                 if engine != running:
                     _run_worker(stack, engine, auth)
                     running = engine

@@ -335,7 +335,7 @@ def local_addresses(cls: type[BaseSettings], environ: Mapping[str, str]) -> dict
         ):
             continue
         port = env[variable].strip()
-        if not port.isdigit() or int(port) > 65535:
+        if not (port.isascii() and port.isdecimal()) or int(port) > 65535:
             raise ConfigError(f"bad setting: {variable}={env[variable]!r}: not a port number")
         if int(port):
             found[field] = address.format(int(port))

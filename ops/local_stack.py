@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -32,6 +33,8 @@ from streams.settings import StreamsSettings
 from workers.settings import WorkerSettings
 
 __all__ = ["pool_replicas", "run_local_stack", "stack_processes", "standby_processes"]
+
+log = logging.getLogger(__name__)
 
 # Settings of `laneway up` itself; the services it starts do not get them (LANEWAY_PORT goes
 # to the ingress alone).
@@ -161,7 +164,16 @@ def claimed(data: Path) -> Iterator[None]:
     with (data / "up.pid").open("a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                # A filesystem without locks (some FUSE and NFS mounts): run unguarded.
+                log.warning(
+                    "%s cannot be locked (%s): a second laneway up there is not told",
+                    lock.name,
+                    exc.strerror,
+                )
+                yield
+                return
             lock.seek(0)
             pid = lock.read().strip() or "unknown"
             raise ServiceError(
@@ -177,6 +189,12 @@ def claimed(data: Path) -> Iterator[None]:
         yield
 
 
+def _ingress_host() -> str:
+    """Where the ingress can be reached on this machine (LANEWAY_HOST; any address: here)."""
+    host = load_settings(IngressSettings).host
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # noqa: S104 - compared, not bound
+
+
 def _check_ingress_port(port: int) -> None:
     """Before anything starts: the ingress would fail on a taken port only once Kafka and
     Redis are up, and another server answering there would look like laneway."""
@@ -187,12 +205,12 @@ def _check_ingress_port(port: int) -> None:
         )
 
 
-async def _accepting(port: int) -> None:
-    """Until something accepts connections on 127.0.0.1:``port`` (uvicorn listens once the
+async def _accepting(host: str, port: int) -> None:
+    """Until something accepts connections on ``host``:``port`` (uvicorn listens once the
     ingress has started)."""
     while True:
         try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            _, writer = await asyncio.open_connection(host, port)
         except OSError:
             await asyncio.sleep(0.2)
             continue
@@ -213,6 +231,7 @@ def _run_local_stack(settings: StackSettings) -> None:
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
     for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
+    host = _ingress_host()
     metrics = SupervisorMetrics()
     secured = stack_secrets(settings)
     supervisor = Supervisor(
@@ -234,9 +253,11 @@ def _run_local_stack(settings: StackSettings) -> None:
     async def announce() -> None:
         # Once the ingress takes connections: a request sent on this line must not be refused.
         if settings.port:
-            await _accepting(settings.port)
+            await _accepting(host, settings.port)
+        if supervisor.stopping:
+            return
         print(  # noqa: T201 - the one line a user waits for
-            f"laneway is up: OpenAI base URL http://127.0.0.1:{settings.port}/v1 "
+            f"laneway is up: OpenAI base URL http://{host}:{settings.port}/v1 "
             "(create a key: .venv/bin/laneway keys create --team myteam). Ctrl-C stops.\n"
             + (
                 f"Secured: the operator's Kafka and Redis logins are in {secured.directory}/"
@@ -284,8 +305,9 @@ def _run_local_stack(settings: StackSettings) -> None:
         finally:
             for task in (scaling, *announcing):
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*announcing, return_exceptions=True)  # a line, nothing more
+            with contextlib.suppress(asyncio.CancelledError):
+                await scaling
             await redis.aclose()
             await groups.stop()
 

@@ -215,6 +215,11 @@ class Supervisor:
         log.info("stopped %s", name)
         return True
 
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was asked for (or a crash loop began one)."""
+        return self._stop.is_set()
+
     def request_stop(self) -> None:
         """First call: stop everything in order. Second call: kill what still runs, now."""
         self._stop_requests += 1

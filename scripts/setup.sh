@@ -86,7 +86,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
 fi
 
 # --- kubeconform: checks compose/kubernetes/ in the tests, offline -------------------------
-if ! scripts/kubeconform.sh --install; then
+if [ "$for_tests" -eq 1 ] && ! scripts/kubeconform.sh --install; then
     [ -z "${CI:-}" ] || die "kubeconform could not be installed (see above)"
     say "warning: kubeconform is missing; tests/test_kubernetes.py will be skipped"
 fi

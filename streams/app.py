@@ -279,7 +279,11 @@ class StreamsApp:
                 down = warned = now
             elif now - warned >= _NOT_READY_WARN_S:
                 warned = now
-                log.warning("not ready for %.0f s, folding nothing: %s", now - down, self._state())
+                try:
+                    state = self._state()
+                except Exception as exc:  # noqa: BLE001 - Faust's internals: say, go on
+                    state = f"(not known: {exc!r})"
+                log.warning("not ready for %.0f s, folding nothing: %s", now - down, state)
 
     def _timer(
         self,

@@ -72,7 +72,8 @@ def test_every_relative_link_names_a_file_of_the_repo() -> None:
             path = target.partition("#")[0]
             if not path or "://" in path or path.startswith("mailto:"):
                 continue
-            file = (doc.parent / path).resolve()
+            # GitHub reads a leading / from the repository's root.
+            file = (ROOT / path[1:] if path.startswith("/") else doc.parent / path).resolve()
             if not file.is_relative_to(ROOT) or not file.exists():
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, broken

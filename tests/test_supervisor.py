@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from laneway.errors import ConfigError
-from laneway.settings import load_settings
+from laneway.settings import CommonSettings, load_settings, local_addresses
 from ops.devstack import RedisServer
 from ops.local_stack import claimed, stack_processes, standby_processes
 from ops.settings import StackSettings
@@ -383,15 +383,21 @@ def _laneway_up(data: Path, **env: str) -> subprocess.CompletedProcess[str]:
         "LANEWAY_SUPERVISOR_PORT": "0",
     }
     base = {k: v for k, v in os.environ.items() if not k.startswith("LANEWAY_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ops.cli", "up"],
+    argv = [sys.executable, "-m", "ops.cli", "up"]
+    with subprocess.Popen(
+        argv,
         env={**base, **free, "LANEWAY_DATA_DIR": str(data), **env},
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
-        check=False,
-    )
+    ) as up:
+        try:
+            stdout, stderr = up.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.send_signal(signal.SIGINT)  # it started after all: Ctrl-C stops what it started
+            stdout, stderr = up.communicate(timeout=90)
+    return subprocess.CompletedProcess(argv, up.returncode, stdout, stderr)
 
 
 def test_up_refuses_a_taken_ingress_port_before_it_starts_anything(tmp_path: Path) -> None:
@@ -417,3 +423,23 @@ def test_a_second_up_on_the_same_data_dir_is_refused_naming_the_first(tmp_path: 
     # Once the first has gone, the data dir is free again (the kernel let go of the lock).
     with claimed(tmp_path):
         pass
+
+
+def test_an_unset_address_is_the_local_stacks_on_its_port() -> None:
+    env = {"LANEWAY_KAFKA_PORT": "19192", "LANEWAY_REDIS_PORT": "16479", "LANEWAY_PORT": "8100"}
+    assert local_addresses(CommonSettings, env) == {
+        "kafka_bootstrap": "127.0.0.1:19192",
+        "redis_url": "redis://127.0.0.1:16479/0",
+        "ingress_url": "http://127.0.0.1:8100/v1",
+    }
+    # Set addresses win; a port of 0 ("any free one") names no address; names are as
+    # pydantic-settings reads them, in any case.
+    env = {
+        "LANEWAY_KAFKA_PORT": "19192",
+        "LANEWAY_KAFKA_BOOTSTRAP": "k:9092",
+        "LANEWAY_PORT": "0",
+        "laneway_redis_port": "16479",
+    }
+    assert local_addresses(CommonSettings, env) == {"redis_url": "redis://127.0.0.1:16479/0"}
+    with pytest.raises(ConfigError, match="LANEWAY_KAFKA_PORT='１９０９２': not a port number"):
+        local_addresses(CommonSettings, {"LANEWAY_KAFKA_PORT": "１９０９２"})
