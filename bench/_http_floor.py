@@ -17,6 +17,8 @@ import aiohttp
 import orjson
 import uvloop
 
+from bench._open_loop import open_loop
+
 MAX_TOKENS = 16
 
 
@@ -41,12 +43,7 @@ async def _drive(port: int, rate: float, seconds: float) -> int:
             answered += response.status == 200
 
         total = int(rate * seconds)
-        start = time.perf_counter()
-        tasks = []
-        for i in range(total):
-            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*[asyncio.create_task(one(i)) async for i in open_loop(rate, total)])
     return answered
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 import uvloop
 
+from bench._open_loop import open_loop
 from bench._proc import machine, stat_cpu_seconds
 from bench._stack import BenchStack, bench_stack
 from bench._upstream import upstream_process
@@ -139,12 +140,7 @@ async def _drive(
             failed[str(status)] += 1
 
     total = int(rate * seconds)
-    start = time.perf_counter()
-    tasks = []
-    for i in range(total):
-        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*[asyncio.create_task(one(i)) async for i in open_loop(rate, total)])
     await http.close()
     return total, ok, failed
 
