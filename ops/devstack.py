@@ -237,15 +237,22 @@ class _ServerProcess(_StartedInside):
     def _pid_path(self) -> Path:
         return self.data_dir / f"{self.name}.pid"
 
+    def leftover_pid(self) -> int | None:
+        """The pid of a run of this server that its pid file names and that still runs (its
+        command line says so): one an earlier run left behind, if this one did not start it."""
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self._pid_path.read_text())
+            if self.cmdline_marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        return None
+
     def _check_port_free(self, port: int, what: str) -> None:
         if not port_in_use(port):
             return
         hint = ""
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(self._pid_path.read_text())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if self.cmdline_marker in cmdline:
-                hint = f"; a {self.name} from an earlier run (pid {pid}) still holds it: kill {pid}"
+        pid = self.leftover_pid()
+        if pid is not None:
+            hint = f"; a {self.name} from an earlier run (pid {pid}) still holds it: kill {pid}"
         raise ServiceError(
             f"{what} port {port} is already in use{hint}; "
             f"set {self.port_setting} to a free port or stop whatever listens there"

@@ -13,7 +13,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -220,22 +221,62 @@ async def _accepting(host: str, port: int) -> None:
         return
 
 
+def stop_leftovers(processes: Sequence[Supervised], grace_s: float = 15.0) -> None:
+    """What an earlier ``laneway up`` on the same data dir left running when it was killed
+    (each child runs in a process group of its own, so a SIGKILL of the supervisor leaves
+    them): stopped before anything starts, services before the servers they need, as its
+    Ctrl-C would have. Only a process its pid file names and whose command line matches."""
+    left = {p.name: pid for p in processes if (pid := p.leftover_pid()) is not None}
+    if not left:
+        return
+    log.warning(
+        "an earlier laneway up here was killed and left %s running: stopping them first",
+        ", ".join(f"{name} (pid {pid})" for name, pid in left.items()),
+    )
+    needed = {need for p in processes for need in p.needs}
+    for wave in ([n for n in left if n not in needed], [n for n in left if n in needed]):
+        for name in wave:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(left[name], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_runs(left[n]) for n in wave):
+            time.sleep(0.1)
+        for name in wave:
+            if _runs(left[name]):
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", name, left[name])
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(left[name], signal.SIGKILL)
+
+
+def _runs(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def run_local_stack(settings: StackSettings) -> None:
     """Run the stack until SIGINT/SIGTERM (twice: kill at once); raises ``CrashLoop``."""
-    with claimed(Path(settings.data_dir).resolve()):
-        _check_ingress_port(settings.port)
-        _run_local_stack(settings)
-
-
-def _run_local_stack(settings: StackSettings) -> None:
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
     for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
+    with claimed(Path(settings.data_dir).resolve()):
+        secured = stack_secrets(settings)
+        processes = stack_processes(settings, secured)
+        stop_leftovers(processes)
+        _check_ingress_port(settings.port)
+        _run_local_stack(settings, secured, processes)
+
+
+def _run_local_stack(
+    settings: StackSettings, secured: StackSecrets | None, processes: list[Supervised]
+) -> None:
     host = _ingress_host()
     metrics = SupervisorMetrics()
-    secured = stack_secrets(settings)
     supervisor = Supervisor(
-        stack_processes(settings, secured),
+        processes,
         RestartPolicy.from_settings(settings),
         metrics=metrics,
         standby=standby_processes(settings),

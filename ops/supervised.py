@@ -55,6 +55,10 @@ class Supervised(Protocol):
     def log_tail(self) -> str:
         """The last lines the current (or last) run wrote."""
 
+    def leftover_pid(self) -> int | None:
+        """A run of this process that an earlier supervisor started and left running (its pid
+        file names it and its command line matches), else None."""
+
 
 def prefixed_echo(name: str, width: int, out: TextIO | None = None) -> Callable[[str], None]:
     """Print a child's output line as ``name | line`` (names padded to ``width``)."""
@@ -193,6 +197,16 @@ class ServiceProcess:
     def log_tail(self) -> str:
         return "\n".join(self._lines)
 
+    def leftover_pid(self) -> int | None:
+        if self._process is not None:
+            return None  # this supervisor's own
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self.pid_path.read_text())
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if [a.encode() for a in self.argv[1:]] == args[1 : len(self.argv)]:
+                return pid
+        return None
+
 
 class _Server(Protocol):
     """What ``ops.devstack`` servers offer (start and stop block until done)."""
@@ -214,6 +228,8 @@ class _Server(Protocol):
     def send_signal(self, signum: int) -> None: ...
 
     def log_tail(self) -> str: ...
+
+    def leftover_pid(self) -> int | None: ...
 
 
 class LocalServer:
@@ -255,3 +271,6 @@ class LocalServer:
 
     def log_tail(self) -> str:
         return self.server.log_tail()
+
+    def leftover_pid(self) -> int | None:
+        return None if self.server.pid is not None else self.server.leftover_pid()

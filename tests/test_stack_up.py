@@ -513,3 +513,50 @@ def test_a_second_up_in_the_same_place_is_refused_and_the_first_runs_on(up: UpSt
     assert f"laneway is already running on {up.data} (pid {up.process.pid})" in second.stderr
     ready = httpx.get(f"{up.base_url}/readyz", headers=ADMIN, timeout=5)
     assert ready.status_code == 200, ready.text
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def test_a_laneway_up_killed_outright_leaves_nothing_in_the_way_of_the_next(
+    up: UpStack, tmp_path: Path
+) -> None:
+    """A kill -9 of the supervisor leaves its children running (each in a process group of
+    its own); the next `laneway up` in the same place stops them and comes up. Last in this
+    module: the module's stack is the new one from here on."""
+    names = ["redis", "kafka", "ingress", "streams"]
+    names += [f"worker-{pool}" for pool in ("completion", "chat", "batch")]
+    before = {name: up.pid(name) for name in names}
+    up.process.kill()
+    up.process.wait()
+    try:
+        assert all(_running(pid) for pid in before.values()), before
+        up.output = tmp_path / "again.out"
+        with up.output.open("wb") as out:
+            up.process = subprocess.Popen(  # noqa: ASYNC220 - started, not waited for
+                [sys.executable, "-m", "ops.cli", "up"],
+                env=up.env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        # Not /readyz: until the new stack stops them, the old ingress still answers it.
+        up.after_the_up_line = "not seen"
+        _connect_at_the_up_line(up, 180)
+        assert up.after_the_up_line == "connected", up.log()
+        _wait_ready(up, 120)
+        assert "an earlier laneway up here was killed and left" in up.log()
+        assert not [name for name, pid in before.items() if _running(pid)], up.log()
+    finally:  # whatever failed, nothing of the killed stack outlives the test
+        for pid in before.values():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    key = await up.api_key("after-the-kill")  # Redis came back with its data, and serves
+    async with up.http(key) as http:
+        answer = await http.post("/v1/completions", json=_completion("after"))
+    assert answer.status_code == 200, answer.text
