@@ -152,6 +152,12 @@ def _cmd_cost(args: argparse.Namespace) -> int:
         )
     )
     sys.stdout.write(render(rows, args.format))
+    if not rows and not args.include_open and args.format == "table":
+        # Not on stdout: a CSV reader must not see it.
+        sys.stderr.write(
+            "no closed hour in the window: the hour still open is left out "
+            "(--include-open counts it as its latest provisional record has it)\n"
+        )
     return 0
 
 

@@ -335,6 +335,7 @@ def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
         (["usage", "tail", "--limit", "-1"], "--limit: -1 is not from 1"),
         (["topics", "create", "--partitions", "100000"], "--partitions: 100000 is not from 0"),
         (["drill", "canary", "--rps", "nan"], "--rps: not a finite number"),
+        (["drill", "canary", "--key", "k", "--rps", "-2"], "at least 1, not -2 and"),
         (["drill", "surge", "--surge-s", "inf"], "--surge-s: not a finite number"),
         (["batch", "results", "j", "-o", "/"], "/ is a directory"),
         (["batch", "results", "j", "-o", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),

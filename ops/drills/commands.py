@@ -254,7 +254,9 @@ def cmd_drill_canary(args: argparse.Namespace) -> int:
     if not key:
         raise ConfigError("an API key is needed: --key KEY or LANEWAY_API_KEY")
     if args.rps <= 0 or args.sessions < 1:
-        raise ConfigError("--rps must be above 0 and --sessions at least 1")
+        raise ConfigError(
+            f"--rps must be above 0 and --sessions at least 1, not {args.rps:g} and {args.sessions}"
+        )
     stack = load_settings(StackSettings)
     judged = load_settings(StreamsSettings)  # the windows the stack's streams app judges by
     plan = CanaryPlan(
