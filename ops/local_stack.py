@@ -239,16 +239,16 @@ def stop_leftovers(processes: Sequence[Supervised], grace_s: float = 15.0) -> No
             with contextlib.suppress(ProcessLookupError):
                 os.kill(left[name], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_runs(left[n]) for n in wave):
+        while time.monotonic() < deadline and any(process_runs(left[n]) for n in wave):
             time.sleep(0.1)
         for name in wave:
-            if _runs(left[name]):
+            if process_runs(left[name]):
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", name, left[name])
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(left[name], signal.SIGKILL)
 
 
-def _runs(pid: int) -> bool:
+def process_runs(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -144,12 +144,7 @@ class StreamsApp:
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
-        self._timer(
-            settings.breaker_eval_interval_s,
-            "breakers",
-            self.processor.evaluate_breakers,
-            needs_levels=True,
-        )
+        self._timer(settings.breaker_eval_interval_s, "breakers", self._evaluate_breakers)
         self._timer(settings.rollup_flush_interval_s, "rollups", self.processor.publish_rollups)
         self._timer(
             settings.quota_factor_interval_s, "quota-factors", self.processor.update_quota_factors
@@ -285,25 +280,21 @@ class StreamsApp:
                     state = f"(not known: {exc!r})"
                 log.warning("not ready for %.0f s, folding nothing: %s", now - down, state)
 
-    def _timer(
-        self,
-        interval: float,
-        name: str,
-        work: Callable[[], Awaitable[object]],
-        *,
-        needs_levels: bool = False,
-    ) -> None:
-        """``work`` every ``interval`` while the app is ready; ``needs_levels``: only once the
-        breaker levels a previous run stored are taken over (the other timers do not wait on
-        Redis for them)."""
+    async def _evaluate_breakers(self) -> None:
+        """Judge the breakers, once the levels a previous run stored are taken over (a
+        restart must not reset them to 0); the other timers do not wait on Redis for them."""
+        if not self._levels_restored:
+            await self.processor.restore_levels()
+            self._levels_restored = True
+        await self.processor.evaluate_breakers()
+
+    def _timer(self, interval: float, name: str, work: Callable[[], Awaitable[object]]) -> None:
+        """``work`` every ``interval`` while the app is ready."""
 
         async def tick() -> None:
             if not self._ready():
                 return
             try:
-                if needs_levels and not self._levels_restored:
-                    await self.processor.restore_levels()
-                    self._levels_restored = True
                 await work()
             except (RedisError, KafkaError, OSError, LanewayError) as exc:
                 log.warning("%s timer: %s; retrying on the next tick", name, exc)

@@ -30,6 +30,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from laneway.apikeys import create_key, lookup_team
 from laneway.constants import RedisKeys
+from ops.local_stack import process_runs
 from quota.teams import Team, set_team
 from tests.stack import ROOT, free_port, free_port_pair
 
@@ -515,14 +516,6 @@ def test_a_second_up_in_the_same_place_is_refused_and_the_first_runs_on(up: UpSt
     assert ready.status_code == 200, ready.text
 
 
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 async def test_a_laneway_up_killed_outright_leaves_nothing_in_the_way_of_the_next(
     up: UpStack, tmp_path: Path
 ) -> None:
@@ -535,7 +528,7 @@ async def test_a_laneway_up_killed_outright_leaves_nothing_in_the_way_of_the_nex
     up.process.kill()
     up.process.wait()
     try:
-        assert all(_running(pid) for pid in before.values()), before
+        assert all(process_runs(pid) for pid in before.values()), before
         up.output = tmp_path / "again.out"
         with up.output.open("wb") as out:
             up.process = subprocess.Popen(  # noqa: ASYNC220 - started, not waited for
@@ -551,10 +544,10 @@ async def test_a_laneway_up_killed_outright_leaves_nothing_in_the_way_of_the_nex
         assert up.after_the_up_line == "connected", up.log()
         _wait_ready(up, 120)
         assert "an earlier laneway up here was killed and left" in up.log()
-        assert not [name for name, pid in before.items() if _running(pid)], up.log()
+        assert not [name for name, pid in before.items() if process_runs(pid)], up.log()
     finally:  # whatever failed, nothing of the killed stack outlives the test
         for pid in before.values():
-            if _running(pid):
+            if process_runs(pid):
                 os.kill(pid, signal.SIGKILL)
     key = await up.api_key("after-the-kill")  # Redis came back with its data, and serves
     async with up.http(key) as http:
