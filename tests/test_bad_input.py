@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings
 from ops.cli import main as cli_main
+from ops.drills.topology import TopologyPlan
 from ops.local_stack import stack_processes
 from ops.settings import StackSettings
 from tests.stack import ROOT, LiveStack, free_port
@@ -352,3 +354,23 @@ def test_the_cli_refuses_bad_arguments_before_reaching_a_server(
         code = int(exit_.code or 0)
     assert code == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_chaos_drill_names_the_ports_another_program_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its topology binds a fixed range: a taken port is named before anything starts."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        span = TopologyPlan().last_port - TopologyPlan().base_port
+        base = max(1024, taken - span)
+        code = cli_main(
+            ["drill", "chaos", "--base-port", str(base), "--data-dir", str(tmp_path / "run")]
+        )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "are taken; choose another base" in err
+    assert str(taken) in err.split("ports [")[1].split("]")[0].split(", ")
+    assert not (tmp_path / "run").exists()

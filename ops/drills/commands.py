@@ -309,12 +309,6 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
     highest = 65535 - (topology.last_port - topology.base_port)
     if not 1024 <= topology.base_port <= highest:
         raise ConfigError(f"--base-port must be within 1024..{highest}, not {args.base_port}")
-    busy = [port for port in range(topology.base_port, topology.last_port + 1) if port_in_use(port)]
-    if busy:
-        raise ConfigError(
-            f"--base-port {topology.base_port}: ports {busy} of "
-            f"{topology.base_port}..{topology.last_port} are taken; choose another base"
-        )
     stamp = time.strftime("%Y-%m-%d-%H%M%S")
     # Absolute: the servers run with their data directory as working directory.
     data = Path(
@@ -326,6 +320,14 @@ def cmd_drill_chaos(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--data-dir {data} is not empty: the drill counts what its topics hold, so it "
             "needs a directory of its own"
+        )
+    # The arguments first, then the machine: a port that another program holds is no
+    # reason to hide a mistake in the command line.
+    busy = [port for port in range(topology.base_port, topology.last_port + 1) if port_in_use(port)]
+    if busy:
+        raise ConfigError(
+            f"--base-port {topology.base_port}: ports {busy} of "
+            f"{topology.base_port}..{topology.last_port} are taken; choose another base"
         )
     say(
         f"chaos drill{' (short)' if args.short else ''}: about {plan.load_s:.0f} s of load "
