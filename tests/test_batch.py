@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -27,6 +28,7 @@ from laneway.constants import RedisKeys
 from laneway.schema import BatchRequest, BatchResult, RequestEnvelope
 from laneway.settings import CommonSettings
 from ops.devstack import create_topics
+from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import PARTITIONS, LiveStack, eventually, free_port
 from workers import batch_lane, batch_txn
 from workers.batch import BatchIntake
@@ -775,10 +777,18 @@ async def test_a_waiting_line_that_retention_deleted_is_answered_not_lost(
 ) -> None:
     """A line waiting without its body for its team's budget is read back from Kafka when
     admitted. If retention deleted it meanwhile, it is answered with an ``expired`` result
-    saying so: the job still gets one result per line, and nothing else run in its place."""
-    # 2,000 tokens/h: ~25 lines by their reservations, ~40 by what they use (the sim's
-    # answers end early); never all 90, however intake and settling interleave.
+    saying so: the job still gets one result per line, and nothing else run in its place.
+    Those that waited with their bodies run."""
+    # The team's pool spent by other work before the job comes: every line waits, and none
+    # is admitted (2,000 tokens/h refill one line's ~80 in about two minutes) until the
+    # budget is raised. (With room at the start, which lines were left waiting with their
+    # bodies depended on how intake and the first answers interleaved.)
     await stack.api_key("thrifty", size=1, complexity=0.04)
+    policy = replace(QuotaPolicy.from_settings(CommonSettings(**stack.common)), offpeak="")
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    team = Team("thrifty", size=1, complexity=0.04)
+    left = (await quota.reserve(team, "batch", "earlier-work", 1)).remaining
+    await quota.reserve(team, "batch", "earlier-work-rest", left)
     producer = await stack.producer()
     tp = TopicPartition(stack.topics.request("batch"), 0)
     for line in range(90):
@@ -803,16 +813,10 @@ async def test_a_waiting_line_that_retention_deleted_is_answered_not_lost(
     await admin.start()
     try:
 
-        async def ran_dry() -> int:
-            """The lines still waiting once each line is either answered or parked (as the
-            worker says): none then in the consumer's fetch buffer or on the engine, where
-            a line still holds its body and the deletion would not reach it."""
-            answered = len(await stack.read_all(stack.topics.results_batch, within_s=1))
-            parked = await _worker_gauge(metrics_port, "laneway_batch_parked")
-            return parked if parked > 0 and answered + parked == 90 else 0
+        async def all_parked() -> bool:
+            return await _worker_gauge(metrics_port, "laneway_batch_parked") == 90
 
-        waiting = await eventually(ran_dry, 60, "the team's pool ran dry")
-        assert waiting > 4  # more wait than keep their bodies
+        await eventually(all_parked, 60, "every line waiting for the team's budget")
         await admin.delete_records({tp: RecordsToDelete(before_offset=sent.offset + 1)})
         await stack.api_key("thrifty", size=1000)
         await stack.read_topic(stack.topics.results_batch, count=90, within_s=60)
@@ -822,12 +826,13 @@ async def test_a_waiting_line_that_retention_deleted_is_answered_not_lost(
         worker.wait(timeout=30)
     results = await stack.read_all(stack.topics.results_batch)
     assert sorted(int(r["line_id"]) for r in results) == list(range(90))  # each once
-    expired = [r for r in results if r["status"] == "expired"]
-    assert {r["status"] for r in results} == {"ok", "expired"}
-    assert 0 < len(expired) <= waiting - 4  # those that waited with their bodies ran
-    for result in expired:
-        assert result["status_code"] == 504
-        assert "deleted from Kafka" in result["body"]["error"]["message"]
+    status = {int(r["line_id"]): r["status"] for r in results}
+    assert {line for line, said in status.items() if said == "ok"} == {0, 1, 2, 3}  # bodies
+    for result in results:
+        if result["status"] != "ok":
+            assert result["status"] == "expired"
+            assert result["status_code"] == 504
+            assert "deleted from Kafka" in result["body"]["error"]["message"]
 
 
 async def test_a_job_sent_twice_while_its_first_copy_runs_loses_no_line(

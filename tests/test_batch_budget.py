@@ -285,6 +285,50 @@ async def test_lines_parked_past_the_bodies_kept_are_read_back_when_admitted(
         await wait.close()
 
 
+async def _drain(quota: QuotaEnforcer, team: Team, rid: str) -> None:
+    """Whatever ``team``'s batch pool has left, reserved by other work."""
+    left = (await quota.reserve(team, "batch", rid, 1)).remaining
+    if left:
+        await quota.reserve(team, "batch", f"{rid}-rest", left)
+
+
+async def test_a_body_that_left_with_its_line_is_kept_by_the_next_line_parked(
+    stack: LiveStack,
+) -> None:
+    """``bodies`` bounds the bodies held, not the lines parked before one: with the first
+    two lines' bodies kept and the first admitted, the next line parked keeps its body
+    (a lane that parked all of a job at once had kept none of the lines left waiting, so
+    each was read back from Kafka, and one deleted by retention meanwhile lost)."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    team = Team("thrifty", size=1)
+    lane = _Lane()
+
+    async def lookup(name: str) -> Team:
+        return team
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return False
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=2)
+    lines = {offset: _line(50, offset, prompt=f"document {offset}") for offset in range(1, 5)}
+    try:
+        await _drain(quota, team, "earlier-work")
+        for offset in (1, 2, 3):
+            await wait.reserve(team, lines[offset].env)
+            assert await wait.park(lines[offset])
+        assert [work.env.prompt for work in wait] == ["document 1", "document 2", ""]
+        lane.room = 1  # the dispatch queue takes one line
+        await quota.settle("thrifty", "earlier-work-rest", 0, min_charge=0)
+        await eventually(lambda: len(lane.queued) == 1, 15, "the first line admitted")
+        await _drain(quota, team, "later-work")
+        await wait.reserve(team, lines[4].env)
+        assert await wait.park(lines[4])
+        assert [work.env.prompt for work in wait] == ["document 2", "", "document 4"]
+    finally:
+        await wait.close()
+
+
 async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveStack) -> None:
     """Job ids are the submitter's: two teams can both have a job "nightly". One team's cancel
     answers its own waiting lines, never the other's (which wait on, and run when their

@@ -7,9 +7,10 @@ committed as they finish (``workers.answered``). Each team's parked lines are ad
 the order they came as its pool refills. A line bigger than the team's whole budget is
 answered with a 429 at once instead: it would never leave.
 
-The first ``bodies`` parked lines keep their bodies; those parked beyond them keep only
-what waiting needs (team, job, size, place) and are read back from Kafka
-(``workers.reread``) when admitted, so a job of tens of thousands of lines waits in about
+Up to ``bodies`` parked lines hold their bodies at a time: a line parked while fewer do
+keeps its own (one whose body left with an admitted line frees the place for the next).
+The others keep only what waiting needs (team, job, size, place) and are read back from
+Kafka (``workers.reread``) when admitted, so a job of tens of thousands of lines waits in about
 2 kB a line, whatever its prompts. A team parks up to ``max_team_lines`` (a whole batch of
 the most lines one may have), and the worker up to ``max_lines`` in all: a line past either
 is answered at once with a 429 that says so. Never a wait for room: the lane's intake
@@ -167,7 +168,7 @@ class BudgetWait:
         if (full := self._full(work.env.team)) is not None:
             self._refuse(work, full)
             return True
-        if len(self) >= self.bodies:
+        if len(self) - len(self._light) >= self.bodies:
             work = replace(work, env=without_body(work.env))
             self._light.add(_place(work))
         self._lines.setdefault(work.env.team, deque()).append(work)
