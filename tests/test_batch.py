@@ -259,6 +259,36 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     assert not batch.consumer.paused()
 
 
+async def test_a_partition_is_fetched_only_once_its_start_is_done_even_when_a_yield_ends(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition assigned while the lane yields to interactive work is fetched only once
+    its start is done: its producer open, its committed offset read and sought. Resumed at
+    the yield's end as soon as its producer had opened, it was fetched from the offset read
+    at the assignment, and lines its previous owner had answered ran again."""
+    gate = asyncio.Event()
+    committed_of = BatchLane._committed_of
+
+    async def held(
+        self: BatchLane, partitions: set[TopicPartition]
+    ) -> dict[TopicPartition, tuple[int | None, str]]:
+        await gate.wait()
+        return await committed_of(self, partitions)
+
+    monkeypatch.setattr(BatchLane, "_committed_of", held)
+    worker = await stack.start_worker("batch")
+    lane = worker.lane
+    assert isinstance(lane, BatchLane)
+    assigned = worker.consumer.assignment()
+    await eventually(lambda: all(lane.txns.has(tp) for tp in assigned), 30, "producers open")
+    lane.yielding = True  # interactive backlog seen as the partitions came
+    await lane._yield_to_interactive()  # none now (no interactive worker): the yield ends
+    assert not lane.yielding
+    assert set(worker.consumer.paused()) == assigned  # still starting: not fetched
+    gate.set()
+    await eventually(lambda: not worker.consumer.paused(), 30, "fetched once started")
+
+
 async def test_memory_pressure_sheds_batch_work_and_runs_it_again_exactly_once(
     stack: LiveStack,
 ) -> None:

@@ -329,6 +329,45 @@ async def test_a_body_that_left_with_its_line_is_kept_by_the_next_line_parked(
         await wait.close()
 
 
+async def test_a_line_answered_as_cancelled_while_it_reserved_gives_its_reservation_back(
+    stack: LiveStack,
+) -> None:
+    """A line waiting without its body is answered at once when its job is cancelled. If
+    that happens while its admission reserves its tokens, the reservation it then holds is
+    given back: nothing runs or settles it (the team's pool was short of it for good)."""
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens an hour
+    quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
+    team = Team("thrifty", size=1)
+    lane = _Lane()
+    cancelled_jobs: set[str] = set()
+    wait: BudgetWait | None = None
+
+    async def lookup(name: str) -> Team:
+        # The job's cancel comes while admission is under way (as from the lane's beat).
+        if not cancelled_jobs and wait is not None:
+            cancelled_jobs.add("j")
+            await wait.release_cancelled()
+        return team
+
+    async def cancelled(env: RequestEnvelope) -> bool:
+        return env.job_id in cancelled_jobs
+
+    wait = lane.waiting(quota, lookup, cancelled=cancelled, restore=_never_restored, bodies=0)
+    line = _line(50, 1, prompt="document 1")
+    try:
+        await _drain(quota, team, "earlier-work")
+        await wait.reserve(team, line.env)
+        assert await wait.park(line)
+        await quota.settle("thrifty", "earlier-work-rest", 0, min_charge=0)  # room again
+        await eventually(lambda: lane.refused, 15, "the line answered as cancelled")
+        await eventually(lambda: lane.released, 15, "its reservation given back")
+        assert [(w.offset, type(exc).__name__) for w, exc in lane.refused] == [(1, "Cancelled")]
+        assert lane.released == [1]
+        assert lane.queued == []
+    finally:
+        await wait.close()
+
+
 async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveStack) -> None:
     """Job ids are the submitter's: two teams can both have a job "nightly". One team's cancel
     answers its own waiting lines, never the other's (which wait on, and run when their

@@ -251,6 +251,8 @@ class BudgetWait:
                     await asyncio.wait_for(self._freed.wait(), _NO_ROOM_WAIT_S)
                 continue
             work = lines[0]
+            # Before the awaits: a cancel answering it meanwhile takes it out of ``_light``.
+            light = _place(work) in self._light
             try:
                 team = await self._team(name)
                 await self.quota.reserve(team, "batch", work.env.id, line_tokens(work.env))
@@ -263,7 +265,6 @@ class BudgetWait:
                         self._refuse(work, exc)
                     continue
                 return min(max(exc.retry_after, 0.05), RETRY_MAX_S)
-            light = _place(work) in self._light
             if not self._leave(name, work):
                 # It left while it reserved. Answered meanwhile (its job cancelled, and it
                 # waited without its body), its partition still here: the reservation is

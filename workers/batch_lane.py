@@ -83,6 +83,10 @@ class BatchLane:
         self.lines = BatchIntake(worker.settings, worker.redis, worker.keys)
         self.txns = PartitionTransactions(worker.settings, worker.topics.consumer_group("batch"))
         self._fenced: set[TopicPartition] = set()  # lost to another owner this tenure
+        # Started this tenure: producers open, committed offset sought, what the previous
+        # owner answered above it known. Only these are fetched (a yield's end resumes
+        # these alone: one resumed before its seek ran lines already answered).
+        self._started: set[TopicPartition] = set()
         self.fences = 0  # partitions lost so, in this worker's life
         self._cut_off: set[TopicPartition] = set()  # last transaction's outcome unknown
         self._committing = asyncio.Lock()
@@ -522,6 +526,7 @@ class BatchLane:
             tp.partition,
         )
         self._fenced.add(tp)
+        self._started.discard(tp)
         self.fences += 1
         metrics.BATCH_FENCES.labels(self.worker.pool).inc()
         if not self.worker.stopping:
@@ -547,6 +552,7 @@ class BatchLane:
         start can wait on a transaction its frozen predecessor left open, and the group's
         rebalance would wait with it."""
         self._fenced -= partitions
+        self._started -= partitions
         self.worker.consumer.pause(*partitions)
         tenure = {tp: self.worker.offsets.epoch(tp) for tp in partitions}
         task = self._background(self._open_then_resume(tenure))
@@ -588,6 +594,7 @@ class BatchLane:
             if answered.high > answered.low:
                 self._inherited[tp] = answered
                 self.worker.offsets.inherit(tp, answered.high, answered.pending)
+        self._started.update(ready)
         if ready and not self.yielding:
             self.worker.consumer.resume(*ready)
 
@@ -600,6 +607,7 @@ class BatchLane:
         for task in starting:
             task.cancel()
         await asyncio.gather(*starting, return_exceptions=True)
+        self._started -= partitions
         await self.commit(only=partitions)
         self.worker.runs.forget(partitions)
         await self.txns.close(partitions)
@@ -643,9 +651,10 @@ class BatchLane:
             self.worker.consumer.pause(*assigned)
         else:
             log.info("interactive backlog gone: batch lane resumes")
-            # Not a partition whose producer has not started yet, or that was fenced.
+            # Not a partition still starting (its producer may be open already, its seek
+            # not made), or fenced.
             self.worker.consumer.resume(
-                *[tp for tp in assigned if self.txns.has(tp) and tp not in self._fenced]
+                *[tp for tp in assigned if tp in self._started and tp not in self._fenced]
             )
         metrics.BATCH_YIELDING.set(1 if should_yield else 0)
 
