@@ -33,6 +33,7 @@ from ingress.responses import (
 from ingress.state import IngressState
 from laneway.clock import RedisClock
 from laneway.errors import (
+    Aborted,
     BadRequest,
     BodyTooLarge,
     Cancelled,
@@ -77,7 +78,7 @@ _DROPS: dict[str, type[Dropped]] = {
     "expired": Expired,
     "cancelled": Cancelled,
     "superseded": Superseded,
-    "aborted": Dropped,
+    "aborted": Aborted,
 }
 
 
@@ -211,8 +212,9 @@ async def _route(state: IngressState, env: RequestEnvelope, model: str) -> tuple
 async def _store(
     state: IngressState, env: RequestEnvelope, caller: Caller, admitted: Admitted | None
 ) -> None:
-    """Produce ``env``; when Kafka refuses it, its budget goes back and the client gets a
-    503 (the broker's words go to the log, not to the client)."""
+    """Produce ``env``; when Kafka refuses it, its budget goes back, it is tombstoned (it
+    may be stored all the same) and the client gets a 503 (the broker's words go to the
+    log, not to the client)."""
     try:
         await state.produce(env)
     except MessageSizeTooLargeError as exc:
@@ -225,6 +227,9 @@ async def _store(
         ) from exc
     except KafkaError as exc:
         await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
+        # A produce that timed out may have been stored all the same: its tombstone keeps a
+        # worker from running it beside the copy the client now sends again (its own id).
+        state.cancels.add(env)
         log.warning(
             "request %s not stored, Kafka refused it: %r",
             env.id,
@@ -345,6 +350,10 @@ async def _stream(
     except _ClientGone:
         return
     except Expired as exc:
+        # The client is still here and told: not a 499. Its worker is told to stop.
+        finished = True
+        _observe(env, 504, state.clock.now())
+        state.cancels.add(env)
         yield sse(error_body(str(exc), type_="timeout", code="deadline_exceeded"))
         yield DONE
     finally:
@@ -355,11 +364,20 @@ async def _stream(
 
 
 async def completions(request: Request) -> Response:
-    return await _serve(request, CompletionRequest)
+    return await _counted(request, CompletionRequest, "completion")
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, ChatRequest)
+    return await _counted(request, ChatRequest, "chat")
+
+
+async def _counted(request: Request, model: type[B], cls: str) -> Response:
+    """``_serve``; an error it answers with counts among the responses by its status too."""
+    try:
+        return await _serve(request, model)
+    except LanewayError as exc:
+        metrics.RESPONSES.labels(cls, str(exc.status_code)).inc()
+        raise
 
 
 # The two paths every request takes are plain Starlette routes: FastAPI's per-request

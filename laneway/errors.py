@@ -100,11 +100,19 @@ class NotFound(BadRequest):
     code = "not_found"
 
 
+# The official OpenAI SDKs send a 409 again (twice, by default: a lock timeout at
+# OpenAI), unless the answer says not to.
+_NOT_AGAIN = {"x-should-retry": "false"}
+
+
 class Conflict(BadRequest):
     """The request contradicts what is already there (a canary already running)."""
 
     status_code = 409
     code = "conflict"
+
+    def headers(self) -> dict[str, str]:
+        return dict(_NOT_AGAIN)
 
 
 class DuplicateLine(Conflict):
@@ -214,6 +222,12 @@ class Dropped(LanewayError):
         self.engine_ms = engine_ms
         self.code = self.status
 
+    def headers(self) -> dict[str, str]:
+        # Sent again, a keystroke its next one superseded (or a request its client
+        # cancelled) would reserve, queue and be dropped again, in the very storms the
+        # shield is for.
+        return dict(_NOT_AGAIN)
+
 
 class Cancelled(Dropped):
     status = "cancelled"
@@ -232,6 +246,9 @@ class Expired(Dropped):
     def __init__(self, message: str, *, engine_ms: float = 0.0) -> None:
         super().__init__(message, engine_ms=engine_ms)
         self.code = "deadline_exceeded"
+
+    def headers(self) -> dict[str, str]:
+        return {}  # a 504: the SDK's retry (with its backoff) is the client's to choose
 
 
 class Aborted(Dropped):

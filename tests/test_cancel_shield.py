@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from aiokafka.errors import KafkaTimeoutError
 from prometheus_client import REGISTRY
 
 from ingress.cancels import CancelOutbox
@@ -535,3 +536,33 @@ async def test_team_policy_lets_a_superseded_completion_that_streamed_enough_fin
 
 def _keystroke(session: str, seq: int) -> dict[str, str]:
     return {"X-Laneway-Session": session, "X-Laneway-Seq": str(seq)}
+
+
+async def test_a_request_whose_store_timed_out_is_tombstoned_and_never_runs(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A produce that times out may have stored the request all the same (the broker's
+    answer was lost). The client gets a 503 and sends it again under a new id; the first
+    copy is tombstoned, so no worker runs it beside the second (unbilled, too: its quota
+    was given back with the 503)."""
+    ingress = await stack.start_ingress()
+    admission = ingress.state.admission
+    produce = admission.produce
+
+    async def stored_then_timed_out(env: RequestEnvelope) -> None:
+        await produce(env)
+        raise KafkaTimeoutError()
+
+    monkeypatch.setattr(admission, "produce", stored_then_timed_out)
+    http = stack.http(ingress, await stack.api_key("ide", size=100))
+    body = {"model": "laneway-code", "prompt": "def f(", "max_tokens": 8}
+    # A deadline that outlasts the worker's start: what drops it must be the tombstone.
+    refused = await http.post(
+        "/v1/completions", json=body, headers={"X-Laneway-Deadline-Ms": "60000"}
+    )
+    assert refused.status_code == 503
+    rid = refused.headers["x-laneway-request-id"]
+    (stored,) = await stack.read_topic(stack.topics.request("completion", "hi"), count=1)
+    assert stored["id"] == rid  # stored all the same
+    await stack.start_worker("completion")
+    assert (await stack.usage_of(rid))[rid]["status"] == "cancelled"

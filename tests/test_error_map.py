@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from ingress.errors import error_response
+from ingress.routes import _reply_error
 from laneway.errors import (
     Aborted,
     BadRequest,
@@ -22,6 +23,7 @@ from laneway.errors import (
     Unauthorized,
 )
 from laneway.metrics import ERRORS
+from laneway.schema import Reply
 
 
 def counted(kind: str) -> float:
@@ -67,3 +69,21 @@ def test_quota_errors_say_when_to_retry_and_what_the_limit_is() -> None:
     assert "x-ratelimit-limit-tokens" not in calls.headers  # its limit is calls, not tokens
     unavailable = error_response(ServiceUnavailable("breaker", retry_after=2.4))
     assert unavailable.headers["Retry-After"] == "2"
+
+
+@pytest.mark.parametrize("status", ["cancelled", "superseded", "aborted", "expired"])
+def test_a_dropped_reply_keeps_its_outcome_as_code_and_says_whether_to_send_it_again(
+    status: str,
+) -> None:
+    """Streamed or not, the client reads the same code (an abort mid-run was ``dropped``
+    unstreamed, ``aborted`` in the stream). A drop is not to be sent again (the OpenAI SDKs
+    retry a 409 unless told not to); a 504 is the client's to retry."""
+    error = _reply_error(Reply(id="r", n=0, done=True, status=status, error="why"))
+    response = error_response(error)
+    code = orjson.loads(bytes(response.body))["error"]["code"]
+    if status == "expired":
+        assert (response.status_code, code) == (504, "deadline_exceeded")
+        assert "x-should-retry" not in response.headers
+    else:
+        assert (response.status_code, code) == (409, status)
+        assert response.headers["x-should-retry"] == "false"

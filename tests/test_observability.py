@@ -41,11 +41,21 @@ async def test_ingress_scrape_carries_team_class_model(stack: LiveStack) -> None
         body = {"model": "laneway-code", "prompt": "x = 1", "max_tokens": 8, "stream": streamed}
         response = await http.post("/v1/completions", json=body)
         assert response.status_code == 200
-    errors_before = _sample(await http.get("/metrics"), "laneway_errors_total", kind="bad_request")
+    before = await http.get("/metrics")
+    errors_before = _sample(before, "laneway_errors_total", kind="bad_request")
+    responses = "laneway_ingress_responses_total"
+    counted_before = [
+        _sample(before, responses, cls="completion", code=code) for code in ("200", "404")
+    ]
     assert (
         await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     ).status_code == 404
     scrape = await http.get("/metrics")
+    # Every answer is counted by its status, an error too (they were not).
+    assert [_sample(scrape, responses, cls="completion", code=c) for c in ("200", "404")] == [
+        counted_before[0],
+        counted_before[1] + 1,
+    ]
     text = scrape.text
     families = _families(text)
     assert (

@@ -11,20 +11,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
+from ingress.metrics import CLIENT_GONE, RESPONSES
 from laneway.constants import RedisKeys
 from laneway.openai_format import error_body, final_body
 from laneway.schema import Reply
 from scripts.openai_schemas import ROOTS, extract
-from tests.stack import LiveStack, envelope, long_prompt
+from tests.stack import LiveStack, envelope, eventually, long_prompt
 
 SPEC = json.loads((Path(__file__).parent / "data" / "openai_schemas.json").read_text())
 COMPONENTS: dict[str, Any] = SPEC["components"]
@@ -248,6 +251,100 @@ async def _queued(stack: LiveStack, count: int) -> list[dict[str, Any]]:
     found = await stack.read_topic(topic, count=count, within_s=30)
     assert len(found) == count
     return found
+
+
+async def test_the_official_sdk_does_not_send_a_superseded_keystroke_again(
+    stack: LiveStack,
+) -> None:
+    """The OpenAI SDK sends a 409 again by default (twice: a lock timeout at OpenAI). A
+    keystroke its next one superseded came back so, streamed or not, each time reserving
+    quota and going through Kafka to be dropped again, during the very storms the shield is
+    for. Its answer now says not to (``x-should-retry: false``), and the SDK raises at once."""
+    ingress = await stack.start_ingress()
+    sent: list[str | None] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request.headers.get("x-laneway-seq"))
+
+    http_client = httpx.AsyncClient(event_hooks={"request": [count]})
+    client = openai.AsyncOpenAI(  # its default retries
+        base_url=ingress.base_url + "/v1",
+        api_key=await stack.api_key("ide", size=100),
+        http_client=http_client,
+    )
+    stack.track(client)
+
+    def typed(seq: int, *, stream: bool) -> Any:
+        headers = {"X-Laneway-Session": "doc", "X-Laneway-Seq": str(seq)}
+        return client.completions.create(
+            model="laneway-code",
+            prompt="def f(",
+            max_tokens=8,
+            stream=stream,
+            extra_headers=headers,
+        )
+
+    # Queued with no worker yet, then superseded by the third.
+    first = asyncio.create_task(typed(1, stream=False))
+    second = asyncio.create_task(typed(2, stream=True))
+    await _queued(stack, 2)
+    third = asyncio.create_task(typed(3, stream=False))
+    await _queued(stack, 3)
+    await stack.start_worker("completion")
+    for older in (first, second):
+        with pytest.raises(openai.ConflictError) as dropped:
+            await older
+        assert dropped.value.code == "superseded"
+        assert dropped.value.response.headers["x-should-retry"] == "false"
+    assert (await third).choices[0].text
+    assert sorted(sent, key=str) == ["1", "2", "3"]  # each sent once
+
+
+async def test_a_stream_whose_worker_goes_silent_ends_with_a_timeout_the_client_is_told(
+    stack: LiveStack,
+) -> None:
+    """A stream whose worker hangs mid-run (SIGSTOP) ends after LANEWAY_REPLY_TIMEOUT_S with
+    a timeout event and ``[DONE]``; the ingress counts it as a 504 the client was told, not
+    as a client gone (a 499), and tells the worker to stop it (a tombstone)."""
+    ingress = await stack.start_ingress(reply_timeout_s=3.0)
+    worker = stack.spawn(
+        "workers",
+        LANEWAY_POOL="completion",
+        LANEWAY_ENGINE="sim",
+        LANEWAY_SIM_DECODE_MS_PER_STEP="100",
+        LANEWAY_LOG_LEVEL="WARNING",
+    )
+    try:
+        http = stack.http(ingress, await stack.api_key("team-a", size=1000))
+
+        async def served() -> bool:
+            return (await http.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+        await eventually(served, 60, "the worker to serve")
+        cls = "completion"
+        told, gone = _count(RESPONSES, cls, "504"), _count(CLIENT_GONE, cls)
+        body = {**COMPLETION, "max_tokens": 64, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the first chunk: it runs
+            worker.send_signal(signal.SIGSTOP)
+            rest = [line async for line in lines]
+            rid = response.headers["x-laneway-request-id"]
+        tail = sse_events("\n".join(rest))
+        Wire().check("stream gone silent", tail[-1], "ErrorResponse")
+        assert tail[-1]["error"]["code"] == "deadline_exceeded"
+        assert (_count(RESPONSES, cls, "504"), _count(CLIENT_GONE, cls)) == (told + 1, gone)
+        await stack.read_topic(stack.topics.cancel, count=1, where=lambda r: r["id"] == rid)
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
+def _count(counter: Any, *labels: str) -> float:
+    return float(counter.labels(*labels)._value.get())
 
 
 async def test_every_error_body_conforms(stack: LiveStack) -> None:
