@@ -154,11 +154,13 @@ class QuotaGate:
         The produce may have stored the request all the same (a timeout): a request admitted
         from a lease (or locally) is then settled in Redis, whose mark makes the worker's own
         settle a no-op, instead of going back to the lease and being refunded a second time
-        (or charged by the worker).
+        (or charged by the worker). When that settle cannot be made (Redis away) or its
+        answer is lost, what was leased is not kept here either: the settle may have run, or
+        the worker settles a stored copy (dropped on its tombstone), and tokens counted twice
+        would be budget nobody granted. Lost rather than kept, as in ``return_idle``.
         """
         if not self.enabled or admitted is None:
             return
-        lease = self._leases.get(team.name)
         if not self.degraded:
             try:
                 # No minimum charge: the request never reached a lane, through no fault of
@@ -176,10 +178,6 @@ class QuotaGate:
                 )
             except (RedisError, OSError) as exc:
                 log.info("budget of %s not given back in Redis: %s", request_id, exc)
-            else:
-                return
-        if admitted.leased and lease is not None:
-            lease.tokens += admitted.leased  # Redis is away: keep the tokens here
 
     async def return_idle(self, *, idle_s: float | None = None) -> int:
         """Give unused leases idle for ``idle_s`` (default: ``lease_idle_s``) back to their

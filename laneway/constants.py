@@ -257,9 +257,13 @@ class RedisKeys:
         """Open reservations of a team: request id → "<pool> <tokens>"."""
         return f"{self.prefix}:quota:resv:{team}"
 
-    def quota_settled(self, team: str, slot: int) -> str:
-        """Request ids admitted from a lease and settled already: a hash per time slot."""
-        return f"{self.prefix}:quota:settled:{team}:{slot}"
+    def quota_settled(self, team: str, slot: int, *, lines: bool = False) -> str:
+        """Requests settled already: a hash per time slot. Batch lines' (``lines``: kept a
+        day) apart from interactive requests' (kept minutes, and many more): in one hash,
+        either's expiry would be the other's."""
+        if lines:
+            return f"{self.prefix}:quota:settled:{team}:{slot}"
+        return f"{self.prefix}:quota:settled-now:{team}:{slot}"
 
     def quota_used(self, team: str, pool: str, hour: int) -> str:
         """Tokens settled by a team's pool in one hour (epoch hour)."""

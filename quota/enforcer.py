@@ -253,7 +253,7 @@ class QuotaEnforcer:
             self.keys.quota_bucket(team, "batch"),
             self.keys.quota_used(team, "interactive", hour),
             self.keys.quota_used(team, "batch", hour),
-            self.keys.quota_settled(team, int(accepted_ts // _SETTLED_SLOT_S)),
+            self.keys.quota_settled(team, int(accepted_ts // _SETTLED_SLOT_S), lines=once),
         ]
         policy = self.policy
         return keys, [

@@ -595,8 +595,11 @@ async def test_a_batch_line_run_again_is_charged_once_and_a_new_record_of_its_id
     assert not again.found
     pool = (await quota.snapshot(team))["pools"]["batch"]
     assert (pool["used_tokens_this_hour"], pool["reservations"]) == (80, 0)
-    # The mark outlives any wait for budget a re-run may have (a batch line has no deadline).
-    mark = keys.quota_settled("alpha", int(stored // 300))
+    # The mark outlives any wait for budget a re-run may have (a batch line has no deadline),
+    # an interactive request of the team settled in the same minutes too (its marks, kept
+    # 15 minutes, shared the hash and its expiry: a re-run 15 minutes on was charged again).
+    await quota.settle("alpha", "completion-1", 10, leased=50, accepted_ts=stored + 2)
+    mark = keys.quota_settled("alpha", int(stored // 300), lines=True)
     assert await redis.ttl(mark) > 3600
     # A new record that repeats the ids (stored later) is another line: charged.
     await quota.reserve(team, "batch", "batch-j-1", 100)

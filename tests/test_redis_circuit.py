@@ -8,13 +8,17 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from ingress.quota_gate import QuotaGate
+from laneway.constants import RedisKeys
 from laneway.redis_circuit import RedisCircuit, RedisUnavailable, attach_circuit
 from ops.devstack import RedisServer
+from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import free_port
 
 HOT_MS = 50
@@ -107,3 +111,40 @@ async def test_refused_connections_open_it_after_the_failures_in_a_row() -> None
     finally:
         await circuit.stop()
         await client.aclose()
+
+
+async def test_a_lease_is_not_given_back_twice_when_redis_does_not_answer_its_release(
+    paused_redis: tuple[RedisServer, aioredis.Redis],
+) -> None:
+    """A request admitted from the ingress's lease whose produce failed is settled at 0 in
+    Redis. When Redis does not answer (paused), the lease does not take the tokens back
+    instead: the produce may have stored the request all the same, and the worker's settle
+    of that copy (dropped on its tombstone) gives them back to the pool. Both, and they were
+    budget nobody granted."""
+    server, client = paused_redis
+    _circuit(client)
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens/h
+    quota = QuotaEnforcer(client, RedisKeys("lease-test"), policy)
+    gate = QuotaGate(quota, policy, lease_share=0.5)
+    team = Team("alpha", size=1)
+    admitted = await gate.admit(team, "r1", 100)
+    assert admitted is not None
+    assert admitted.leased == 100
+    held = gate._leases["alpha"].tokens  # what the lease holds for later requests
+
+    async def in_pool() -> Any:
+        return (await quota.snapshot(team))["pools"]["interactive"]["remaining_tokens"]
+
+    before = await in_pool()
+    accepted = time.time()
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        await gate.release(team, "r1", admitted, accepted_ts=accepted)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    await asyncio.wait_for(gate.circuit.wait_closed(), 10)
+    assert gate._leases["alpha"].tokens == held  # not taken back here
+    # The stored copy, dropped by its worker, is settled as a dropped request is.
+    await quota.settle("alpha", "r1", 0, leased=100, accepted_ts=accepted, min_charge=0)
+    assert 100 <= await in_pool() - before <= 102  # back in the pool once (and a refill)
