@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch, Status
 from ingress.files import FileRecord, FileStore
 from ingress.settings import IngressSettings
-from laneway.batch import output_line_bytes, parse_input
+from laneway.batch import claimed_ids, output_line_bytes, parse_input
 from laneway.clients import make_consumer, make_producer
 from laneway.constants import FILE_RETENTION_S
 from laneway.errors import BadRequest, LanewayError, NotFound
@@ -44,6 +44,12 @@ _COUNTING: tuple[Status, ...] = ("in_progress", "cancelling")
 _VALIDATING_GIVE_UP_S = 600
 # Others leave a batch this young to the replica submitting it.
 _VALIDATING_OWNED_S = 30
+# Submissions a replica runs at once (each holds its file's text, up to LANEWAY_MAX_FILE_BYTES);
+# the others wait in validating, well within the time others leave a batch to its replica.
+_SUBMITTING_AT_ONCE = 2
+# Lines parsed and queued between two looks at the event loop: a file of 50,000 lines is
+# seconds of work, which the replica's interactive requests must not wait behind.
+_LINES_A_TURN = 200
 
 
 class BatchBook:
@@ -66,6 +72,7 @@ class BatchBook:
         self._reader = make_consumer(settings, isolation_level="read_committed")
         self._reading = asyncio.Lock()
         self._submitting: dict[str, asyncio.Task[None]] = {}
+        self._submit_turns = asyncio.Semaphore(_SUBMITTING_AT_ONCE)
 
     async def start(self) -> None:
         await self._reader.start()
@@ -159,11 +166,20 @@ class BatchBook:
 
     async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
         """Queue the lines of ``file``, or fail the batch saying why."""
+        async with self._submit_turns:
+            await self._submit_now(record, file)
+
+    async def _submit_now(self, record: BatchRecord, file: FileRecord) -> None:
         try:
-            text = await self.files.text(file)
+            lines = await self.files.lines(file)
+            claimed = await _claimed_ids_in_turns(lines)
             # Parsed one at a time as they are sent: a large file is never held as objects.
             requests = parse_input(
-                text.split("\n"), job_id=record.id, team=record.team, endpoint=record.endpoint
+                lines,
+                job_id=record.id,
+                team=record.team,
+                endpoint=record.endpoint,
+                claimed=claimed,
             )
             producer = make_producer(
                 self.settings,
@@ -177,22 +193,22 @@ class BatchBook:
                 await producer.stop()
         except LanewayError as exc:
             await self._fail(record.id, "invalid_file", str(exc))
-        except (KafkaError, RedisError, OSError) as exc:
-            log.warning("batch %s not queued: %r", record.id, exc)
-            await self._fail(
-                record.id, "not_queued", "the batch's lines could not be queued; create it again"
-            )
-        except Exception:
-            # A fault of laneway's own. Before the lines were committed the batch fails at
-            # once, rather than waiting in validating until it is given up on; after (its
-            # header's offset stored), recovery reads what the transaction did.
-            log.exception("batch %s not queued", record.id)
+        except Exception as exc:
+            if isinstance(exc, (KafkaError, RedisError, OSError)):
+                log.warning("batch %s not queued: %r", record.id, exc)
+                why = "the batch's lines could not be queued; create it again"
+            else:  # a fault of laneway's own
+                log.exception("batch %s not queued", record.id)
+                why = "laneway could not queue the batch's lines"
+            # Before the lines were committed the batch fails at once, rather than waiting in
+            # validating until it is given up on. After (its header's offset stored: a Redis
+            # error just after the commit, a commit whose outcome is unknown), recovery reads
+            # what the transaction did: failed, the batch's lines would run all the same, and
+            # a client told to create it again would have each run twice.
             with contextlib.suppress(RedisError, OSError):
                 stored = await self.records.load(record.id)
                 if stored is not None and stored.header_offset is None:
-                    await self._fail(
-                        record.id, "not_queued", "laneway could not queue the batch's lines"
-                    )
+                    await self._fail(record.id, "not_queued", why)
 
     async def _write(
         self,
@@ -213,6 +229,8 @@ class BatchBook:
                 line_key = f"{batch_id}:{request.line_id}".encode()
                 await producer.send(topic, request.to_json(), key=line_key)
                 lines += 1
+                if lines % _LINES_A_TURN == 0:
+                    await asyncio.sleep(0)  # a send with room in its buffer never yields
             if not lines:
                 raise BadRequest("the input file has no request lines", param="input_file_id")
             header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
@@ -396,6 +414,15 @@ def _unsettled(record: BatchRecord) -> bool:
     return record.status == "validating" or (
         record.status == "cancelling" and record.in_progress_at is None
     )
+
+
+async def _claimed_ids_in_turns(lines: list[str]) -> set[str]:
+    """``claimed_ids`` of ``lines``, letting the event loop run between slices."""
+    claimed: set[str] = set()
+    for start in range(0, len(lines), _LINES_A_TURN):
+        claimed |= claimed_ids(lines[start : start + _LINES_A_TURN])
+        await asyncio.sleep(0)
+    return claimed
 
 
 def _started(current: BatchRecord, now: int) -> BatchRecord | None:

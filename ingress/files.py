@@ -146,9 +146,26 @@ class FileStore:
             if (result.status_code == 200) == record.results_ok:
                 yield output_line_bytes(result)
 
-    async def text(self, record: FileRecord) -> str:
-        parts = [chunk async for chunk in self.content(record)]
-        return b"".join(parts).decode()
+    async def lines(self, record: FileRecord) -> list[str]:
+        """The file's lines (split at ``\n`` alone), decoded as its chunks come: one copy of
+        its text in memory, not its chunks, their join and its text at once."""
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        lines: list[str] = []
+        line: list[str] = []  # the pieces of a line that spans chunks
+        try:
+            async for chunk in self.content(record):
+                *ended, rest = decoder.decode(chunk).split("\n")
+                if ended:
+                    line.append(ended[0])
+                    lines.append("".join(line))
+                    lines.extend(ended[1:])
+                    line = []
+                line.append(rest)
+            line.append(decoder.decode(b"", final=True))
+        except UnicodeDecodeError as exc:  # checked at upload: a file stored before that was
+            raise BadRequest(f"file {record.id} is not UTF-8 text: {exc.reason}") from None
+        lines.append("".join(line))
+        return lines
 
 
 def _check_upload(data: IO[bytes], settings: IngressSettings) -> tuple[int, int]:
@@ -174,6 +191,13 @@ def _check_upload(data: IO[bytes], settings: IngressSettings) -> tuple[int, int]
             ) from None
         lines += chunk.count(b"\n")
         last = chunk[-1:]
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise BadRequest(
+            f"file is not UTF-8 text: it ends inside a character (byte {size - 1})",
+            param="file",
+        ) from None
     if size == 0:
         raise BadRequest(
             "file is empty: a batch input file has one JSON request per line", param="file"

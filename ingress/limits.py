@@ -3,6 +3,11 @@
 A body longer than ``LANEWAY_MAX_BODY_BYTES`` gets 413 before it is read: at once when its
 ``Content-Length`` says so, else (chunked) as soon as what arrived passes the limit. A pure
 ASGI middleware, so the hot paths pay a header lookup and nothing more.
+
+A chunked upload (a path of its own limit, ``LANEWAY_MAX_FILE_BYTES``: 100 MiB) is not held
+here: it reaches the app as it comes, counted, so a caller without a key is answered before
+its body is read; past the limit the app is told the client left and the client gets the
+413 instead of the app's answer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class BodyLimit:
         if not _chunked(scope):
             await self.app(scope, receive, send)
             return
+        if scope["path"] in self.per_path:
+            await self._counted(limit, scope, receive, send)
+        else:
+            await self._buffered(limit, scope, receive, send)
+
+    async def _buffered(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
         body = bytearray()
         while True:
             message = await receive()
@@ -53,6 +64,37 @@ class BodyLimit:
                 break
         whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
         await self.app(scope, _replay(whole, receive), send)
+
+    async def _counted(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        size = 0
+        over = started = False
+
+        async def counting() -> Message:
+            nonlocal size, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def answering(message: Message) -> None:
+            nonlocal started
+            if over and not started:
+                return  # the app's answer to a body it never got whole: the 413 goes instead
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting, answering)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await self._refuse(size, limit, scope, receive, send, at_least=True)
 
     async def _refuse(
         self,

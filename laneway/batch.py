@@ -66,7 +66,12 @@ MAX_LINE_BYTES = 1_000_000
 
 
 def parse_input(
-    lines: Iterable[str], *, job_id: str, team: str, endpoint: str | None = None
+    lines: Iterable[str],
+    *,
+    job_id: str,
+    team: str,
+    endpoint: str | None = None,
+    claimed: set[str] | None = None,
 ) -> Iterator[BatchRequest]:
     """OpenAI Batch input lines → batch requests of ``team``; a bad line becomes an error
     line. ``endpoint``: the batch's endpoint, which every line's ``url`` must name.
@@ -74,9 +79,11 @@ def parse_input(
     Every line comes back under an id of its own, the one it was sent with where it can be:
     results are matched to lines by id, and a job whose two lines shared one would never be
     seen complete. An id laneway has to make up (a line without a usable ``custom_id``, or
-    one whose ``custom_id`` is refused) is never one that another line of the file claims."""
+    one whose ``custom_id`` is refused) is never one that another line of the file claims
+    (``claimed``: ``claimed_ids`` of the lines, when the caller has them already)."""
     lines = lines if isinstance(lines, Sequence) else list(lines)
-    claimed = _claimed_ids(lines)
+    if claimed is None:
+        claimed = claimed_ids(lines)
     taken: set[str] = set()
 
     def fresh(base: str) -> str:
@@ -132,7 +139,7 @@ def parse_input(
             )
 
 
-def _claimed_ids(lines: Sequence[str]) -> set[str]:
+def claimed_ids(lines: Sequence[str]) -> set[str]:
     """The custom_ids the lines of a file name (each line is read twice: orjson reads a
     megabyte in about a millisecond, and a made-up id must not take a later line's)."""
     claimed: set[str] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -12,7 +13,9 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from openai import AsyncOpenAI
 from openai.types import Batch
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from ingress import batches, files
 from ingress.batch_records import BatchRecord
 from ingress.settings import IngressSettings
 from laneway.schema import BatchJob, BatchRequest
@@ -223,6 +226,14 @@ async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(
         "file",
         "not UTF-8",
     )
+    # Cut inside its last character: valid up to there, so only the end can tell (it was
+    # taken, and the batch made of it failed as laneway's own fault, every line lost).
+    await refused(
+        client.files.create(file=("a.jsonl", _line(0) + b"\n\xc3"), purpose="batch"),
+        400,
+        "file",
+        "ends inside a character",
+    )
     await refused(
         client.files.create(file=("a.jsonl", b"\n".join([_line(0)] * 11)), purpose="batch"),
         400,
@@ -371,6 +382,150 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
     assert ran == sorted(
         [f"batch_committed_{stack.prefix}", f"batch_cancelled-committed_{stack.prefix}"] * 3
     )
+
+
+async def test_a_redis_error_after_the_lines_were_committed_does_not_fail_the_batch(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its lines committed, the batch's record could not be moved on (Redis dropped the
+    connection just after the commit). The batch is not failed: its lines run all the same,
+    and a client told to create it again would have each run twice. Recovery finds the
+    commit, and it completes with every line counted."""
+    monkeypatch.setattr(batches, "_VALIDATING_OWNED_S", 0)  # recovery at the next poll
+    refused: list[str] = []
+    started = batches._started
+
+    def refused_once(current: BatchRecord, now: int) -> BatchRecord | None:
+        if not refused:
+            refused.append(current.id)
+            raise RedisConnectionError("connection reset by peer (injected)")
+        return started(current, now)
+
+    monkeypatch.setattr(batches, "_started", refused_once)
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    data = b"\n".join(_line(i) for i in range(3))
+    uploaded = await client.files.create(file=("a.jsonl", data), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await _until_done(client, batch.id)
+    assert refused == [batch.id]  # the error came where it should
+    assert done.status == "completed", done.errors
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+    assert sorted(line["custom_id"] for line in await _lines(client, done.output_file_id)) == [
+        "doc-0",
+        "doc-1",
+        "doc-2",
+    ]
+
+
+async def test_a_file_read_back_in_chunks_that_cut_lines_and_characters_keeps_each_line(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file is stored in chunks and read back one chunk at a time (never whole in memory
+    three times over); a chunk's end may fall inside a line or inside a character."""
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 7)
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    ids = ["doc-é", "doc-→-2", "doc-3", "doc-😀"]
+    data = b"\n".join(
+        orjson.dumps({**orjson.loads(_line(i)), "custom_id": custom_id})
+        for i, custom_id in enumerate(ids)
+    )
+    uploaded = await client.files.create(file=("a.jsonl", data + b"\n"), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = await _until_done(client, batch.id)
+    assert done.status == "completed", done.errors
+    output = await _lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(ids)
+
+
+async def test_a_replica_reads_two_input_files_at_once_and_the_other_batches_wait(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each submission holds its file's text (up to LANEWAY_MAX_FILE_BYTES): twenty batches
+    created in a second must not hold twenty files at once. Those beyond two wait in
+    validating, and all run."""
+    reading: list[int] = [0, 0]  # now, most at once
+    lines_of = files.FileStore.lines
+
+    async def counted(self: files.FileStore, record: files.FileRecord) -> list[str]:
+        reading[0] += 1
+        reading[1] = max(reading[1], reading[0])
+        try:
+            await asyncio.sleep(0.3)  # a large file's read
+            return await lines_of(self, record)
+        finally:
+            reading[0] -= 1
+
+    monkeypatch.setattr(files.FileStore, "lines", counted)
+    ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+    created = await asyncio.gather(
+        *[
+            client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            for _ in range(5)
+        ]
+    )
+    ended = [await _until_done(client, batch.id) for batch in created]
+    assert [batch.status for batch in ended] == ["completed"] * 5
+    assert reading[1] == 2
+
+
+async def test_a_chunked_upload_is_answered_as_it_comes_not_held_first(
+    stack: LiveStack,
+) -> None:
+    """An upload without Content-Length (chunked) was held whole in the ingress's memory,
+    up to LANEWAY_MAX_FILE_BYTES, before its key was even looked at. Now a caller without a
+    key is answered while its body is still coming, and one past the limit gets the 413."""
+    ingress = await stack.start_ingress(max_file_bytes=64 * 1024)
+    boundary = "lanewaytest"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+        'filename="a.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n'
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", ingress.port)
+    try:
+        writer.write(
+            b"POST /v1/files HTTP/1.1\r\nHost: laneway\r\nTransfer-Encoding: chunked\r\n"
+            + f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode()
+            + f"{len(head):x}\r\n".encode()
+            + head
+            + b"\r\n"
+        )
+        await writer.drain()  # and nothing more: the body has not ended
+        status = await asyncio.wait_for(reader.readline(), 10)
+        assert status.split()[1] == b"401", status
+    finally:
+        writer.close()
+
+    key = await stack.api_key("docs", size=100)
+    http = stack.http(ingress, key)
+
+    async def body() -> AsyncIterator[bytes]:  # no Content-Length: chunked
+        yield head
+        for _ in range(40):
+            yield (_line(0) + b"\n") * 10  # about 70 kB in all, over the 64 kB limit
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    response = await http.post(
+        "/v1/files",
+        content=body(),
+        headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+    )
+    assert response.status_code == 413, response.text
+    assert "LANEWAY_MAX_FILE_BYTES" in response.json()["error"]["message"]
 
 
 async def test_cancel_ends_a_batch_waiting_for_its_teams_budget(stack: LiveStack) -> None:
