@@ -185,7 +185,10 @@ async def test_tombstone_on_redis_alone_aborts_a_running_request(stack: LiveStac
     event = (await stack.usage_of(env.id))[env.id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < 100
-    assert event["stale_engine_ms"] <= STEP_MS + 1
+    # Within a step of the news, or a few when the worker fell behind the engine's clock on
+    # a busy machine (the engine's steps go on: CI once saw 1.5 steps); not the ~100 left.
+    # How a step is split at the news: test_stale_time_counts_only_the_part_of_a_step_...
+    assert event["stale_engine_ms"] <= 4 * STEP_MS
 
 
 async def test_delete_publishes_the_tombstone_on_redis_too(stack: LiveStack) -> None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from laneway.batch import BatchClient
 from laneway.constants import RedisKeys
-from laneway.errors import Aborted, Cancelled
+from laneway.errors import Aborted, Cancelled, EngineError
 from laneway.schema import RequestEnvelope
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack, envelope, eventually, sim_answer_tokens
@@ -300,32 +300,40 @@ async def _beat_pressed(stack: LiveStack, worker: Any) -> bool:
     return bool(beat.get("memory_pressure")) and beat["kv_cache_usage"] >= 0.9
 
 
-async def test_an_upstreams_kv_cache_usage_is_read_from_its_metrics(tmp_path: Path) -> None:
-    # A separate server publishing vLLM's vllm:kv_cache_usage_perc (its one slot: 0 or 1).
+@pytest.mark.parametrize("ends", ["aborted", "upstream gone"])
+async def test_an_upstreams_kv_cache_usage_is_read_from_its_metrics_while_they_answer(
+    tmp_path: Path, ends: str
+) -> None:
+    """A separate server publishing vLLM's vllm:kv_cache_usage_perc (its one slot: 0 or 1).
+    Aborted, the request leaves the cache empty, as the next reading says. Gone with the
+    upstream (restarted; or a proxy in front of it answers 404), its metrics say nothing
+    more: the last reading stood for good, and the worker's batch and low-band work was held
+    under a pressure no one would end. Three readings missed, it no longer counts."""
     upstream = UpstreamProcess(tmp_path / "upstream.jsonl", slots=1, token_ms=40, metrics=True)
+    engine = OpenAICompatibleEngine(
+        upstream.url,
+        model="up",
+        slots=1,
+        metrics_url=f"http://127.0.0.1:{upstream.port}/metrics",
+        metrics_interval_s=0.05,
+    )
     try:
         await upstream.ready()
-        engine = OpenAICompatibleEngine(
-            upstream.url,
-            model="up",
-            slots=1,
-            metrics_url=f"http://127.0.0.1:{upstream.port}/metrics",
-            metrics_interval_s=0.05,
-        )
         await engine.start()
-        try:
-            request = EngineRequest(id="kv", route="up", prompt="def f():", max_tokens=100)
-            stream = engine.generate(request)
-            await anext(stream)
-            await eventually(lambda: engine.stats().kv_cache_usage == 1.0, 10, "a full cache")
+        request = EngineRequest(id="kv", route="up", prompt="def f():", max_tokens=1000)
+        stream = engine.generate(request)
+        await anext(stream)
+        await eventually(lambda: engine.stats().kv_cache_usage == 1.0, 10, "a full cache")
+        if ends == "aborted":
             await engine.abort("kv")
-            with pytest.raises(Aborted):
-                async for _delta in stream:
-                    pass
-            await eventually(lambda: engine.stats().kv_cache_usage == 0.0, 10, "an empty cache")
-        finally:
-            await engine.stop()
+        else:
+            upstream.stop()  # its metrics go with it, mid-request
+        with pytest.raises(Aborted if ends == "aborted" else EngineError):
+            async for _delta in stream:
+                pass
+        await eventually(lambda: engine.stats().kv_cache_usage == 0.0, 10, "an empty cache")
     finally:
+        await engine.stop()
         upstream.stop()
 
 

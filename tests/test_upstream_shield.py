@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from laneway.errors import Aborted
 from tests.stack import Ingress, LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.pool import PoolWorker
+from workers.types import EngineRequest
 from workers.upstream import OpenAICompatibleEngine
 
 pytestmark = pytest.mark.slow
@@ -253,3 +255,58 @@ async def _ingress_with_room(stack: LiveStack) -> Ingress:
     # The burst waits its turn in the worker's queue for seconds: a deadline that lets every
     # completion start.
     return await stack.start_ingress(completion_deadline_ms=60_000)
+
+
+class _PostThenAbort:
+    """The engine's session, whose POST is followed, in the same turn of the event loop as
+    the response headers arrive, by the engine's abort of the request."""
+
+    def __init__(self, session: Any, engine: OpenAICompatibleEngine, request_id: str) -> None:
+        self._session, self._engine, self._request_id = session, engine, request_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    async def post(self, url: str, **options: Any) -> Any:
+        response = await self._session.post(url, **options)
+        # Runs before the engine's task resumes with the headers: abort() is synchronous
+        # up to its close (driven here as the event loop would, in one step).
+        abort = self._engine.abort(self._request_id)
+        asyncio.get_running_loop().call_soon(_drive, abort)
+        return response
+
+
+def _drive(coroutine: Any) -> None:
+    with contextlib.suppress(StopIteration):
+        coroutine.send(None)
+
+
+async def test_an_abort_as_the_headers_arrive_closes_the_request_before_its_first_token(
+    upstreams: Callable[..., Any],
+) -> None:
+    """vLLM sends a stream's headers at once and its first token after the prefill. An abort
+    that came after the headers but before the engine's task took them was not seen until
+    that first token: the upstream ran the whole prefill of a request no one wanted. Now its
+    connection closes at once (the upstream's own log says so)."""
+    upstream = await upstreams(slots=1, token_ms=5)
+    await upstream.hold("aborted at the headers")  # its first token waits for a release
+    engine = OpenAICompatibleEngine(upstream.url, model="up", slots=1)
+    await engine.start()
+    try:
+        assert engine._session is not None
+        engine._session = _PostThenAbort(engine._session, engine, "r")  # type: ignore[assignment]
+        request = EngineRequest(id="r", route="up", prompt="aborted at the headers", max_tokens=8)
+        with pytest.raises(Aborted):
+            await asyncio.wait_for(_drain(engine.generate(request)), 10)
+        await eventually(
+            lambda: upstream.entry("aborted at the headers") is not None, 10, "its record"
+        )
+        entry = upstream.entry("aborted at the headers")
+        assert (entry["outcome"], entry.get("tokens", 0)) == ("gone_running", 0)
+    finally:
+        await engine.stop()
+
+
+async def _drain(stream: AsyncIterator[Any]) -> None:
+    async for _delta in stream:
+        pass

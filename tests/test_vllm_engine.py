@@ -8,10 +8,12 @@ One vLLM engine at a time: each test starts its own and stops it before the next
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -154,7 +156,34 @@ async def test_shared_prefix_reports_cached_tokens_and_stats(fake_engine: VllmEn
     assert stats.prefix_cache_queries == 22
     assert stats.prefix_cache_hits == 8
     assert stats.running == 0
-    assert stats.kv_cache_usage > 0
+    assert fake_engine._stats.stats.kv_cache_usage > 0  # as the fake records it
+
+
+async def test_what_vllm_last_recorded_does_not_outlive_the_requests_it_was_about(
+    fake_engine: VllmEngine,
+) -> None:
+    """vLLM records its scheduler's state after a step and takes no step without requests:
+    a queue seen waiting (and KV memory seen nearly full) just before the last requests were
+    aborted stood for good. The worker then started nothing (its capacity was what ran:
+    none) and held its batch work under a pressure no one would end."""
+    prefix = SimpleNamespace(queries=0, hits=0)
+    recorded = SimpleNamespace(
+        num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.97, prefix_cache_stats=prefix
+    )
+    fake_engine._stats.record(recorded, None)
+    stats = fake_engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert fake_engine.capacity() == fake_engine._max_num_seqs
+    # While a request of the worker is in it, the record is the engine's word.
+    request = EngineRequest(id="long", route="m", prompt="p", max_tokens=50)
+    running = asyncio.create_task(_run(fake_engine, request))
+    await eventually(lambda: "long" in fake_engine._running, 5, "the request in vLLM")
+    fake_engine._stats.record(recorded, None)
+    assert fake_engine.stats().waiting == 2
+    assert fake_engine.capacity() == 1
+    await fake_engine.abort("long")
+    with contextlib.suppress(Aborted):
+        await running
 
 
 async def test_abort_stops_a_running_request_within_a_step(fake_engine: VllmEngine) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,6 +100,7 @@ class OpenAICompatibleEngine:
         self._early_aborts: dict[str, float] = {}
         self._upstream_waiting = 0
         self._kv_usage = 0.0  # the upstream's, where its metrics say
+        self._metrics_at = -math.inf  # monotonic time of the last reading of them
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
 
@@ -145,7 +147,11 @@ class OpenAICompatibleEngine:
 
     def stats(self) -> EngineStats:
         # running: ours on the upstream; waiting and KV usage: the upstream's own, where its
-        # metrics say (other clients' work included: it is the server's memory).
+        # metrics say (other clients' work included: it is the server's memory). A reading
+        # gone stale (its metrics unreadable since, or no longer published) says nothing:
+        # kept, a queue or a pressure seen once would hold work back for good.
+        if time.monotonic() - self._metrics_at > _STALE_READINGS * self.metrics_interval_s:
+            return EngineStats(running=len(self._calls))
         return EngineStats(
             running=len(self._calls),
             waiting=self._upstream_waiting,
@@ -199,9 +205,7 @@ class OpenAICompatibleEngine:
                     ", not the event stream it was asked for"
                 )
             async for line in response.content:
-                if call.aborted:
-                    # Aborted after the headers came and before this task resumed (vLLM
-                    # sends its headers at once): _close found the wait for them over.
+                if call.aborted:  # between two lines: _close closed the response
                     response.close()
                     break
                 if reading.started is None:
@@ -275,6 +279,13 @@ class OpenAICompatibleEngine:
             raise
         finally:
             call.headers = None
+        if call.aborted:
+            # Aborted once the headers came, before this task took them (vLLM sends a
+            # stream's headers at once): _close found no response to close and the wait for
+            # the headers over. Closed now, not at the first token: the upstream would run the
+            # whole prefill of a request no one wants.
+            response.close()
+            raise call.dropped(request_id, 0.0)
         if response.status != 200:
             detail = (await response.read())[:300].decode(errors="replace")
             if response.status in _REQUEST_REFUSED:
@@ -314,6 +325,8 @@ class OpenAICompatibleEngine:
                     )
                 if kv_usage is not None:
                     self._kv_usage = min(1.0, max(0.0, float(kv_usage.group(1))))
+                if waiting is not None or kv_usage is not None:
+                    self._metrics_at = time.monotonic()
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.debug("upstream metrics at %s unreadable: %s", self.metrics_url, exc)
             await asyncio.sleep(self.metrics_interval_s)
@@ -322,6 +335,9 @@ class OpenAICompatibleEngine:
 _JSON = {"content-type": "application/json"}
 # An abort waits at most this long for its request's generate to begin.
 _EARLY_ABORT_S = 5.0
+# The upstream's metrics are read every metrics_interval_s; missed this many times in a row,
+# what they last said no longer counts.
+_STALE_READINGS = 3
 # Statuses by which OpenAI-compatible servers (vLLM, SGLang, llama.cpp, TGI) refuse a request
 # for what it asks: bad request, too large, unprocessable.
 _REQUEST_REFUSED = frozenset({400, 413, 422})

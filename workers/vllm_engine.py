@@ -19,7 +19,7 @@ import importlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
@@ -199,12 +199,20 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     def stats(self) -> EngineStats:
-        return self._stats.stats
+        """What vLLM last recorded. With none of this worker's requests in it, nothing runs,
+        waits or holds KV memory, whatever the last record says: vLLM records after a step
+        and steps only with requests, so the record taken before the last ones were aborted
+        would stand for good (a queue seen waiting: no request started again; pressure
+        seen: batch work held for good)."""
+        stats = self._stats.stats
+        if not self._running and (stats.running or stats.waiting or stats.kv_cache_usage):
+            return replace(stats, running=0, waiting=0, kv_cache_usage=0.0)
+        return stats
 
     def capacity(self) -> int:
         """vLLM's own sequence limit; none more while anything waits in its queue (for KV
         memory): work waiting there is out of the shield's reach."""
-        if self._stats.stats.waiting > 0:
+        if self.stats().waiting > 0:
             return len(self._running)
         return self._max_num_seqs
 
