@@ -2,8 +2,10 @@
 
 A worker re-runs what it had not committed when it crashed, and the re-run sends a second
 usage event for the same request (its first one may have reached the topic just before the
-crash). The streams app remembers the requests it folded for ``window_s`` and skips one seen
-before at another offset. A request is its team, its id and when it was accepted
+crash). The streams app remembers the requests it folded for ``window_s`` after it folded
+them (not after they ran: an app catching up on a backlog older than the window folds the
+first event and the re-run's second minutes of events apart, whatever their times) and skips
+one seen before at another offset. A request is its team, its id and when it was accepted
 (``accepted_ts``, the same on every run of it): a batch id is chosen by whoever writes the
 line, and a line sent again, or another team's line of the same ids, is another request, run
 and charged again (the quota marks a batch line by its id and its record's time alike), so
@@ -31,24 +33,25 @@ def run_key(event: UsageEvent) -> str:
 
 
 class UsageIds:
-    """Requests whose usage events were folded lately: ``run_key`` → [event time, partition,
-    offset]."""
+    """Requests whose usage events were folded lately: ``run_key`` → [when it was folded,
+    partition, offset]."""
 
     def __init__(self, table: ChangelogTable, window_s: float) -> None:
         self.table = table
         self.window_s = window_s
 
-    def repeat(self, event: UsageEvent, partition: int, offset: int) -> bool:
-        """Whether this event repeats one already folded; a new one is remembered."""
+    def repeat(self, event: UsageEvent, partition: int, offset: int, now: float) -> bool:
+        """Whether this event repeats one already folded; a new one is remembered as folded
+        ``now``."""
         key = run_key(event)
         seen = self.table.get(key)
         if seen is not None:
             return (int(seen[1]), int(seen[2])) != (partition, offset)
-        self.table[key] = [event.ts, partition, offset]
+        self.table[key] = [now, partition, offset]
         return False
 
     async def expire(self, now: float) -> int:
-        """Forget ids older than the window (a timer's work); returns how many."""
+        """Forget ids folded longer ago than the window (a timer's work); returns how many."""
         horizon = now - self.window_s
         old = [(key, int(v[1])) for key, v in list(self.table.items()) if v[0] < horizon]
         for key, partition in old:

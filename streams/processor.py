@@ -149,7 +149,7 @@ class UsageProcessor:
                 event.ts - now,
             )
             event = event.model_copy(update={"ts": now})
-        if self.ids is not None and self.ids.repeat(event, partition, offset):
+        if self.ids is not None and self.ids.repeat(event, partition, offset, now):
             # A worker's re-run sent it again: the request is counted once.
             self.counters.repeated += 1
             EVENTS.labels("repeated").inc()

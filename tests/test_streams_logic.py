@@ -374,20 +374,28 @@ async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> No
             id=request_id, cls="batch", model="m", route="m", status="ok", ts=ts, **values
         )
 
-    assert not ids.repeat(event("r-1", 1000.0), partition=0, offset=5)  # first: remembered
-    assert not ids.repeat(event("r-1", 1000.0), partition=0, offset=5)  # the record read again
-    assert ids.repeat(event("r-1", 1001.0), partition=0, offset=9)  # a re-run's second event
-    assert not ids.repeat(event("r-2", 1050.0), partition=1, offset=1)
+    def repeat(request: UsageEvent, partition: int, offset: int) -> bool:
+        return ids.repeat(request, partition, offset, now=request.ts)  # folded as it came
+
+    assert not repeat(event("r-1", 1000.0), partition=0, offset=5)  # first: remembered
+    assert not repeat(event("r-1", 1000.0), partition=0, offset=5)  # the record read again
+    assert repeat(event("r-1", 1001.0), partition=0, offset=9)  # a re-run's second event
+    assert not repeat(event("r-2", 1050.0), partition=1, offset=1)
     assert await ids.expire(now=1070.0) == 1  # r-1 is past the window, r-2 is not
-    assert not ids.repeat(event("r-1", 1080.0), partition=0, offset=12)
+    assert not repeat(event("r-1", 1080.0), partition=0, offset=12)
     # The same id is another request when it was accepted at another time (a batch line sent
     # again: run and charged again) or is another team's (ids a tenant chose on its topic).
-    assert not ids.repeat(event("r-2", 1051.0, accepted_ts=1049.0), partition=1, offset=2)
-    assert not ids.repeat(event("r-2", 1052.0, team="team-b"), partition=1, offset=3)
-    assert ids.repeat(event("r-2", 1053.0, team="team-b"), partition=1, offset=4)
+    assert not repeat(event("r-2", 1051.0, accepted_ts=1049.0), partition=1, offset=2)
+    assert not repeat(event("r-2", 1052.0, team="team-b"), partition=1, offset=3)
+    assert repeat(event("r-2", 1053.0, team="team-b"), partition=1, offset=4)
     # An event of a worker from before ``accepted_ts`` is known by its id alone.
-    assert not ids.repeat(event("r-3", 1060.0, accepted_ts=None), partition=0, offset=20)
-    assert ids.repeat(event("r-3", 1061.0, accepted_ts=None), partition=0, offset=21)
+    assert not repeat(event("r-3", 1060.0, accepted_ts=None), partition=0, offset=20)
+    assert repeat(event("r-3", 1061.0, accepted_ts=None), partition=0, offset=21)
+    # Caught up on an hour-old backlog: the window runs from the fold, not from the run, so
+    # the timer between a request's first event and its re-run's does not forget it.
+    assert not ids.repeat(event("r-4", 500.0), partition=0, offset=30, now=2000.0)
+    assert await ids.expire(now=2001.0) == 5  # all the others; r-4 was folded just now
+    assert ids.repeat(event("r-4", 560.0), partition=0, offset=31, now=2002.0)
 
 
 async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it_is() -> None:
