@@ -129,6 +129,12 @@ class BatchRecords:
             pipe.expire(index, FILE_RETENTION_S)
             await pipe.execute()
 
+    async def count(self, team: str) -> int:
+        """How many batches the team has within their life (``FILE_RETENTION_S``)."""
+        index = self.keys.team_batches(team)
+        await self.redis.zremrangebyscore(index, "-inf", time.time() - FILE_RETENTION_S)
+        return int(await self.redis.zcard(index))
+
     async def team_ids(self, team: str) -> list[str]:
         """The team's batch ids, newest first."""
         ids = await self.redis.zrevrange(self.keys.team_batches(team), 0, -1)

@@ -30,7 +30,7 @@ from ingress.settings import IngressSettings
 from laneway.batch import claimed_ids, output_line_bytes, parse_input
 from laneway.clients import make_consumer, make_producer
 from laneway.constants import FILE_RETENTION_S
-from laneway.errors import BadRequest, LanewayError, NotFound
+from laneway.errors import BadRequest, LanewayError, NotFound, RateLimited
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.tasks import stop_task
 
@@ -46,7 +46,10 @@ _VALIDATING_GIVE_UP_S = 600
 _VALIDATING_OWNED_S = 30
 # Submissions a replica runs at once (each holds its file's text, up to LANEWAY_MAX_FILE_BYTES);
 # the others wait in validating, well within the time others leave a batch to its replica.
+# One at a time a team: a team that creates hundreds at once waits behind its own, not
+# every other team behind it, and a team has this many waiting on a replica at most (429).
 _SUBMITTING_AT_ONCE = 2
+_TEAM_WAITING_MAX = 8
 # Lines parsed and queued between two looks at the event loop: a file of 50,000 lines is
 # seconds of work, which the replica's interactive requests must not wait behind.
 _LINES_A_TURN = 200
@@ -73,6 +76,8 @@ class BatchBook:
         self._reading = asyncio.Lock()
         self._submitting: dict[str, asyncio.Task[None]] = {}
         self._submit_turns = asyncio.Semaphore(_SUBMITTING_AT_ONCE)
+        self._team_turns: dict[str, asyncio.Lock] = {}
+        self._team_waiting: dict[str, int] = {}
 
     async def start(self) -> None:
         await self._reader.start()
@@ -89,6 +94,24 @@ class BatchBook:
     # --- the API ------------------------------------------------------------------------
 
     async def create(self, team: str, body: CreateBatch, batch_id: str) -> BatchRecord:
+        waiting = self._team_waiting.get(team, 0)
+        if waiting >= _TEAM_WAITING_MAX:
+            raise RateLimited(
+                f"team {team!r} has {waiting} batches being queued on this ingress already; "
+                "create this one once they are in progress",
+                team=team,
+                limit=_TEAM_WAITING_MAX,
+                retry_after=5.0,
+            )
+        stored = await self.records.count(team)
+        if stored >= self.settings.batch_max_batches:
+            raise RateLimited(
+                f"team {team!r} has {stored} batches within the last 7 days, as many as it "
+                "may keep (LANEWAY_BATCH_MAX_BATCHES); put more lines in one batch",
+                team=team,
+                limit=self.settings.batch_max_batches,
+                retry_after=3600.0,
+            )
         file = await self.files.get(body.input_file_id, team, param="input_file_id")
         if file.purpose != "batch":
             raise BadRequest(
@@ -109,8 +132,18 @@ class BatchBook:
         await self.records.insert(record)
         task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
         self._submitting[batch_id] = task
-        task.add_done_callback(lambda _: self._submitting.pop(batch_id, None))
+        self._team_waiting[team] = waiting + 1
+        task.add_done_callback(lambda _: self._submitted(team, batch_id))
         return record
+
+    def _submitted(self, team: str, batch_id: str) -> None:
+        self._submitting.pop(batch_id, None)
+        left = self._team_waiting.get(team, 1) - 1
+        if left > 0:
+            self._team_waiting[team] = left
+        else:
+            self._team_waiting.pop(team, None)
+            self._team_turns.pop(team, None)
 
     async def get(self, batch_id: str, team: str) -> BatchRecord:
         """The team's batch, its counts brought up to date; another team's is "not found"."""
@@ -166,7 +199,13 @@ class BatchBook:
 
     async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
         """Queue the lines of ``file``, or fail the batch saying why."""
-        async with self._submit_turns:
+        async with self._team_turns.setdefault(record.team, asyncio.Lock()), self._submit_turns:
+            current = await self.records.load(record.id)
+            if current is not None and current.status not in ("validating", "cancelling"):
+                # Given up on while it waited its turn (another replica took it for lost):
+                # its lines must not run now, uncounted.
+                log.warning("batch %s is %s: not queued", record.id, current.status)
+                return
             await self._submit_now(record, file)
 
     async def _submit_now(self, record: BatchRecord, file: FileRecord) -> None:

@@ -54,6 +54,12 @@ class IngressSettings(CommonSettings):
     batch_max_lines: int = Field(
         50_000, gt=0, description="most lines (requests) a batch input file may have"
     )
+    batch_max_batches: int = Field(
+        2000,
+        gt=0,
+        description="batches one team may have within their 7-day life (429 beyond): each "
+        "keeps a record in Redis that long",
+    )
     cancels_per_s: int = Field(
         50,
         gt=0,

@@ -446,40 +446,90 @@ async def test_a_file_read_back_in_chunks_that_cut_lines_and_characters_keeps_ea
     assert sorted(line["custom_id"] for line in output) == sorted(ids)
 
 
-async def test_a_replica_reads_two_input_files_at_once_and_the_other_batches_wait(
+async def test_a_team_that_creates_many_batches_at_once_waits_behind_its_own(
     stack: LiveStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each submission holds its file's text (up to LANEWAY_MAX_FILE_BYTES): twenty batches
-    created in a second must not hold twenty files at once. Those beyond two wait in
-    validating, and all run."""
-    reading: list[int] = [0, 0]  # now, most at once
+    """Each submission holds its file's text (up to LANEWAY_MAX_FILE_BYTES), so a replica
+    reads two files at once; a team's own batches are queued one after another, so one that
+    creates many at once holds up no other team (whose batch would otherwise wait, and be
+    taken for lost after ten minutes). Past eight waiting on a replica, a team gets a 429."""
+    reading: list[int] = [0, 0]  # files being read now, most at once
     lines_of = files.FileStore.lines
 
-    async def counted(self: files.FileStore, record: files.FileRecord) -> list[str]:
+    async def slow(self: files.FileStore, record: files.FileRecord) -> list[str]:
         reading[0] += 1
         reading[1] = max(reading[1], reading[0])
         try:
-            await asyncio.sleep(0.3)  # a large file's read
+            await asyncio.sleep(1.0)  # a large file's read
             return await lines_of(self, record)
         finally:
             reading[0] -= 1
 
-    monkeypatch.setattr(files.FileStore, "lines", counted)
+    monkeypatch.setattr(files.FileStore, "lines", slow)
     ingress = await stack.start_ingress()
+    await stack.start_worker("batch")
+    busy = _client(stack, ingress, await stack.api_key("busy", size=100))
+    other = _client(stack, ingress, await stack.api_key("other", size=100))
+
+    async def create(client: AsyncOpenAI) -> Batch:
+        uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+        return await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+    flood = [await create(busy) for _ in range(8)]
+    with pytest.raises(openai.RateLimitError) as refused:
+        await create(busy)
+    assert "8 batches being queued on this ingress" in str(refused.value)
+    mine = await create(other)
+    await _until(other, mine.id, "in_progress", within_s=10)
+    statuses = [(await busy.batches.retrieve(b.id)).status for b in flood]
+    assert statuses.count("validating") >= 5, statuses  # the flood still waits its turns
+    ended = [await _until_done(busy, batch.id) for batch in flood]
+    assert [batch.status for batch in ended] == ["completed"] * 8
+    assert reading[1] == 2
+
+
+async def test_a_batch_given_up_on_while_it_waited_its_turn_is_not_queued(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch waiting behind its team's others can be taken for lost by another replica
+    (failed, "create it again"). Its turn come, its lines are not queued: they would run
+    and be charged, uncounted, beside the batch created again. A team keeps at most
+    LANEWAY_BATCH_MAX_BATCHES batches (each has a Redis record for 7 days): 429 beyond."""
+    gate = asyncio.Event()
+    lines_of = files.FileStore.lines
+
+    async def held(self: files.FileStore, record: files.FileRecord) -> list[str]:
+        await gate.wait()
+        return await lines_of(self, record)
+
+    monkeypatch.setattr(files.FileStore, "lines", held)
+    ingress = await stack.start_ingress(batch_max_batches=2)
     await stack.start_worker("batch")
     client = _client(stack, ingress, await stack.api_key("docs", size=100))
     uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
-    created = await asyncio.gather(
-        *[
-            client.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            for _ in range(5)
-        ]
-    )
-    ended = [await _until_done(client, batch.id) for batch in created]
-    assert [batch.status for batch in ended] == ["completed"] * 5
-    assert reading[1] == 2
+
+    async def create() -> Batch:
+        return await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+    first, second = await create(), await create()
+    with pytest.raises(openai.RateLimitError) as refused:
+        await create()
+    assert "LANEWAY_BATCH_MAX_BATCHES" in str(refused.value)
+    # The second waits behind the first; another replica's recovery fails it meanwhile.
+    key = IngressSettings(**stack.common).keys.batch(second.id)
+    stored = BatchRecord.model_validate_json(await stack.redis.get(key))
+    given_up = stored.model_copy(update={"status": "failed", "failed_at": int(time.time())})
+    await stack.redis.set(key, given_up.model_dump_json(), ex=3600)
+    gate.set()
+    assert (await _until_done(client, first.id)).status == "completed"
+    await asyncio.sleep(1.0)  # the second's turn has come and gone
+    assert (await client.batches.retrieve(second.id)).status == "failed"
+    queued = await stack.read_all(stack.topics.request("batch"))
+    assert {line["job_id"] for line in queued} == {first.id}
 
 
 async def test_a_chunked_upload_is_answered_as_it_comes_not_held_first(
