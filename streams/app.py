@@ -171,6 +171,7 @@ class StreamsApp:
 
     async def _assigned(self, _app: Any, /, *moved: Any, **_: Any) -> None:
         log.info("partitions assigned: %s", _usage_partitions(moved[0], self.settings))
+        self.processor.reindex()
 
     async def _revoked(self, _app: Any, /, *moved: Any, **_: Any) -> None:
         log.info("partitions revoked: %s", _usage_partitions(moved[0], self.settings))
@@ -179,7 +180,9 @@ class StreamsApp:
         async for event in stream.events():
             message = event.message
             try:
-                self.processor.handle(event.value, message.partition, message.offset)
+                self.processor.handle(
+                    event.value, message.partition, message.offset, message.timestamp
+                )
             except Exception as exc:  # a bug: its record must not be passed over unsaid
                 # A malformed record is skipped inside ``handle``; this is a valid one the
                 # tables could not take. Left to Faust, the agent would be restarted past it

@@ -129,8 +129,11 @@ class UsageProcessor:
 
     # -- in the agent ------------------------------------------------------------------------
 
-    def handle(self, raw: bytes | None, partition: int, offset: int) -> None:
-        """Fold one ``laneway.usage`` record; a malformed one is logged, counted and skipped."""
+    def handle(
+        self, raw: bytes | None, partition: int, offset: int, stored_at: float | None = None
+    ) -> None:
+        """Fold one ``laneway.usage`` record; a malformed one is logged, counted and skipped.
+        ``stored_at``: when the broker stored it (its topics keep the broker's time)."""
         now = self.clock()
         try:
             event = decode(UsageEvent, raw)
@@ -140,15 +143,18 @@ class UsageProcessor:
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
         if event.ts > now + _MAX_AHEAD_S:
-            # Not a time any worker's (Redis's) clock shows yet: counted now, in the open
-            # hour, rather than moving the stream's clock on and closing hours early.
+            # Not a time any worker's (Redis's) clock shows yet: counted when the broker
+            # stored it, rather than moving the stream's clock on and closing hours early.
+            # Not when it is read: read again after a restart, in the next hour, it would be
+            # counted in that hour too.
+            at = stored_at if stored_at is not None and stored_at <= now + _MAX_AHEAD_S else now
             log.warning(
-                "usage record at %d/%d is %.0f s ahead; counted at the time it came",
+                "usage record at %d/%d is %.0f s ahead; counted at the time it was stored",
                 partition,
                 offset,
                 event.ts - now,
             )
-            event = event.model_copy(update={"ts": now})
+            event = event.model_copy(update={"ts": at})
         if self.ids is not None and self.ids.repeat(event, partition, offset, now):
             # A worker's re-run sent it again: the request is counted once.
             self.counters.repeated += 1
@@ -277,6 +283,14 @@ class UsageProcessor:
         if every <= 0 or value["rev"] <= value["emitted"]:
             return False
         return now - self._provisional_at.get(key, float("-inf")) >= every
+
+    def reindex(self) -> None:
+        """Partitions were assigned: the hours their changelogs bring (folded by their
+        previous owner, maybe not published in full) are looked at by the next publish,
+        which comes only once they are recovered. Only the hours this process folds itself
+        were, after its first publish: a handed-over hour that got no later event was never
+        published final, and the cost report counts final hours only."""
+        self._indexed = False
 
     async def publish_rollups(self) -> int:
         """Publish the closed hours with unpublished events (final) and the open hours that

@@ -201,6 +201,42 @@ async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next(
     assert rollup["emitted"] == rollup["rev"] == 8
 
 
+async def test_hours_a_rebalance_hands_over_are_published_though_no_event_comes() -> None:
+    """A process indexes the hours still to publish at its first publish; after that only
+    the hours it folds itself were. Hours that partitions assigned later bring with their
+    changelogs (folded by the previous owner, not yet final) were never published if no
+    event of theirs came: the cost report, which counts final hours, lost them."""
+    hour_start = (int(time.time()) // 3600 - 3) * 3600
+    now = [float(hour_start + 7200)]
+    sent: list[dict[str, Any]] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+
+    def processor_of(rollups: _Table) -> UsageProcessor:
+        return UsageProcessor(
+            StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
+            rollups=rollups,
+            outcomes=_Table(),
+            announcer=None,  # type: ignore[arg-type]
+            redis=None,  # type: ignore[arg-type]
+            keys=None,  # type: ignore[arg-type]
+            send=send,
+            clock=lambda: now[0],
+        )
+
+    previous_owner = _Table()  # what partition 1's changelog holds
+    processor_of(previous_owner).handle(usage_event(ts=hour_start + 5.0).to_json(), 1, 0)
+    rollups = _Table()
+    processor = processor_of(rollups)
+    assert await processor.publish_rollups() == 0  # its first publish: nothing yet
+    rollups.update(previous_owner)  # partition 1 assigned here, its changelog recovered
+    processor.reindex()  # as the app does on every assignment
+    now[0] += 2  # its partition idle past LANEWAY_ROLLUP_IDLE_S: the hour closes
+    assert await processor.publish_rollups() == 1
+    assert [(r["requests"], r["final"]) for r in sent] == [(1, True)]
+
+
 async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() -> None:
     hour_start = (int(time.time()) // 3600 + 5) * 3600  # the processor's clock is set here
     now = [float(hour_start + 100)]
@@ -418,6 +454,13 @@ async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it
     (rollup,) = rollups.values()
     assert (rollup["hour"], rollup["requests"]) == (int(now // 3600), 1)
     assert processor._stream_clock[0] == now
+    # With the broker's time of the record, that is its time: the same however late it is
+    # read (read again after a restart in the next hour, it was counted in that hour too).
+    ahead = usage_event(ts=now + 5 * 365 * 86400).to_json()
+    processor.handle(ahead, 1, 0, stored_at=now - 3600)
+    processor.handle(ahead, 1, 0, stored_at=now - 3600)  # read again: one hour, once
+    stored_hour = [r["requests"] for r in rollups.values() if r["hour"] == int(now // 3600) - 1]
+    assert stored_hour == [1]
     fields = orjson.loads(usage_event().to_json())
     for offset, bad in enumerate(
         [{"ts": 1e308}, {"ts": -5.0}, {"prompt_tokens": -(10**9)}, {"completion_tokens": 10**18}],
