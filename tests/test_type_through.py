@@ -122,6 +122,43 @@ async def test_typing_the_suggestion_gets_the_rest_without_a_new_engine_request(
     assert usage[0]["completion_tokens"] == 11
 
 
+async def test_the_keystroke_typed_through_is_told_it_was_superseded_and_charged_its_part(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """The older keystroke's client stays (the official SDK does not cancel it): its stream
+    ends as any superseded one does, with an error event saying so, not with the text cut
+    where the newer keystroke took over passed off as a whole answer. It is charged the
+    tokens it was sent; the tokens after are the newer keystroke's (they were charged to
+    both)."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    first, first_id = await _first_words(http, "def main():", 2)
+    second = await http.post(
+        "/v1/completions", **_keystroke("def main():" + WORDS[0], 2, stream=False)
+    )
+    assert second.status_code == 200
+    rest = [line async for line in first.lines]  # read to its end
+    events = [line[6:] for line in rest if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = httpx.Response(200, content=events[-2]).json()
+    assert last["error"]["code"] == "superseded", last
+    streamed = first.text + "".join(
+        httpx.Response(200, content=e).json()["choices"][0]["text"]
+        for e in events[:-2]
+        if '"choices"' in e
+    )
+    assert _suggestion(12).startswith(streamed)
+    assert len(streamed) < len(_suggestion(12))  # cut where the second took over
+    ids = {first_id, second.json()["id"]}
+    usage = await stack.usage_of(*ids)
+    assert usage[first_id]["status"] == "superseded"
+    # Each is charged what it was sent (a token both were sent, both): the first its own
+    # words, not the whole generation of 12 that the second is charged 11 of.
+    assert usage[first_id]["completion_tokens"] == streamed.count(" ") < 12
+    assert usage[second.json()["id"]]["completion_tokens"] == 11
+
+
 async def test_a_diverging_keystroke_supersedes_as_before(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:

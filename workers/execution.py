@@ -50,6 +50,10 @@ class _Totals:
     finish_reason: str | None = None
     ttft_ms: float | None = None
     began: bool = False
+    # Its client's part, once it turned stale while later keystrokes followed its generation
+    # (type-through): the text stopped going to it, the engine ran on for them.
+    withheld: bool = False
+    passed_tokens: int = 0  # the completion tokens its client was sent
 
 
 class RequestExecutor:
@@ -233,7 +237,15 @@ class RequestExecutor:
                 chunks.cancel()
             raise
         finally:
+            stale = self.shield.stale_reason(env.id) if got.withheld else None
             stale_ms, news_ms = self._left(env, got, generation, status, requeued=requeued)
+        if status == "ok" and stale is not None:
+            # Its engine request ran to its end for the keystrokes that typed through it, not
+            # for it: its client is told it was superseded (or it left), as when aborted, not
+            # given the text cut off as a whole answer; and charged what it was sent (each
+            # follower is charged the tokens it received).
+            status, error = stale.status, str(stale)  # type: ignore[assignment]
+            got.completion_tokens = got.passed_tokens
         n = at = 0
         if chunks is not None:
             # The rest of the text rides on the final reply.
@@ -326,7 +338,9 @@ class RequestExecutor:
         """A delta's text to its client: streamed, or kept for the final reply. None once
         its client has gone and others follow its generation: they carry the text on."""
         if generation is not None and generation.followers and self.shield.stale_reason(env.id):
+            got.withheld = True
             return
+        got.passed_tokens = got.completion_tokens
         if chunks is not None and text:
             chunks.add(text, got.completion_tokens)
         else:
