@@ -41,7 +41,7 @@ async def _view(redis: aioredis.Redis, keys: RedisKeys, shadow: ShadowState) -> 
     compared = None
     if comparison is not None:
         compared = {**comparison.model_dump(mode="json"), **comparison.ratios()}
-    return {**shadow.model_dump(mode="json"), "comparison": compared}
+    return {**shadow.model_dump(mode="json", exclude={"salt"}), "comparison": compared}
 
 
 @shadow_router.get("")

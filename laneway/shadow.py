@@ -15,6 +15,7 @@ workers run it like any other and discard its text, and its usage event is marke
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from typing import Literal
 
@@ -80,6 +81,10 @@ class ShadowState(BaseModel):
     started: float = Field(default_factory=time.time)
     since: float = Field(default_factory=time.time)  # when the status began
     reason: str = ""
+    # Drawn when the shadow starts, never shown: which sessions are mirrored is not a hash a
+    # tenant can compute, so no team can name its sessions to have all its traffic mirrored
+    # (unbilled engine work, and the mirror slots other teams' sessions would have had).
+    salt: str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> ShadowState:
@@ -96,7 +101,7 @@ def mirrored(state: ShadowState | None, team: str, sticky: str) -> bool:
     """Whether this sticky key's requests are mirrored: the same answer for a whole session."""
     if state is None or state.status != "running":
         return False
-    return bucket(team, sticky) < state.share * 100
+    return bucket(team, f"{state.salt}\0{sticky}" if state.salt else sticky) < state.share * 100
 
 
 def shadow_id(request_id: str) -> str | None:
@@ -210,7 +215,7 @@ async def start_shadow(
             param="model",
         )
     try:
-        state = ShadowState(model=model, target=target, share=share)
+        state = ShadowState(model=model, target=target, share=share, salt=secrets.token_hex(16))
     except ValidationError as exc:  # a name too long or empty: the caller's input
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else "model"

@@ -58,11 +58,16 @@ def test_a_share_is_a_fraction_and_bad_ones_are_named() -> None:
 
 
 def test_whole_sessions_are_mirrored_and_the_copy_can_reach_no_client() -> None:
-    state = ShadowState(model="laneway-code", target=SHADOW, share=0.3)
+    state = ShadowState(model="laneway-code", target=SHADOW, share=0.3, salt="s3cret")
     sessions = [f"src/{i}.py" for i in range(200)]
     picked = {s for s in sessions if mirrored(state, "team-a", s)}
-    assert picked == {s for s in sessions if bucket("team-a", s) < 30}
     assert 30 < len(picked) < 90  # about 30 %
+    # Whole sessions, by a hash keyed with the shadow's own secret: not one a team can
+    # compute to name its sessions into the mirrored share (unbilled engine work).
+    assert picked == {s for s in sessions if bucket("team-a", f"s3cret\0{s}") < 30}
+    assert picked != {s for s in sessions if bucket("team-a", s) < 30}
+    other = state.model_copy(update={"salt": "another"})
+    assert picked != {s for s in sessions if mirrored(other, "team-a", s)}
     assert not mirrored(
         state.model_copy(update={"status": "stopped"}), "team-a", next(iter(picked))
     )
@@ -108,8 +113,11 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
     assert (started.json()["share"], started.json()["comparison"]) == (0.5, None)
     again = await admin.put("/admin/shadow/laneway-code", json={"target": "x", "share": 0.1})
     assert again.status_code == 409
+    assert "salt" not in started.json()  # the shadow's secret stays in Redis
+    shadow = await get_shadow(stack.redis, RedisKeys(stack.prefix), "laneway-code")
+    assert shadow is not None
     # The ingress reads the shadow once a second, in the background.
-    await _until_mirroring(stack, stack.http(ingress, await stack.api_key("team-w")))
+    await _until_mirroring(stack, stack.http(ingress, await stack.api_key("team-w")), shadow)
 
     sessions = [f"src/mod{i}.py" for i in range(24)]
     ids: dict[str, str] = {}
@@ -122,7 +130,7 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
         assert response.status_code == 200, response.text  # the shadow fails; not this
         assert response.headers["x-laneway-route"] == "laneway-code"
         ids[response.json()["id"]] = session
-    mirrored_ids = {rid for rid, s in ids.items() if bucket("team-a", s) < 50}
+    mirrored_ids = {rid for rid, s in ids.items() if mirrored(shadow, "team-a", s)}
     assert 0 < len(mirrored_ids) < len(ids)
     shadows = {f"{rid}-shadow" for rid in mirrored_ids}
     events = await stack.read_topic(
@@ -150,7 +158,7 @@ async def test_the_ingress_mirrors_a_share_and_the_client_gets_the_primary_alone
 
     # A model in trouble (its breaker at level 1) serves its quantized route and is not mirrored.
     await stack.redis.set(keys.breaker("laneway-code"), orjson.dumps({"level": 1, "since": 0}))
-    on_shadow = next(s for s in sessions if bucket("team-a", s) < 50)
+    on_shadow = next(s for s in sessions if mirrored(shadow, "team-a", s))
 
     async def degraded() -> bool:
         response = await http.post(
@@ -225,9 +233,9 @@ def _shadow_count(outcome: str) -> float:
     return REGISTRY.get_sample_value("laneway_ingress_shadow_total", labels) or 0.0
 
 
-async def _until_mirroring(stack: LiveStack, http: Any) -> None:
+async def _until_mirroring(stack: LiveStack, http: Any, shadow: ShadowState) -> None:
     """Send on a mirrored session of team-w until a copy of one shows on the usage topic."""
-    session = next(f"warm/{i}" for i in range(100) if bucket("team-w", f"warm/{i}") < 50)
+    session = next(f"warm/{i}" for i in range(100) if mirrored(shadow, "team-w", f"warm/{i}"))
     copies: set[str] = set()
 
     async def copied() -> bool:
