@@ -42,7 +42,7 @@ from redis.exceptions import RedisError
 from ingress import metrics
 from laneway.constants import RedisKeys, Topics
 from laneway.redis_circuit import circuit_of
-from laneway.schema import CancelRecord, RequestEnvelope
+from laneway.schema import CancelRecord, RequestEnvelope, cancel_key
 
 __all__ = ["CancelOutbox"]
 
@@ -156,7 +156,7 @@ class CancelOutbox:
         broker's error. The Redis publish does not hold it up."""
         self._in_background(self._publish_early([record], []))
         await self._producer.send_and_wait(
-            self._topics.cancel, record.to_json(), key=record.id.encode()
+            self._topics.cancel, record.to_json(), key=cancel_key(record)
         )
 
     def _lane(self, env: RequestEnvelope) -> Lane | None:
@@ -225,7 +225,7 @@ class CancelOutbox:
             try:
                 stored.append(
                     await self._producer.send(
-                        self._topics.cancel, record.to_json(), key=record.id.encode()
+                        self._topics.cancel, record.to_json(), key=cancel_key(record)
                     )
                 )
             except KafkaError as exc:

@@ -28,6 +28,7 @@ __all__ = [
     "RequestEnvelope",
     "ScalingDecision",
     "UsageEvent",
+    "cancel_key",
     "decode",
 ]
 
@@ -133,6 +134,14 @@ class CancelRecord(_Wire):
     team: str = Field(min_length=1)
     reason: Literal["disconnect", "api"] = "api"
     ts: float = Field(default_factory=time.time)
+
+
+def cancel_key(record: CancelRecord) -> bytes:
+    """A tombstone's key on the compacted ``laneway.cancel`` topic: its team's and its
+    request's. Keyed by the id alone, another team's tombstone of the same id (refused, but
+    stored) was the one compaction kept, and a worker replaying the topic never saw the
+    owner's."""
+    return f"{record.team}\0{record.id}".encode(errors="surrogatepass")
 
 
 class KeyRevocation(_Wire):

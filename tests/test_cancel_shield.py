@@ -148,6 +148,17 @@ async def test_owner_cancels_with_delete(stack: LiveStack) -> None:
     event = (await stack.usage_of(request_id))[request_id]
     assert event["status"] == "cancelled"
     assert event["completion_tokens"] < sim_answer_tokens(body["prompt"])
+    # On the compacted topic its key is its team's and its id: another team's tombstone of
+    # the same id (refused by the workers, stored all the same) is kept beside it, never in
+    # its place, and a worker that replays the topic still finds the owner's.
+    reader = stack._reader(stack.topics.cancel)
+    await reader.start()
+    try:
+        batches = await reader.getmany(timeout_ms=5000)
+    finally:
+        await reader.stop()
+    keys = [record.key for records in batches.values() for record in records]
+    assert keys == [f"team-a\0{request_id}".encode()]
 
 
 async def until_seen(worker: PoolWorker, marker: CancelRecord) -> None:
