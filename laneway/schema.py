@@ -124,8 +124,8 @@ class RequestEnvelope(_Wire):
 
 
 class CancelRecord(_Wire):
-    """A cancel tombstone on the compacted ``laneway.cancel`` topic, keyed by team and request id
-    (``cancel_key``).
+    """A cancel tombstone on the compacted ``laneway.cancel`` topic, keyed by team and
+    request id (``cancel_key``).
 
     ``team`` is the team that asked; a worker honours it only for that team's requests.
     """
