@@ -79,11 +79,16 @@ def test_work_queued_again_without_its_deadline_is_not_expired_by_its_first_wait
     shed = _work(0, band="lo", deadline_ts=now + 1)
     queue.push(shed)
     assert queue.pop() is shed  # it starts, and is shed later
+    waiting = _work(1, band="lo", deadline_ts=now + 30)  # came meanwhile, with a deadline
+    queue.push(waiting)
     again = Work(shed.tp, shed.offset, shed.env.model_copy(update={"deadline_ts": None}))
     queue.push(again, front=True)
-    assert queue.next_deadline() is None
+    assert queue.next_deadline() == waiting.env.deadline_ts
     assert queue.expired(now + 2) == []
+    # First in its band again: with no deadline it sorted after every request of its band
+    # that has one, and a busy band could keep it waiting (its offset pending) for good.
     assert queue.pop() is again
+    assert queue.pop() is waiting
 
 
 def test_dispatcher_starts_no_more_than_capacity_and_asks_the_shield_at_start() -> None:

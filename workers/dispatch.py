@@ -13,6 +13,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,13 +65,15 @@ class DispatchQueue:
         return iter(list(self._work.values()))
 
     def push(self, work: Work, *, front: bool = False) -> None:
-        """Queue ``work``; ``front``: ahead of its band's waiting work of the same deadline
-        (a preempted request, queued again)."""
+        """Queue ``work``; ``front``: ahead of all its band's waiting work (a preempted
+        request, queued again: it had started in time, and it keeps no start deadline, which
+        placed it after every request of its band that has one, for as long as they came)."""
         env = work.env
-        deadline = env.deadline_ts if env.deadline_ts is not None else float("inf")
+        deadline = env.deadline_ts if env.deadline_ts is not None else math.inf
         arrival = -next(self._arrivals) if front else next(self._arrivals)
         self._work[env.id] = work
-        heapq.heappush(self._order, (_BAND_RANK.get(env.band, 1), deadline, arrival, env.id))
+        rank = (_BAND_RANK.get(env.band, 1), -math.inf if front else deadline, arrival, env.id)
+        heapq.heappush(self._order, rank)
         if env.deadline_ts is not None:
             heapq.heappush(self._deadlines, (deadline, arrival, env.id))
 
