@@ -43,6 +43,15 @@ _STACK_ONLY = {
     f"LANEWAY_{name.upper()}"
     for name in set(StackSettings.model_fields) - set(CommonSettings.model_fields)
 }
+# How to log in to a Kafka: they go with its address, which the stack sets to its own broker.
+# From the shell (a secured stack's admin.env sourced earlier, a remote cluster's login),
+# they made every service try a login the stack's broker does not take; a secured stack sets
+# each service's own (``secured.service_env``).
+_BROKER_LOGIN = {
+    f"LANEWAY_{name.upper()}"
+    for name in CommonSettings.model_fields
+    if name.startswith("kafka_") and name != "kafka_bootstrap"
+}
 
 
 def pool_replicas(settings: StackSettings) -> dict[RequestClass, list[str]]:
@@ -99,7 +108,7 @@ def stack_processes(
         admin=secured.kafka_admin if secured else None,
     )
     specs = settings.topics.specs(settings.partitions)
-    env = {k: v for k, v in os.environ.items() if k.upper() not in _STACK_ONLY}
+    env = {k: v for k, v in os.environ.items() if k.upper() not in _STACK_ONLY | _BROKER_LOGIN}
     env.update(LANEWAY_KAFKA_BOOTSTRAP=kafka.bootstrap, LANEWAY_REDIS_URL=redis.url)
 
     def login(service: str, pool: str = "") -> dict[str, str]:

@@ -297,8 +297,13 @@ class Supervisor:
                     return
                 try:
                     await self._start(process)
-                except (ServiceError, OSError) as exc:
-                    why = f"could not start again: {exc}"
+                except Exception as exc:  # noqa: BLE001 - any failed start is counted
+                    # Whatever the start raised (a Kafka client's error creating the topics
+                    # on a broker that came up, not only ours): counted as an exit and tried
+                    # again, or the stack stops on it. Before, it ended this watch unsaid, and
+                    # the process was never restarted again.
+                    said = str(exc) if isinstance(exc, ServiceError) else repr(exc)
+                    why = f"could not start again: {said}"
                     continue
                 self.metrics.restarts.labels(process.name).inc()
                 log.warning(

@@ -181,6 +181,35 @@ class _SlowStart:
         self.starts.append(self.inner.name)
 
 
+class _FailsOnce(_SlowStart):
+    """Its second start raises what a Kafka client raises (not a ServiceError), once."""
+
+    async def start(self) -> None:
+        await super().start()
+        if self.starts.count(self.inner.name) == 2:
+            raise RuntimeError("KafkaConnectionError: creating the topics (injected)")
+
+
+async def test_a_restart_that_raises_any_error_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start that raised something of another library's (a Kafka client's error creating
+    the topics on a broker that came up) ended the watch of its process unsaid: it was never
+    restarted again, and what needed it waited for good. Now it counts as an exit, and the
+    next start runs."""
+    caplog.set_level(logging.WARNING, "ops.supervisor")
+    starts: list[str] = []
+    flaky = _FailsOnce(_python("flaky", SLEEPER, tmp_path), starts)
+    supervisor = Supervisor([flaky], FAST)  # type: ignore[list-item]
+    async with supervising(supervisor):
+        assert flaky.pid is not None
+        os.kill(flaky.pid, signal.SIGKILL)
+        await eventually(lambda: supervisor.restarts("flaky") == 1, 20, "its start again")
+        assert supervisor.is_up("flaky")
+    assert starts == ["flaky"] * 3
+    assert "could not start again: RuntimeError('KafkaConnectionError" in caplog.text
+
+
 async def test_a_restart_waits_for_the_servers_it_needs(tmp_path: Path) -> None:
     starts: list[str] = []
     server = _SlowStart(_python("server", SLEEPER, tmp_path), starts, delay_s=0.5)
@@ -335,6 +364,16 @@ def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
     assert all("LANEWAY_SUPERVISOR_PORT" not in e for e in env.values())
     assert all("LANEWAY_PORT" not in e for name, e in env.items() if name != "ingress")
     assert env["worker-batch"]["LANEWAY_MAX_INFLIGHT"] == "7"  # service settings pass through
+    # A Kafka login from the shell (a secured stack's admin.env sourced earlier) goes with
+    # another broker's address: the stack's own broker takes none, and every service failed.
+    monkeypatch.setenv("LANEWAY_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("LANEWAY_KAFKA_USERNAME", "laneway-admin")
+    monkeypatch.setenv("LANEWAY_KAFKA_PASSWORD", "from-the-shell")
+    for process in stack_processes(StackSettings(data_dir=str(tmp_path), port=8123)):
+        if isinstance(process, ServiceProcess):
+            assert not {k for k in process.env if k.startswith("LANEWAY_KAFKA_")} - {
+                "LANEWAY_KAFKA_BOOTSTRAP"
+            }, process.name
 
 
 def _watch_ended(supervisor: Supervisor, name: str) -> bool:
