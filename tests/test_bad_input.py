@@ -215,6 +215,20 @@ def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
         load_settings(WorkerSettings)
 
 
+def test_a_shared_upstream_without_its_slots_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Learned from one worker's first bytes, a shared engine's slots stayed where they
+    started: batch ran 3 lines at a time on a server that takes hundreds, and nothing said
+    why. The worker refuses to start instead, naming what to set."""
+    monkeypatch.setenv("LANEWAY_POOL", "batch")
+    monkeypatch.setenv("LANEWAY_ENGINE", "openai")
+    monkeypatch.setenv("LANEWAY_UPSTREAM_URL", "http://gpu-1:8000/v1")
+    monkeypatch.setenv("LANEWAY_ENGINE_ID", "gpu-fleet-1")
+    with pytest.raises(ConfigError, match=r"LANEWAY_UPSTREAM_SLOTS=0: must be set for a shared"):
+        load_settings(WorkerSettings)
+    monkeypatch.setenv("LANEWAY_UPSTREAM_SLOTS", "256")
+    assert load_settings(WorkerSettings).upstream_slots == 256
+
+
 def test_a_bad_local_stack_port_is_named_where_it_stands_for_an_address(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -276,6 +276,20 @@ class WorkerSettings(CommonSettings):
             )
         return value
 
+    @field_validator("upstream_slots")
+    @classmethod
+    def _shared_upstream_slots(cls, value: int, info: ValidationInfo) -> int:
+        engine_id = info.data.get("engine_id")
+        if value == 0 and engine_id and info.data.get("engine") == "openai":
+            # Learned from one worker's own first bytes, a shared engine's slots stay where
+            # they start (a pool that runs fewer never learns more): batch ran 3 lines at a
+            # time on a server that takes hundreds, or none, and nothing said why.
+            raise ValueError(
+                f"must be set for a shared engine (LANEWAY_ENGINE_ID={engine_id!r}): the "
+                "requests the upstream runs at once, e.g. vLLM's --max-num-seqs"
+            )
+        return value
+
     @field_validator("worker_id")
     @classmethod
     def _default_worker_id(cls, value: str) -> str:
