@@ -162,3 +162,35 @@ async def test_chat_ranks_between_completions_and_batch(
         and done["chat-1"]["start"] < e["start"] < done["chat-3"]["start"]
     ]
     assert batch_between == []
+
+
+async def test_a_draining_batch_worker_still_makes_way_for_completions(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """A batch worker that stops (a scale-down, a rollout) lets what runs finish for up to
+    its grace period. Its dispatch loop stopped first, and with it both what it told the
+    fleet (the slots it held when the stop began, for the whole drain) and its preemption:
+    completions waited behind its lines, past their deadlines. Now it keeps telling, and its
+    lines make way (their next owner runs them)."""
+    ingress = await stack.start_ingress()
+    workers = await _fleet(stack, upstream, slots=4)
+    http = stack.http(ingress, await stack.api_key(size=1000))
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        await client.submit([_line(i, 200) for i in range(6)], team="team-a")  # 4 s a line
+        await upstream.until(lambda running, _: running == 3, "batch to fill its share")
+        stopping = asyncio.create_task(workers["batch"].stop(grace_s=30))
+        await eventually(lambda: workers["batch"]._stopped, 5, "the batch worker to stop")
+        # Each keeps its slot until released: all three need one at once.
+        await upstream.hold("d0", "d1", "d2")
+        body = {"model": "laneway-code", "max_tokens": 4}
+        burst = [
+            asyncio.create_task(http.post("/v1/completions", json={**body, "prompt": f"d{i}"}))
+            for i in range(3)
+        ]
+        # Within their 2 s start deadline (else 504): batch lines made way.
+        await eventually(
+            lambda: len(workers["completion"].running) == 3, 10, "all three on the upstream"
+        )
+        await upstream.release("d0", "d1", "d2")
+        assert [r.status_code for r in await asyncio.gather(*burst)] == [200] * 3
+        await asyncio.wait_for(stopping, 40)

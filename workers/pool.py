@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # The last commit of a stopping worker waits no longer than this.
 _STOP_COMMIT_S = 10.0
+# While a stopping worker drains, how often a shared engine hears what still runs here.
+_DRAIN_LOOK_S = 0.5
 _SALT_TIMEOUT_S = 2.0
 _SALT_RETRY_MAX_S = 10.0
 
@@ -283,8 +285,7 @@ class PoolWorker:
         await cancel_all(dispatch)
         if self.runs.tasks:
             log.info("draining %d in-flight requests (grace %.1fs)", len(self.runs), grace)
-            _, pending = await asyncio.wait(set(self.runs.tasks), timeout=grace)
-            await cancel_all(pending)
+            await cancel_all(await self._drain(grace))
         if self.fleet is not None:
             # After the drain: until then its requests still hold a shared engine's slots.
             await self.fleet.stop()
@@ -317,6 +318,21 @@ class PoolWorker:
             running = self.dispatcher.running
             return running + self.fleet.room(running, len(self.queue))
         return self.engine.capacity()
+
+    async def _drain(self, grace: float) -> set[asyncio.Task[None]]:
+        """Wait up to ``grace`` for what runs; returns what still does. Meanwhile a shared
+        engine hears what still runs here and takes back what its interactive work needs (a
+        batch line is preempted: its next owner runs it). With the dispatch loop stopped,
+        the slots published were those held when the stop began, for the whole drain, and
+        interactive work waited behind them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.runs.tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self.runs.tasks), timeout=min(left, _DRAIN_LOOK_S))
+            if self.fleet is not None:
+                self.fleet.local(self.dispatcher.running, 0, self.engine.capacity())
+                self.lane.after_dispatch()
+        return set(self.runs.tasks)
 
     def _after_dispatch(self) -> None:
         if self.fleet is not None:
