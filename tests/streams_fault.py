@@ -31,11 +31,17 @@ _marker = Path(os.environ["STREAMS_FAULT_MARKER"])
 _handle = UsageProcessor.handle
 
 
-def _faulty(self: UsageProcessor, raw: bytes | None, partition: int, offset: int) -> None:
+def _faulty(
+    self: UsageProcessor,
+    raw: bytes | None,
+    partition: int,
+    offset: int,
+    stored_at: float | None = None,
+) -> None:
     if raw is not None and FAULT_TEAM in raw and (_always or not _marker.exists()):
         _marker.touch()
         raise RuntimeError("a planted bug")
-    _handle(self, raw, partition, offset)
+    _handle(self, raw, partition, offset, stored_at)
 
 
 _wait = Recovery._wait
