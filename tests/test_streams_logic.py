@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
@@ -159,6 +159,24 @@ async def test_replayed_offsets_are_not_counted_twice() -> None:
     assert processor.counters.malformed == 1
 
 
+def _publishing(
+    rollups: _Table,
+    send: Callable[[str, bytes, bytes], Awaitable[None]],
+    clock: Callable[[], float],
+) -> UsageProcessor:
+    """A processor whose hours close once their partition is idle a second (no grace)."""
+    return UsageProcessor(
+        StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
+        rollups=rollups,
+        outcomes=_Table(),
+        announcer=None,  # type: ignore[arg-type]
+        redis=None,  # type: ignore[arg-type]
+        keys=None,  # type: ignore[arg-type]
+        send=send,
+        clock=clock,
+    )
+
+
 async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next() -> None:
     """The agent runs while a timer awaits the hourly record's delivery: what it folds then
     is in no record yet, so the hour stays pending and goes out again with it."""
@@ -175,16 +193,7 @@ async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next(
         late.clear()
         await asyncio.sleep(0)
 
-    processor = UsageProcessor(
-        StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
-        rollups=rollups,
-        outcomes=_Table(),
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
-        send=send,
-        clock=lambda: now[0],
-    )
+    processor = _publishing(rollups, send, lambda: now[0])
     for offset in range(5):
         processor.handle(usage_event(ts=hour_start + offset).to_json(), 0, offset)
     now[0] += 2  # the partition went quiet: the idle rule closes the hour
@@ -213,22 +222,11 @@ async def test_hours_a_rebalance_hands_over_are_published_though_no_event_comes(
     async def send(topic: str, key: bytes, value: bytes) -> None:
         sent.append(orjson.loads(value))
 
-    def processor_of(rollups: _Table) -> UsageProcessor:
-        return UsageProcessor(
-            StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
-            rollups=rollups,
-            outcomes=_Table(),
-            announcer=None,  # type: ignore[arg-type]
-            redis=None,  # type: ignore[arg-type]
-            keys=None,  # type: ignore[arg-type]
-            send=send,
-            clock=lambda: now[0],
-        )
-
     previous_owner = _Table()  # what partition 1's changelog holds
-    processor_of(previous_owner).handle(usage_event(ts=hour_start + 5.0).to_json(), 1, 0)
+    previous = _publishing(previous_owner, send, lambda: now[0])
+    previous.handle(usage_event(ts=hour_start + 5.0).to_json(), 1, 0)
     rollups = _Table()
-    processor = processor_of(rollups)
+    processor = _publishing(rollups, send, lambda: now[0])
     assert await processor.publish_rollups() == 0  # its first publish: nothing yet
     rollups.update(previous_owner)  # partition 1 assigned here, its changelog recovered
     processor.reindex()  # as the app does on every assignment
