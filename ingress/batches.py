@@ -132,7 +132,9 @@ class BatchBook:
         await self.records.insert(record)
         task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
         self._submitting[batch_id] = task
-        self._team_waiting[team] = waiting + 1
+        # Counted now, not from before the awaits: two of one team's creates at once would
+        # both count from the same number.
+        self._team_waiting[team] = self._team_waiting.get(team, 0) + 1
         task.add_done_callback(lambda _: self._submitted(team, batch_id))
         return record
 
@@ -200,7 +202,10 @@ class BatchBook:
     async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
         """Queue the lines of ``file``, or fail the batch saying why."""
         async with self._team_turns.setdefault(record.team, asyncio.Lock()), self._submit_turns:
-            current = await self.records.load(record.id)
+            try:
+                current = await self.records.load(record.id)
+            except (RedisError, OSError):
+                current = None  # as if still validating: the submission says what fails
             if current is not None and current.status not in ("validating", "cancelling"):
                 # Given up on while it waited its turn (another replica took it for lost):
                 # its lines must not run now, uncounted.
