@@ -129,13 +129,12 @@ async def _next_reply(
     raise Expired(f"no reply within {state.settings.reply_timeout_s}s (LANEWAY_REPLY_TIMEOUT_S)")
 
 
-async def _serve(request: Request, model: type[B]) -> Response:
+async def _serve(request: Request, model: type[B], cls: str) -> Response:
     state = _state(request)
     caller = await state.callers.resolve(authorization(request.headers))
     try:
         raw = await request.body()
     except ClientDisconnect:
-        cls = "completion" if model is CompletionRequest else "chat"
         metrics.CLIENT_GONE.labels(cls).inc()
         metrics.RESPONSES.labels(cls, "499").inc()
         return Response(status_code=499)
@@ -374,7 +373,7 @@ async def chat_completions(request: Request) -> Response:
 async def _counted(request: Request, model: type[B], cls: str) -> Response:
     """``_serve``; an error it answers with counts among the responses by its status too."""
     try:
-        return await _serve(request, model)
+        return await _serve(request, model, cls)
     except LanewayError as exc:
         metrics.RESPONSES.labels(cls, str(exc.status_code)).inc()
         raise
