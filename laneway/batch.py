@@ -20,6 +20,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from laneway.clients import make_consumer, make_producer, start_client
 from laneway.errors import BadRequest, DuplicateLine
 from laneway.json_shape import json_problem
+from laneway.openai_format import MAX_ERROR_CHARS, clipped
 from laneway.schema import (
     MAX_CUSTOM_ID_CHARS,
     MAX_JOB_ID_CHARS,
@@ -40,6 +41,7 @@ __all__ = [
     "output_line",
     "output_line_bytes",
     "parse_input",
+    "results_record",
 ]
 
 _URLS = ("/v1/chat/completions", "/v1/completions")
@@ -102,7 +104,10 @@ def parse_input(
         def failed(line_id: str, problem: str, number: int = number) -> BatchRequest:
             taken.add(line_id)
             return BatchRequest(
-                job_id=job_id, line_id=line_id, team=team, error=f"line {number}: {problem}"
+                job_id=job_id,
+                line_id=line_id,
+                team=team,
+                error=clipped(f"line {number}: {problem}", MAX_ERROR_CHARS),
             )
 
         size = len(text.encode())
@@ -132,11 +137,21 @@ def parse_input(
             problem = _line_problem(item, endpoint) or _body_problem(item["body"])
         if problem:
             yield failed(line_id, problem)
-        else:
-            taken.add(line_id)
-            yield BatchRequest(
-                job_id=job_id, line_id=line_id, team=team, url=item["url"], body=item["body"]
+            continue
+        request = BatchRequest(
+            job_id=job_id, line_id=line_id, team=team, url=item["url"], body=item["body"]
+        )
+        # What goes to Kafka is the line written again, which can be longer than the text
+        # read (``1e15`` is written ``1000000000000000.0``): that is what must fit a record.
+        if (written := len(request.to_json())) > MAX_LINE_BYTES:
+            yield failed(
+                line_id,
+                f"{written} bytes as written to Kafka ({size} as sent), over the "
+                f"{MAX_LINE_BYTES} a line may have",
             )
+            continue
+        taken.add(line_id)
+        yield request
 
 
 def claimed_ids(lines: Sequence[str]) -> set[str]:
@@ -161,7 +176,7 @@ def _line_problem(item: dict[str, Any], endpoint: str | None) -> str | None:
     if custom_id is not None and not isinstance(custom_id, str):
         return "custom_id must be a string"
     if item.get("url") not in _URLS:
-        return f"url {item.get('url')!r} must be one of {list(_URLS)}"
+        return f"url {clipped(repr(item.get('url')), 100)} must be one of {list(_URLS)}"
     if endpoint is not None and item["url"] != endpoint:
         return f"url {item['url']!r} is not the batch's endpoint {endpoint!r}"
     if str(item.get("method", "POST")).upper() != "POST":
@@ -316,6 +331,22 @@ async def _drain(pending: list[Any], progress: Callable[[int], None] | None) -> 
     pending.clear()
 
 
+def results_record(value: bytes | None) -> BatchJob | BatchResult | None:
+    """A record of a results topic: a job's header or a line's result; None for anything
+    else. Whoever may write the topic can write any bytes there: a record that is neither is
+    skipped by every reader, never one that stops the reading of its partition."""
+    try:
+        item = orjson.loads(value or b"")
+        if isinstance(item, dict):
+            if item.get("type") == "job":
+                return BatchJob.model_validate(item)
+            if item.get("type") == "result":
+                return BatchResult.model_validate(item)
+    except ValueError:  # not JSON, or not a header or result (pydantic's error is one)
+        pass
+    return None
+
+
 def _duplicate(result: BatchResult) -> bool:
     error = (result.body or {}).get("error")
     return isinstance(error, dict) and error.get("code") == DuplicateLine.code
@@ -339,11 +370,11 @@ async def _scan_job(
         for record in batches.get(tp, []):
             if record.key != key:
                 continue
-            item = orjson.loads(record.value)
-            if item.get("type") == "job":
-                header = BatchJob.model_validate(item)
-            elif item.get("type") == "result":
-                result = BatchResult.model_validate(item)
+            item = results_record(record.value)
+            if isinstance(item, BatchJob):
+                header = item
+            elif isinstance(item, BatchResult):
+                result = item
                 first = results.get(result.line_id)
                 # A copy of a line sent twice is answered "duplicate_line" at once while the
                 # line itself still runs: the line's own result is the one that counts.

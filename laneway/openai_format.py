@@ -6,13 +6,40 @@ from typing import Any
 
 from laneway.schema import Reply, RequestEnvelope
 
-__all__ = ["error_body", "final_body", "usage_body"]
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "MAX_PARAM_CHARS",
+    "clipped",
+    "error_body",
+    "final_body",
+    "usage_body",
+]
+
+# An error names what was sent, and what was sent may be a megabyte (a model name, a field's
+# name): an error body stays small, whichever door it leaves by (a batch result that grew
+# past Kafka's largest record could never be written, and held its partition's commits).
+MAX_ERROR_CHARS = 2000
+MAX_PARAM_CHARS = 200
+
+
+def clipped(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with a note of how many more it had."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 def error_body(
     message: str, *, type_: str, code: str | None, param: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {
+        "error": {
+            "message": clipped(message, MAX_ERROR_CHARS),
+            "type": type_,
+            "param": None if param is None else clipped(param, MAX_PARAM_CHARS),
+            "code": code,
+        }
+    }
 
 
 def usage_body(reply: Reply) -> dict[str, Any]:

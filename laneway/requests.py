@@ -12,6 +12,7 @@ from typing import Any
 from laneway.constants import RequestClass
 from laneway.errors import BadRequest, ModelNotFound, PromptTooLarge
 from laneway.openai_api import ChatRequest, CompletionRequest
+from laneway.openai_format import clipped
 from laneway.schema import ApiKind, ChatMessage, RequestEnvelope
 from laneway.settings import CommonSettings
 from laneway.tokens import estimate_tokens
@@ -59,8 +60,8 @@ def shape_request(
     """Validate ``body`` against the served models and the limits of ``cls``."""
     if body.model not in settings.models:
         raise ModelNotFound(
-            f"model {body.model!r} is not served here; available: {sorted(settings.models)} "
-            "(LANEWAY_MODELS)",
+            f"model {clipped(repr(body.model), 100)} is not served here; "
+            f"available: {sorted(settings.models)} (LANEWAY_MODELS)",
             param="model",
         )
     if isinstance(body, CompletionRequest):

@@ -143,6 +143,9 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
         _line(96, messages=[{"role": "user", "content": "x" * 200_000}]),
         orjson.dumps({"custom_id": "doc-97", "url": "/v1/embeddings", "body": {}}).decode(),
         _line(98, max_tokens="lots"),
+        # Its error names the model: in full, its result would be over a Kafka record, and
+        # the partition's commits would stop there.
+        _line(99, model="'" * 420_000 + '"'),
     ]
     source = tmp_path / "job.jsonl"
     source.write_text("\n".join(lines) + "\n")
@@ -165,23 +168,25 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     submit = await asyncio.to_thread(run, "submit", str(source), "--wait", "--timeout", "120")
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().splitlines()[-1]
-    assert "completed, 95 ok, 5 failed of 100" in submit.stdout
+    assert "completed, 95 ok, 6 failed of 101" in submit.stdout
 
     out = tmp_path / "out.jsonl"
     fetched = await asyncio.to_thread(run, "results", job, "-o", str(out))
     assert fetched.returncode == 0, fetched.stderr
     rows = {row["custom_id"]: row for row in map(orjson.loads, out.read_text().splitlines())}
-    assert len(rows) == 100
+    assert len(rows) == 101
     assert rows["doc-0"]["response"]["status_code"] == 200
     assert rows["doc-0"]["response"]["body"]["object"] == "chat.completion"
     assert rows["doc-0"]["error"] is None
     expected = {"line-96": 400, "doc-95": 404, "doc-96": 413, "doc-97": 400, "doc-98": 400}
+    expected["doc-99"] = 404
+    assert "more characters" in rows["doc-99"]["error"]["message"]
     assert {cid: rows[cid]["response"]["status_code"] for cid in expected} == expected
     assert "invalid JSON" in rows["line-96"]["error"]["message"]
     assert rows["doc-98"]["response"]["body"]["error"]["param"] == "body.max_tokens"
 
     status = await asyncio.to_thread(run, "status", job)
-    assert "completed, 100/100 done, 95 ok, 5 failed" in status.stdout, status.stderr
+    assert "completed, 101/101 done, 95 ok, 6 failed" in status.stdout, status.stderr
     # Another team's key sees no such batch.
     env["LANEWAY_API_KEY"] = await stack.api_key("rivals")
     foreign = await asyncio.to_thread(run, "status", job)

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from laneway.batch import MAX_CUSTOM_ID_CHARS, parse_input
+from laneway.batch import MAX_CUSTOM_ID_CHARS, MAX_LINE_BYTES, parse_input
 from laneway.errors import BadRequest, ConfigError
 from ops.batch_cli import _jsonl_lines
 
@@ -115,6 +115,29 @@ def test_a_body_laneway_could_not_write_out_again_is_an_error_line() -> None:
     assert "line 1: body.metadata.0.0" in (bad.error or "")
     assert "nested more than 64 levels deep" in (bad.error or "")
     bad.to_json()  # an error line is carried
+
+
+def test_a_line_that_grows_past_a_record_when_written_is_an_error_line() -> None:
+    """The limit is on what goes to Kafka: ``1e15`` is written ``1000000000000000.0``, so a
+    line under the limit as sent can be over it as written (the batch's transaction would
+    fail, and with it the whole batch, at every try)."""
+    numbers = ",".join(["1e15"] * 150_000)
+    body = '{"model": "laneway-chat", "messages": [], "metadata": {"n": [' + numbers + "]}}"
+    text = '{"custom_id": "big", "url": "/v1/chat/completions", "body": ' + body + "}"
+    assert len(text.encode()) < MAX_LINE_BYTES
+    bad, good = parse_input([text, _line("good")], job_id="j", team="t")
+    assert (bad.line_id, good.error) == ("big", None)
+    assert "as written to Kafka" in (bad.error or "")
+    assert len(bad.to_json()) < 10_000
+
+
+def test_an_error_line_quotes_what_was_sent_only_in_part() -> None:
+    url = "/v1/" + "x" * 500_000
+    line = orjson.dumps({"custom_id": "u", "url": url, "body": {}}).decode()
+    (bad,) = parse_input([line], job_id="j", team="t")
+    assert "must be one of" in (bad.error or "")
+    assert "more characters" in (bad.error or "")
+    assert len(bad.to_json()) < 10_000
 
 
 def test_the_cli_reads_a_jsonl_file_at_newlines_only(tmp_path: Path) -> None:

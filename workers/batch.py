@@ -54,6 +54,10 @@ _STATUS_CODES = {
 }
 
 
+# The largest result record written: Kafka's largest record (1 MiB by default, for the
+# producer and the broker) with room for the record's key and headers.
+MAX_RESULT_BYTES = 1_000_000
+
 # A cancelled job's lines stop within this long of the cancel on every worker.
 _CANCEL_CHECK_S = 1.0
 
@@ -166,12 +170,32 @@ def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
     )
 
 
+def too_large(result: BatchResult, size: int) -> BatchResult:
+    """``result`` answered with an error: written, it was ``size`` bytes."""
+    message = (
+        f"the result of this line was {size} bytes, over the {MAX_RESULT_BYTES} a result "
+        "record may have (Kafka's largest record); it was not kept, its tokens are charged"
+    )
+    return result.model_copy(
+        update={
+            "status": "error",
+            "status_code": _STATUS_CODES["error"],
+            "body": error_body(message, type_="server_error", code="result_too_large"),
+        }
+    )
+
+
 def result_records(
     topics: Topics, result: BatchResult, usage: UsageEvent | None = None, input_topic: str = ""
 ) -> list[KafkaRecord]:
     """The result (to the results topic of the line's input topic) and its usage event."""
     results = topics.batch_results_for(input_topic) if input_topic else topics.results_batch
-    records = [(results, result.job_id.encode(), result.to_json())]
+    value = result.to_json()
+    if len(value) > MAX_RESULT_BYTES:
+        # Kafka would refuse it, and its transaction with it, at every try: the partition's
+        # commits would stop there. Its line is answered with why; the tokens stay charged.
+        value = too_large(result, len(value)).to_json()
+    records = [(results, result.job_id.encode(), value)]
     if usage is not None:
         records.append((topics.usage, usage.team.encode(), usage.to_json()))
     return records
