@@ -51,7 +51,11 @@ def _cell(record: dict[str, Any], name: str) -> str:
             return time.strftime("%H:%M:%S", time.localtime(float(record.get("ts", 0))))
         except (TypeError, ValueError, OverflowError, OSError):  # a record's own odd time
             return str(record.get("ts"))[:8]
-    value = (record.get("latency_ms") or {}).get("p99") if name == "p99_ms" else record.get(name)
+    if name == "p99_ms":
+        latency = record.get("latency_ms")
+        value = latency.get("p99") if isinstance(latency, dict) else None
+    else:
+        value = record.get(name)
     if isinstance(value, float):
         return f"{value:.4f}" if name == "cost" else f"{value:.1f}"
     return "-" if value is None else str(value)
@@ -91,6 +95,9 @@ async def tail_usage(
         enable_auto_commit=False,
         **kafka_auth(settings),
         auto_offset_reset="earliest" if from_beginning else "latest",
+        # A batch line's usage is written in its result's transaction: one a fence or a crash
+        # aborted is run again, and its usage written again; the aborted one is not shown.
+        isolation_level="read_committed",
     )
     shown = 0
     await consumer.start()
@@ -128,6 +135,9 @@ async def _tail_hourly_in_place(
         enable_auto_commit=False,
         **kafka_auth(settings),
         auto_offset_reset="earliest" if from_beginning else "latest",
+        # A batch line's usage is written in its result's transaction: one a fence or a crash
+        # aborted is run again, and its usage written again; the aborted one is not shown.
+        isolation_level="read_committed",
     )
     latest: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     shown = 0

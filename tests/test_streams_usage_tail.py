@@ -6,6 +6,9 @@ import argparse
 import io
 import json
 import time
+import uuid
+
+from aiokafka import AIOKafkaProducer
 
 from laneway.settings import CommonSettings
 from streams.usage_tail import add_usage_commands, tail_usage
@@ -95,6 +98,42 @@ async def test_tail_redraws_the_open_hour_in_place(stack: LiveStack) -> None:
         ("2026-01-01T09:00:00Z", "4", "final r5"),
         ("2026-01-01T10:00:00Z", "6", "open r6"),
     ]
+
+
+async def test_tail_skips_aborted_usage_and_odd_latency(stack: LiveStack) -> None:
+    """A batch line whose transaction aborted runs again: its first usage is not shown (it
+    would be counted twice by whoever reads the tail). A record's odd ``latency_ms`` is
+    shown as nothing, not a crash."""
+    txn = AIOKafkaProducer(
+        bootstrap_servers=stack.services.bootstrap,
+        transactional_id=f"{stack.prefix}-tail-{uuid.uuid4().hex[:6]}",
+        **stack.services.admin_auth,
+    )
+    await txn.start()
+    try:
+        aborted = usage_event(team="txn", cls="batch", completion_tokens=64)
+        await txn.begin_transaction()
+        await txn.send_and_wait(stack.topics.usage, aborted.to_json(), key=b"txn")
+        await txn.abort_transaction()
+        kept = usage_event(team="txn", cls="batch", completion_tokens=3)
+        async with txn.transaction():
+            await txn.send(stack.topics.usage, kept.to_json(), key=b"txn")
+    finally:
+        await txn.stop()
+    odd = json.dumps({**json.loads(usage_event(team="txn").to_json()), "latency_ms": 5})
+    producer = await stack.producer()
+    await producer.send_and_wait(stack.topics.usage, odd.encode(), key=b"txn")
+    settings = CommonSettings(**stack.common)
+
+    out = io.StringIO()
+    await tail_usage(settings, team="txn", output="json", from_beginning=True, limit=2, out=out)
+    shown = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert aborted.id not in {line["id"] for line in shown}
+    assert shown[0]["id"] == kept.id
+
+    table = io.StringIO()
+    await tail_usage(settings, team="txn", from_beginning=True, limit=2, out=table)
+    assert len(table.getvalue().splitlines()) == 3  # the header and both records
 
 
 def test_cli_registers_usage_tail() -> None:
