@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
@@ -27,7 +26,7 @@ from redis.exceptions import RedisError
 from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch, Status
 from ingress.files import FileRecord, FileStore
 from ingress.settings import IngressSettings
-from laneway.batch import claimed_ids, output_line_bytes, parse_input
+from laneway.batch import claimed_ids, output_line_bytes, parse_input, results_record
 from laneway.clients import make_consumer, make_producer
 from laneway.constants import FILE_RETENTION_S
 from laneway.errors import BadRequest, LanewayError, NotFound, RateLimited
@@ -336,10 +335,11 @@ class BatchBook:
                 for kafka_record in batches.get(tp, []):
                     if kafka_record.offset >= end or kafka_record.key != job:
                         continue
-                    item = orjson.loads(kafka_record.value)
-                    if item.get("type") != "result":
+                    result = results_record(kafka_record.value)
+                    # Only the batch's team's results count: whoever else may write the
+                    # topic (an operator's batch service) cannot finish another's batch.
+                    if not isinstance(result, BatchResult) or result.team != record.team:
                         continue
-                    result = BatchResult.model_validate(item)
                     size = len(output_line_bytes(result))
                     if result.status_code == 200:
                         completed, output_bytes = completed + 1, output_bytes + size

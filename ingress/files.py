@@ -16,13 +16,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import IO, Any, Literal
 
-import orjson
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from pydantic import BaseModel, ConfigDict
 
 from ingress.settings import IngressSettings
-from laneway.batch import output_line_bytes
+from laneway.batch import output_line_bytes, results_record
 from laneway.clients import make_consumer, start_client
 from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
 from laneway.errors import BadRequest, BodyTooLarge, NotFound
@@ -134,15 +133,20 @@ class FileStore:
             return
         tp = TopicPartition(self.topics.results_batch, record.partition)
         job = record.job_id.encode()
+        seen: set[str] = set()
         async for _, rkey, value in read_range(
             self.settings, tp, record.first_offset, record.last_offset + 1, committed=True
         ):
             if rkey != job:
                 continue
-            item = orjson.loads(value)
-            if item.get("type") != "result":
+            result = results_record(value)
+            if (
+                not isinstance(result, BatchResult)
+                or result.team != record.team
+                or result.line_id in seen
+            ):
                 continue
-            result = BatchResult.model_validate(item)
+            seen.add(result.line_id)  # one line per input line, whatever else was written
             if (result.status_code == 200) == record.results_ok:
                 yield output_line_bytes(result)
 

@@ -18,7 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from ingress import batches, files
 from ingress.batch_records import BatchRecord
 from ingress.settings import IngressSettings
-from laneway.schema import BatchJob, BatchRequest
+from laneway.schema import BatchJob, BatchRequest, BatchResult
 from tests.stack import Ingress, LiveStack, eventually
 from workers import metrics
 
@@ -136,6 +136,49 @@ async def test_sdk_batch_end_to_end_one_result_per_line(stack: LiveStack) -> Non
     raw = orjson.dumps(lines).decode()
     assert key not in raw
     assert "api_key" not in raw
+
+
+async def test_records_no_worker_wrote_on_the_results_topic_count_for_nothing(
+    stack: LiveStack,
+) -> None:
+    """Whoever may write the shared results topic (an operator's batch service) can write
+    anything there under a batch's id: bytes that are no result, a result of another team.
+    Neither stops the batch's counting nor counts toward it, and its output has one line per
+    input line."""
+    ingress = await stack.start_ingress()
+    key = await stack.api_key("docs", size=100)
+    client = _client(stack, ingress, key)
+    data = b"\n".join(_line(i) for i in range(3)) + b"\n"
+    uploaded = await client.files.create(file=("docs.jsonl", data), purpose="batch")
+    created = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    await _until(client, created.id, "in_progress")
+    forged = BatchResult(
+        job_id=created.id,
+        line_id="doc-0",
+        request_id="forged",
+        team="rivals",
+        status="ok",
+        status_code=200,
+        body={"forged": True},
+    )
+    producer = await stack.producer()
+    for value in (b"not json", b'{"type": "result"}', forged.to_json()):
+        await producer.send_and_wait(stack.topics.results_batch, value, key=created.id.encode())
+    still = await client.batches.retrieve(created.id)  # counted past them: no error
+    assert still.status == "in_progress"
+    assert still.request_counts is not None
+    assert (still.request_counts.completed, still.request_counts.failed) == (0, 0)
+
+    await stack.start_worker("batch")
+    batch = await _until_done(client, created.id)
+    assert batch.status == "completed"
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+    output = await _lines(client, batch.output_file_id)
+    assert sorted(row["custom_id"] for row in output) == ["doc-0", "doc-1", "doc-2"]
+    assert all(row["response"]["body"]["object"] == "chat.completion" for row in output)
 
 
 async def test_another_team_cannot_see_or_cancel_a_batch(stack: LiveStack) -> None:
