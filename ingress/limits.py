@@ -4,10 +4,11 @@ A body longer than ``LANEWAY_MAX_BODY_BYTES`` gets 413 before it is read: at onc
 ``Content-Length`` says so, else (chunked) as soon as what arrived passes the limit. A pure
 ASGI middleware, so the hot paths pay a header lookup and nothing more.
 
-A chunked upload (a path of its own limit, ``LANEWAY_MAX_FILE_BYTES``: 100 MiB) is not held
-here: it reaches the app as it comes, counted, so a caller without a key is answered before
-its body is read; past the limit the app is told the client left and the client gets the
-413 instead of the app's answer.
+A chunked body is not held here: it reaches the app as it comes, counted, so a caller
+without a key is answered before its body is read (held first, thousands of slow bodies
+without a key were each up to the limit in memory); past the limit the app is told the
+client left and the client gets the 413 instead of the app's answer. A path may have a
+limit of its own (file uploads, ``LANEWAY_MAX_FILE_BYTES``: 100 MiB).
 """
 
 from __future__ import annotations
@@ -44,26 +45,7 @@ class BodyLimit:
         if not _chunked(scope):
             await self.app(scope, receive, send)
             return
-        if scope["path"] in self.per_path:
-            await self._counted(limit, scope, receive, send)
-        else:
-            await self._buffered(limit, scope, receive, send)
-
-    async def _buffered(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # gone before the body ended
-                await self.app(scope, _replay(message, receive), send)
-                return
-            body += message.get("body", b"")
-            if len(body) > limit:
-                await self._refuse(len(body), limit, scope, receive, send, at_least=True)
-                return
-            if not message.get("more_body", False):
-                break
-        whole: Message = {"type": "http.request", "body": bytes(body), "more_body": False}
-        await self.app(scope, _replay(whole, receive), send)
+        await self._counted(limit, scope, receive, send)
 
     async def _counted(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
         size = 0
@@ -132,15 +114,3 @@ def _content_length(scope: Scope) -> int | None:
 def _chunked(scope: Scope) -> bool:
     raw = _header(scope, b"transfer-encoding")
     return raw is not None and b"chunked" in raw.lower()
-
-
-def _replay(first: Message, receive: Receive) -> Receive:
-    """``receive`` that gives ``first`` once, then what the server sends (a disconnect)."""
-    pending = [first]
-
-    async def replayed() -> Message:
-        if pending:
-            return pending.pop()
-        return await receive()
-
-    return replayed

@@ -4,6 +4,7 @@ and nothing internal leaks into a response."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -109,6 +110,29 @@ async def test_bodies_over_the_limit_get_413_with_the_limit(stack: LiveStack) ->
         "/v1/completions", content=chunks(small), headers={"content-type": "application/json"}
     )
     assert response.status_code == 200, response.text
+
+
+async def test_a_chunked_body_without_a_key_is_answered_before_it_ends(
+    stack: LiveStack,
+) -> None:
+    """A chunked body was held whole, up to the limit, before the key was looked at:
+    thousands of slow bodies without a key held that much memory each."""
+    ingress = await stack.start_ingress()
+    reader, writer = await asyncio.open_connection("127.0.0.1", ingress.port)
+    try:
+        start = b'{"model": "laneway-code", "prompt": "'
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: laneway\r\nTransfer-Encoding: chunked\r\n"
+            + b"Content-Type: application/json\r\n\r\n"
+            + f"{len(start):x}\r\n".encode()
+            + start
+            + b"\r\n"
+        )
+        await writer.drain()  # and nothing more: the body has not ended
+        status = await asyncio.wait_for(reader.readline(), 10)
+        assert status.split()[1] == b"401", status
+    finally:
+        writer.close()
 
 
 async def test_a_body_under_the_limit_too_big_to_queue_is_a_413_not_a_retry(
