@@ -118,6 +118,9 @@ class BatchBook:
                 "with purpose 'batch'",
                 param="input_file_id",
             )
+        # Its lines are the file's bytes written once more (a file may be used again and
+        # again): counted again.
+        await self.files.stored.take(team, f"batch:{batch_id}", file.bytes)
         now = int(time.time())
         record = BatchRecord(
             id=batch_id,

@@ -24,10 +24,10 @@ from ingress.settings import IngressSettings
 from laneway.batch import output_line_bytes, results_record
 from laneway.clients import make_consumer, start_client
 from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
-from laneway.errors import BadRequest, BodyTooLarge, NotFound
+from laneway.errors import BadRequest, BodyTooLarge, NotFound, RateLimited
 from laneway.schema import BatchResult
 
-__all__ = ["FileRecord", "FileStore", "read_range"]
+__all__ = ["FileRecord", "FileStore", "StoredBytes", "read_range"]
 
 # A chunk is one Kafka record: well below the 1 MiB a record may have by default.
 _CHUNK_BYTES = 512 * 1024
@@ -71,6 +71,66 @@ def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
 
+# Each stored thing counts at least this much: a team's ledger (and the file records beside
+# it) stays within allowance / 1 MiB entries, however small its files.
+_LEAST_COUNTED = 1024 * 1024
+
+# Drops what left the 7 days, then adds ARGV[3] (``<kind>:<id>:<bytes>``) at ARGV[1] if the
+# team's total stays within ARGV[4]; returns -1 when added, else the total stored already.
+_TAKE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+local total = 0
+for _, entry in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  total = total + tonumber(string.match(entry, ':(%d+)$'))
+end
+if total + tonumber(ARGV[5]) > tonumber(ARGV[4]) then
+  return total
+end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+return -1
+"""
+
+
+class StoredBytes:
+    """What each team stored on Kafka through the Files and Batches API within its 7 days,
+    against ``LANEWAY_TEAM_STORED_BYTES``: one team cannot fill the brokers' disks (nor
+    Redis, with the records of millions of small files) for every other."""
+
+    def __init__(self, settings: IngressSettings, redis: aioredis.Redis) -> None:
+        self.limit = settings.team_stored_bytes
+        self.redis = redis
+        self.keys: RedisKeys = settings.keys
+        self._take = redis.register_script(_TAKE)
+
+    async def take(self, team: str, what: str, size: int) -> str:
+        """Count ``size`` bytes of ``what`` (``file:<id>``) against ``team``'s allowance;
+        the entry (for ``give_back``), or ``RateLimited`` naming the setting."""
+        counted = max(size, _LEAST_COUNTED)
+        entry = f"{what}:{counted}"
+        now = time.time()
+        total = int(
+            await self._take(
+                keys=[self.keys.team_stored(team)],
+                args=[now, now - FILE_RETENTION_S, entry, self.limit, counted, FILE_RETENTION_S],
+            )
+        )
+        if total >= 0:
+            raise RateLimited(
+                f"team {team!r} stored {total} bytes within the last 7 days; {size} more "
+                f"(each counted as at least {_LEAST_COUNTED}) would pass its allowance of "
+                f"{self.limit} (LANEWAY_TEAM_STORED_BYTES)",
+                team=team,
+                limit=self.limit,
+                retry_after=3600.0,
+            )
+        return entry
+
+    async def give_back(self, team: str, entry: str) -> None:
+        """Uncount what was not stored after all."""
+        await self.redis.zrem(self.keys.team_stored(team), entry)
+
+
 class FileStore:
     def __init__(
         self, settings: IngressSettings, redis: aioredis.Redis, producer: AIOKafkaProducer
@@ -80,6 +140,7 @@ class FileStore:
         self.producer = producer
         self.topics: Topics = settings.topics
         self.keys: RedisKeys = settings.keys
+        self.stored = StoredBytes(settings, redis)
 
     async def get(self, file_id: str, team: str, *, param: str = "file_id") -> FileRecord:
         """The team's file ``file_id``; another team's is "not found" like a missing one."""
@@ -99,11 +160,18 @@ class FileStore:
         # A read of the whole file: off the event loop (it may be on disk, 100 MiB).
         size, _ = await asyncio.to_thread(_check_upload, data, self.settings)
         file_id = new_file_id()
+        entry = await self.stored.take(team, f"file:{file_id}", size)
         data.seek(0)
-        sent = []
-        while chunk := data.read(_CHUNK_BYTES):
-            sent.append(await self.producer.send(self.topics.files, chunk, key=file_id.encode()))
-        stored = [await future for future in sent]
+        try:
+            sent = []
+            while chunk := data.read(_CHUNK_BYTES):
+                sent.append(
+                    await self.producer.send(self.topics.files, chunk, key=file_id.encode())
+                )
+            stored = [await future for future in sent]
+        except BaseException:
+            await asyncio.shield(self.stored.give_back(team, entry))
+            raise
         now = int(time.time())
         record = FileRecord(
             id=file_id,

@@ -60,6 +60,13 @@ class IngressSettings(CommonSettings):
         description="batches one team may have within their 7-day life (429 beyond): each "
         "keeps a record in Redis that long",
     )
+    team_stored_bytes: int = Field(
+        10 * 1024**3,
+        ge=1024 * 1024,
+        description="bytes one team may store on Kafka through the Files and Batches API "
+        "within their 7-day life (429 beyond): each upload counts its size, each batch its "
+        "input file's again (its lines are written once more), each at least 1 MiB",
+    )
     cancels_per_s: int = Field(
         50,
         gt=0,

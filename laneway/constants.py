@@ -233,6 +233,11 @@ class RedisKeys:
         """A batch of the Batches API: its object and how far its results were counted."""
         return f"{self.prefix}:batch:{batch_id}"
 
+    def team_stored(self, team: str) -> str:
+        """What a team stored on Kafka through the Files and Batches API within their life:
+        ``<kind>:<id>:<bytes>`` scored by when (``LANEWAY_TEAM_STORED_BYTES``)."""
+        return f"{self.prefix}:stored:{team}"
+
     def team_batches(self, team: str) -> str:
         """A team's batch ids scored by creation time (``GET /v1/batches``)."""
         return f"{self.prefix}:batches:{team}"

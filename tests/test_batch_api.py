@@ -181,6 +181,33 @@ async def test_records_no_worker_wrote_on_the_results_topic_count_for_nothing(
     assert all(row["response"]["body"]["object"] == "chat.completion" for row in output)
 
 
+async def test_a_team_stores_no_more_than_its_allowance_and_others_still_can(
+    stack: LiveStack,
+) -> None:
+    """Uploads, and batches reading a file again, write to Kafka: one team's loop of them
+    would fill the brokers' disks for every team. Each counts (at least 1 MiB) against
+    LANEWAY_TEAM_STORED_BYTES for 7 days; past it, 429 naming the setting."""
+    ingress = await stack.start_ingress(team_stored_bytes=3 * 1024 * 1024)
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    data = _line(0) + b"\n"
+    uploaded = await client.files.create(file=("a.jsonl", data), purpose="batch")
+    for _ in range(2):  # each batch writes the file's lines once more
+        await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert "LANEWAY_TEAM_STORED_BYTES" in refused.value.message
+    with pytest.raises(openai.RateLimitError):
+        await client.files.create(file=("b.jsonl", data), purpose="batch")
+    assert len((await client.batches.list()).data) == 2  # the refused one left nothing
+
+    other = _client(stack, ingress, await stack.api_key("rivals", size=100))
+    await other.files.create(file=("c.jsonl", data), purpose="batch")
+
+
 async def test_another_team_cannot_see_or_cancel_a_batch(stack: LiveStack) -> None:
     ingress = await stack.start_ingress()
     await stack.start_worker("batch")
