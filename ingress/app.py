@@ -17,6 +17,7 @@ from ingress.limits import BodyLimit
 from ingress.routes import HOT_ROUTES, router
 from ingress.settings import IngressSettings
 from ingress.state import IngressState
+from laneway.watchdog import AliveFile
 
 __all__ = ["create_app"]
 
@@ -26,19 +27,21 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Kafka clients bind to the running loop: build them inside the lifespan.
-        state = IngressState(settings)
-        await state.start()
-        app.state.laneway = state
-        # The console (on with the admin key) follows its Kafka feed from its first page on.
-        console = Console(settings) if settings.admin_key.get_secret_value() else None
-        app.state.console = console
-        try:
-            yield
-        finally:
-            if console is not None:
-                await console.stop()
-            await state.stop()
+        # The sign of life first: a start that blocks the loop is as hung as a run that does.
+        async with AliveFile(settings.watchdog_file):
+            # Kafka clients bind to the running loop: build them inside the lifespan.
+            state = IngressState(settings)
+            await state.start()
+            app.state.laneway = state
+            # The console (on with the admin key) follows its Kafka feed from its first page.
+            console = Console(settings) if settings.admin_key.get_secret_value() else None
+            app.state.console = console
+            try:
+                yield
+            finally:
+                if console is not None:
+                    await console.stop()
+                await state.stop()
 
     app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -130,6 +130,12 @@ class CommonSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="log lines as text (fields as key=value) or one JSON object a line"
     )
+    watchdog_file: str = Field(
+        "",
+        description="ingress, workers and streams: touch this file every second from the "
+        "event loop, a sign of life for a supervisor that kills a hung process (`laneway up` "
+        "sets it for each process; '': off)",
+    )
 
     ingress_url: str = Field(
         "http://127.0.0.1:8000/v1",

@@ -19,7 +19,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.constants import RedisKeys, RequestClass, Topics
-from laneway.errors import MalformedMessage
+from laneway.errors import MalformedMessage, ServiceError
 from laneway.schema import ScalingDecision, decode
 from ops.group_members import GroupMembers
 from ops.supervisor import Supervisor, SupervisorMetrics
@@ -85,7 +85,7 @@ class LocalAutoscaler:
         self.metrics.desired.labels(pool).set(target)
         if target > len(running):
             for name in [n for n in names if n not in running][: target - len(running)]:
-                await self.supervisor.activate(name)
+                await self._activate(name)
         elif target < len(running):
             # The newest go first: the first ones are the pool's minimum.
             stopped = []
@@ -100,6 +100,16 @@ class LocalAutoscaler:
             log.warning("pool %s: %d → %d worker processes (signal: %s)", pool, len(running),
                         count, desired)  # fmt: skip
         return count
+
+    async def _activate(self, name: str) -> None:
+        try:
+            await self.supervisor.activate(name)
+        except Exception as exc:  # noqa: BLE001 - a start may raise anything; it is said
+            # Any failed start (a full disk, a Python that went away): the process stays a
+            # standby and the next look tries again. Raised, it ended the autoscaler for
+            # good, and no pool followed its signal any more.
+            said = str(exc) if isinstance(exc, (OSError, ServiceError)) else repr(exc)
+            log.warning("%s could not be started (%s); trying again at the next look", name, said)
 
     async def _leave_group(self, pool: RequestClass, worker_ids: list[str]) -> None:
         group = self.topics.consumer_group(pool)

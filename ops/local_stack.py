@@ -28,12 +28,25 @@ from ops.devstack import KafkaBroker, RedisServer, create_topics, port_in_use
 from ops.group_members import GroupMembers
 from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings
-from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_echo
+from ops.supervised import (
+    LocalServer,
+    ServiceProcess,
+    Supervised,
+    prefixed_echo,
+    stray_services,
+)
 from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 from streams.settings import StreamsSettings
 from workers.settings import WorkerSettings
 
-__all__ = ["pool_replicas", "run_local_stack", "stack_processes", "standby_processes"]
+__all__ = [
+    "pool_replicas",
+    "run_local_stack",
+    "stack_processes",
+    "standby_processes",
+    "stop_grace_s",
+    "stop_leftovers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +65,11 @@ _BROKER_LOGIN = {
     for name in CommonSettings.model_fields
     if name.startswith("kafka_") and name != "kafka_bootstrap"
 }
+# A stopping process gets at least this long after its SIGTERM before it is killed.
+_SHORTEST_STOP_GRACE_S = 15.0
+# What a stopping worker does after its drain (LANEWAY_DRAIN_GRACE_S): its last commit
+# (bounded at 10 s), then it closes its Kafka and Redis clients and its engine.
+_AFTER_DRAIN_S = 15.0
 
 
 def pool_replicas(settings: StackSettings) -> dict[RequestClass, list[str]]:
@@ -160,6 +178,10 @@ def stack_processes(
                 log_dir=data / "logs",
                 needs=(redis.name, kafka.name),
                 echo=prefixed_echo(name, width),
+                # Stopped first: it finishes its open requests (up to 10 s) while the workers
+                # that answer them still run.
+                front=module == "ingress",
+                watchdog=True,
             )
         )
     return processes
@@ -170,8 +192,16 @@ def claimed(data: Path) -> Iterator[None]:
     """``data`` as this process's alone while inside: a second ``laneway up`` on the same data
     dir is refused, naming the first (a lock the kernel lets go when its holder dies, however
     it dies)."""
-    data.mkdir(parents=True, exist_ok=True)
-    with (data / "up.pid").open("a+") as lock:
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+        lock_file = (data / "up.pid").open("a+")
+    except OSError as exc:
+        why = "it is not a directory" if data.exists() and not data.is_dir() else exc.strerror
+        raise ConfigError(
+            f"LANEWAY_DATA_DIR: {data} cannot hold the stack's data and logs ({why}); set "
+            "LANEWAY_DATA_DIR to a directory laneway may create and write"
+        ) from None
+    with lock_file as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -205,10 +235,18 @@ def _ingress_host() -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # noqa: S104 - compared, not bound
 
 
+def _check_ingress_port_set(port: int) -> None:
+    if not port:
+        raise ConfigError(
+            "LANEWAY_PORT=0: `laneway up` needs a fixed ingress port (it tells you where the "
+            "API is, and the CLI finds the stack by it); set LANEWAY_PORT, e.g. 8000"
+        )
+
+
 def _check_ingress_port(port: int) -> None:
     """Before anything starts: the ingress would fail on a taken port only once Kafka and
     Redis are up, and another server answering there would look like laneway."""
-    if port and port_in_use(port):
+    if port_in_use(port):
         raise ServiceError(
             f"the ingress port {port} is already in use; set LANEWAY_PORT to a free port or "
             "stop whatever listens there"
@@ -230,12 +268,18 @@ async def _accepting(host: str, port: int) -> None:
         return
 
 
-def stop_leftovers(processes: Sequence[Supervised], grace_s: float = 15.0) -> None:
+def stop_leftovers(
+    processes: Sequence[Supervised], log_dir: Path, grace_s: float = _SHORTEST_STOP_GRACE_S
+) -> None:
     """What an earlier ``laneway up`` on the same data dir left running when it was killed
     (each child runs in a process group of its own, so a SIGKILL of the supervisor leaves
     them): stopped before anything starts, services before the servers they need, as its
-    Ctrl-C would have. Only a process its pid file names and whose command line matches."""
+    Ctrl-C would have. Only a process its pid file names and whose command line matches:
+    one of ``processes``, or any laneway service with a pid file in ``log_dir`` (a worker
+    replica the earlier stack ran and this one does not)."""
     left = {p.name: pid for p in processes if (pid := p.leftover_pid()) is not None}
+    strays = stray_services(log_dir, {p.name for p in processes})
+    left.update(strays)
     if not left:
         return
     log.warning(
@@ -255,6 +299,16 @@ def stop_leftovers(processes: Sequence[Supervised], grace_s: float = 15.0) -> No
                 log.warning("%s (pid %d) ignored SIGTERM; killing it", name, left[name])
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(left[name], signal.SIGKILL)
+    for name in strays:  # no process of this stack goes by that name to remove it
+        with contextlib.suppress(OSError):
+            (log_dir / f"{name}.pid").unlink()
+
+
+def stop_grace_s() -> float:
+    """How long a stopping process gets after its SIGTERM before it is killed: enough for a
+    worker's drain (LANEWAY_DRAIN_GRACE_S) and what follows it, and at least 15 s."""
+    drain = load_settings(WorkerSettings).drain_grace_s
+    return max(_SHORTEST_STOP_GRACE_S, drain + _AFTER_DRAIN_S)
 
 
 def process_runs(pid: int) -> bool:
@@ -271,16 +325,22 @@ def run_local_stack(settings: StackSettings) -> None:
     # What the supervisor does (starts, exits, restarts) is worth a line in the terminal.
     for name in ("laneway", "ops"):  # the supervisor and the autoscaler live in ops/
         logging.getLogger(name).setLevel(logging.INFO)
-    with claimed(Path(settings.data_dir).resolve()):
+    _check_ingress_port_set(settings.port)
+    data = Path(settings.data_dir).resolve()
+    with claimed(data):
         secured = stack_secrets(settings)
         processes = stack_processes(settings, secured)
-        stop_leftovers(processes)
+        grace_s = stop_grace_s()
+        stop_leftovers(processes, data / "logs", grace_s)
         _check_ingress_port(settings.port)
-        _run_local_stack(settings, secured, processes)
+        _run_local_stack(settings, secured, processes, grace_s)
 
 
 def _run_local_stack(
-    settings: StackSettings, secured: StackSecrets | None, processes: list[Supervised]
+    settings: StackSettings,
+    secured: StackSecrets | None,
+    processes: list[Supervised],
+    grace_s: float,
 ) -> None:
     host = _ingress_host()
     metrics = SupervisorMetrics()
@@ -289,6 +349,8 @@ def _run_local_stack(
         RestartPolicy.from_settings(settings),
         metrics=metrics,
         standby=standby_processes(settings),
+        grace_s=grace_s,
+        hang_timeout_s=settings.hang_timeout_s,
     )
     close_metrics = metrics.serve(settings.supervisor_port) if settings.supervisor_port else None
     data = Path(settings.data_dir).resolve()
@@ -302,8 +364,7 @@ def _run_local_stack(
 
     async def announce() -> None:
         # Once the ingress takes connections: a request sent on this line must not be refused.
-        if settings.port:
-            await _accepting(host, settings.port)
+        await _accepting(host, settings.port)
         if supervisor.stopping:
             return
         print(  # noqa: T201 - the one line a user waits for

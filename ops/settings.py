@@ -12,7 +12,18 @@ from pydantic import (
 from laneway.constants import RequestClass
 from laneway.settings import CommonSettings
 
-__all__ = ["StackSettings"]
+__all__ = ["StackSettings", "backoff_ceiling"]
+
+# A service beats every second and the supervisor looks every 2 s: a shorter timeout would
+# kill a process whose loop merely paused (a long GC, a starved machine).
+_SHORTEST_HANG_TIMEOUT_S = 5.0
+
+
+def backoff_ceiling(first_s: float, max_s: float, exits_in_window: int) -> float:
+    """The wait before the restart after the n-th exit in the crash window, before jitter:
+    ``first_s``, doubled per further exit, up to ``max_s``."""
+    doublings = min(max(exits_in_window, 1) - 1, 32)
+    return min(max_s, first_s * float(2**doublings))
 
 
 def _default_local_replicas() -> dict[RequestClass, tuple[int, int]]:
@@ -68,6 +79,14 @@ class StackSettings(CommonSettings):
     crash_window_s: float = Field(
         60.0, gt=0, le=86_400, description="`laneway up`: window of LANEWAY_CRASH_LIMIT"
     )
+    hang_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="`laneway up`: a service (ingress, worker, streams) whose event loop gave "
+        "no sign of life this long (LANEWAY_WATCHDOG_FILE) is killed and restarted, counted as "
+        f"a crash (0: off; else at least {_SHORTEST_HANG_TIMEOUT_S:g})",
+    )
 
     local_replicas: dict[RequestClass, tuple[int, int]] = Field(
         default_factory=_default_local_replicas,
@@ -103,6 +122,27 @@ class StackSettings(CommonSettings):
         low, high = self.local_replicas.get(pool, (1, 1))
         return low, min(high, self.partitions)
 
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "must name a directory: empty, it would be the current directory (the "
+                "source tree, under `make up`); unset it for .run"
+            )
+        return value
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _hang_timeout_off_or_long_enough(cls, value: float) -> float:
+        if 0 < value < _SHORTEST_HANG_TIMEOUT_S:
+            raise ValueError(
+                f"must be 0 (off) or at least {_SHORTEST_HANG_TIMEOUT_S:g}: a process beats "
+                "every second and is looked at every 2 s, and a shorter timeout kills one "
+                "whose loop merely paused"
+            )
+        return value
+
     @field_validator("restart_backoff_max_s")
     @classmethod
     def _backoff_max_not_below_first(cls, value: float, info: ValidationInfo) -> float:
@@ -112,6 +152,25 @@ class StackSettings(CommonSettings):
                 f"must be at least LANEWAY_RESTART_BACKOFF_S ({first}), the first wait"
             )
         return value
+
+    @model_validator(mode="after")
+    def _crash_limit_can_trip(self) -> StackSettings:
+        # The restart waits come between the exits: when the waits before the last exit
+        # alone outlast the window, the first exit has left it before the last one comes.
+        waits = sum(
+            backoff_ceiling(self.restart_backoff_s, self.restart_backoff_max_s, n)
+            for n in range(1, self.crash_limit)
+        )
+        if waits > self.crash_window_s:
+            raise ValueError(
+                f"LANEWAY_CRASH_LIMIT={self.crash_limit} exits can never fall within "
+                f"LANEWAY_CRASH_WINDOW_S={self.crash_window_s:g}: the restart waits between "
+                f"them alone take {waits:g}s (LANEWAY_RESTART_BACKOFF_S="
+                f"{self.restart_backoff_s:g}, doubling up to LANEWAY_RESTART_BACKOFF_MAX_S="
+                f"{self.restart_backoff_max_s:g}), so a crash loop would never stop the stack; "
+                "lower the limit or the backoff, or widen the window"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports_apart(self) -> StackSettings:

@@ -6,16 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol, TextIO
 
-__all__ = ["LOG_TAIL_LINES", "LocalServer", "ServiceProcess", "Supervised", "prefixed_echo"]
+__all__ = [
+    "LOG_TAIL_LINES",
+    "SERVICE_MODULES",
+    "LocalServer",
+    "ServiceProcess",
+    "Supervised",
+    "prefixed_echo",
+    "stray_services",
+]
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +34,8 @@ _LONGEST_LINE = 64 * 1024
 # A process that exited has written everything it will; a grandchild holding the pipe open
 # must not keep its supervisor waiting for the end of the output.
 _OUTPUT_DRAIN_S = 2.0
+# The laneway services, each run as `python -m <module>`.
+SERVICE_MODULES = ("ingress", "workers", "streams")
 
 
 class Supervised(Protocol):
@@ -32,9 +43,17 @@ class Supervised(Protocol):
 
     name: str
     needs: tuple[str, ...]  # names of processes that must be up before this one (re)starts
+    # The front door (the ingress): stopped first and alone, so that it finishes the requests
+    # it has open while the services that answer them still run.
+    front: bool
 
     @property
     def pid(self) -> int | None: ...
+
+    @property
+    def alive_file(self) -> Path | None:
+        """The file its current run touches every second while its event loop runs (its
+        watchdog), or None if it gives no sign of life but its exit."""
 
     @property
     def log_path(self) -> Path: ...
@@ -73,7 +92,8 @@ def prefixed_echo(name: str, width: int, out: TextIO | None = None) -> Callable[
 
 class ServiceProcess:
     """A laneway service as a child process: its output goes to ``<log_dir>/<name>.log``,
-    to ``echo`` (the terminal), and its last lines to a ring buffer for crash reports."""
+    to ``echo`` (the terminal), and its last lines to a ring buffer for crash reports. With
+    ``watchdog``, it is told (LANEWAY_WATCHDOG_FILE) to touch ``<log_dir>/<name>.alive``."""
 
     def __init__(
         self,
@@ -84,13 +104,19 @@ class ServiceProcess:
         log_dir: Path,
         needs: Sequence[str] = (),
         echo: Callable[[str], None] | None = None,
+        front: bool = False,
+        watchdog: bool = False,
     ) -> None:
         self.name = name
         self.needs = tuple(needs)
+        self.front = front
         self.argv = list(argv)
+        self.log_dir = log_dir
+        self._alive_file = log_dir / f"{name}.alive" if watchdog else None
         # Unbuffered: a line printed just before a crash must reach the log.
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
-        self.log_dir = log_dir
+        if self._alive_file is not None:
+            self.env["LANEWAY_WATCHDOG_FILE"] = str(self._alive_file)
         self._echo = echo
         self._lines: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._process: asyncio.subprocess.Process | None = None
@@ -103,6 +129,10 @@ class ServiceProcess:
     @property
     def pid_path(self) -> Path:
         return self.log_dir / f"{self.name}.pid"
+
+    @property
+    def alive_file(self) -> Path | None:
+        return self._alive_file
 
     @property
     def pid(self) -> int | None:
@@ -126,11 +156,22 @@ class ServiceProcess:
         except OSError:
             log_file.close()
             raise
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        log_file.write(f"----- {stamp} started pid {self._process.pid} -----\n".encode())
-        self.pid_path.write_text(str(self._process.pid))
-        if self._process.stdout is not None:  # always, with stdout=PIPE
-            self._output = asyncio.create_task(self._copy_output(self._process.stdout, log_file))
+        process = self._process
+        try:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            log_file.write(f"----- {stamp} started pid {process.pid} -----\n".encode())
+            self.pid_path.write_text(str(process.pid))
+        except BaseException:
+            # A start that raises leaves no child behind: nobody would watch or stop it (its
+            # pid file, if written, names a dead process).
+            try:
+                self.kill()
+                await process.wait()
+            finally:
+                log_file.close()
+            raise
+        if process.stdout is not None:  # always, with stdout=PIPE
+            self._output = asyncio.create_task(self._copy_output(process.stdout, log_file))
 
     async def _copy_output(self, stream: asyncio.StreamReader, log_file: IO[bytes]) -> None:
         pending = b""
@@ -185,8 +226,10 @@ class ServiceProcess:
                 )
                 self.kill()
         await self.wait()
-        with contextlib.suppress(OSError):
-            self.pid_path.unlink()
+        for path in (self.pid_path, self._alive_file):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def kill(self) -> None:
         process = self._process
@@ -206,6 +249,31 @@ class ServiceProcess:
             if [a.encode() for a in self.argv[1:]] == args[1 : len(self.argv)]:
                 return pid
         return None
+
+
+def stray_services(log_dir: Path, known: Collection[str]) -> dict[str, int]:
+    """Laneway services that an earlier supervisor started with ``log_dir`` under names not
+    in ``known`` (a worker replica the configuration no longer has) and left running: name
+    and pid, from their pid files, where the process runs ``<python> -m <service>``."""
+    found = {}
+    for pid_file in sorted(log_dir.glob("*.pid")):
+        if pid_file.stem in known:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            if _runs_a_service(pid):
+                found[pid_file.stem] = pid
+    return found
+
+
+def _runs_a_service(pid: int) -> bool:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return (
+        len(args) >= 3
+        and os.path.basename(args[0]).startswith(b"python")
+        and args[1] == b"-m"
+        and args[2] in {module.encode() for module in SERVICE_MODULES}
+    )
 
 
 class _Server(Protocol):
@@ -234,9 +302,15 @@ class _Server(Protocol):
 
 class LocalServer:
     """Kafka or Redis of ``ops.devstack`` as a supervised process; its blocking start,
-    wait and stop run on threads. ``on_ready`` runs after every start (e.g. topic creation)."""
+    wait and stop run on threads. ``on_ready`` runs after every start (e.g. topic creation).
+
+    It gives the supervisor no sign of life but its exit: a hung broker or Redis is not
+    killed (a probe would be a Kafka or Redis client of the supervisor's, on a thread, and
+    the services' own timeouts and fallbacks already bridge a server that stalls)."""
 
     needs: tuple[str, ...] = ()
+    front = False
+    alive_file: Path | None = None
 
     def __init__(self, server: _Server, *, on_ready: Callable[[], None] | None = None) -> None:
         self.server = server

@@ -4,8 +4,11 @@ The supervisor starts its processes in order and restarts one that exits with ex
 backoff and jitter, while the rest keep running. A process that keeps crashing
 (``crash_limit`` exits within ``crash_window_s``) stops the stack with its last log lines.
 An exit caused by a server it needs going away (Kafka, Redis) is not held against it: it is
-restarted once that server is back. The first stop request stops everything in order
-(services, then the servers they need); a second kills what still runs at once.
+restarted once that server is back. A process that gives signs of life (its watchdog file)
+and gives none for ``hang_timeout_s`` is killed as hung, and restarted as if it had crashed.
+The first stop request stops everything in waves: the front door (the ingress, which
+finishes its open requests), then the other services, then the servers they need one by one
+in reverse; a second kills what still runs at once.
 Standby processes (a pool's replicas above its minimum) start only when ``activate``d and
 stop for good when ``park``ed (the local autoscaler's two levers).
 """
@@ -20,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from laneway.errors import ConfigError, ServiceError
-from ops.settings import StackSettings
+from ops.settings import StackSettings, backoff_ceiling
 from ops.supervised import Supervised
 
 __all__ = [
@@ -71,8 +75,7 @@ class RestartPolicy:
         """Wait before the restart after the n-th exit in the window: the first backoff,
         doubled per exit up to the maximum, then jittered down by up to half (so processes
         that died together do not all come back in the same instant)."""
-        doublings = min(max(exits_in_window, 1) - 1, 32)
-        ceiling = min(self.backoff_max_s, self.backoff_s * float(2**doublings))
+        ceiling = backoff_ceiling(self.backoff_s, self.backoff_max_s, exits_in_window)
         return ceiling * random.uniform(0.5, 1.0)
 
 
@@ -138,8 +141,23 @@ def _not_counted(need: str, ago: float) -> str:
     return f" (not counted as a crash: {need}, which it needs, went down {ago:.0f}s ago)"
 
 
+# How often signs of life are looked at (more often under a timeout shorter than 8 s).
+_HANG_CHECK_S = 2.0
+
+
+def _beat_of(path: Path | None) -> int | None:
+    """The watchdog file's mtime (ns), None while there is none."""
+    if path is None:
+        return None
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 class Supervisor:
-    """Runs ``processes`` (started in this order) until asked to stop or one crash-loops."""
+    """Runs ``processes`` (started in this order) until asked to stop or one crash-loops;
+    with ``hang_timeout_s`` (0: off), kills one whose watchdog file stood still that long."""
 
     def __init__(
         self,
@@ -149,6 +167,7 @@ class Supervisor:
         metrics: SupervisorMetrics | None = None,
         grace_s: float = 15.0,
         standby: Collection[str] = (),
+        hang_timeout_s: float = 0.0,
     ) -> None:
         names = [p.name for p in processes]
         unknown = {need for p in processes for need in p.needs} - set(names)
@@ -164,6 +183,7 @@ class Supervisor:
         for name in names:
             self.metrics.restarts.labels(name)  # 0 from the start, not absent
         self.grace_s = grace_s
+        self.hang_timeout_s = hang_timeout_s
         self._up = {name: asyncio.Event() for name in names}
         self._starts = dict.fromkeys(names, 0)
         self._started_with: dict[str, dict[str, int]] = {name: {} for name in names}
@@ -177,6 +197,10 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
         self._kill = False
         self._failure: CrashLoop | None = None
+        # Per process: the watchdog file's mtime last seen, and when (monotonic) it was seen
+        # to change or the run started.
+        self._last_sign: dict[str, tuple[int | None, float]] = {}
+        self._hung: dict[str, float] = {}  # killed as hung: seconds without a sign of life
 
     def restarts(self, name: str) -> int:
         """How often ``name`` was restarted so far."""
@@ -195,7 +219,11 @@ class Supervisor:
             return False
         self._parked.discard(name)
         process = self._by_name[name]
-        await self._start(process)
+        try:
+            await self._start(process)
+        except BaseException:
+            self._parked.add(name)  # a standby still, for the next try
+            raise
         self._watchers.append(asyncio.create_task(self._watch(process), name=name))
         log.info("started %s (pid %s)", name, process.pid)
         return True
@@ -239,6 +267,8 @@ class Supervisor:
         """
         starting = asyncio.create_task(self._start_in_order())
         stopped = asyncio.create_task(self._stop.wait())
+        if self.hang_timeout_s > 0:
+            self._watchers.append(asyncio.create_task(self._watch_for_hangs(), name="hangs"))
         try:
             await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if starting.done():
@@ -276,6 +306,7 @@ class Supervisor:
                 self._pending_starts.discard(start)
         self._starts[process.name] += 1
         self._started_with[process.name] = {need: self._starts[need] for need in process.needs}
+        self._last_sign[process.name] = (_beat_of(process.alive_file), time.monotonic())
         self._set_up(process, up=True)
 
     def _set_up(self, process: Supervised, *, up: bool) -> None:
@@ -286,11 +317,14 @@ class Supervisor:
     async def _watch(self, process: Supervised) -> None:
         while True:
             code = await process.wait()
+            silent = self._hung.pop(process.name, None)
             if self._stop.is_set() or process.name in self._parked:
                 return
             self._set_up(process, up=False)
             self._went_down[process.name] = time.monotonic()
             why = describe_exit(code)
+            if silent is not None:
+                why = f"hung (no sign of life for {silent:.0f}s, LANEWAY_HANG_TIMEOUT_S), {why}"
             while True:
                 delay = self._count_exit(process, why)
                 if delay is None or not await self._until_restart_due(process, delay):
@@ -358,6 +392,51 @@ class Supervisor:
                 return need, ago
         return None
 
+    async def _watch_for_hangs(self) -> None:
+        every = min(_HANG_CHECK_S, self.hang_timeout_s / 4)
+        last_look = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            if now - last_look > 2 * every:
+                # This loop did not run for a while (the supervisor was stopped or starved),
+                # and its children may have waited for it (on a full output pipe): that time
+                # is held against none of them.
+                self._last_sign = {n: (beat, now) for n, (beat, _) in self._last_sign.items()}
+            last_look = now
+            for process in self.processes:
+                self._judge(process, now)
+
+    def _judge(self, process: Supervised, now: float) -> None:
+        """Kill ``process`` if its watchdog file stood still for ``hang_timeout_s``; a process
+        parked, down, stopping or already killed is not judged."""
+        name = process.name
+        if (
+            process.alive_file is None
+            or self._stop.is_set()
+            or name in self._parked
+            or name in self._hung
+            or not self.is_up(name)
+        ):
+            return
+        beat = _beat_of(process.alive_file)
+        seen, since = self._last_sign[name]  # set by every start
+        if beat != seen:
+            self._last_sign[name] = (beat, now)
+            return
+        silent = now - since
+        if silent < self.hang_timeout_s:
+            return
+        log.error(
+            "%s (pid %s) gave no sign of life for %.0fs (its event loop is blocked or the "
+            "process is stopped); killing it to restart it",
+            name,
+            process.pid,
+            silent,
+        )
+        self._hung[name] = silent
+        process.kill()
+
     async def _until_restart_due(self, process: Supervised, delay: float) -> bool:
         """Wait ``delay``, then until what ``process`` needs is up; False if stopped first."""
         if await self._unless_stopped(asyncio.sleep(delay)):
@@ -375,21 +454,28 @@ class Supervisor:
         return not self._stop.is_set()
 
     async def _shutdown(self) -> None:
-        needed = {need for p in self.processes for need in p.needs}
-        services = [p for p in self.processes if p.name not in needed]
-        servers = [p for p in reversed(self.processes) if p.name in needed]
-        await self._stop_all(services, servers)
+        waves = self.stop_waves()
+        await self._stop_in_waves(waves)
         # A start still running on a thread may spawn its process after the stop above.
         if self._pending_starts:
             await asyncio.gather(*self._pending_starts, return_exceptions=True)
-            await self._stop_all(services, servers)
+            await self._stop_in_waves(waves)
         for process in self.processes:
             self._set_up(process, up=False)
 
-    async def _stop_all(self, services: list[Supervised], servers: list[Supervised]) -> None:
-        await asyncio.gather(*(self._stop_one(p) for p in services))
-        for server in servers:
-            await self._stop_one(server)
+    def stop_waves(self) -> list[list[Supervised]]:
+        """The order of a stop: the front door (it finishes its open requests while the
+        services that answer them still run), the other services together, then each server
+        alone, in reverse start order."""
+        needed = {need for p in self.processes for need in p.needs}
+        services = [p for p in self.processes if p.name not in needed]
+        servers = [[p] for p in reversed(self.processes) if p.name in needed]
+        front = [p for p in services if p.front]
+        return [front, [p for p in services if not p.front], *servers]
+
+    async def _stop_in_waves(self, waves: list[list[Supervised]]) -> None:
+        for wave in waves:
+            await asyncio.gather(*(self._stop_one(p) for p in wave))
 
     async def _stop_one(self, process: Supervised) -> None:
         if self._kill:

@@ -61,7 +61,10 @@ if [ "${java_version%%.*}" -lt 17 ] 2>/dev/null; then
 fi
 
 # --- Python virtualenv -------------------------------------------------------------------
-if ! .venv/bin/python -c 'import sys' >/dev/null 2>&1; then
+# Usable means pip runs in it: a venv whose ensurepip failed has a python but no pip, and
+# every later run would skip creating it and fail at the install below.
+venv_usable() { .venv/bin/python -m pip --version >/dev/null 2>&1; }
+if ! venv_usable; then
     python=""
     for candidate in python3.11 python3; do
         if command -v "$candidate" >/dev/null 2>&1 \
@@ -73,8 +76,10 @@ if ! .venv/bin/python -c 'import sys' >/dev/null 2>&1; then
     [ -n "$python" ] || die "need Python 3.11+: apt-get install -y python3.11 python3.11-venv"
     say "creating .venv with $("$python" --version 2>&1)"
     rm -rf .venv
-    "$python" -m venv .venv \
-        || die "could not create .venv; on Debian: apt-get install -y python3.11-venv"
+    if ! "$python" -m venv .venv || ! venv_usable; then
+        rm -rf .venv  # half made: the next run starts afresh
+        die "could not create .venv with pip in it; on Debian: apt-get install -y ${python}-venv"
+    fi
 fi
 
 stamp=.venv/.laneway-installed

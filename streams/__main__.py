@@ -17,6 +17,7 @@ from laneway.errors import ConfigError, ServiceError
 from laneway.logs import setup_logging
 from laneway.metrics import serve_metrics
 from laneway.settings import load_settings, settings_only
+from laneway.watchdog import AliveFile
 from streams.app import TABLES, StreamsApp
 from streams.settings import StreamsSettings
 
@@ -78,6 +79,12 @@ async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
 
 async def serve(settings: StreamsSettings) -> int:
     """Run the app until SIGTERM or SIGINT (0) or until it fails (1)."""
+    # First: a start that blocks the loop is as hung as a run that does.
+    async with AliveFile(settings.watchdog_file):
+        return await _serve_app(settings)
+
+
+async def _serve_app(settings: StreamsSettings) -> int:
     partitions = settings.streams_partitions or await usage_partitions(settings)
     await ensure_changelogs(settings, partitions)
     streams = StreamsApp(settings, partitions=partitions)

@@ -32,7 +32,7 @@ from laneway.apikeys import create_key, lookup_team
 from laneway.constants import RedisKeys
 from ops.local_stack import process_runs
 from quota.teams import Team, set_team
-from tests.stack import ROOT, free_port, free_port_pair
+from tests.stack import ROOT, eventually, free_port, free_port_pair
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +91,8 @@ class UpStack:
 
 
 ADMIN_KEY = "stack-up-admin"
+HANG_TIMEOUT_S = 15
+SERVICES = ("ingress", "streams", "worker-completion", "worker-chat", "worker-batch")
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -117,6 +119,8 @@ def _stack_env(data: Path, kafka_port: int, redis_port: int, port: int, metrics:
         # its load is gone; the other pools keep one, as the tests above expect.
         LANEWAY_LOCAL_REPLICAS='{"completion": [1, 1], "chat": [1, 2], "batch": [1, 1]}',
         LANEWAY_SCALE_DOWN_WINDOW_S="3",
+        # A hung worker is seen within the test's patience (the default is 30 s).
+        LANEWAY_HANG_TIMEOUT_S=str(HANG_TIMEOUT_S),
     )
     return env
 
@@ -460,6 +464,36 @@ async def test_readyz_reports_kafka_down_until_it_is_restarted(up: UpStack) -> N
         assert response.status_code == 200, response.text
     assert f"kafka (pid {victim}) exited: killed by SIGKILL" in up.log()
     _always_answered(health)
+
+
+async def test_a_worker_that_gives_no_sign_of_life_is_killed_and_restarted(up: UpStack) -> None:
+    """Every service beats into its watchdog file; a worker that stops (as a loop blocked for
+    good would) is killed once LANEWAY_HANG_TIMEOUT_S has passed, and restarted."""
+    for name in SERVICES:
+        alive = up.data / "logs" / f"{name}.alive"
+        first = alive.stat().st_mtime_ns
+        await eventually(
+            lambda a=alive, f=first: a.stat().st_mtime_ns != f,  # type: ignore[misc]
+            10,
+            f"a beat of {name}",
+        )
+    before = await up.restarts("worker-chat")
+    victim = up.pid("worker-chat")
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        await until(lambda: _equals(up.restarts("worker-chat"), before + 1), 60, "the restart")
+    finally:
+        if process_runs(victim):
+            os.kill(victim, signal.SIGKILL)
+    assert time.monotonic() - stopped_at >= HANG_TIMEOUT_S
+    assert f"worker-chat (pid {victim}) gave no sign of life for" in up.log()
+    assert f"worker-chat (pid {victim}) exited: hung (no sign of life" in up.log()
+
+    async def ready() -> bool:
+        return (await _readyz(up))[0] == 200
+
+    await until(ready, 60, "/readyz to report the stack ready again")
 
 
 def test_the_up_line_comes_once_the_ingress_takes_connections(up: UpStack) -> None:

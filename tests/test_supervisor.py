@@ -240,6 +240,88 @@ async def test_ctrl_c_stops_services_before_the_servers_they_need(tmp_path: Path
     assert supervisor.restarts("server") == 0  # a stop is not a crash
 
 
+class _Fake:
+    """A supervised process without a process: its start and its stop (which takes
+    ``stop_s``) are recorded in ``events``."""
+
+    alive_file = None
+    pid = None
+
+    def __init__(
+        self,
+        name: str,
+        events: list[str],
+        *,
+        needs: Sequence[str] = (),
+        front: bool = False,
+        stop_s: float = 0.05,
+    ) -> None:
+        self.name = name
+        self.needs = tuple(needs)
+        self.front = front
+        self.events = events
+        self.stop_s = stop_s
+        self.log_path = Path(os.devnull)
+        self._exited = asyncio.Event()
+
+    async def start(self) -> None:
+        self._exited = asyncio.Event()
+        self.events.append(f"start {self.name}")
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        return 0
+
+    async def stop(self, grace_s: float) -> None:
+        self.events.append(f"stop {self.name}")
+        await asyncio.sleep(self.stop_s)
+        self._exited.set()
+        self.events.append(f"stopped {self.name}")
+
+    def kill(self) -> None:
+        self._exited.set()
+
+    def log_tail(self) -> str:
+        return ""
+
+    def leftover_pid(self) -> int | None:
+        return None
+
+
+async def test_ctrl_c_stops_the_front_door_then_the_services_then_the_servers_in_reverse() -> None:
+    """The ingress stops alone first (it finishes its open requests while the workers that
+    answer them still run), then the other services together, then each server."""
+    events: list[str] = []
+    servers = [_Fake(name, events) for name in ("redis", "kafka")]
+    needs = ("redis", "kafka")
+    front = _Fake("ingress", events, needs=needs, front=True, stop_s=0.3)
+    services = [_Fake(name, events, needs=needs) for name in ("worker-a", "worker-b", "streams")]
+    supervisor = Supervisor([*servers, front, *services], FAST)
+    assert [[p.name for p in wave] for wave in supervisor.stop_waves()] == [
+        ["ingress"],
+        ["worker-a", "worker-b", "streams"],
+        ["kafka"],
+        ["redis"],
+    ]
+    async with supervising(supervisor):
+        pass
+    stops = [e for e in events if not e.startswith("start ")]
+    assert stops[:2] == ["stop ingress", "stopped ingress"]
+    # The services together: each was told before any of them had stopped.
+    assert sorted(stops[2:5]) == ["stop streams", "stop worker-a", "stop worker-b"]
+    assert sorted(stops[5:8]) == ["stopped streams", "stopped worker-a", "stopped worker-b"]
+    assert stops[8:] == ["stop kafka", "stopped kafka", "stop redis", "stopped redis"]
+
+
+async def test_a_start_that_fails_after_the_spawn_leaves_no_child_behind(tmp_path: Path) -> None:
+    doomed = _python("doomed", SLEEPER, tmp_path)
+    doomed.pid_path.mkdir()  # the pid file cannot be written
+    with pytest.raises(IsADirectoryError):
+        await doomed.start()
+    assert doomed.pid is not None
+    assert _gone(doomed.pid)  # killed and reaped (a zombie would still take signals)
+
+
 async def test_a_second_ctrl_c_kills_what_ignores_the_first(tmp_path: Path) -> None:
     stubborn = _python(
         "stubborn",
@@ -315,6 +397,21 @@ def test_metrics_are_served_and_a_taken_port_names_the_setting() -> None:
             {"LANEWAY_RESTART_BACKOFF_S": "2", "LANEWAY_RESTART_BACKOFF_MAX_S": "1"},
             "LANEWAY_RESTART_BACKOFF_MAX_S='1': must be at least LANEWAY_RESTART_BACKOFF_S",
         ),
+        # 0.5 + 1 + 2 + 4 + 8 + 16 + 13 × 30 s of restart waits between 20 exits
+        (
+            {"LANEWAY_CRASH_LIMIT": "20"},
+            "LANEWAY_CRASH_LIMIT=20 exits can never fall within LANEWAY_CRASH_WINDOW_S=60: "
+            "the restart waits between them alone take 421.5s (LANEWAY_RESTART_BACKOFF_S=0.5, "
+            "doubling up to LANEWAY_RESTART_BACKOFF_MAX_S=30)",
+        ),
+        (
+            {"LANEWAY_CRASH_WINDOW_S": "5", "LANEWAY_RESTART_BACKOFF_S": "2"},
+            "LANEWAY_CRASH_LIMIT=5 exits can never fall within LANEWAY_CRASH_WINDOW_S=5: "
+            "the restart waits between them alone take 30s",
+        ),
+        ({"LANEWAY_HANG_TIMEOUT_S": "2"}, "LANEWAY_HANG_TIMEOUT_S='2': must be 0 (off) or at"),
+        ({"LANEWAY_HANG_TIMEOUT_S": "-1"}, "LANEWAY_HANG_TIMEOUT_S='-1'"),
+        ({"LANEWAY_DATA_DIR": ""}, "LANEWAY_DATA_DIR='': must name a directory"),
     ],
 )
 def test_bad_supervisor_settings_fail_naming_the_setting(
@@ -325,6 +422,25 @@ def test_bad_supervisor_settings_fail_naming_the_setting(
     with pytest.raises(ConfigError) as caught:
         load_settings(StackSettings)
     assert named in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"LANEWAY_HANG_TIMEOUT_S": "0"},
+        {"LANEWAY_HANG_TIMEOUT_S": "5"},
+        # The waits before the 20th exit (421.5 s) fit a window of ten minutes.
+        {"LANEWAY_CRASH_LIMIT": "20", "LANEWAY_CRASH_WINDOW_S": "600"},
+        # One exit stops the stack: no wait comes before it.
+        {"LANEWAY_CRASH_LIMIT": "1", "LANEWAY_CRASH_WINDOW_S": "0.1"},
+    ],
+)
+def test_supervisor_settings_that_can_work_are_taken(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    load_settings(StackSettings)
 
 
 def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
@@ -361,6 +477,12 @@ def test_the_stack_runs_workers_under_fixed_ids_and_keeps_its_own_settings(
         "chat-1",
     ]
     assert env["ingress"]["LANEWAY_PORT"] == "8123"
+    # The ingress is the front door, stopped first; each service beats into a file of its own.
+    assert [p.name for p in services if p.front] == ["ingress"]
+    assert all(
+        e["LANEWAY_WATCHDOG_FILE"] == str(tmp_path.resolve() / "logs" / f"{name}.alive")
+        for name, e in env.items()
+    )
     assert all("LANEWAY_SUPERVISOR_PORT" not in e for e in env.values())
     assert all("LANEWAY_PORT" not in e for name, e in env.items() if name != "ingress")
     assert env["worker-batch"]["LANEWAY_MAX_INFLIGHT"] == "7"  # service settings pass through

@@ -17,6 +17,7 @@ from laneway.errors import ConfigError
 from laneway.logs import setup_logging, tune_gc
 from laneway.metrics import serve_metrics
 from laneway.settings import load_settings
+from laneway.watchdog import AliveFile
 from workers.factory import create_worker
 from workers.select import choose_engine
 from workers.settings import WorkerSettings
@@ -25,6 +26,12 @@ log = logging.getLogger("workers")
 
 
 async def _serve(settings: WorkerSettings) -> int:
+    # First: a start that blocks the loop is as hung as a run that does.
+    async with AliveFile(settings.watchdog_file):
+        return await _serve_worker(settings)
+
+
+async def _serve_worker(settings: WorkerSettings) -> int:
     engine, reason = choose_engine(settings)
     log.info("pool %s: engine %s chosen because %s", settings.pool, engine.name, reason)
     worker = create_worker(settings, engine)

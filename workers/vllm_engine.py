@@ -149,9 +149,15 @@ class VllmEngine:
     async def start(self) -> None:
         if self._llm is not None:
             return
-        arg_utils = _vllm("vllm.engine.arg_utils")
-        async_llm = _vllm("vllm.v1.engine.async_llm")
-        platform = _vllm("vllm.platforms").current_platform
+        # Importing vLLM (torch with it) takes seconds to a minute: off the event loop, which
+        # gives the worker's signs of life meanwhile (``laneway.watchdog``).
+        arg_utils, async_llm, platforms = await asyncio.to_thread(
+            lambda: tuple(
+                _vllm(m)
+                for m in ("vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "vllm.platforms")
+            )
+        )
+        platform = platforms.current_platform
         if self.profile is None:
             self.profile = build_profile(
                 self.settings,
