@@ -17,26 +17,36 @@ those requests carry their amount too (``quota_local``) and are charged in full 
 
 The scripts (``quota.scripts``) read the time in Redis, so no caller's clock enters a bucket.
 A settlement charges what the request used (``min_charge_tokens`` when it used none: a request
-dropped before it ran is not free), at most its reservation plus ``max_excess`` of it.
+dropped before it ran is not free), at most its reservation plus ``max_excess`` of it. A charge
+to a pool whose bucket is gone (idle two hours, a new team, lost with Redis's data) is taken
+from a full bucket made for it: what an outage served is charged even so.
+
+A batch line's reservation belongs to its record (``record``: when the broker stored it), not
+only to its id, which its submitter chooses: two records of one id, on two workers, are two
+lines, each reserving, settling and releasing its own.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from laneway.constants import RedisKeys
-from laneway.errors import QuotaExceeded
+from laneway.errors import LanewayError, QuotaExceeded
 from quota.model import Pool, QuotaPolicy
 from quota.scripts import GIVE_BACK, LEASE, RESERVE, SETTLE
-from quota.teams import Team
+from quota.teams import Team, get_team
 
 __all__ = ["Admitted", "Lease", "QuotaEnforcer", "Settled"]
+
+log = logging.getLogger(__name__)
 
 # Buckets, reservations and hourly counters outlive any idle period that matters: a bucket
 # idle for an hour is full again anyway, and a reservation open for a day is a leak.
@@ -46,9 +56,19 @@ _USED_TTL_S = 48 * 3600
 # A request admitted from a lease has no reservation record to delete when it is settled; a
 # mark per request id, kept this long, makes a second settle (a re-run after a crash) a no-op.
 # Re-runs come within a minute or so (a partition moving to a live worker); a request re-run
-# later than this has expired long before and is dropped, released at most once more.
+# later than this has expired long before and is dropped.
 _SETTLED_MARK_S = 900
 _SETTLED_SLOT_S = 300  # marks are grouped by the five minutes the request was accepted in
+# A leased request settled later than this after its acceptance is refunded nothing: its mark
+# may be gone (it lives _SETTLED_MARK_S from the settle that made it, at the earliest from the
+# acceptance), and a replay refunded again would be budget nobody granted. The margin covers
+# the stamp's clock, which is Redis's only to within its last sync.
+_REFUND_WINDOW_S = _SETTLED_MARK_S - 60
+
+
+def _line_field(request_id: str, record: float) -> str:
+    """A batch line's name in the reservations and the settled marks: its id and its record."""
+    return f"{request_id}@{record!r}"
 
 
 def _text(value: bytes | str) -> str:
@@ -78,6 +98,10 @@ class Settled:
     pool: str
     reserved: int
     charged: int = 0
+
+
+# SETTLE's ``found`` when it needs the pool's base to charge a bucket that is gone.
+_NEEDS_BASE = -1
 
 
 class QuotaEnforcer:
@@ -111,8 +135,11 @@ class QuotaEnforcer:
         tokens: int,
         *,
         borrow: bool | None = None,
+        record: float | None = None,
     ) -> Admitted:
-        """Take ``tokens`` from the team's pool or raise ``QuotaExceeded``."""
+        """Take ``tokens`` from the team's pool or raise ``QuotaExceeded``. A request that
+        holds a reservation already is admitted again without taking more; ``record`` (a
+        batch line's: when the broker stored it) makes the reservation that record's alone."""
         if borrow is None:
             borrow = pool == "batch" and self.policy.in_offpeak(
                 datetime.fromtimestamp(self.clock(), UTC)
@@ -128,7 +155,7 @@ class QuotaEnforcer:
             args=[
                 self.policy.base_tokens(team, pool),
                 tokens,
-                request_id,
+                request_id if record is None else _line_field(request_id, record),
                 pool,
                 1 if borrow else 0,
                 self.policy.base_tokens(team, lender),
@@ -179,6 +206,7 @@ class QuotaEnforcer:
         accepted_ts: float = 0.0,
         min_charge: int | None = None,
         once: bool = False,
+        record: float | None = None,
     ) -> Settled:
         """Turn a reservation into the real count: refund the rest, or charge the excess
         (up to the policy's ``max_excess``); ``min_charge`` (default: the policy's) when the
@@ -188,11 +216,15 @@ class QuotaEnforcer:
         what its local limiter admitted it for while Redis did not answer (the envelope
         carries both, with ``accepted_ts``); then there is no reservation record in Redis.
         Idempotent: a second settle of the same request (a re-run after a crash, a settle
-        sent again after a timeout) is a no-op. ``once`` (a batch line, which a crash before
-        its transaction commits runs again, reserving anew): a settle after the first gives
-        that new reservation back whole, within ``accepted_ts``'s mark window.
+        sent again after a timeout) is a no-op; one of a leased request later than the marks
+        live is refunded nothing. ``once`` (a batch line, which a crash before its
+        transaction commits runs again, reserving anew): a settle after the first gives that
+        new reservation back whole, within ``accepted_ts``'s mark window. A batch line's
+        settle acts on its record's reservation only: ``record``, ``accepted_ts`` with
+        ``once``.
         """
-        keys, args = self._settle_call(
+        call = partial(
+            self._settle_call,
             team,
             request_id,
             actual_tokens,
@@ -201,9 +233,30 @@ class QuotaEnforcer:
             accepted_ts=accepted_ts,
             min_charge=min_charge,
             once=once,
+            record=record,
         )
-        found, pool, reserved, charged = await self._settle(keys=keys, args=args)
-        return Settled(bool(int(found)), _text(pool), int(float(reserved)), int(float(charged)))
+        keys, args = call()
+        result = await self._settle(keys=keys, args=args)
+        if self.needs_base(result):
+            keys, args = call(bases=await self._team_or_default(team))
+            result = await self._settle(keys=keys, args=args)
+        found, pool, reserved, charged = result
+        return Settled(int(found) == 1, _text(pool), int(float(reserved)), int(float(charged)))
+
+    async def _team_or_default(self, name: str) -> Team:
+        try:
+            return await get_team(self.redis, self.keys, name)
+        except LanewayError as exc:
+            # A record no admin command wrote: charged as a team of the defaults rather than
+            # not at all (the next reservation sizes the bucket by the team's real budget).
+            log.warning("team %s has an unusable record, charged by the defaults: %s", name, exc)
+            return Team(name)
+
+    @staticmethod
+    def needs_base(result: Any) -> bool:
+        """Whether a settle's answer asks for the team's budget (its pool's bucket is gone and
+        it charges more than was taken): then nothing changed, and ``settle`` sends it whole."""
+        return isinstance(result, list) and bool(result) and int(result[0]) == _NEEDS_BASE
 
     def settle_command(
         self,
@@ -221,7 +274,8 @@ class QuotaEnforcer:
 
         A bare EVALSHA: a pipeline that holds a registered script first asks Redis
         ``SCRIPT EXISTS``, a round trip per reply. When Redis answers NOSCRIPT (it restarted
-        and lost its script cache), the caller runs ``settle``, which loads the script.
+        and lost its script cache), or an answer ``needs_base``, the caller runs ``settle``,
+        which loads the script and reads the team's budget.
         """
         keys, args = self._settle_call(
             team,
@@ -245,8 +299,12 @@ class QuotaEnforcer:
         accepted_ts: float,
         min_charge: int | None = None,
         once: bool = False,
+        record: float | None = None,
+        bases: Team | None = None,
     ) -> tuple[list[str], list[Any]]:
         hour = int(self.clock() // 3600)
+        if once and record is None:
+            record = accepted_ts
         keys = [
             self.keys.quota_reservations(team),
             self.keys.quota_bucket(team, "interactive"),
@@ -254,8 +312,10 @@ class QuotaEnforcer:
             self.keys.quota_used(team, "interactive", hour),
             self.keys.quota_used(team, "batch", hour),
             self.keys.quota_settled(team, int(accepted_ts // _SETTLED_SLOT_S), lines=once),
+            self.keys.quota_factor(team),
         ]
         policy = self.policy
+        field = request_id if record is None else _line_field(request_id, record)
         return keys, [
             request_id,
             actual_tokens,
@@ -269,7 +329,12 @@ class QuotaEnforcer:
             _BUCKET_TTL_S,
             local,
             1 if once else 0,
-            f"{request_id}@{accepted_ts!r}" if once else request_id,
+            field if once else request_id,
+            field,
+            accepted_ts,
+            _REFUND_WINDOW_S,
+            "" if bases is None else policy.base_tokens(bases, "interactive"),
+            "" if bases is None else policy.base_tokens(bases, "batch"),
         ]
 
     async def lease(self, team: Team, need: int, want: int) -> Lease:

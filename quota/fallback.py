@@ -4,8 +4,8 @@ It decides admission only, and approximately: each instance grants up to a team'
 interactive budget on its own, so N replicas may admit up to N budgets during an outage.
 What it admits is still charged: each request carries its amount (``quota_local``) and is
 charged to the team's pool when its worker settles it, once Redis answers again (a pool
-whose bucket expired meanwhile, two hours unused, is full and is not charged; its hourly
-usage counter is). Exact admission returns with Redis, when its circuit closes.
+whose bucket expired meanwhile, two hours unused, is charged from a full bucket made for it).
+Exact admission returns with Redis, when its circuit closes.
 """
 
 from __future__ import annotations

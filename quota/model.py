@@ -2,7 +2,8 @@
 
 ``base = team_size * units_per_member * complexity`` units per hour (a unit is
 ``unit_tokens`` tokens), times the dynamic factor ``1 + min(0.5 * sigma, 0.3)`` where sigma is the
-standard deviation of the team's hourly utilisation over the last 24 h. Interactive
+standard deviation of the team's hourly interactive utilisation (completion and chat tokens
+against the interactive budget) over the last 24 h. Interactive
 (completion + chat) and batch are separate pools, so batch can never drain interactive.
 """
 

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, MalformedMessage
 from laneway.schema import UsageEvent, decode
-from quota.model import QuotaPolicy
+from quota.model import QuotaPolicy, pool_of
 from quota.teams import get_team
 from streams.announce import BREAKER_STATE_TTL_S, Announcer, BreakerSubject
 from streams.breaker import (
@@ -350,6 +350,10 @@ class UsageProcessor:
         tokens: dict[str, dict[int, float]] = {}
         for value in list(self.rollups.data.values()):
             by_hour = tokens.setdefault(value["team"], {})
+            if pool_of(value["class"]) != "interactive":
+                # Measured against the interactive budget, the factor counts interactive use
+                # alone: a nightly batch (its own pool) would make steady typing look bursty.
+                continue
             hour = int(value["hour"])
             by_hour[hour] = by_hour.get(hour, 0.0) + value["prompt_tokens"]
             by_hour[hour] += value["completion_tokens"]

@@ -24,7 +24,7 @@ from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.devstack import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, get_team, utilisation_sigma
-from quota.teams import MAX_TEAM_SIZE
+from quota.teams import MAX_TEAM_SIZE, set_team
 from tests.stack import (
     LiveStack,
     Services,
@@ -158,6 +158,73 @@ async def test_requests_admitted_locally_are_charged_once_when_redis_answers(
     assert float(bucket) == pytest.approx(1000 - 100 - 40 - 30, abs=1)
     pool = (await quota.snapshot(team))["pools"]["interactive"]
     assert (pool["used_tokens_this_hour"], pool["reservations"]) == (40 + 30, 1)  # "before"
+
+
+async def test_a_charge_to_a_pool_whose_bucket_is_gone_is_taken_from_a_full_one(
+    enforcer: Any,
+) -> None:
+    """A team idle for two hours, a new team, or a bucket lost with Redis's data has no bucket:
+    what an outage served (admitted locally, nothing taken) is charged to a full one made for
+    it, of the team's budget times its factor. What is given back to it changes nothing."""
+    quota, redis, keys = enforcer
+    now = time.time()
+    bucket = keys.quota_bucket("zeta", "interactive")
+    settled = await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)
+    assert (settled.found, settled.charged) == (True, 40)
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(1000 - 40, abs=1)
+    assert not (await quota.settle("zeta", "local-1", 40, local=120, accepted_ts=now)).found
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(1000 - 40, abs=1)
+    # Through a worker's pipeline (the settle sent beside the reply, which cannot carry the
+    # team's budget): the team's record and factor make the bucket, 2 × 1,000 × 1.5.
+    await set_team(redis, keys, Team("eta", size=2))
+    await redis.set(keys.quota_factor("eta"), "1.5")
+    outbox = Outbox(redis, None, Topics(keys.prefix), quota)  # type: ignore[arg-type]
+    env = envelope(id="local-2", team="eta", max_tokens=200, quota_local=300, accepted_ts=now)
+    usage = UsageEvent(
+        id="local-2",
+        team="eta",
+        cls="completion",
+        model="m",
+        route="m",
+        status="ok",
+        prompt_tokens=100,
+        completion_tokens=150,
+    )
+    await outbox._final_writes(env, Reply(id="local-2", n=0, done=True, status="ok"), usage)
+    assert not outbox.accounting.owed
+    tokens, cap = await redis.hmget(keys.quota_bucket("eta", "interactive"), ["tokens", "cap"])
+    assert (float(tokens), float(cap)) == (pytest.approx(3000 - 250, abs=1), 3000)
+    # A charge beyond a batch reservation whose bucket expired meanwhile (its line ran long).
+    await quota.reserve(Team("zeta"), "batch", "batch-j-1", 100)
+    await redis.delete(keys.quota_bucket("zeta", "batch"))
+    assert (await quota.settle("zeta", "batch-j-1", 150)).charged == 150
+    batch = float(await redis.hget(keys.quota_bucket("zeta", "batch"), "tokens"))
+    assert batch == pytest.approx(1000 - 50, abs=1)
+    # Given back to a bucket that is gone: it is full anyway, and stays unmade.
+    await quota.give_back("theta", 30)
+    assert (await quota.settle("theta", "l-1", 40, leased=120, accepted_ts=now)).charged == 40
+    assert not await redis.exists(keys.quota_bucket("theta", "interactive"))
+
+
+async def test_a_leased_request_settled_after_its_mark_window_is_refunded_nothing(
+    enforcer: Any,
+) -> None:
+    """Its mark may be gone by then (it lives 15 minutes): a replay, dropped as long expired,
+    would be refunded its lease a second time. A charge beyond the lease is still taken."""
+    quota, redis, keys = enforcer
+    team = Team("delta", size=1)
+    await quota.lease(team, need=300, want=300)  # 700 left
+    bucket = keys.quota_bucket("delta", "interactive")
+    long_ago = time.time() - 1000
+    settled = await quota.settle("delta", "old-1", 0, leased=120, accepted_ts=long_ago)
+    assert (settled.found, settled.charged) == (True, 16)
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(700, abs=1)
+    settled = await quota.settle("delta", "old-2", 80, leased=50, accepted_ts=long_ago)
+    assert settled.charged == 80
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(700 - 30, abs=1)
+    # Within the window the unused lease goes back, as always.
+    await quota.settle("delta", "new-1", 40, leased=100, accepted_ts=time.time())
+    assert float(await redis.hget(bucket, "tokens")) == pytest.approx(670 + 60, abs=1)
 
 
 def test_estimates_count_dense_text_denser() -> None:
@@ -605,3 +672,30 @@ async def test_a_batch_line_run_again_is_charged_once_and_a_new_record_of_its_id
     await quota.reserve(team, "batch", "batch-j-1", 100)
     later = await quota.settle("alpha", "batch-j-1", 50, accepted_ts=stored + 1, once=True)
     assert (later.found, later.charged) == (True, 50)
+
+
+async def test_two_records_of_one_batch_line_id_each_hold_their_own_reservation(
+    enforcer: Any,
+) -> None:
+    """A tenant writes line J/1 twice, to two partitions its two workers hold: each record
+    reserves, settles and releases its own reservation. Neither runs free, and neither's
+    release gives back the other's."""
+    quota, _, _ = enforcer
+    team = Team("alpha", size=1)  # 1,000 tokens an hour per pool
+    first, second = 1_000_000.0, 1_000_000.25  # when each record was stored
+    await quota.reserve(team, "batch", "batch-j-1", 100, record=first)  # worker 0
+    # Worker 1's copy has no body: answered with a 400, its release leaves the first alone.
+    await quota.settle("alpha", "batch-j-1", 0, min_charge=0, record=second)
+    pool = (await quota.snapshot(team))["pools"]["batch"]
+    assert (pool["reservations"], pool["reserved_tokens"]) == (1, 100)
+    settled = await quota.settle("alpha", "batch-j-1", 80, accepted_ts=first, once=True)
+    assert (settled.found, settled.charged) == (True, 80)
+    # Both valid: the second takes a reservation of its own, and each run is charged.
+    await quota.reserve(team, "batch", "batch-j-2", 100, record=first)
+    assert (await quota.reserve(team, "batch", "batch-j-2", 100, record=second)).remaining == 720
+    # A re-run of the first record (its worker crashed) is admitted on what it holds.
+    assert (await quota.reserve(team, "batch", "batch-j-2", 100, record=first)).remaining == 720
+    assert (await quota.settle("alpha", "batch-j-2", 80, accepted_ts=first, once=True)).found
+    assert (await quota.settle("alpha", "batch-j-2", 70, accepted_ts=second, once=True)).found
+    pool = (await quota.snapshot(team))["pools"]["batch"]
+    assert (pool["used_tokens_this_hour"], pool["reservations"]) == (80 + 80 + 70, 0)

@@ -399,6 +399,49 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
         await redis.aclose()
 
 
+async def test_batch_usage_leaves_the_interactive_quota_factor_alone(
+    services: Services, prefix: str
+) -> None:
+    """The factor is measured against the interactive budget: a nightly batch (its own pool)
+    must not make a team's steady typing look bursty."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(prefix)
+    sent: list[dict[str, Any]] = []
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        sent.append(orjson.loads(value))
+
+    now = time.time()
+    current = int(now) // 3600
+    processor = UsageProcessor(
+        StreamsSettings(),
+        rollups=_Table(),
+        outcomes=_Table(),
+        announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
+        redis=redis,
+        keys=keys,
+        send=send,
+        clock=lambda: now,
+    )
+    try:
+        await set_team(redis, keys, Team("steady", size=1))  # 50k tokens an hour
+        offsets = iter(range(100))
+        for i in range(24):  # half the budget every hour, chats and completions
+            for cls in ("completion", "chat"):
+                event = usage_event(team="steady", cls=cls, prompt_tokens=12_500)
+                event = event.model_copy(update={"ts": (current - 24 + i) * 3600 + 60})
+                processor.handle(event.to_json(), 0, next(offsets))
+        for i in (2, 3):  # the nightly job: six budgets in two hours, on the batch pool
+            event = usage_event(team="steady", cls="batch", prompt_tokens=300_000)
+            event = event.model_copy(update={"ts": (current - 24 + i) * 3600 + 120})
+            processor.handle(event.to_json(), 0, next(offsets))
+        assert await processor.update_quota_factors() == 1
+        assert [(u["factor"], u["sigma"]) for u in sent] == [(1.0, 0.0)]
+        assert await redis.get(keys.quota_factor("steady")) == b"1.000000"
+    finally:
+        await redis.aclose()
+
+
 async def test_usage_ids_tell_a_repeat_from_a_replay_and_forget_old_ones() -> None:
     ids = UsageIds(_Table(), window_s=60)
 

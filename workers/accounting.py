@@ -100,12 +100,20 @@ class Accounting:
 
     async def settled(self, owed: Owed | None, results: list[Any]) -> None:
         """Check the settlement's results: one that Redis lost with its scripts (it
-        restarted) is sent again, loading the script; raises what Redis refused otherwise."""
+        restarted) is sent again, loading the script, and so is one that charges a pool
+        whose bucket is gone (it needs the team's budget, which ``settle`` reads); raises
+        what Redis refused otherwise."""
         for result in results:
             if isinstance(result, NoScriptError) and owed is not None:
                 await self.circuit.hot(partial(self._settle, owed))
             elif isinstance(result, Exception):
                 raise result
+            elif owed is not None and self.quota is not None and self.quota.needs_base(result):
+                # Rare (a team idle for hours, a new one, a Redis that lost its data), and
+                # three round trips: not held to the request path's timeout.
+                await self.circuit.background(
+                    partial(self._settle, owed), timeout_s=_OWED_SETTLE_TIMEOUT_S
+                )
         if self.owed:
             self._pay_owed_soon()  # Redis answers: what an outage left is due
 

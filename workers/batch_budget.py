@@ -148,7 +148,9 @@ class BudgetWait:
             self._short.add(env.id)
             return
         try:
-            await self.quota.reserve(team, "batch", env.id, line_tokens(env))
+            await self.quota.reserve(
+                team, "batch", env.id, line_tokens(env), record=env.accepted_ts
+            )
         except QuotaExceeded as exc:
             if exc.never:
                 raise
@@ -255,7 +257,9 @@ class BudgetWait:
             light = _place(work) in self._light
             try:
                 team = await self._team(name)
-                await self.quota.reserve(team, "batch", work.env.id, line_tokens(work.env))
+                await self.quota.reserve(
+                    team, "batch", work.env.id, line_tokens(work.env), record=work.env.accepted_ts
+                )
             except QuotaExceeded as exc:
                 if work.env.job_id is not None and await self._cancelled(work.env):
                     self._take_job(name, work.env.job_id)

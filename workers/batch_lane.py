@@ -99,7 +99,9 @@ class BatchLane:
                 self._team,
                 queue=self._queue,
                 refuse=self._refuse,
-                release=lambda work: self._release(work.env.team, work.env.id),
+                release=lambda work: self._release(
+                    work.env.team, work.env.id, work.env.accepted_ts
+                ),
                 room=lambda: worker.held < worker.settings.max_inflight,
                 freed=worker.room,
                 current=lambda work: worker.offsets.current(work.tp, work.epoch),
@@ -195,14 +197,15 @@ class BatchLane:
             self._answer(tp, record.offset, line, _twice(request_id, holder))
             return None
         self._holding[request_id] = (tp, record.offset, digest)  # before any wait: claimed
+        stored_at = self._stored_at(record)  # once: its reservation is known by it
         backoff = Backoff(0.5, RETRY_MAX_S)
         while True:
             try:
-                env = await self.lines.envelope(line, request_id, self._stored_at(record))
+                env = await self.lines.envelope(line, request_id, stored_at)
                 await self._fits(env)
             except LanewayError as exc:
                 result = self._answer(tp, record.offset, line, exc)
-                await self._release(result.team, result.request_id)
+                await self._release(result.team, result.request_id, stored_at)
                 return None
             except (RedisError, OSError) as exc:
                 # The key cannot be checked without Redis: the lane waits, nothing is dropped.
@@ -307,7 +310,7 @@ class BatchLane:
         read back): answered with ``exc``, the reservation it was admitted with given back."""
         if self.worker.offsets.current(work.tp, work.epoch):
             self._refuse(work, exc)
-            await self._release(work.env.team, work.env.id)
+            await self._release(work.env.team, work.env.id, work.env.accepted_ts)
 
     def _refuse(self, work: Work, exc: LanewayError) -> None:
         """A parked line that must not run (its team's budget can no longer ever cover it,
@@ -320,15 +323,16 @@ class BatchLane:
         self._answer(work.tp, work.offset, line, exc)
         self.worker.offsets.finish(work.tp, work.offset, work.epoch)
 
-    async def _release(self, team: str, request_id: str) -> None:
+    async def _release(self, team: str, request_id: str, stored_at: float) -> None:
         """A line answered with an error may hold a reservation of an earlier run (taken at
         its intake, before a crash; its job cancelled since): it goes back whole, not held
-        for a day. Nothing to do for the others, and a Redis that does not answer leaves it
-        to expire."""
+        for a day. Only its own record's (``stored_at``): another record of its id, on
+        another worker, keeps its reservation. Nothing to do for the others, and a Redis
+        that does not answer leaves it to expire."""
         if self.worker.quota is None or not team:
             return
         with contextlib.suppress(RedisError, OSError):
-            await self.worker.quota.settle(team, request_id, 0, min_charge=0)
+            await self.worker.quota.settle(team, request_id, 0, min_charge=0, record=stored_at)
 
     def _stored_at(self, record: ConsumerRecord[Any, Any]) -> float:
         """When the broker stored the line (its topics keep the broker's time): a line's
