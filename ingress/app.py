@@ -43,7 +43,16 @@ def create_app(settings: IngressSettings) -> FastAPI:
                     await console.stop()
                 await state.stop()
 
-    app = FastAPI(title="laneway ingress", version="0.1.0", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: they listed the admin routes to every tenant, and
+    # the API a client uses is OpenAI's, documented where it is.
+    app = FastAPI(
+        title="laneway ingress",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     install_error_handlers(app)
     # An upload carries its multipart framing on top of the file.
     upload_limit = settings.max_file_bytes + 64 * 1024

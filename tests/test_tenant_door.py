@@ -262,3 +262,12 @@ def _assert_nothing_internal(text: str, port: int) -> None:
     message = body["error"]["message"].lower()
     for secret in ("127.0.0.1", str(port), "redis", "kafka", "error(", "connection", "errno"):
         assert secret not in message, f"{secret!r} in {message!r}"
+
+
+async def test_no_api_description_lists_the_admin_routes_to_tenants(stack: LiveStack) -> None:
+    ingress = await stack.start_ingress(admin_key="door-admin-key")
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        response = await http.get(path)
+        assert response.status_code == 404, path
+        assert "/admin" not in response.text
