@@ -367,9 +367,9 @@ async def test_a_shared_engine_sheds_its_lo_band_only_once_no_batch_runs_on_it(
         batch_running_at_lo_shed: list[int] = []
         preempt = completion.executor.preempt
 
-        async def noted(request_id: str) -> bool:
+        async def noted(request_id: str, **options: Any) -> bool:
             batch_running_at_lo_shed.append(len(batch.executor.live))
-            return await preempt(request_id)
+            return await preempt(request_id, **options)
 
         completion.executor.preempt = noted  # type: ignore[method-assign]
         assert len(batch.executor.live) > 0  # batch runs when the pressure comes

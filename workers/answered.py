@@ -6,7 +6,10 @@ writes each result as it comes instead, and its transaction's offset commit carr
 commit's metadata, the lines still unanswered between the committed offset and the highest
 offset fetched. A new owner of the partition (after a rebalance or a crash) runs exactly
 those again and skips the rest: nothing twice, nothing lost. Confluent's Parallel Consumer
-keeps its incomplete offsets in the commit metadata the same way.
+keeps its incomplete offsets in the commit metadata the same way. The interactive lanes
+(``workers.lanes``) write the same metadata with their plain offset commits: a chat that
+runs for minutes holds its partition's offset back, and what finished behind it (answered,
+its usage event stored) is not run again after a rebalance.
 
 The metadata is ``lw2:<span>:<runs>``: everything in ``[offset, offset + span)`` is answered
 except the runs of offsets listed. A run is ``<gap>`` (one offset) or ``<gap>.<count>``

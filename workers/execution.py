@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 # Engine priority (lower first, as vLLM's): completion before chat before batch, and within
 # a class the hi band before lo. It matters where pools share an engine that schedules by it.
 _PRIORITY = {"completion": 0, "chat": 2, "batch": 4}
+# Preemption counts kept at most. A count waits here while its request waits to run again, on
+# this worker, also across a rebalance that gives its partition back; one whose partition
+# went to another worker is never reported here, and the oldest make way.
+_MAX_PREEMPTION_COUNTS = 10_000
 
 
 @dataclass(slots=True)
@@ -97,7 +101,14 @@ class RequestExecutor:
         # Requests aborted to run again later (a shared engine's batch, preempted): no
         # terminal outcome, no usage event, no settlement for the attempt.
         self.preempted: set[str] = set()
-        # Times each request was preempted so far; its usage event says so when it ends.
+        # Of those, the ones whose partition went to another worker (``withdraw``): run again
+        # there, whatever this worker hears of them meanwhile.
+        self.withdrawn: set[str] = set()
+        # Who asked for a preemption, told once it took effect (an abort that comes during
+        # the last step finds the request ending as it would have, and it is not shed).
+        self._on_preempted: dict[str, Callable[[RequestEnvelope], None]] = {}
+        # Times each request was preempted so far, oldest first; its usage event says so
+        # when it ends (bounded: ``_MAX_PREEMPTION_COUNTS``).
         self.preemptions: dict[str, int] = {}
         # Requests whose engine generation is under way (not yet reporting their outcome).
         self.live: set[str] = set()
@@ -206,9 +217,11 @@ class RequestExecutor:
                 )
         except Dropped as dropped:
             # Shed to run again later, unless its client cancelled meanwhile (a tombstone
-            # that came while the abort was under way): then this is its end.
-            if env.id in self.preempted and not isinstance(
-                self.shield.stale_reason(env.id), Cancelled
+            # that came while the abort was under way): then this is its end. Withdrawn, it
+            # ends there either way: its partition's next owner answers it.
+            if env.id in self.withdrawn or (
+                env.id in self.preempted
+                and not isinstance(self.shield.stale_reason(env.id), Cancelled)
             ):
                 requeued = True
                 self._preempted(env, got, dropped, chunks)
@@ -275,8 +288,16 @@ class RequestExecutor:
         """``env`` was aborted to run again later: no outcome now."""
         if chunks is not None:
             chunks.cancel()
-        self.preemptions[env.id] = self.preemptions.get(env.id, 0) + 1
         metrics.PREEMPTED_ENGINE_MS.labels(self.pool).inc(max(got.engine_ms, dropped.engine_ms))
+        if env.id in self.withdrawn:
+            return  # not preempted: it runs again on its partition's next owner
+        counts = self.preemptions
+        counts[env.id] = counts.pop(env.id, 0) + 1
+        while len(counts) > _MAX_PREEMPTION_COUNTS:
+            del counts[next(iter(counts))]
+        taken = self._on_preempted.pop(env.id, None)
+        if taken is not None:
+            taken(env)
 
     def _left(
         self,
@@ -295,6 +316,8 @@ class RequestExecutor:
         else:
             self.shield.finished(env.id)
         self.preempted.discard(env.id)
+        self.withdrawn.discard(env.id)
+        self._on_preempted.pop(env.id, None)
         self.live.discard(env.id)
         if self._ended(env, generation, got, status):
             stale_ms = 0.0  # what it made after its own client left, others used
@@ -399,18 +422,38 @@ class RequestExecutor:
             generation.stopping = True
         await self.engine.abort(request_id)
 
-    async def preempt(self, request_id: str) -> bool:
+    async def preempt(
+        self, request_id: str, *, taken: Callable[[RequestEnvelope], None] | None = None
+    ) -> bool:
         """Abort a request on the engine to run it again later: it reports nothing now
-        (``run`` returns None). False when it cannot be: not generating (not started, or
-        reporting its outcome), preempted already, or others follow its generation."""
+        (``run`` returns None), and ``taken`` is called once that is so (an abort that comes
+        during its last step may find it ending as it would have). False when it cannot be:
+        not generating (not started, or reporting its outcome), preempted already, or others
+        follow its generation."""
+        if not self._preemptible(request_id):
+            return False
+        self.preempted.add(request_id)
+        if taken is not None:
+            self._on_preempted[request_id] = taken
+        await self._stop(request_id)
+        return True
+
+    async def withdraw(self, request_id: str) -> bool:
+        """Abort a request whose partition went to another worker: that worker runs it and
+        answers its client, so it reports nothing here (``run`` returns None), not even a
+        cancel that comes meanwhile. False as for ``preempt``."""
+        if not self._preemptible(request_id):
+            return False
+        self.preempted.add(request_id)
+        self.withdrawn.add(request_id)
+        await self._stop(request_id)
+        return True
+
+    def _preemptible(self, request_id: str) -> bool:
         if request_id not in self.live or request_id in self.preempted:
             return False
         generation = self.reuse.of_owner(request_id)
-        if generation is not None and generation.followers:
-            return False
-        self.preempted.add(request_id)
-        await self._stop(request_id)
-        return True
+        return generation is None or not generation.followers
 
     async def release(self, env: RequestEnvelope) -> None:
         """``env`` follows nothing: a held abort of its session's generation goes ahead."""

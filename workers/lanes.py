@@ -3,7 +3,9 @@ record becomes work, what a finished run leaves behind and how offsets are commi
 lane's.
 
 - ``InteractiveLane`` (completion, chat): a record is a request envelope; a run's outcome
-  went to its client already; offsets are committed with the consumer.
+  went to its client already; offsets are committed with the consumer, each commit naming
+  the requests above it that are answered (``workers.answered``), which the partition's
+  next owner (this worker again, after a rebalance) skips.
 - ``BatchLane`` (``workers.batch_lane``): a record is a batch line; results and usage events
   are written in a transaction with the offsets they complete.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
@@ -20,14 +23,20 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from laneway.errors import MalformedMessage
 from laneway.schema import RequestEnvelope, UsageEvent, decode
 from workers import metrics
+from workers.answered import Answered, answered_by, commit_metadata
 from workers.dispatch import Work
 
 if TYPE_CHECKING:
     from workers.pool import PoolWorker
 
-__all__ = ["InteractiveLane", "Lane", "Rebalance", "commit_loop", "skip_record"]
+__all__ = ["InteractiveLane", "Lane", "Rebalance", "commit_loop", "read_commits", "skip_record"]
 
 log = logging.getLogger(__name__)
+
+# Reading what the last commit of newly assigned partitions says is answered waits no longer:
+# past it their records are taken as they come (what was answered above the commit runs
+# again, as before laneway named it), rather than the worker fetching nothing.
+_READ_COMMITS_S = 30.0
 
 
 class Lane(Protocol):
@@ -90,6 +99,20 @@ class Lane(Protocol):
         ...
 
 
+async def read_commits(
+    consumer: AIOKafkaConsumer, partitions: set[TopicPartition]
+) -> dict[TopicPartition, Answered]:
+    """What the group's last commit of each of ``partitions`` says is answered, in one
+    request to the coordinator (the consumer's ``committed()`` leaves the metadata out);
+    partitions with no commit are left out."""
+    found = await consumer._coordinator.fetch_committed_offsets(partitions)
+    return {
+        tp: answered_by(found[tp].offset, found[tp].metadata)
+        for tp in partitions
+        if tp in found and found[tp].offset >= 0
+    }
+
+
 def skip_record(pool: str, tp: TopicPartition, offset: int, exc: Exception) -> None:
     """A record that is not a request: counted, logged, and its offset moves on."""
     metrics.MALFORMED.labels(pool, tp.topic).inc()
@@ -103,6 +126,13 @@ class InteractiveLane:
 
     def __init__(self, worker: PoolWorker) -> None:
         self.worker = worker
+        # Per partition, what its last commit named answered above the committed offset:
+        # skipped when fetched again (each was run, and its usage event stored, already).
+        self._answered: dict[TopicPartition, Answered] = {}
+        # The reads of newly assigned partitions' last commits, until each is done: their
+        # records wait for it, and the partition is not committed before it.
+        self._reading: dict[TopicPartition, asyncio.Task[None]] = {}
+        self._committed: dict[TopicPartition, tuple[int, str]] = {}  # last commit sent
 
     def consumer_options(self) -> dict[str, Any]:
         return {"metadata_max_age_ms": 300_000, "isolation_level": "read_uncommitted"}
@@ -114,6 +144,12 @@ class InteractiveLane:
     async def accept(
         self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
     ) -> RequestEnvelope | None:
+        reading = self._reading.get(tp)
+        if reading is not None:
+            await asyncio.wait({reading})  # not cancelled with the fetch loop: others wait
+        answered = self._answered.get(tp)
+        if answered is not None and record.offset in answered:
+            return None  # answered in the partition's last tenure, above its commit
         try:
             env = decode(RequestEnvelope, record.value)
         except MalformedMessage as exc:
@@ -140,7 +176,11 @@ class InteractiveLane:
         return None
 
     async def commit(self, only: set[TopicPartition] | None = None) -> None:
-        offsets = self.worker.offsets.committable(only)
+        """Commit each partition's lowest unfinished offset, its metadata naming the
+        requests above it that are finished (``workers.answered``): a long chat holds the
+        commit back, and what finished behind it is not run a second time after a
+        rebalance."""
+        offsets = self._commits(only)
         if not offsets:
             return
         try:
@@ -148,37 +188,104 @@ class InteractiveLane:
         except CommitFailedError as exc:
             log.info("commit skipped during a rebalance: %s", exc)
             return
-        self.worker.offsets.mark_committed(offsets)
+        self._committed.update(offsets)
+        self.worker.offsets.mark_committed({tp: offset for tp, (offset, _) in offsets.items()})
+
+    def _commits(self, only: set[TopicPartition] | None) -> dict[TopicPartition, tuple[int, str]]:
+        """The commits that would change what the group holds. None for a partition whose
+        last commit is still being read: written now, it would name less answered."""
+        out: dict[TopicPartition, tuple[int, str]] = {}
+        for tp in self.worker.offsets.partitions():
+            if (only is not None and tp not in only) or tp in self._reading:
+                continue
+            state = self.worker.offsets.snapshot(tp)
+            if state is None:
+                continue
+            low, high, pending = state
+            commit = (low, commit_metadata(low, high, pending)[0])
+            if self._committed.get(tp) != commit:
+                out[tp] = commit
+        return out
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
-        return None
+        """Read what the partitions' last commits name answered, beside the rebalance (it
+        waits for no coordinator round trip); their records wait for it in ``accept``."""
+        if not partitions:
+            return
+        tenure = {tp: self.worker.offsets.epoch(tp) for tp in partitions}
+        task = asyncio.create_task(self._inherit(tenure), name="read-commits")
+        for tp in partitions:
+            self._reading[tp] = task
+
+    async def _inherit(self, tenure: dict[TopicPartition, int]) -> None:
+        partitions = set(tenure)
+        try:
+            async with asyncio.timeout(_READ_COMMITS_S):
+                answered = await read_commits(self.worker.consumer, partitions)
+        except (KafkaError, TimeoutError) as exc:
+            log.warning(
+                "last commits of %s not read (%r): requests answered above them run again",
+                sorted(f"{tp.topic}:{tp.partition}" for tp in partitions),
+                exc,
+            )
+            answered = {}
+        finally:
+            for tp in partitions:
+                if self._reading.get(tp) is asyncio.current_task():
+                    del self._reading[tp]
+        for tp, named in answered.items():
+            # Not a partition taken away meanwhile (its next tenure reads its own commit).
+            if named.high > named.low and self.worker.offsets.current(tp, tenure[tp]):
+                self._answered[tp] = named
+                self.worker.offsets.inherit(tp, named.high, named.pending)
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
-        await self.commit(only=partitions)
-        self.worker.runs.forget(partitions)
+        try:
+            await self.commit(only=partitions)
+        except KafkaError as exc:
+            # What it would have committed runs again on the partitions' next owners.
+            log.warning("commit of revoked partitions failed: %s", exc)
+        finally:
+            self.worker.runs.forget(partitions)
 
     def forgot(self, partitions: set[TopicPartition], gone: list[Work]) -> None:
-        return None
+        for tp in partitions:
+            self._answered.pop(tp, None)
+            self._committed.pop(tp, None)
+            reading = self._reading.pop(tp, None)
+            if reading is not None:
+                reading.cancel()
 
     async def after_beat(self) -> None:
         return None
 
     async def close(self) -> None:
-        return None
+        reading = set(self._reading.values())
+        for task in reading:
+            task.cancel()
+        await asyncio.gather(*reading, return_exceptions=True)
 
 
 class Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Tells the lane of the partitions a rebalance takes away and gives."""
+    """Tells the lane of the partitions a rebalance takes away and gives; once it gave,
+    ``moved`` stops what still runs of the partitions that went elsewhere."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(
+        self, lane: Lane, moved: Callable[[set[TopicPartition]], Awaitable[None]] | None = None
+    ) -> None:
         self.lane = lane
+        self.moved = moved
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         await self.lane.revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
-        await self.lane.assigned(set(assigned))
+        try:
+            await self.lane.assigned(set(assigned))
+        finally:
+            if self.moved is not None:
+                await self.moved(set(assigned))
 
 
 async def commit_loop(lane: Lane, consumer: AIOKafkaConsumer, interval_s: float) -> None:

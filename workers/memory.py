@@ -178,22 +178,27 @@ class MemoryGuard:
         if not candidates:
             return
         count = max(1, math.ceil(len(candidates) / 4))
-        shed = 0
+        asked = 0
         for work in reversed(candidates[-count:]):
-            if await self.executor.preempt(work.env.id):
-                shed += 1
-                metrics.MEMORY_SHED.labels(self.pool, work.env.band).inc()
-        self.shed_total += shed
-        self._shed_now += shed
-        if shed:
+            if await self.executor.preempt(work.env.id, taken=self._shed_one):
+                asked += 1
+        if asked:
             log.warning(
-                "engine memory at %.0f%%: %d of %d %s requests aborted, to run again below %.0f%%",
+                "engine memory at %.0f%%: aborting %d of %d %s requests, to run again below %.0f%%",
                 usage * 100,
-                shed,
+                asked,
                 len(candidates),
                 "batch" if self.pool == "batch" else "lo-band",
                 self.gauge.resume_at * 100,
             )
+
+    def _shed_one(self, env: RequestEnvelope) -> None:
+        """An abort asked for took effect: ``env`` runs again later. Counted here, not when
+        asked: one that came during the request's last step found it ending as it would
+        have, and nothing was shed."""
+        self.shed_total += 1
+        self._shed_now += 1
+        metrics.MEMORY_SHED.labels(self.pool, env.band).inc()
 
     async def _turned(self, pressed: bool, usage: float) -> None:
         metrics.MEMORY_PRESSURE.labels(self.pool).set(1 if pressed else 0)

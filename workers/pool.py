@@ -212,7 +212,7 @@ class PoolWorker:
             await self.clock.sync(self.redis, samples=3)
         await self.producer.start()
         await self.cancels.start()
-        self.lane.subscribe(Rebalance(self.lane))
+        self.lane.subscribe(Rebalance(self.lane, moved=self.runs.withdraw_moved))
         await self.consumer.start()
         self._loops = [
             asyncio.create_task(self.intake.run(), name="fetch"),

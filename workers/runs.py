@@ -53,6 +53,9 @@ class Runs:
         self.room = room  # set when the worker may fetch again
         self.running: dict[str, Work] = {}  # on the engine, oldest first
         self.following: dict[str, Work] = {}  # served from another request's generation
+        # Everything started, followed or dropped, from then until its offset is finished
+        # (its usage event stored): a record of it fetched again is adopted, not run again.
+        self.unfinished: dict[str, Work] = {}
         # Started or dropped work until its offset may be finished; with the queue, what
         # the worker holds (max_inflight bounds it).
         self.tasks: dict[asyncio.Task[None], RequestEnvelope] = {}
@@ -85,12 +88,27 @@ class Runs:
         (waiting work included: it leaves the queue unstarted)."""
         gone = self.queue.forget(partitions)
         self.offsets.forget(partitions)
-        for work in gone:
-            self.executor.preemptions.pop(work.env.id, None)
         self.lane.forgot(partitions, gone)
         # What was queued left: room to fetch again (nothing running may set it).
         self.room.set()
         self.wake()
+
+    async def withdraw_moved(self, assigned: set[TopicPartition]) -> None:
+        """A rebalance ended with ``assigned``: work on the engine whose partition went to
+        another worker stops, with no outcome here (the new owner runs it again, and this
+        run's answer would be thrown away). Work whose partition came back runs on: the
+        record fetched again is adopted."""
+        for work in list(self.running.values()):
+            if work.tp in assigned or self.offsets.current(work.tp, work.epoch):
+                continue
+            if await self.executor.withdraw(work.env.id):
+                log.info(
+                    "request %s withdrawn: %s:%d went to another worker",
+                    work.env.id,
+                    work.tp.topic,
+                    work.tp.partition,
+                    extra={"request_id": work.env.id, "team": work.env.team},
+                )
 
     async def cancel(self, cancel: CancelRecord) -> None:
         """A tombstone: work still queued leaves the queue; work running is aborted. It ends
@@ -118,9 +136,9 @@ class Runs:
 
     def adopt(self, work: Work) -> bool:
         """A record of a request already in hand (its partition went away and came back
-        while it ran, so it was fetched again): the run under way finishes it, as of this
-        tenure, instead of a second run of the same id."""
-        known = self.running.get(work.env.id) or self.following.get(work.env.id)
+        while it ran, or while its outcome was reported, so it was fetched again): the run
+        under way finishes it, as of this tenure, instead of a second run of the same id."""
+        known = self.unfinished.get(work.env.id)
         if known is None:
             return False
         known.tp, known.offset, known.epoch = work.tp, work.offset, work.epoch
@@ -139,9 +157,19 @@ class Runs:
         self._track(self._serve(work, follower), work, f"reuse-{work.env.id}")
 
     def _track(self, coro: Coroutine[Any, Any, None], work: Work, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
+        self.unfinished[work.env.id] = work
+        task = asyncio.create_task(self._until_finished(coro, work), name=name)
         self.tasks[task] = work.env
         task.add_done_callback(self._untrack)
+
+    async def _until_finished(self, coro: Coroutine[Any, Any, None], work: Work) -> None:
+        try:
+            await coro
+        finally:
+            # Right after its offset is finished (no await between): adopted any later, the
+            # offset of its new tenure would never be.
+            if self.unfinished.get(work.env.id) is work:
+                del self.unfinished[work.env.id]
 
     def _untrack(self, task: asyncio.Task[None]) -> None:
         self.tasks.pop(task, None)
@@ -182,11 +210,12 @@ class Runs:
         shared engine's interactive work): first in line again with its offset pending, and
         no start deadline (it started in time; that it waits again is the engine's doing,
         not its client's)."""
+        if self.unfinished.get(work.env.id) is work:
+            del self.unfinished[work.env.id]  # in the queue, or gone: no run to adopt
         if self.offsets.current(work.tp, work.epoch):
             work.env = work.env.model_copy(update={"deadline_ts": None})
             self.queue.push(work, front=True)
         else:  # its partition went away meanwhile: the next owner runs it
-            self.executor.preemptions.pop(work.env.id, None)
             self.lane.ended(work)
 
     async def _report_drop(self, work: Work, reason: Dropped) -> None:

@@ -1,0 +1,236 @@
+"""Rebalances of an interactive pool on the real broker: what was answered is not run again,
+what runs of a partition that went elsewhere stops, and preemption counts are kept."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.partitioner import murmur2
+
+from tests.stack import PARTITIONS, LiveStack, envelope, eventually, long_prompt, sim_answer_tokens
+from workers.pool import PoolWorker
+from workers.sim import SimEngine, SimProfile
+from workers.types import EngineDelta, EngineRequest
+
+
+class _Scripted(SimEngine):
+    """The sim engine (taking no time), counting its runs by request id. The first run of a
+    request named in ``hold`` keeps back its token of that index until the request is
+    aborted or ``let_go`` is called. The sim's abort takes effect at its next step: a run
+    kept back at its last token ends as it would have, as when an abort comes during the
+    last step."""
+
+    def __init__(self) -> None:
+        super().__init__(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0))
+        self.runs: Counter[str] = Counter()
+        self.hold: dict[str, int] = {}
+        self.holding: set[str] = set()
+        self.aborts: set[str] = set()
+        self._free = False
+        self._changed = asyncio.Condition()
+
+    async def abort(self, request_id: str) -> None:
+        self.aborts.add(request_id)
+        await super().abort(request_id)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def let_go(self) -> None:
+        self._free = True
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        self.runs[request.id] += 1
+        at = self.hold.pop(request.id, None)
+        async with contextlib.aclosing(super().generate(request)) as deltas:
+            index = 0
+            async for delta in deltas:
+                if index == at:
+                    self.holding.add(request.id)
+                    async with self._changed:
+                        await self._changed.wait_for(
+                            lambda: self._free or request.id in self.aborts
+                        )
+                    self.holding.discard(request.id)
+                yield delta
+                index += 1
+
+
+def _partition(affinity: str) -> int:
+    """The partition the producer's default partitioner gives records of ``affinity``."""
+    return (murmur2(affinity.encode()) & 0x7FFFFFFF) % PARTITIONS
+
+
+async def _rebalance(worker: PoolWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker rejoins its group: its partitions are revoked and assigned again (it is
+    the group's only member, so to it). Returns once they were assigned."""
+    assign, assigned = worker.lane.assigned, asyncio.Event()
+
+    async def noted(partitions: set[Any]) -> None:
+        await assign(partitions)
+        assigned.set()
+
+    monkeypatch.setattr(worker.lane, "assigned", noted)
+    worker.consumer._coordinator.request_rejoin()
+    await asyncio.wait_for(assigned.wait(), 30)
+
+
+async def _usage_counts(stack: LiveStack, ids: set[str]) -> Counter[str]:
+    """How many usage events of each of ``ids`` the topic holds now."""
+    events = await stack.read_all(stack.topics.usage, where=lambda e: e["id"] in ids)
+    return Counter(e["id"] for e in events)
+
+
+async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_rebalance(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long request holds its partition's committed offset back while those behind it are
+    answered. A rebalance that gives the partition back makes the worker read it again from
+    there: the answered ones are skipped (the commit named them), and the held one and one
+    whose usage event was still on its way when the partition was revoked finish as the
+    runs they were in, not as second runs."""
+    engine = _Scripted()
+    worker = await stack.start_worker("completion", engine=engine)
+    held = envelope(prompt=long_prompt(4))
+    engine.hold[held.id] = 0
+    quick = [envelope(prompt=f"def quick_{i}():") for i in range(3)]
+    reporting = envelope(prompt="def reporting():")
+    delivered, on_its_way, stored = worker.executor.delivered, asyncio.Event(), asyncio.Event()
+
+    async def slow_delivery(request_id: str) -> None:
+        if request_id == reporting.id:
+            on_its_way.set()
+            await stored.wait()
+        await delivered(request_id)
+
+    monkeypatch.setattr(worker.executor, "delivered", slow_delivery)
+    await stack.send_records(held, quick[0], reporting, quick[1], quick[2])
+    await stack.usage_of(*(env.id for env in quick))
+    await asyncio.wait_for(on_its_way.wait(), 20)
+    await eventually(lambda: held.id in engine.holding, 20, "the held request on the engine")
+    await eventually(lambda: worker.offsets.in_flight() == 2, 20, "the quick ones finished")
+
+    await _rebalance(worker, monkeypatch)
+    # Taken after the records before it: each of those was skipped, adopted or queued.
+    marker = envelope(prompt="def marker():")
+    await stack.send_records(marker)
+    await stack.usage_of(marker.id)
+    stored.set()
+    await engine.let_go()
+    await stack.usage_of(held.id)
+    await stack.usage_of(reporting.id)
+    await eventually(lambda: not worker.runs.tasks, 20, "every run ended")
+
+    ours = [held, *quick, reporting, marker]
+    assert {env.id: engine.runs[env.id] for env in ours} == {env.id: 1 for env in ours}
+    assert await _usage_counts(stack, {env.id for env in ours}) == {env.id: 1 for env in ours}
+
+
+async def test_a_request_whose_partition_went_to_another_worker_stops_there(
+    stack: LiveStack,
+) -> None:
+    """A second worker joins while the first runs a long request on each partition: the one
+    whose partition went to the newcomer stops on the first worker (the newcomer runs it and
+    answers it, once); the one whose partition stayed runs on, and is answered once."""
+    first_engine, second_engine = _Scripted(), _Scripted()
+    first = await stack.start_worker("completion", engine=first_engine)
+    affinities: dict[int, str] = {}
+    for i in range(100):
+        affinities.setdefault(_partition(f"s:doc-{i}"), f"s:doc-{i}")
+    long = {p: envelope(prompt=long_prompt(4), affinity=a) for p, a in affinities.items()}
+    assert len(long) == PARTITIONS == 2
+    for env in long.values():
+        first_engine.hold[env.id] = 0
+    await stack.send_records(*long.values())
+    await eventually(
+        lambda: first_engine.holding == {env.id for env in long.values()}, 20, "both held"
+    )
+
+    second = await stack.start_worker("completion", engine=second_engine, wait_assigned=False)
+    topic = stack.topics.request("completion", "hi")
+
+    def split() -> bool:
+        mine = {tp.partition for tp in first.consumer.assignment() if tp.topic == topic}
+        theirs = {tp.partition for tp in second.consumer.assignment() if tp.topic == topic}
+        return len(mine) == len(theirs) == 1
+
+    await eventually(split, 60, "the partitions split between the workers")
+    (gone,) = {tp.partition for tp in second.consumer.assignment() if tp.topic == topic}
+    moved, kept = long[gone], long[1 - gone]
+    await eventually(lambda: moved.id in first_engine.aborts, 20, "the moved request stopped")
+    (answer,) = (await stack.usage_of(moved.id)).values()
+    assert (answer["worker"], answer["status"]) == (second.settings.worker_id, "ok")
+    assert kept.id in first_engine.holding
+    assert kept.id not in first_engine.aborts
+
+    await first_engine.let_go()
+    (answer,) = (await stack.usage_of(kept.id)).values()
+    assert (answer["worker"], answer["status"]) == (first.settings.worker_id, "ok")
+    await eventually(lambda: not first.runs.tasks, 20, "the first worker's runs ended")
+    assert second_engine.runs == {moved.id: 1}
+    assert await _usage_counts(stack, {moved.id, kept.id}) == {moved.id: 1, kept.id: 1}
+
+
+async def test_a_shed_is_counted_once_it_took_effect_and_across_a_rebalance(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory pressure aborts two lo-band requests: one's abort comes during its last step
+    and it ends ``ok`` as it would have (not shed, nothing counted), the other's takes
+    effect. That one waits in the queue while a rebalance gives its partition back, and
+    its usage event still counts the preemption when it runs."""
+    engine = _Scripted()
+    worker = await stack.start_worker(
+        "completion", engine=engine, memory_check_ms=20, memory_cooldown_s=0.2
+    )
+    ending = envelope(band="lo", prompt="def ending():")
+    shed = envelope(band="lo", prompt=long_prompt(4))
+    engine.hold[ending.id] = sim_answer_tokens("def ending():", max_tokens=64) - 1
+    engine.hold[shed.id] = 0
+    await stack.send_records(ending, shed)
+    await eventually(lambda: engine.holding == {ending.id, shed.id}, 20, "both on the engine")
+
+    engine.hold_kv(0.95)
+    await eventually(lambda: engine.aborts >= {ending.id, shed.id}, 20, "both asked to stop")
+    (event,) = (await stack.usage_of(ending.id)).values()
+    assert (event["status"], event["preempted"]) == ("ok", 0)
+    await eventually(lambda: len(worker.queue) == 1, 20, "the shed one queued again")
+
+    await _rebalance(worker, monkeypatch)
+    engine.hold_kv(0.0)
+    (event,) = (await stack.usage_of(shed.id)).values()
+    assert (event["status"], event["preempted"]) == ("ok", 1)
+    assert engine.runs[shed.id] == 2
+    assert worker.memory.shed_total == 1
+    control = await stack.read_topic(
+        stack.topics.control,
+        count=2,
+        where=lambda r: r.get("kind") == "memory" and r["worker"] == worker.settings.worker_id,
+    )
+    assert [(r["pressed"], r["shed"]) for r in control] == [(True, 0), (False, 1)]
+
+
+async def test_a_revoke_whose_commit_fails_still_forgets_the_partitions(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit in the revoke callback that fails with any Kafka error (not only the
+    rebalance's own) still leaves the partitions to their next owner: aiokafka swallows the
+    callback's error, and a worker that kept them would run and finish their work as its."""
+    worker = await stack.start_worker("completion")
+
+    async def unreachable(*_args: Any, **_kwargs: Any) -> None:
+        raise KafkaConnectionError("the coordinator is unreachable")
+
+    monkeypatch.setattr(worker.consumer, "commit", unreachable)
+    request = envelope(prompt="def revoked():")
+    await stack.send_records(request)
+    await stack.usage_of(request.id)
+    await eventually(worker.offsets.partitions, 20, "an offset to commit")
+    await worker.lane.revoked(set(worker.consumer.assignment()))
+    assert worker.offsets.partitions() == []
