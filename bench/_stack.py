@@ -50,7 +50,7 @@ class BenchStack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)  # every process of the stack, by role
     # The ingress shows /readyz's checks only to the admin key (``ingress_admin_env``).
-    admin_key: str = "bench-admin"
+    admin_key: str = "bench-admin-key-0123"
 
     @property
     def ingress_admin_env(self) -> dict[str, str]:

@@ -12,9 +12,12 @@ from pydantic import (
 
 from laneway.settings import CommonSettings
 
-__all__ = ["IngressSettings"]
+__all__ = ["MIN_ADMIN_KEY_CHARS", "IngressSettings"]
 
 _BREAKER_LEVELS = ("quantized", "fallback")  # the routes of breaker levels 1 and 2
+# The admin key guards the admin API, the console and /readyz's checks, which anyone who
+# reaches a replica may try keys against (at any rate): too short, it could be guessed.
+MIN_ADMIN_KEY_CHARS = 16
 
 
 class IngressSettings(CommonSettings):
@@ -28,7 +31,9 @@ class IngressSettings(CommonSettings):
         description="names this replica's reply stream; unique per replica",
     )
     admin_key: SecretStr = Field(
-        SecretStr(""), description="bearer key of the admin API (/admin/...); empty: disabled"
+        SecretStr(""),
+        description="bearer key of the admin API (/admin/...), the console and /readyz's "
+        f"checks; empty: disabled, else at least {MIN_ADMIN_KEY_CHARS} characters",
     )
     console_session_s: float = Field(
         8 * 3600.0,
@@ -111,6 +116,19 @@ class IngressSettings(CommonSettings):
     quota_lease_idle_s: float = Field(
         10.0, gt=0, description="an unused quota lease goes back to its pool after this long"
     )
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_long_enough(cls, key: SecretStr) -> SecretStr:
+        length = len(key.get_secret_value())
+        if 0 < length < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(
+                f"{length} characters, under the {MIN_ADMIN_KEY_CHARS} an admin key must have "
+                "(it is tried against the admin API, the console and /readyz by whoever "
+                "reaches a replica); make one with `openssl rand -hex 24`, or leave it empty "
+                "to turn the admin API off"
+            )
+        return key
 
     @field_validator("breaker_routes")
     @classmethod

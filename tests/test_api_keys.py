@@ -20,7 +20,7 @@ from laneway.constants import RedisKeys
 from tests.stack import Ingress, LiveStack
 from tests.tcp_proxy import TcpProxy
 
-ADMIN = "ops-secret"
+ADMIN = "ops-secret-0123456"
 
 
 @pytest.fixture(autouse=True)

@@ -215,6 +215,21 @@ def test_bad_setting_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
         load_settings(WorkerSettings)
 
 
+def test_a_guessable_admin_key_is_refused_and_the_value_not_echoed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The admin key is tried against the admin API, the console and /readyz by whoever
+    reaches a replica, at any rate: a short one could be guessed."""
+    monkeypatch.setenv("LANEWAY_ADMIN_KEY", "hunter2")
+    with pytest.raises(ConfigError, match="LANEWAY_ADMIN_KEY.*7 characters, under the 16") as e:
+        load_settings(IngressSettings)
+    assert "hunter2" not in str(e.value)
+    monkeypatch.setenv("LANEWAY_ADMIN_KEY", "")
+    assert not load_settings(IngressSettings).admin_key.get_secret_value()  # off
+    monkeypatch.setenv("LANEWAY_ADMIN_KEY", "x" * 16)
+    assert load_settings(IngressSettings).admin_key.get_secret_value() == "x" * 16
+
+
 def test_a_shared_upstream_without_its_slots_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Learned from one worker's first bytes, a shared engine's slots stayed where they
     started: batch ran 3 lines at a time on a server that takes hundreds, and nothing said

@@ -18,7 +18,7 @@ from tests.stack import LiveStack, eventually
 from tests.test_breaker_levels import Webhook
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
-ADMIN = "ops-secret"
+ADMIN = "ops-secret-0123456"
 
 
 async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack) -> None:

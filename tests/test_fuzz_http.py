@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from laneway.apikeys import hash_key, key_id
 from tests.stack import LiveStack
 
-ADMIN = "fuzz-admin-key"
+ADMIN = "fuzz-admin-key-0123"
 BODY_LIMIT = 16_384  # small, so generated bodies reach past it too
 
 # --- JSON and text ---------------------------------------------------------------------------

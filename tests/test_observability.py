@@ -114,10 +114,10 @@ async def test_worker_process_scrape_and_heartbeat(stack: LiveStack) -> None:
 
 async def test_prober_notices_a_stopped_pool_and_its_return(stack: LiveStack) -> None:
     ingress = await stack.start_ingress(
-        probe_interval_s=0.5, probe_timeout_s=3.0, admin_key="ops-secret"
+        probe_interval_s=0.5, probe_timeout_s=3.0, admin_key="ops-secret-0123456"
     )
     workers = {pool: await stack.start_worker(pool) for pool in ("completion", "chat", "batch")}
-    http = stack.http(ingress, "ops-secret")  # the checks are for the operator
+    http = stack.http(ingress, "ops-secret-0123456")  # the checks are for the operator
 
     async def ready() -> tuple[int, dict[str, dict[str, object]]]:
         response = await http.get("/readyz")

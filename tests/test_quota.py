@@ -578,9 +578,9 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
 
 
 async def test_admin_api_sets_team_and_reads_budget(stack: LiveStack) -> None:
-    ingress = await stack.start_ingress(admin_key="root-secret")
+    ingress = await stack.start_ingress(admin_key="root-secret-0123456")
     await stack.start_worker("completion")
-    admin = stack.http(ingress, "root-secret")
+    admin = stack.http(ingress, "root-secret-0123456")
     assert (await stack.http(ingress, "wrong").get("/admin/teams/docs")).status_code == 401
     created = await admin.put(
         "/admin/teams/docs",

@@ -35,7 +35,7 @@ from ops.devstack import RedisServer, stop_processes
 from tests.stack import LiveStack, Services, free_port
 
 TEAM = "paused"
-ADMIN = "pause-admin"
+ADMIN = "pause-admin-0123456"
 QUIET_S, PAUSE_S, AFTER_S = 10.0, 10.0, 5.0
 
 

@@ -17,7 +17,7 @@ import pytest
 from ops.devstack import RedisServer
 from tests.stack import Ingress, LiveStack, Services, eventually, free_port
 
-ADMIN = "admin-secret"
+ADMIN = "admin-secret-0123456"
 # complexity 0.1, size 1: a 5,000-token hourly budget that refills 1.4 tokens a second.
 TEAM = {"size": 1, "complexity": 0.1}
 

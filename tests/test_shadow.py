@@ -36,7 +36,7 @@ from tests.test_cancel_shield import until_seen
 from tests.test_streams_logic import _Table
 from tests.test_streams_process import usage_event
 
-ADMIN = "ops-secret"
+ADMIN = "ops-secret-0123456"
 SHADOW = "laneway-code-next"
 
 

@@ -90,7 +90,7 @@ class UpStack:
             self.process.send_signal(signal.SIGCONT)
 
 
-ADMIN_KEY = "stack-up-admin"
+ADMIN_KEY = "stack-up-admin-0123"
 HANG_TIMEOUT_S = 15
 SERVICES = ("ingress", "streams", "worker-completion", "worker-chat", "worker-batch")
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

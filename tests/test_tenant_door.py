@@ -216,14 +216,14 @@ async def test_readyz_says_ready_or_not_and_only_the_admin_sees_why(stack: LiveS
     proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)
     await proxy.start()
     try:
-        ingress = await stack.start_ingress(redis_url=proxy.url(), admin_key="ops")
+        ingress = await stack.start_ingress(redis_url=proxy.url(), admin_key="ops-readyz-admin-key")
         public = stack.http(ingress)
         ready = await public.get("/readyz")
         assert set(ready.json()) == {"ready"}  # no workers here: not ready, and no details
         await proxy.cut_off()
         down = await public.get("/readyz")
         assert set(down.json()) == {"ready"}
-        admin = await stack.http(ingress, "ops").get("/readyz")
+        admin = await stack.http(ingress, "ops-readyz-admin-key").get("/readyz")
         checks = admin.json()["checks"]
         assert checks["redis"]["ok"] is False
         assert checks["redis"]["error"].isidentifier()  # the kind of error, not its text
@@ -265,7 +265,7 @@ def _assert_nothing_internal(text: str, port: int) -> None:
 
 
 async def test_no_api_description_lists_the_admin_routes_to_tenants(stack: LiveStack) -> None:
-    ingress = await stack.start_ingress(admin_key="door-admin-key")
+    ingress = await stack.start_ingress(admin_key="door-admin-key-0123")
     http = stack.http(ingress, await stack.api_key("team-a"))
     for path in ("/openapi.json", "/docs", "/redoc"):
         response = await http.get(path)
