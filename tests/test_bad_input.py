@@ -221,7 +221,7 @@ def test_a_guessable_admin_key_is_refused_and_the_value_not_echoed(
     """The admin key is tried against the admin API, the console and /readyz by whoever
     reaches a replica, at any rate: a short one could be guessed."""
     monkeypatch.setenv("LANEWAY_ADMIN_KEY", "hunter2")
-    with pytest.raises(ConfigError, match="LANEWAY_ADMIN_KEY.*7 characters, under the 16") as e:
+    with pytest.raises(ConfigError, match=r"LANEWAY_ADMIN_KEY.*7 characters, under the 16") as e:
         load_settings(IngressSettings)
     assert "hunter2" not in str(e.value)
     monkeypatch.setenv("LANEWAY_ADMIN_KEY", "")
