@@ -186,14 +186,23 @@ async def create_principal(
     _check_name(name)
     password = password or secrets.token_urlsafe(24)
     topics = settings.topics
-    if role.kind == "tenant":
-        await create_topics_async(
-            settings, topics.team_specs(role.arg, partitions), replication=replication
-        )
     rules = acl_rules(name, role, topics, streams_app_id=streams_app_id)
     admin = make_admin(settings, request_timeout_ms=15_000)
     await admin.start()
     try:
+        # ACLs are only ever added: created again under another role (another team), the
+        # principal would keep the old role's rights beside the new ones.
+        other = sorted(set(await describe_acls(admin, name)) - set(rules))
+        if other:
+            raise ConfigError(
+                f"principal {name!r} holds {len(other)} ACLs its role {role} does not grant "
+                f"(e.g. {other[0].describe()}): a principal has one role; `laneway principals "
+                f"delete {name}` first, then create it again"
+            )
+        if role.kind == "tenant":
+            await create_topics_async(
+                settings, topics.team_specs(role.arg, partitions), replication=replication
+            )
         await upsert_scram(admin, name, password, _scram(settings))
         await create_acls(admin, rules)
         # The controller has them; the broker applies them a moment later.

@@ -296,6 +296,20 @@ async def test_principals_get_exactly_the_table(secured: tuple[LiveStack, Princi
     }
 
 
+async def test_a_principal_created_again_under_another_role_is_refused(
+    secured: tuple[LiveStack, Principals],
+) -> None:
+    """ACLs are only ever added: a tenant of one team created again for another kept its
+    first team's rights beside the new ones."""
+    stack, principals = secured
+    name = await principals.create("moving", "tenant:alpha")
+    await principals.create("moving", "tenant:alpha")  # the same role again: fine
+    with pytest.raises(ConfigError, match=r"holds \d+ ACLs its role tenant:beta does not grant"):
+        await principals.create("moving", "tenant:beta")
+    held = await show_acls(CommonSettings(**stack.common), name)
+    assert held == sorted(acl_rules(name, Role.parse("tenant:alpha"), stack.topics))
+
+
 async def test_redis_refuses_the_default_user_and_foreign_keys(
     secured_services: SecuredServices,
 ) -> None:
