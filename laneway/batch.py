@@ -18,6 +18,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from laneway.clients import make_consumer, make_producer, start_client
+from laneway.constants import Topics
 from laneway.errors import BadRequest, DuplicateLine
 from laneway.json_shape import json_problem
 from laneway.openai_format import MAX_ERROR_CHARS, clipped
@@ -42,6 +43,7 @@ __all__ = [
     "output_line_bytes",
     "parse_input",
     "results_record",
+    "submit_transactional_id",
 ]
 
 _URLS = ("/v1/chat/completions", "/v1/completions")
@@ -273,23 +275,36 @@ class BatchClient:
         """Queue every line of a job of ``team``; returns the job id once Kafka stored all.
 
         The direct path, for service principals: Kafka's ACLs are what vouch for ``team``
-        (tenants submit over HTTP, ``laneway.http_batch``, where their key does)."""
+        (tenants submit over HTTP, ``laneway.http_batch``, where their key does). The lines
+        and the job's header go in one transaction, as the ingress writes a batch: a submit
+        cut short (Ctrl-C, a refused send) leaves no line to run and no header promising
+        lines that never come; sent again, the job runs once."""
         job_id = job_id or new_job_id()
         requests = list(parse_input(lines, job_id=job_id, team=team))
         if not requests:
             raise BadRequest("the job has no lines")
         header = BatchJob(job_id=job_id, team=team, lines=len(requests), source=source)
-        await self.producer.send_and_wait(
-            self.topics.results_batch, header.to_json(), key=job_id.encode()
+        producer = make_producer(
+            self.settings,
+            transactional_id=submit_transactional_id(self.topics, job_id),
+            linger_ms=20,
         )
-        topic = self.topics.request("batch")
-        pending = []
-        for request in requests:
-            key = f"{job_id}:{request.line_id}".encode()
-            pending.append(await self.producer.send(topic, request.to_json(), key=key))
-            if len(pending) >= 500:
+        await producer.start()
+        try:
+            async with producer.transaction():
+                topic = self.topics.request("batch")
+                pending = []
+                for request in requests:
+                    key = f"{job_id}:{request.line_id}".encode()
+                    pending.append(await producer.send(topic, request.to_json(), key=key))
+                    if len(pending) >= 500:
+                        await _drain(pending, progress)
                 await _drain(pending, progress)
-        await _drain(pending, progress)
+                await producer.send(
+                    self.topics.results_batch, header.to_json(), key=job_id.encode()
+                )
+        finally:
+            await producer.stop()
         return job_id
 
     async def _read_job(self, job_id: str) -> tuple[BatchJob | None, dict[str, BatchResult], int]:
@@ -329,6 +344,12 @@ async def _drain(pending: list[Any], progress: Callable[[int], None] | None) -> 
     if progress is not None:
         progress(len(pending))
     pending.clear()
+
+
+def submit_transactional_id(topics: Topics, job_id: str) -> str:
+    """The transactional id of a job sent straight to Kafka (``BatchClient.submit``): one a
+    job, so a submit sent again after a crash fences the one cut short."""
+    return f"{topics.prefix}.batch-submit.{job_id}"
 
 
 def results_record(value: bytes | None) -> BatchJob | BatchResult | None:

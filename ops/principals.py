@@ -21,6 +21,7 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import KafkaError
 from pydantic import SecretStr
 
+from laneway.batch import submit_transactional_id
 from laneway.clients import kafka_auth, make_admin
 from laneway.constants import POOLS, RequestClass, Topics
 from laneway.errors import ConfigError, ServiceError
@@ -151,6 +152,9 @@ def acl_rules(
         # `team` of its lines is trusted, so it is an operator's principal, never a tenant's.
         rules += topic([topics.request("batch"), topics.results_batch], writes)
         rules += topic([topics.results_batch], reads)
+        # A job's lines and header in one transaction (``laneway.batch.BatchClient.submit``).
+        txn = submit_transactional_id(topics, "")
+        rules += _on(principal, "transactional_id", [txn], writes, "prefixed")
     elif role.kind == "analyst":
         rules += topic([topics.usage, topics.usage_hourly], reads)
         rules += _on(principal, "group", [f"{topics.prefix}.analyst."], _GROUP, "prefixed")

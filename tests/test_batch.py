@@ -25,6 +25,7 @@ from aiokafka.errors import ProducerFenced
 from laneway.batch import BatchClient, JobStatus, batch_request_id
 from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
+from laneway.errors import BadRequest
 from laneway.schema import BatchRequest, BatchResult, RequestEnvelope
 from laneway.settings import CommonSettings
 from ops.devstack import create_topics
@@ -407,6 +408,30 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
     assert stuck, "no transaction was cut off"
     assert (status.done, status.duplicates) == (60, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
+
+
+async def test_a_submit_cut_short_leaves_nothing_and_sent_again_runs_once(
+    stack: LiveStack,
+) -> None:
+    """``laneway batch submit --kafka`` cut short (Ctrl-C, a send refused) left the header
+    promising 1,200 lines and the lines sent so far, which ran, and ran again when the job
+    was sent again. Lines and header now go in one transaction."""
+
+    def interrupted(_sent: int) -> None:
+        raise KeyboardInterrupt
+
+    lines = [_line(i) for i in range(1200)]
+    async with BatchClient(CommonSettings(**stack.common)) as client:
+        with pytest.raises(KeyboardInterrupt):
+            await client.submit(lines, team="docs", job_id="cut-short", progress=interrupted)
+        with pytest.raises(BadRequest, match="no batch job"):
+            await client.status("cut-short")
+        assert await client.submit(lines, team="docs", job_id="cut-short") == "cut-short"
+        assert (await client.status("cut-short")).lines == 1200
+    queued = await stack.read_all(
+        stack.topics.request("batch"), where=lambda line: line.get("job_id") == "cut-short"
+    )
+    assert len(queued) == 1200  # the first attempt's 500 were never committed
 
 
 @pytest.mark.slow

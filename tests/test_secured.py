@@ -28,6 +28,7 @@ from aiokafka.errors import (
 from openai.types import Batch
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from laneway.batch import BatchClient
 from laneway.constants import Topics
 from laneway.errors import ConfigError, ServiceError
 from laneway.schema import BatchRequest
@@ -308,6 +309,18 @@ async def test_a_principal_created_again_under_another_role_is_refused(
         await principals.create("moving", "tenant:beta")
     held = await show_acls(CommonSettings(**stack.common), name)
     assert held == sorted(acl_rules(name, Role.parse("tenant:alpha"), stack.topics))
+
+
+async def test_a_batch_service_submits_a_job_in_one_transaction(
+    secured: tuple[LiveStack, Principals],
+) -> None:
+    stack, principals = secured
+    await principals.create("svc", "batch-service")
+    settings = CommonSettings(**{**stack.common, **principals.settings("svc")})
+    lines = [_http_line(i).decode() for i in range(3)]
+    async with BatchClient(settings) as client:
+        job = await client.submit(lines, team="payments")
+        assert (await client.status(job)).lines == 3
 
 
 async def test_redis_refuses_the_default_user_and_foreign_keys(
