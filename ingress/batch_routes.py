@@ -6,11 +6,12 @@ found", exactly like one that does not exist.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from ingress.batch_records import CreateBatch
 from ingress.headers import authorization
@@ -37,19 +38,25 @@ async def _caller(request: Request) -> tuple[IngressState, Team]:
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose=batch``)."""
     state, team = await _caller(request)
-    async with request.form(max_files=1, max_fields=8) as form:
-        purpose = form.get("purpose")
-        upload = form.get("file")
-        if purpose != "batch":
-            shown = purpose if isinstance(purpose, str) else None
-            raise BadRequest(
-                f"purpose {shown!r} is not supported: laneway stores batch input files only "
-                "(purpose 'batch')",
-                param="purpose",
-            )
-        if not isinstance(upload, UploadFile):
-            raise BadRequest("file: a multipart file field named 'file' is required", param="file")
-        record = await state.files.upload(team.name, upload.filename or "", upload.file)
+    state.files.transfers.take(team.name)  # before the body: it is spooled as it comes
+    try:
+        async with request.form(max_files=1, max_fields=8) as form:
+            purpose = form.get("purpose")
+            upload = form.get("file")
+            if purpose != "batch":
+                shown = purpose if isinstance(purpose, str) else None
+                raise BadRequest(
+                    f"purpose {shown!r} is not supported: laneway stores batch input files "
+                    "only (purpose 'batch')",
+                    param="purpose",
+                )
+            if not isinstance(upload, UploadFile):
+                raise BadRequest(
+                    "file: a multipart file field named 'file' is required", param="file"
+                )
+            record = await state.files.upload(team.name, upload.filename or "", upload.file)
+    finally:
+        state.files.transfers.give_back(team.name)
     return JSONResponse(record.public())
 
 
@@ -64,17 +71,38 @@ async def retrieve_file(file_id: str, request: Request) -> Response:
 async def file_content(file_id: str, request: Request) -> Response:
     state, team = await _caller(request)
     record = await state.files.get(file_id, team.name)
-    content = state.files.content(record)
-    # The first chunk is read before the answer starts: a backing service that fails now
-    # is a 503, not a cut-off 200.
-    first = await anext(content, b"")
+    transfers = state.files.transfers
+    transfers.take(team.name)
+    try:
+        content = state.files.content(record)
+        # The first chunk is read before the answer starts: a backing service that fails
+        # now is a 503, not a cut-off 200.
+        first = await anext(content, b"")
+    except BaseException:
+        transfers.give_back(team.name)
+        raise
 
     async def body() -> AsyncIterator[bytes]:
         yield first
         async for chunk in content:
             yield chunk
 
-    return StreamingResponse(body(), media_type="application/octet-stream")
+    return _Download(body(), lambda: transfers.give_back(team.name))
+
+
+class _Download(StreamingResponse):
+    """A file's bytes as they are read; ``ended`` runs once the answer ended however it
+    ended (sent, the client gone before or during it)."""
+
+    def __init__(self, content: AsyncIterator[bytes], ended: Callable[[], None]) -> None:
+        super().__init__(content, media_type="application/octet-stream")
+        self._ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()
 
 
 @batch_router.post("/batches")

@@ -27,7 +27,7 @@ from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
 from laneway.errors import BadRequest, BodyTooLarge, NotFound, RateLimited
 from laneway.schema import BatchResult
 
-__all__ = ["FileRecord", "FileStore", "StoredBytes", "read_range"]
+__all__ = ["FileRecord", "FileStore", "StoredBytes", "TeamTransfers", "read_range"]
 
 # A chunk is one Kafka record: well below the 1 MiB a record may have by default.
 _CHUNK_BYTES = 512 * 1024
@@ -70,6 +70,9 @@ class FileRecord(BaseModel):
 def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
+
+# File uploads and downloads one team may have under way on one replica at once.
+_TEAM_TRANSFERS_MAX = 8
 
 # Each stored thing counts at least this much: a team's ledger (and the file records beside
 # it) stays within allowance / 1 MiB entries, however small its files.
@@ -131,6 +134,35 @@ class StoredBytes:
         await self.redis.zrem(self.keys.team_stored(team), entry)
 
 
+class TeamTransfers:
+    """Uploads and downloads each team has under way on this replica, at most ``limit`` at
+    once (429 beyond): each holds a Kafka consumer or a spooled file of up to 100 MiB, and
+    one team's thousand slow ones would use up the replica's connections and disk."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, team: str) -> None:
+        held = self._open.get(team, 0)
+        if held >= self.limit:
+            raise RateLimited(
+                f"team {team!r} has {held} file uploads and downloads under way on this "
+                "ingress already; start this one once one of them ended",
+                team=team,
+                limit=self.limit,
+                retry_after=1.0,
+            )
+        self._open[team] = held + 1
+
+    def give_back(self, team: str) -> None:
+        held = self._open.get(team, 0) - 1
+        if held > 0:
+            self._open[team] = held
+        else:
+            self._open.pop(team, None)
+
+
 class FileStore:
     def __init__(
         self, settings: IngressSettings, redis: aioredis.Redis, producer: AIOKafkaProducer
@@ -141,6 +173,7 @@ class FileStore:
         self.topics: Topics = settings.topics
         self.keys: RedisKeys = settings.keys
         self.stored = StoredBytes(settings, redis)
+        self.transfers = TeamTransfers(_TEAM_TRANSFERS_MAX)
 
     async def get(self, file_id: str, team: str, *, param: str = "file_id") -> FileRecord:
         """The team's file ``file_id``; another team's is "not found" like a missing one."""

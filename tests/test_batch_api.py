@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -206,6 +207,36 @@ async def test_a_team_stores_no_more_than_its_allowance_and_others_still_can(
 
     other = _client(stack, ingress, await stack.api_key("rivals", size=100))
     await other.files.create(file=("c.jsonl", data), purpose="batch")
+
+
+async def test_a_team_has_a_few_file_transfers_at_once_per_replica(stack: LiveStack) -> None:
+    """Each download holds a Kafka consumer while its client reads: one key's thousand slow
+    downloads used up the replica. Eight at once per team; past them, 429 until one ends;
+    another team is not held up."""
+    ingress = await stack.start_ingress()
+    key = await stack.api_key("docs", size=100)
+    client = _client(stack, ingress, key)
+    data = b"\n".join(_line(i, metadata={"pad": "x" * 100_000}) for i in range(200)) + b"\n"
+    uploaded = await client.files.create(file=("big.jsonl", data), purpose="batch")
+    http = stack.http(ingress, key)
+    url = f"/v1/files/{uploaded.id}/content"
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(8):  # each read no further than its headers: the rest waits
+            response = await held.enter_async_context(http.stream("GET", url))
+            assert response.status_code == 200
+        refused = await http.get(url)
+        assert refused.status_code == 429, refused.text
+        assert "under way on this ingress" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"] == "1"
+        other = _client(stack, ingress, await stack.api_key("rivals", size=100))
+        await other.files.create(file=("c.jsonl", _line(0) + b"\n"), purpose="batch")
+
+    # The eight ended with their clients: the team may download again.
+    async def again() -> bool:
+        response = await http.get(url)
+        return response.status_code == 200 and response.content == data
+
+    await eventually(again, 10, "a download after the others ended")
 
 
 async def test_another_team_cannot_see_or_cancel_a_batch(stack: LiveStack) -> None:
