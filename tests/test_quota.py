@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import BadRequest, QuotaExceeded
@@ -35,6 +36,7 @@ from tests.stack import (
     redis_client,
 )
 from workers import metrics
+from workers.accounting import Owed
 from workers.outbox import Outbox
 
 # --- the model --------------------------------------------------------------------------
@@ -699,3 +701,35 @@ async def test_two_records_of_one_batch_line_id_each_hold_their_own_reservation(
     assert (await quota.settle("alpha", "batch-j-2", 70, accepted_ts=second, once=True)).found
     pool = (await quota.snapshot(team))["pools"]["batch"]
     assert (pool["used_tokens_this_hour"], pool["reservations"]) == (80 + 80 + 70, 0)
+
+
+async def test_owed_batch_lines_of_one_id_are_owed_apart_and_a_refused_one_holds_none_back(
+    enforcer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two records of one batch line id are two lines with a reservation each: owed through
+    a Redis outage, the second overwrote the first, whose reservation then stayed held. A
+    settlement Redis refuses (it answered) is given up, not tried before every other one
+    for good."""
+    quota, redis, keys = enforcer
+    team = Team("theta", size=1)
+    for record in (1000.0, 2000.0):
+        await quota.reserve(team, "batch", "job:l1", 100, record=record)
+    outbox = Outbox(redis, None, Topics(keys.prefix), quota)  # type: ignore[arg-type]
+    accounting = outbox.accounting
+    refused = Owed("theta", "bad", 5, 0, 0, accepted_ts=1.0, once=True)
+    first = Owed("theta", "job:l1", 40, 0, 0, accepted_ts=1000.0, once=True)
+    second = Owed("theta", "job:l1", 60, 0, 0, accepted_ts=2000.0, once=True)
+    settle = accounting._settle
+
+    async def refusing(owed: Owed) -> None:
+        if owed is refused:
+            raise ResponseError("ERR refused")
+        await settle(owed)
+
+    monkeypatch.setattr(accounting, "_settle", refusing)
+    accounting.owed = {o.key: o for o in (refused, first, second)}
+    assert await accounting.pay_owed() == 2
+    assert not accounting.owed
+    assert not await redis.hlen(keys.quota_reservations("theta"))  # both settled
+    used = await redis.get(keys.quota_used("theta", "batch", int(time.time() // 3600)))
+    assert int(used) == 40 + 60

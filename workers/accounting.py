@@ -18,7 +18,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from laneway.constants import Topics
 from laneway.schema import RequestEnvelope, UsageEvent
@@ -50,6 +50,12 @@ class Owed:
     accepted_ts: float
     once: bool = False  # a batch line: a re-run's reservation goes back (``QuotaEnforcer``)
 
+    @property
+    def key(self) -> str:
+        """Its place among the owed: a batch line's is its record's (two records of one id
+        are two lines, each owing its own settlement)."""
+        return f"{self.request_id}@{self.accepted_ts!r}" if self.once else self.request_id
+
 
 class Accounting:
     def __init__(
@@ -64,7 +70,7 @@ class Accounting:
         self.topics = topics
         self.circuit = round_trips.circuit
         self.circuit.listen(self._on_circuit)
-        self.owed: dict[str, Owed] = {}  # by request id, oldest first
+        self.owed: dict[str, Owed] = {}  # by ``Owed.key``, oldest first
         self._paying: asyncio.Task[int] | None = None
 
     def settlement(self, env: RequestEnvelope, usage: UsageEvent) -> Owed | None:
@@ -135,7 +141,7 @@ class Accounting:
         one that did reach it is not charged again)."""
         if not self.owed:
             log.warning("quota settlements wait until Redis answers (from %s)", owed.request_id)
-        self.owed[owed.request_id] = owed
+        self.owed[owed.key] = owed
         while len(self.owed) > _MAX_OWED:
             lost = self.owed.pop(next(iter(self.owed)))
             log.warning(
@@ -165,11 +171,24 @@ class Accounting:
                 await self.circuit.background(
                     partial(self._settle, owed), timeout_s=_OWED_SETTLE_TIMEOUT_S
                 )
+            except ResponseError as exc:
+                # Redis answered, and refused this one: it would refuse it again, and hold
+                # every settlement behind it for good.
+                log.error(  # noqa: TRY400 - Redis's answer says it all
+                    "settlement of %s refused by Redis, given up: %d tokens of team %r not "
+                    "charged: %s",
+                    owed.request_id,
+                    owed.tokens,
+                    owed.team,
+                    exc,
+                )
             except (RedisError, OSError) as exc:
                 log.info("owed settlements wait (%d): %s", len(self.owed), exc)
                 break
-            self.owed.pop(owed.request_id, None)
-            paid += 1
+            else:
+                paid += 1
+            if self.owed.get(owed.key) is owed:  # not one owed again meanwhile
+                del self.owed[owed.key]
         if paid:
             log.warning("%d owed settlements sent, %d still owed", paid, len(self.owed))
         return paid

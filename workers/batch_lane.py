@@ -274,8 +274,10 @@ class BatchLane:
         instead: its job was cancelled, or the topic no longer holds it. ``NotReadBack``
         when Kafka or Redis did not answer: it is tried again."""
         try:
-            line, stored_at = await self._read_back(work)
-            env = await self.lines.envelope(line, work.env.id, stored_at)
+            line, _ = await self._read_back(work)
+            # Accepted when it was parked (the record's time then): its reservation is known
+            # by it, and a time read again may differ.
+            env = await self.lines.envelope(line, work.env.id, work.env.accepted_ts)
         except RecordGone as exc:
             log.warning("parked batch line %s answered: %s", work.env.id, exc)
             gone = Expired(f"the line was deleted from Kafka before it could run: {exc}")
