@@ -234,6 +234,10 @@ class ServiceProcess:
     def kill(self) -> None:
         process = self._process
         if process is not None and process.returncode is None:
+            # Its whole process group: a child of its own (vLLM's engine core) outlives a
+            # SIGKILL of its parent alone, and would hold the GPU the restart needs.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
 
@@ -254,26 +258,31 @@ class ServiceProcess:
 def stray_services(log_dir: Path, known: Collection[str]) -> dict[str, int]:
     """Laneway services that an earlier supervisor started with ``log_dir`` under names not
     in ``known`` (a worker replica the configuration no longer has) and left running: name
-    and pid, from their pid files, where the process runs ``<python> -m <service>``."""
+    and pid, from their pid files, where the process runs ``<python> -m <service>`` with
+    the watchdog file this ``log_dir`` gave it (a pid used again since, by another stack's
+    service, is not one)."""
     found = {}
     for pid_file in sorted(log_dir.glob("*.pid")):
         if pid_file.stem in known:
             continue
         with contextlib.suppress(OSError, ValueError):
             pid = int(pid_file.read_text())
-            if _runs_a_service(pid):
+            if _runs_a_service(pid, log_dir / f"{pid_file.stem}.alive"):
                 found[pid_file.stem] = pid
     return found
 
 
-def _runs_a_service(pid: int) -> bool:
+def _runs_a_service(pid: int, alive_file: Path) -> bool:
     args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    return (
+    if not (
         len(args) >= 3
         and os.path.basename(args[0]).startswith(b"python")
         and args[1] == b"-m"
         and args[2] in {module.encode() for module in SERVICE_MODULES}
-    )
+    ):
+        return False
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return f"LANEWAY_WATCHDOG_FILE={alive_file}".encode() in environ
 
 
 class _Server(Protocol):

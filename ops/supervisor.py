@@ -143,6 +143,10 @@ def _not_counted(need: str, ago: float) -> str:
 
 # How often signs of life are looked at (more often under a timeout shorter than 8 s).
 _HANG_CHECK_S = 2.0
+# A run's first sign of life comes after its interpreter started and imported its packages,
+# which on a loaded machine (a broker's JVM starting beside it) takes far longer than a
+# blocked loop is allowed: until its first beat it has at least this long.
+_FIRST_BEAT_S = 120.0
 
 
 def _beat_of(path: Path | None) -> int | None:
@@ -201,6 +205,7 @@ class Supervisor:
         # to change or the run started.
         self._last_sign: dict[str, tuple[int | None, float]] = {}
         self._hung: dict[str, float] = {}  # killed as hung: seconds without a sign of life
+        self._beating: set[str] = set()  # processes whose current run gave a sign of life
 
     def restarts(self, name: str) -> int:
         """How often ``name`` was restarted so far."""
@@ -307,6 +312,7 @@ class Supervisor:
         self._starts[process.name] += 1
         self._started_with[process.name] = {need: self._starts[need] for need in process.needs}
         self._last_sign[process.name] = (_beat_of(process.alive_file), time.monotonic())
+        self._beating.discard(process.name)
         self._set_up(process, up=True)
 
     def _set_up(self, process: Supervised, *, up: bool) -> None:
@@ -423,16 +429,20 @@ class Supervisor:
         seen, since = self._last_sign[name]  # set by every start
         if beat != seen:
             self._last_sign[name] = (beat, now)
+            self._beating.add(name)
             return
         silent = now - since
-        if silent < self.hang_timeout_s:
+        started = name in self._beating
+        if silent < (self.hang_timeout_s if started else max(self.hang_timeout_s, _FIRST_BEAT_S)):
             return
         log.error(
-            "%s (pid %s) gave no sign of life for %.0fs (its event loop is blocked or the "
-            "process is stopped); killing it to restart it",
+            "%s (pid %s) gave no sign of life for %.0fs (%s); killing it to restart it",
             name,
             process.pid,
             silent,
+            "its event loop is blocked or the process is stopped"
+            if started
+            else "it never started beating",
         )
         self._hung[name] = silent
         process.kill()

@@ -28,15 +28,17 @@ from tests.test_supervisor import FAST, SLEEPER, _laneway_up, _python
 _UNBUFFERED = {"PATH": os.environ["PATH"], "PYTHONUNBUFFERED": "1"}
 
 
-def _fake_service(root: Path, module: str) -> subprocess.Popen[bytes]:
+def _fake_service(root: Path, module: str, alive_file: Path) -> subprocess.Popen[bytes]:
     """A process whose command line is `<python> -m <module>`, as a service's is, without
-    being one: a package of that name in ``root`` shadows laneway's."""
+    being one: a package of that name in ``root`` shadows laneway's. Its watchdog file says
+    which stack started it."""
     package = root / module
-    package.mkdir(parents=True)
+    package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
     (package / "__main__.py").write_text(SLEEPER)
+    env = {**_UNBUFFERED, "LANEWAY_WATCHDOG_FILE": str(alive_file)}
     return subprocess.Popen(
-        [sys.executable, "-m", module], cwd=root, env=_UNBUFFERED, stdout=subprocess.PIPE
+        [sys.executable, "-m", module], cwd=root, env=env, stdout=subprocess.PIPE
     )
 
 
@@ -44,27 +46,31 @@ def test_a_leftover_service_this_stack_does_not_run_is_stopped_too(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A worker-completion-3 that a killed stack left running survives no restart with fewer
-    replicas: its pid file and command line name it. A pid file of anything else is left."""
+    replicas: its pid file, command line and watchdog file name it. A pid file of anything
+    else is left, and so is one whose pid is now another stack's service."""
     caplog.set_level(logging.WARNING, "ops.local_stack")
     logs = tmp_path / "logs"
     logs.mkdir()
-    stray = _fake_service(tmp_path / "fake", "workers")
+    stray = _fake_service(tmp_path / "fake", "workers", logs / "worker-completion-3.alive")
+    foreign = _fake_service(tmp_path / "fake", "workers", tmp_path / "other" / "x.alive")
     other = subprocess.Popen(
         [sys.executable, "-c", SLEEPER], env=_UNBUFFERED, stdout=subprocess.PIPE
     )
     try:
-        for process in (stray, other):
+        for process in (stray, foreign, other):
             assert process.stdout is not None
             assert process.stdout.readline().startswith(b"running")
         (logs / "worker-completion-3.pid").write_text(str(stray.pid))
+        (logs / "worker-chat-2.pid").write_text(str(foreign.pid))  # its pid taken since
         (logs / "notes.pid").write_text(str(other.pid))
         stop_leftovers([], logs, grace_s=10)
         assert stray.wait(timeout=10) == -signal.SIGTERM
         assert other.poll() is None
+        assert foreign.poll() is None
         assert not (logs / "worker-completion-3.pid").exists()
         assert (logs / "notes.pid").exists()
     finally:
-        for process in (stray, other):
+        for process in (stray, foreign, other):
             process.kill()
             process.communicate()
     assert f"left worker-completion-3 (pid {stray.pid}) running" in caplog.text

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from laneway.watchdog import AliveFile
+from ops import supervisor as supervisor_module
 from ops.supervised import ServiceProcess
 from ops.supervisor import RestartPolicy, Supervisor
 from tests.stack import eventually
@@ -99,3 +100,17 @@ async def test_a_stopped_process_is_killed_and_restarted_and_one_that_beats_is_l
         r"LANEWAY_HANG_TIMEOUT_S\), killed by SIGKILL",
         lines,
     )
+
+
+async def test_a_run_has_longer_for_its_first_beat_than_between_beats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before its first beat a run is importing its packages, which on a loaded machine
+    takes longer than a loop may stay blocked: it was killed before it could beat."""
+    monkeypatch.setattr(supervisor_module, "_FIRST_BEAT_S", 4.0)
+    silent = _service("silent", "import time\nprint('up', flush=True)\ntime.sleep(600)\n", tmp_path)
+    supervisor = Supervisor([silent], POLICY, hang_timeout_s=HANG_TIMEOUT_S)
+    before_spawn = time.monotonic()
+    async with supervising(supervisor):
+        await eventually(lambda: supervisor.restarts("silent") >= 1, 20, "its restart")
+        assert time.monotonic() - before_spawn >= 4.0  # not at the 1.5 s between beats
