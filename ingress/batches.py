@@ -131,7 +131,11 @@ class BatchBook:
             created_at=now,
             expires_at=now + 24 * 3600,
         )
-        await self.records.insert(record)
+        try:
+            await self.records.insert(record)
+        except BaseException:
+            await asyncio.shield(self._uncount(record, file))
+            raise
         task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
         self._submitting[batch_id] = task
         # Counted now, not from before the awaits: two of one team's creates at once would
@@ -139,6 +143,11 @@ class BatchBook:
         self._team_waiting[team] = self._team_waiting.get(team, 0) + 1
         task.add_done_callback(lambda _: self._submitted(team, batch_id))
         return record
+
+    async def _uncount(self, record: BatchRecord, file: FileRecord) -> None:
+        """The batch's lines were not stored: its team's allowance gets them back."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.files.stored.give_back(record.team, f"batch:{record.id}", file.bytes)
 
     def _submitted(self, team: str, batch_id: str) -> None:
         self._submitting.pop(batch_id, None)
@@ -239,6 +248,7 @@ class BatchBook:
                 await producer.stop()
         except LanewayError as exc:
             await self._fail(record.id, "invalid_file", str(exc))
+            await self._uncount(record, file)  # its transaction wrote nothing
         except Exception as exc:
             if isinstance(exc, (KafkaError, RedisError, OSError)):
                 log.warning("batch %s not queued: %r", record.id, exc)
@@ -255,6 +265,8 @@ class BatchBook:
                 stored = await self.records.load(record.id)
                 if stored is not None and stored.header_offset is None:
                     await self._fail(record.id, "not_queued", why)
+                    # Nothing of it stays on Kafka: created again, it is not counted twice.
+                    await self._uncount(record, file)
 
     async def _write(
         self,

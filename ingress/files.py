@@ -78,20 +78,36 @@ _TEAM_TRANSFERS_MAX = 8
 # it) stays within allowance / 1 MiB entries, however small its files.
 _LEAST_COUNTED = 1024 * 1024
 
-# Drops what left the 7 days, then adds ARGV[3] (``<kind>:<id>:<bytes>``) at ARGV[1] if the
-# team's total stays within ARGV[4]; returns -1 when added, else the total stored already.
+# KEYS: 1 the team's entries (``<kind>:<id>:<bytes>`` scored by when), 2 their running total.
+# Drops the entries older than ARGV[2] from both, then adds ARGV[3] (ARGV[5] bytes) at
+# ARGV[1] if the total stays within ARGV[4]; returns -1 when added, else the total stored.
+# The total is kept beside the entries: summed on every call, a full team's ten thousand
+# entries would hold Redis (every team's quota scripts) for each of its uploads.
 _TAKE = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local total = 0
-for _, entry in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  total = total + tonumber(string.match(entry, ':(%d+)$'))
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+local total = tonumber(redis.call('GET', KEYS[2]) or '0')
+for _, entry in ipairs(expired) do
+  total = total - tonumber(string.match(entry, ':(%d+)$'))
 end
+if #expired > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2]) end
+if total < 0 or redis.call('EXISTS', KEYS[1]) == 0 then total = 0 end
 if total + tonumber(ARGV[5]) > tonumber(ARGV[4]) then
+  redis.call('SET', KEYS[2], total, 'EX', ARGV[6])
   return total
 end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3])
+if redis.call('ZADD', KEYS[1], ARGV[1], ARGV[3]) == 1 then total = total + tonumber(ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('SET', KEYS[2], total, 'EX', ARGV[6])
 return -1
+"""
+
+# KEYS as _TAKE's; ARGV: 1 the entry, 2 its bytes. Uncounts it if it is there.
+_GIVE_BACK = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  local total = tonumber(redis.call('GET', KEYS[2]) or '0') - tonumber(ARGV[2])
+  redis.call('SET', KEYS[2], math.max(total, 0), 'KEEPTTL')
+end
+return 1
 """
 
 
@@ -105,17 +121,28 @@ class StoredBytes:
         self.redis = redis
         self.keys: RedisKeys = settings.keys
         self._take = redis.register_script(_TAKE)
+        self._give_back = redis.register_script(_GIVE_BACK)
 
-    async def take(self, team: str, what: str, size: int) -> str:
-        """Count ``size`` bytes of ``what`` (``file:<id>``) against ``team``'s allowance;
-        the entry (for ``give_back``), or ``RateLimited`` naming the setting."""
+    def _keys(self, team: str) -> list[str]:
+        entries = self.keys.team_stored(team)
+        return [entries, f"{entries}:total"]
+
+    async def take(self, team: str, what: str, size: int) -> None:
+        """Count ``size`` bytes of ``what`` (``file:<id>``, ``batch:<id>``) against
+        ``team``'s allowance, or raise ``RateLimited`` naming the setting."""
         counted = max(size, _LEAST_COUNTED)
-        entry = f"{what}:{counted}"
         now = time.time()
         total = int(
             await self._take(
-                keys=[self.keys.team_stored(team)],
-                args=[now, now - FILE_RETENTION_S, entry, self.limit, counted, FILE_RETENTION_S],
+                keys=self._keys(team),
+                args=[
+                    now,
+                    now - FILE_RETENTION_S,
+                    f"{what}:{counted}",
+                    self.limit,
+                    counted,
+                    FILE_RETENTION_S,
+                ],
             )
         )
         if total >= 0:
@@ -127,11 +154,11 @@ class StoredBytes:
                 limit=self.limit,
                 retry_after=3600.0,
             )
-        return entry
 
-    async def give_back(self, team: str, entry: str) -> None:
-        """Uncount what was not stored after all."""
-        await self.redis.zrem(self.keys.team_stored(team), entry)
+    async def give_back(self, team: str, what: str, size: int) -> None:
+        """Uncount what ``take`` counted and was not stored after all."""
+        counted = max(size, _LEAST_COUNTED)
+        await self._give_back(keys=self._keys(team), args=[f"{what}:{counted}", counted])
 
 
 class TeamTransfers:
@@ -193,7 +220,7 @@ class FileStore:
         # A read of the whole file: off the event loop (it may be on disk, 100 MiB).
         size, _ = await asyncio.to_thread(_check_upload, data, self.settings)
         file_id = new_file_id()
-        entry = await self.stored.take(team, f"file:{file_id}", size)
+        await self.stored.take(team, f"file:{file_id}", size)
         data.seek(0)
         try:
             sent = []
@@ -203,7 +230,7 @@ class FileStore:
                 )
             stored = [await future for future in sent]
         except BaseException:
-            await asyncio.shield(self.stored.give_back(team, entry))
+            await asyncio.shield(self.stored.give_back(team, f"file:{file_id}", size))
             raise
         now = int(time.time())
         record = FileRecord(

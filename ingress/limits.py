@@ -18,7 +18,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ingress.errors import error_response
 from laneway.errors import BodyTooLarge
 
-__all__ = ["BodyLimit"]
+__all__ = ["OVER_LIMIT", "BodyLimit"]
+
+# Set in the request's scope when its body passed the limit: the app was told the client
+# left, and the client gets a 413.
+OVER_LIMIT = "laneway.body_over_limit"
 
 
 class BodyLimit:
@@ -60,6 +64,7 @@ class BodyLimit:
                 size += len(message.get("body", b""))
                 if size > limit:
                     over = True
+                    scope[OVER_LIMIT] = True  # the app counts a 413, not a client gone
                     return {"type": "http.disconnect"}
             return message
 

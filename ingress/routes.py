@@ -20,6 +20,7 @@ from ingress import metrics
 from ingress.admin import is_admin
 from ingress.auth import Caller
 from ingress.headers import authorization
+from ingress.limits import OVER_LIMIT
 from ingress.replies import ReplyChannel
 from ingress.responses import (
     DONE,
@@ -135,6 +136,8 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
     try:
         raw = await request.body()
     except ClientDisconnect:
+        if request.scope.get(OVER_LIMIT):
+            raise BodyTooLarge("request body over the limit (LANEWAY_MAX_BODY_BYTES)") from None
         metrics.CLIENT_GONE.labels(cls).inc()
         metrics.RESPONSES.labels(cls, "499").inc()
         return Response(status_code=499)

@@ -208,6 +208,20 @@ async def test_a_team_stores_no_more_than_its_allowance_and_others_still_can(
     other = _client(stack, ingress, await stack.api_key("rivals", size=100))
     await other.files.create(file=("c.jsonl", data), purpose="batch")
 
+    # A batch that stored nothing (its file has no request line) is not counted: created
+    # again and again, it never uses up the team's allowance.
+    third = _client(stack, ingress, await stack.api_key("third", size=100))
+    blank = await third.files.create(file=("blank.jsonl", b"\n \n"), purpose="batch")
+    for _ in range(3):
+        failed = await third.batches.create(
+            input_file_id=blank.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert (await _until_done(third, failed.id)).status == "failed"
+    uploaded = await third.files.create(file=("d.jsonl", data), purpose="batch")
+    await third.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
 
 async def test_a_team_has_a_few_file_transfers_at_once_per_replica(stack: LiveStack) -> None:
     """Each download holds a Kafka consumer while its client reads: one key's thousand slow

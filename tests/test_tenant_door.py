@@ -13,10 +13,12 @@ import orjson
 import pytest
 
 from ingress.cancels import CancelOutbox
+from ingress.metrics import CLIENT_GONE, RESPONSES
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord
 from tests.stack import LiveStack, envelope, eventually, free_port
 from tests.tcp_proxy import TcpProxy
+from tests.test_wire_conformance import _count
 
 BODY = {"model": "laneway-code", "prompt": "def handler(request):", "max_tokens": 8}
 
@@ -99,11 +101,15 @@ async def test_bodies_over_the_limit_get_413_with_the_limit(stack: LiveStack) ->
         for start in range(0, len(body), 1000):
             yield body[start : start + 1000]
 
+    told, gone = _count(RESPONSES, "completion", "413"), _count(CLIENT_GONE, "completion")
     response = await http.post(
         "/v1/completions", content=chunks(big), headers={"content-type": "application/json"}
     )
     assert response.status_code == 413, response.text
     assert "over the limit of 4096 bytes" in response.json()["error"]["message"]
+    # Counted as the 413 it was, not as a client gone (the app was told it left).
+    assert _count(RESPONSES, "completion", "413") == told + 1
+    assert _count(CLIENT_GONE, "completion") == gone
     # Under the limit, chunked or not, it is served.
     small = orjson.dumps(BODY)
     response = await http.post(
