@@ -250,8 +250,44 @@ class RequestExecutor:
                 chunks.cancel()
             raise
         finally:
+            withdrawn = env.id in self.withdrawn
             stale = self.shield.stale_reason(env.id) if got.withheld else None
             stale_ms, news_ms = self._left(env, got, generation, status, requeued=requeued)
+        return await self._outcome(
+            env,
+            status=status,
+            error=error,
+            got=got,
+            chunks=chunks,
+            text_parts=text_parts,
+            queue_ms=queue_ms,
+            stale=stale,
+            waste=(stale_ms, news_ms),
+            withdrawn=withdrawn,
+        )
+
+    async def _outcome(
+        self,
+        env: RequestEnvelope,
+        *,
+        status: Outcome,
+        error: str | None,
+        got: _Totals,
+        chunks: ChunkStream | None,
+        text_parts: list[str],
+        queue_ms: float,
+        stale: Dropped | None,
+        waste: tuple[float, float],
+        withdrawn: bool,
+    ) -> UsageEvent | None:
+        """The outcome of a run that left the engine: its final reply and usage event, or
+        None when it is not this worker's to report."""
+        if withdrawn:
+            # Its abort came during its last step (it ended all the same) or ended it in an
+            # error: its partition's next owner answers it, and this run reports nothing.
+            if chunks is not None:
+                chunks.cancel()
+            return None
         if status == "ok" and stale is not None:
             # Its engine request ran to its end for the keystrokes that typed through it, not
             # for it: its client is told it was superseded (or it left), as when aborted, not
@@ -278,8 +314,8 @@ class RequestExecutor:
             completion_tokens=got.completion_tokens,
             finish_reason=got.finish_reason,
             error=error,
-            stale_engine_ms=stale_ms,
-            stale_news_ms=news_ms,
+            stale_engine_ms=waste[0],
+            stale_news_ms=waste[1],
         )
 
     def _preempted(
