@@ -133,6 +133,38 @@ async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_reba
     assert await _usage_counts(stack, {env.id for env in ours}) == {env.id: 1 for env in ours}
 
 
+async def test_a_run_that_answers_while_its_partition_is_away_is_not_run_again(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The partition is revoked while a request runs; the run answers before the partition
+    comes back to this worker, so nothing is left to adopt its record fetched again (the
+    revoke's commit named it pending): it is skipped, not run a second time."""
+    engine = _Scripted()
+    worker = await stack.start_worker("completion", engine=engine)
+    held = envelope(prompt=long_prompt(4))
+    engine.hold[held.id] = 0
+    await stack.send_records(held)
+    await eventually(lambda: held.id in engine.holding, 20, "the held request on the engine")
+
+    assign = worker.lane.assigned
+
+    async def after_the_answer(partitions: set[Any]) -> None:
+        # Between the revoke and the assignment: the run ends and its usage is stored.
+        await engine.let_go()
+        await stack.usage_of(held.id)
+        await eventually(lambda: not worker.runs.unfinished, 20, "the run's end")
+        await assign(partitions)
+
+    monkeypatch.setattr(worker.lane, "assigned", after_the_answer)
+    await _rebalance(worker, monkeypatch)
+    marker = envelope(prompt="def marker():")
+    await stack.send_records(marker)
+    await stack.usage_of(marker.id)
+    await eventually(lambda: not worker.runs.tasks, 20, "every run ended")
+    assert engine.runs[held.id] == 1
+    assert await _usage_counts(stack, {held.id}) == {held.id: 1}
+
+
 @pytest.mark.parametrize("step", ["first", "last"])
 async def test_a_request_whose_partition_went_to_another_worker_stops_there(
     stack: LiveStack, step: str

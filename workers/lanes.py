@@ -150,6 +150,8 @@ class InteractiveLane:
         answered = self._answered.get(tp)
         if answered is not None and record.offset in answered:
             return None  # answered in the partition's last tenure, above its commit
+        if self.worker.offsets.finished_late(tp, record.offset):
+            return None  # its run went on while the partition was away, and answered
         try:
             env = decode(RequestEnvelope, record.value)
         except MalformedMessage as exc:

@@ -6,6 +6,9 @@ from aiokafka import TopicPartition
 
 __all__ = ["OffsetTracker"]
 
+# Offsets kept per partition that a run of an ended tenure finished (see ``finish``).
+_MAX_FINISHED_LATE = 4096
+
 
 class OffsetTracker:
     """Tracks in-flight offsets per partition.
@@ -22,6 +25,9 @@ class OffsetTracker:
         # finish an offset of the partition's next tenure here (the same offsets come back
         # when it returns, and the new fetch of one is not done because an old run ended).
         self._epochs: dict[TopicPartition, int] = {}
+        # Offsets a run of an ended tenure finished (it ran on while its partition was away
+        # and answered): the partition's next tenure here need not run them again.
+        self._finished_late: dict[TopicPartition, set[int]] = {}
 
     def epoch(self, tp: TopicPartition) -> int:
         """The partition's current tenure on this worker: pass it back to ``finish``."""
@@ -36,12 +42,31 @@ class OffsetTracker:
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 
     def finish(self, tp: TopicPartition, offset: int, epoch: int | None = None) -> None:
-        """``offset`` is done with; ignored when fetched in a tenure since ended."""
+        """``offset`` is done with; when fetched in a tenure since ended, only noted (see
+        ``finished_late``)."""
         if epoch is not None and not self.current(tp, epoch):
+            late = self._finished_late.setdefault(tp, set())
+            if len(late) < _MAX_FINISHED_LATE:
+                late.add(offset)
             return
         pending = self._pending.get(tp)
         if pending is not None:
             pending.discard(offset)
+
+    def finished_late(self, tp: TopicPartition, offset: int) -> bool:
+        """Whether a run of an earlier tenure finished ``offset`` after its partition was
+        taken away (once: the answer is used up)."""
+        late = self._finished_late.get(tp)
+        if late is None or offset not in late:
+            return False
+        late.discard(offset)
+        return True
+
+    def kept(self, partitions: set[TopicPartition]) -> None:
+        """A rebalance gave this worker ``partitions``: what runs of the others finished
+        late is no longer of use (their next owner runs what was not committed)."""
+        for tp in set(self._finished_late) - partitions:
+            del self._finished_late[tp]
 
     def in_flight(self, tp: TopicPartition | None = None) -> int:
         if tp is not None:

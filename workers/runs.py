@@ -97,7 +97,8 @@ class Runs:
         """A rebalance ended with ``assigned``: work on the engine whose partition went to
         another worker stops, with no outcome here (the new owner runs it again, and this
         run's answer would be thrown away). Work whose partition came back runs on: the
-        record fetched again is adopted."""
+        record fetched again is adopted, or skipped if the run answered first."""
+        self.offsets.kept(assigned)
         for work in list(self.running.values()):
             if work.tp in assigned or self.offsets.current(work.tp, work.epoch):
                 continue
