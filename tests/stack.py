@@ -509,6 +509,26 @@ def await_chain(task: asyncio.Task[Any]) -> str:
     return "\n".join(lines)
 
 
+async def status_before_the_body_ends(
+    port: int, path: str, content_type: str, first_chunk: bytes
+) -> bytes:
+    """The status line a server sends to a chunked POST of ``path`` whose body has begun
+    (``first_chunk``) and not ended: an answer that does not wait for the whole body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: laneway\r\nTransfer-Encoding: chunked\r\n".encode()
+            + f"Content-Type: {content_type}\r\n\r\n".encode()
+            + f"{len(first_chunk):x}\r\n".encode()
+            + first_chunk
+            + b"\r\n"
+        )
+        await writer.drain()  # and nothing more: the body has not ended
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+
+
 def long_prompt(
     min_tokens: int, *, route: str = "laneway-code", max_tokens: int = 128, chat: bool = False
 ) -> str:

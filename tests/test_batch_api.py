@@ -20,7 +20,7 @@ from ingress import batches, files
 from ingress.batch_records import BatchRecord
 from ingress.settings import IngressSettings
 from laneway.schema import BatchJob, BatchRequest, BatchResult
-from tests.stack import Ingress, LiveStack, eventually
+from tests.stack import Ingress, LiveStack, eventually, status_before_the_body_ends
 from workers import metrics
 
 
@@ -665,20 +665,10 @@ async def test_a_chunked_upload_is_answered_as_it_comes_not_held_first(
         f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
         'filename="a.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n'
     ).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", ingress.port)
-    try:
-        writer.write(
-            b"POST /v1/files HTTP/1.1\r\nHost: laneway\r\nTransfer-Encoding: chunked\r\n"
-            + f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode()
-            + f"{len(head):x}\r\n".encode()
-            + head
-            + b"\r\n"
-        )
-        await writer.drain()  # and nothing more: the body has not ended
-        status = await asyncio.wait_for(reader.readline(), 10)
-        assert status.split()[1] == b"401", status
-    finally:
-        writer.close()
+    status = await status_before_the_body_ends(
+        ingress.port, "/v1/files", f"multipart/form-data; boundary={boundary}", head
+    )
+    assert status.split()[1] == b"401", status
 
     key = await stack.api_key("docs", size=100)
     http = stack.http(ingress, key)

@@ -348,20 +348,15 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
         await redis.aclose()
 
 
-async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
-    services: Services, prefix: str
-) -> None:
-    """The first tick after a start can see only part of a backlog; the factor may already be
-    at its cap (1.3), but the announcement must not keep the partial history's σ."""
-    redis = aioredis.Redis.from_url(services.redis_url)
-    keys = RedisKeys(prefix)
+def _announcing(
+    redis: aioredis.Redis, keys: RedisKeys, now: float
+) -> tuple[UsageProcessor, list[dict[str, Any]]]:
+    """A processor that writes quota factors to ``redis`` at ``now``, and what it sent."""
     sent: list[dict[str, Any]] = []
 
     async def send(topic: str, key: bytes, value: bytes) -> None:
         sent.append(orjson.loads(value))
 
-    now = time.time()
-    current = int(now) // 3600
     processor = UsageProcessor(
         StreamsSettings(),
         rollups=_Table(),
@@ -372,6 +367,19 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
         send=send,
         clock=lambda: now,
     )
+    return processor, sent
+
+
+async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
+    services: Services, prefix: str
+) -> None:
+    """The first tick after a start can see only part of a backlog; the factor may already be
+    at its cap (1.3), but the announcement must not keep the partial history's σ."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(prefix)
+    now = time.time()
+    current = int(now) // 3600
+    processor, sent = _announcing(redis, keys, now)
     try:
         # Budget 1 × 50 × 2.0 × 1000 = 100k tokens an hour; a busy hour is 3.0 of it.
         await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
@@ -406,23 +414,9 @@ async def test_batch_usage_leaves_the_interactive_quota_factor_alone(
     must not make a team's steady typing look bursty."""
     redis = aioredis.Redis.from_url(services.redis_url)
     keys = RedisKeys(prefix)
-    sent: list[dict[str, Any]] = []
-
-    async def send(topic: str, key: bytes, value: bytes) -> None:
-        sent.append(orjson.loads(value))
-
     now = time.time()
     current = int(now) // 3600
-    processor = UsageProcessor(
-        StreamsSettings(),
-        rollups=_Table(),
-        outcomes=_Table(),
-        announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
-        redis=redis,
-        keys=keys,
-        send=send,
-        clock=lambda: now,
-    )
+    processor, sent = _announcing(redis, keys, now)
     try:
         await set_team(redis, keys, Team("steady", size=1))  # 50k tokens an hour
         offsets = iter(range(100))

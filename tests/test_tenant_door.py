@@ -4,7 +4,6 @@ and nothing internal leaks into a response."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,7 +15,13 @@ from ingress.cancels import CancelOutbox
 from ingress.metrics import CLIENT_GONE, RESPONSES
 from laneway.constants import RedisKeys
 from laneway.schema import CancelRecord
-from tests.stack import LiveStack, envelope, eventually, free_port
+from tests.stack import (
+    LiveStack,
+    envelope,
+    eventually,
+    free_port,
+    status_before_the_body_ends,
+)
 from tests.tcp_proxy import TcpProxy
 from tests.test_wire_conformance import _count
 
@@ -124,21 +129,11 @@ async def test_a_chunked_body_without_a_key_is_answered_before_it_ends(
     """A chunked body was held whole, up to the limit, before the key was looked at:
     thousands of slow bodies without a key held that much memory each."""
     ingress = await stack.start_ingress()
-    reader, writer = await asyncio.open_connection("127.0.0.1", ingress.port)
-    try:
-        start = b'{"model": "laneway-code", "prompt": "'
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: laneway\r\nTransfer-Encoding: chunked\r\n"
-            + b"Content-Type: application/json\r\n\r\n"
-            + f"{len(start):x}\r\n".encode()
-            + start
-            + b"\r\n"
-        )
-        await writer.drain()  # and nothing more: the body has not ended
-        status = await asyncio.wait_for(reader.readline(), 10)
-        assert status.split()[1] == b"401", status
-    finally:
-        writer.close()
+    start = b'{"model": "laneway-code", "prompt": "'
+    status = await status_before_the_body_ends(
+        ingress.port, "/v1/completions", "application/json", start
+    )
+    assert status.split()[1] == b"401", status
 
 
 async def test_a_body_under_the_limit_too_big_to_queue_is_a_413_not_a_retry(
