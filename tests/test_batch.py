@@ -273,15 +273,13 @@ async def test_a_partition_is_fetched_only_once_its_start_is_done_even_when_a_yi
     the yield's end as soon as its producer had opened, it was fetched from the offset read
     at the assignment, and lines its previous owner had answered ran again."""
     gate = asyncio.Event()
-    committed_of = BatchLane._committed_of
+    read_commits = batch_lane.read_commits
 
-    async def held(
-        self: BatchLane, partitions: set[TopicPartition]
-    ) -> dict[TopicPartition, tuple[int | None, str]]:
+    async def held(consumer: Any, partitions: set[TopicPartition]) -> dict[TopicPartition, Any]:
         await gate.wait()
-        return await committed_of(self, partitions)
+        return await read_commits(consumer, partitions)
 
-    monkeypatch.setattr(BatchLane, "_committed_of", held)
+    monkeypatch.setattr(batch_lane, "read_commits", held)
     worker = await stack.start_worker("batch")
     lane = worker.lane
     assert isinstance(lane, BatchLane)

@@ -33,7 +33,7 @@ from laneway.retry import Backoff
 from laneway.schema import BatchRequest, BatchResult, RequestEnvelope, UsageEvent, decode
 from quota import Team, get_team
 from workers import metrics
-from workers.answered import Answered, answered_by, commit_metadata, named_top
+from workers.answered import Answered, commit_metadata, named_top
 from workers.batch import (
     BatchIntake,
     BatchLedger,
@@ -45,7 +45,7 @@ from workers.batch import (
 from workers.batch_budget import RETRY_MAX_S, BudgetWait, NotReadBack
 from workers.batch_txn import PartitionTransactions
 from workers.dispatch import Work
-from workers.lanes import skip_record
+from workers.lanes import read_commits, skip_record
 from workers.reread import RecordGone, RecordReader
 
 if TYPE_CHECKING:
@@ -497,26 +497,13 @@ class BatchLane:
     async def _settle_cut_off(self, tp: TopicPartition) -> None:
         """After a cut-off transaction (its producer replaced, so it has ended): what it
         committed is out already and leaves the ledger."""
-        offset, metadata = (await self._committed_of({tp}))[tp]
+        answered = (await read_commits(self.worker.consumer, {tp})).get(tp)
         self._cut_off.discard(tp)
-        if offset is None:
+        if answered is None:
             return
-        answered = answered_by(offset, metadata)
+        offset = answered.low
         self.ledger.drop(tp, self.ledger.ready(tp, answered))
         self._committed[tp] = (offset, _named_top(answered))
-
-    async def _committed_of(
-        self, partitions: set[TopicPartition]
-    ) -> dict[TopicPartition, tuple[int | None, str]]:
-        """The group's committed offset of each partition and its metadata (which the
-        consumer's ``committed()`` leaves out), in one request to the coordinator."""
-        found = await self.worker.consumer._coordinator.fetch_committed_offsets(partitions)
-        return {
-            tp: (found[tp].offset, found[tp].metadata or "")
-            if tp in found and found[tp].offset >= 0
-            else (None, "")
-            for tp in partitions
-        }
 
     async def _lose(self, tp: TopicPartition) -> None:
         """Another instance started a producer of ``tp`` (the group gave it the partition
@@ -576,7 +563,7 @@ class BatchLane:
                 # final: one fetched at the assignment may predate that transaction's commit,
                 # and its lines would run and be written again (aiokafka fetches offsets
                 # without KIP-447's require_stable). Seen in the chaos drill: one duplicate.
-                committed = await self._committed_of(partitions)
+                committed = await read_commits(self.worker.consumer, partitions)
             except KafkaError as exc:
                 log.warning("transactional producers not started yet (retrying): %s", exc)
                 await backoff.wait()
@@ -591,11 +578,11 @@ class BatchLane:
             and self.worker.offsets.current(tp, tenure[tp])
         ]
         for tp in ready:
-            offset, metadata = committed[tp]
-            if offset is None:
+            answered = committed.get(tp)
+            if answered is None:
                 continue
+            offset = answered.low
             self.worker.consumer.seek(tp, offset)
-            answered = answered_by(offset, metadata)
             self._committed[tp] = (offset, _named_top(answered))
             if answered.high > answered.low:
                 self._inherited[tp] = answered

@@ -102,12 +102,13 @@ class Lane(Protocol):
 async def read_commits(
     consumer: AIOKafkaConsumer, partitions: set[TopicPartition]
 ) -> dict[TopicPartition, Answered]:
-    """What the group's last commit of each of ``partitions`` says is answered, in one
-    request to the coordinator (the consumer's ``committed()`` leaves the metadata out);
-    partitions with no commit are left out."""
+    """What the group's last commit of each of ``partitions`` says is answered (its offset
+    and the metadata ``workers.answered`` writes), in one request to the coordinator (the
+    consumer's ``committed()`` leaves the metadata out); partitions with no commit are left
+    out."""
     found = await consumer._coordinator.fetch_committed_offsets(partitions)
     return {
-        tp: answered_by(found[tp].offset, found[tp].metadata)
+        tp: answered_by(found[tp].offset, found[tp].metadata or "")
         for tp in partitions
         if tp in found and found[tp].offset >= 0
     }
