@@ -30,7 +30,9 @@ def error_response(exc: LanewayError) -> Response:
     ERRORS.labels(exc.kind).inc()
     headers = exc.headers()
     if exc.request_id is not None:
-        headers["x-laneway-request-id"] = exc.request_id
+        # The id a success carries too; x-request-id is what the OpenAI SDKs read
+        # (APIStatusError.request_id).
+        headers["x-request-id"] = headers["x-laneway-request-id"] = exc.request_id
     return JSONResponse(
         error_body(str(exc), type_=exc.error_type, code=exc.code, param=exc.param),
         status_code=exc.status_code,

@@ -44,12 +44,13 @@ from laneway.errors import (
     LanewayError,
     ModelNotFound,
     NotFound,
+    PromptTooLarge,
     ServiceUnavailable,
     Superseded,
 )
 from laneway.metrics import team_label
 from laneway.openai_api import ChatRequest, CompletionRequest, parse_body
-from laneway.schema import Reply, RequestEnvelope
+from laneway.schema import ApiKind, Reply, RequestEnvelope
 from quota import Admitted
 
 __all__ = ["HOT_ROUTES", "router"]
@@ -83,12 +84,14 @@ _DROPS: dict[str, type[Dropped]] = {
 }
 
 
-def _reply_error(reply: Reply) -> LanewayError:
+def _reply_error(reply: Reply, *, kind: ApiKind) -> LanewayError:
     message = reply.error or reply.status or "request failed"
     if reply.status == "rejected":
-        # The engine refused the request itself (a prompt over its context): the worker
-        # passes on the engine's reason, meant for the client.
-        return BadRequest(message)
+        # The engine refused the request itself: the worker passes on the engine's reason,
+        # meant for the client. Over the model's context, in words a known server uses, it
+        # is OpenAI's context_length_exceeded, as the ingress's own limit is.
+        param = "messages" if kind == "chat" else "prompt"
+        return PromptTooLarge.from_engine(message, param=param) or BadRequest(message)
     dropped = _DROPS.get(reply.status or "")
     if dropped is not None:
         return dropped(message)
@@ -148,7 +151,8 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
     admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     env = _admitted_envelope(env, route, admitted)
     clock.stage("admit")
-    headers = {"x-laneway-request-id": env.id, **_budget_headers(admitted)}
+    # x-request-id is what the OpenAI SDKs read as a response's request_id.
+    headers = {"x-request-id": env.id, "x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
     handed_over = False
@@ -165,7 +169,7 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
                 state, env, channel, disconnect, first, headers=headers, clock=clock
             )
         if first.done and first.status != "ok":
-            raise _reply_error(first)
+            raise _reply_error(first, kind=env.kind)
         handed_over = True
         return StreamingResponse(
             _stream(state, env, channel, disconnect, first, include_usage=body.include_usage),
@@ -290,7 +294,7 @@ def _finish_json(
     clock: _Stages,
 ) -> Response:
     if reply.status != "ok":
-        raise _reply_error(reply)
+        raise _reply_error(reply, kind=env.kind)
     _observe(env, 200, clock.wall.now())
     body = final_body(env, reply.text if text is None else text, reply)
     extra = {"x-laneway-route": reply.route or env.route, "server-timing": clock.header(env)}
@@ -340,11 +344,12 @@ async def _stream(
                     if include_usage:
                         yield stream_chunk(env, usage=usage_body(reply))
                 else:
-                    err = _reply_error(reply)
+                    err = _reply_error(reply, kind=env.kind)
                     kind = (
                         "invalid_request_error" if isinstance(err, BadRequest) else "server_error"
                     )
-                    yield sse(error_body(str(err), type_=kind, code=reply.status))
+                    code = err.code if isinstance(err, PromptTooLarge) else reply.status
+                    yield sse(error_body(str(err), type_=kind, code=code, param=err.param))
                 yield DONE
                 finished = True
                 return

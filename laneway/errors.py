@@ -12,6 +12,7 @@ the ingress maps an error by reading them, never by testing its class.
 from __future__ import annotations
 
 import math
+import re
 
 __all__ = [
     "Aborted",
@@ -81,8 +82,50 @@ class BadRequest(LanewayError):
 
 
 class PromptTooLarge(BadRequest):
-    status_code = 413
+    """A request longer than the context, answered as OpenAI answers it: 400
+    ``context_length_exceeded``, its message naming the limit in OpenAI's words."""
+
     code = "context_length_exceeded"
+
+    def __init__(
+        self, limit: int, detail: str, *, param: str | None = None, setting: str | None = None
+    ) -> None:
+        message = detail
+        if _OPENAI_CONTEXT_REFUSAL.search(detail) is None:
+            where = f" ({setting})" if setting else ""
+            message = f"This model's maximum context length is {limit} tokens{where}. {detail}"
+        super().__init__(message, param=param)
+        self.limit = limit
+
+    @classmethod
+    def from_engine(cls, reason: str, *, param: str | None) -> PromptTooLarge | None:
+        """The engine's refusal ``reason`` as this error when it says, in the words of one of
+        the servers below, that the request is over the model's context; else None."""
+        for pattern in _CONTEXT_REFUSALS:
+            if (found := pattern.search(reason)) is not None:
+                return cls(int(found.group("limit")), reason, param=param)
+        return None
+
+
+# OpenAI's words, which vLLM serve uses too (for an over-long max_tokens as well, which
+# OpenAI also answers with context_length_exceeded).
+_OPENAI_CONTEXT_REFUSAL = re.compile(r"maximum context length is (?P<limit>\d+) tokens", re.I)
+# What each server says when a request does not fit its context. Only these exact phrases:
+# a guess ("too long", "context") would turn another refusal into this one.
+_CONTEXT_REFUSALS = (
+    _OPENAI_CONTEXT_REFUSAL,
+    # vLLM's engine in process (AsyncLLM): "The decoder prompt (length 5000) is longer than
+    # the maximum model length of 4096."
+    re.compile(r"is longer than the maximum model length of (?P<limit>\d+)", re.I),
+    # SGLang, now and before
+    re.compile(r"exceeds the model's maximum context length of (?P<limit>\d+) tokens", re.I),
+    re.compile(r"is longer than the model's context length \((?P<limit>\d+) tokens\)", re.I),
+    # llama.cpp's server
+    re.compile(r"exceeds the available context size \((?P<limit>\d+) tokens\)", re.I),
+    # TGI
+    re.compile(r"`inputs` tokens \+ `max_new_tokens` must be <= (?P<limit>\d+)"),
+    re.compile(r"`inputs` must have less than (?P<limit>\d+) tokens"),
+)
 
 
 class BodyTooLarge(BadRequest):
@@ -191,9 +234,14 @@ class EngineError(LanewayError):
 
 class EngineRejected(EngineError):
     """The engine refused the request itself (a prompt over its context, parameters it does
-    not take): the client's doing, not a fault of the engine, and the same on every retry."""
+    not take): the client's doing, not a fault of the engine, and the same on every retry.
+    ``param`` names the field at fault, where the engine can tell."""
 
     retriable = False
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class MalformedMessage(LanewayError):

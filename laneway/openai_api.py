@@ -166,7 +166,10 @@ class _ChatMessageIn(_Strict):
             text = "".join(part["text"] for part in self.content)
         else:
             text = self.content or ""
-        return ChatMessage(role=self.role, content=text)
+        # `developer` is OpenAI's newer name for `system`; chat templates know `system`, and
+        # many leave out a role they do not know, instructions and all.
+        role = "system" if self.role == "developer" else self.role
+        return ChatMessage(role=role, content=text)
 
 
 class ChatRequest(_Body):

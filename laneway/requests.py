@@ -91,9 +91,12 @@ def shape_request(
         # engine reads.
         prompt_tokens += _MESSAGE_TOKENS * len(messages) + _REPLY_TOKENS
     if prompt_tokens > settings.max_prompt_tokens:
+        what = "messages" if messages is not None else "prompt"
         raise PromptTooLarge(
-            f"prompt is about {prompt_tokens} tokens, over the limit {settings.max_prompt_tokens} "
-            "(LANEWAY_MAX_PROMPT_TOKENS)",
-            param="messages" if messages is not None else "prompt",
+            settings.max_prompt_tokens,
+            f"However, your {what} came to about {prompt_tokens} tokens. "
+            f"Please reduce the length of the {what}.",
+            param=what,
+            setting="LANEWAY_MAX_PROMPT_TOKENS",
         )
     return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body)

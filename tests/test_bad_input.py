@@ -86,9 +86,9 @@ def _error(response: object) -> dict[str, object]:
         ),
         (
             b'{"model": "laneway-code", "prompt": "' + b"x" * 8000 + b'"}',
-            413,
+            400,
             "prompt",
-            "LANEWAY_MAX_PROMPT_TOKENS",
+            "maximum context length is 1000 tokens (LANEWAY_MAX_PROMPT_TOKENS)",
         ),
     ],
 )

@@ -179,12 +179,13 @@ async def test_bad_lines_become_error_results_and_the_cli_writes_openai_output(
     assert rows["doc-0"]["response"]["status_code"] == 200
     assert rows["doc-0"]["response"]["body"]["object"] == "chat.completion"
     assert rows["doc-0"]["error"] is None
-    expected = {"line-96": 400, "doc-95": 404, "doc-96": 413, "doc-97": 400, "doc-98": 400}
+    expected = {"line-96": 400, "doc-95": 404, "doc-96": 400, "doc-97": 400, "doc-98": 400}
     expected["doc-99"] = 404
     assert "more characters" in rows["doc-99"]["error"]["message"]
     assert {cid: rows[cid]["response"]["status_code"] for cid in expected} == expected
     assert "invalid JSON" in rows["line-96"]["error"]["message"]
     assert rows["doc-98"]["response"]["body"]["error"]["param"] == "body.max_tokens"
+    assert rows["doc-96"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
 
     status = await asyncio.to_thread(run, "status", job)
     assert "completed, 101/101 done, 95 ok, 6 failed" in status.stdout, status.stderr

@@ -16,6 +16,7 @@ from laneway.errors import (
     Expired,
     LanewayError,
     ModelNotFound,
+    PromptTooLarge,
     QuotaExceeded,
     RateLimited,
     ServiceUnavailable,
@@ -78,7 +79,7 @@ def test_a_dropped_reply_keeps_its_outcome_as_code_and_says_whether_to_send_it_a
     """Streamed or not, the client reads the same code (an abort mid-run was ``dropped``
     unstreamed, ``aborted`` in the stream). A drop is not to be sent again (the OpenAI SDKs
     retry a 409 unless told not to); a 504 is the client's to retry."""
-    error = _reply_error(Reply(id="r", n=0, done=True, status=status, error="why"))
+    error = _reply_error(Reply(id="r", n=0, done=True, status=status, error="why"), kind="chat")
     response = error_response(error)
     code = orjson.loads(bytes(response.body))["error"]["code"]
     if status == "expired":
@@ -87,3 +88,74 @@ def test_a_dropped_reply_keeps_its_outcome_as_code_and_says_whether_to_send_it_a
     else:
         assert (response.status_code, code) == (409, status)
         assert response.headers["x-should-retry"] == "false"
+
+
+def test_an_error_of_a_request_names_it_as_openai_does() -> None:
+    """The OpenAI SDKs read ``x-request-id`` (``APIStatusError.request_id``); laneway's own
+    header carries the same id."""
+    error = EngineError("engine died")
+    error.request_id = "cmpl-1"
+    response = error_response(error)
+    assert response.headers["x-request-id"] == response.headers["x-laneway-request-id"]
+    assert response.headers["x-request-id"] == "cmpl-1"
+    assert "x-request-id" not in error_response(BadRequest("no id yet")).headers
+
+
+def test_a_prompt_over_the_limit_is_openais_400_context_length_exceeded() -> None:
+    response = error_response(
+        PromptTooLarge(1000, "The prompt is about 2000 tokens.", param="prompt")
+    )
+    body = orjson.loads(bytes(response.body))["error"]
+    assert response.status_code == 400
+    assert (body["type"], body["code"], body["param"]) == (
+        "invalid_request_error",
+        "context_length_exceeded",
+        "prompt",
+    )
+    assert body["message"].startswith("This model's maximum context length is 1000 tokens.")
+
+
+# What servers say when a request is longer than the model's context (the limit: 4096).
+CONTEXT_REFUSALS = [
+    # OpenAI's own words, which vLLM serve repeats
+    "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+    "(4990 in the messages, 10 in the completion). Please reduce the length of the messages.",
+    # vLLM in process (AsyncLLM's ValueError)
+    "The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make "
+    "sure that `max_model_len` is no smaller than the number of text tokens.",
+    # SGLang, newer and older
+    "Requested token count exceeds the model's maximum context length of 4096 tokens. You "
+    "requested a total of 5000 tokens",
+    "The input (5000 tokens) is longer than the model's context length (4096 tokens).",
+    # llama.cpp
+    "request (5000 tokens) exceeds the available context size (4096 tokens), try increasing it",
+    # TGI
+    '{"error":"Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4096. '
+    'Given: 4990 `inputs` tokens and 10 `max_new_tokens`","error_type":"validation"}',
+    "Input validation error: `inputs` must have less than 4096 tokens. Given: 5000",
+]
+
+
+@pytest.mark.parametrize("said", CONTEXT_REFUSALS)
+@pytest.mark.parametrize(("kind", "param"), [("completion", "prompt"), ("chat", "messages")])
+def test_an_engines_context_refusal_is_openais_context_length_exceeded(
+    said: str, kind: str, param: str
+) -> None:
+    reply = Reply(
+        id="r", n=0, done=True, status="rejected", error=f"the engine refused the request: {said}"
+    )
+    response = error_response(_reply_error(reply, kind=kind))
+    body = orjson.loads(bytes(response.body))["error"]
+    assert response.status_code == 400
+    assert (body["code"], body["param"]) == ("context_length_exceeded", param)
+    assert "maximum context length is 4096 tokens" in body["message"]
+    assert said[:40] in body["message"]  # the engine's own words stay
+
+
+def test_an_engines_other_refusals_stay_a_plain_400() -> None:
+    for said in ("suffix is not currently supported", "temperature must be at most 2 (got 9)"):
+        reply = Reply(id="r", n=0, done=True, status="rejected", error=said)
+        response = error_response(_reply_error(reply, kind="completion"))
+        body = orjson.loads(bytes(response.body))["error"]
+        assert (response.status_code, body["code"]) == (400, "invalid_request")
+        assert body["message"] == said

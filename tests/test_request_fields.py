@@ -246,3 +246,20 @@ async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstrea
         assert entry is not None, f"{prompt} never reached the upstream"
         assert entry["sampling"] == fields
         assert entry["finish"] == "stop"
+
+
+def test_a_developer_message_reaches_the_engine_as_a_system_message() -> None:
+    """OpenAI's ``developer`` role is its newer name for ``system``; chat templates know
+    ``system`` and many drop a role they do not know, with the instructions in it."""
+    body = {
+        **CHAT,
+        "messages": [
+            {"role": "developer", "content": "answer in French"},
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    flat = validate_body(ChatRequest, body).flat_messages()
+    assert [(m.role, m.content) for m in flat] == [
+        ("system", "answer in French"),
+        ("user", "hi"),
+    ]

@@ -4,6 +4,7 @@ settled reservation, and the worker goes on serving."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,10 +13,14 @@ import pytest
 from aiohttp import web
 
 from laneway.constants import RedisKeys
+from laneway.errors import EngineError
+from laneway.schema import ChatMessage
 from quota.enforcer import QuotaEnforcer
 from quota.model import QuotaPolicy
 from quota.teams import get_team
 from tests.stack import LiveStack, clear_of_the_hour_turn, eventually
+from workers.types import EngineRequest
+from workers.upstream import OpenAICompatibleEngine
 
 _WORDS = b'data: {"choices": [{"text": "half an "}]}\n\n'
 # What the server streams for a prompt, and the words the usage event's error must have: an
@@ -34,12 +39,40 @@ _BROKEN = {
 }
 _GOOD = b'data: {"choices": [{"text": "fine", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
 _NOT_STREAMED = "json"  # answered with one JSON body, though a stream was asked for
+# A prompt "finish:<reason>" (a chat message's content too) ends its stream with that reason.
+_FINISH = "finish:"
+# How servers refuse a prompt longer than the model's context (4096 tokens), by prompt.
+_OVER_CONTEXT = {
+    "over-context-vllm": {
+        "object": "error",
+        "message": "This model's maximum context length is 4096 tokens. However, you requested "
+        "5000 tokens (4992 in the messages, 8 in the completion). Please reduce the length of "
+        "the messages or completion.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    },
+    "over-context-llama": {
+        "error": {
+            "code": 400,
+            "message": "request (5000 tokens) exceeds the available context size (4096 tokens), "
+            "try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 5000,
+            "n_ctx": 4096,
+        }
+    },
+}
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if body["prompt"] == _NOT_STREAMED:
         return web.json_response({"choices": [{"text": "whole", "finish_reason": "stop"}]})
+    if body["prompt"] in _OVER_CONTEXT:
+        return web.json_response(_OVER_CONTEXT[body["prompt"]], status=400)
+    if body["prompt"].startswith(_FINISH):
+        return await _finishing(request, body["prompt"].removeprefix(_FINISH), chat=False)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     sent = _BROKEN.get(body["prompt"])
@@ -50,11 +83,28 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat(request: web.Request) -> web.StreamResponse:
     """A good chat stream that reports no usage (as some OpenAI-compatible servers do)."""
-    await request.json()
+    content = (await request.json())["messages"][-1]["content"]
+    if content.startswith(_FINISH):
+        return await _finishing(request, content.removeprefix(_FINISH), chat=True)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     chunk = {"choices": [{"delta": {"content": "fine"}, "finish_reason": "stop"}]}
     await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _finishing(request: web.Request, reason: str, *, chat: bool) -> web.StreamResponse:
+    """Two words, the second chunk ending the stream with ``reason``, then usage and [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for text, finish in (("one ", None), ("two", reason)):
+        part = {"delta": {"content": text}} if chat else {"text": text}
+        chunk = {"choices": [{"index": 0, **part, "finish_reason": finish}]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
 
@@ -138,3 +188,89 @@ async def test_an_upstream_that_reports_no_usage_is_billed_the_ingress_estimate(
         stack.topics.usage, count=1, where=lambda e: e["team"] == "team-u"
     )
     assert event["prompt_tokens"] == billed
+
+
+@pytest.fixture
+async def upstream_engine(garbling: str) -> AsyncIterator[OpenAICompatibleEngine]:
+    engine = OpenAICompatibleEngine(garbling, model="up", slots=4)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def _finish(engine: OpenAICompatibleEngine, reason: str, *, chat: bool = False) -> str:
+    request = EngineRequest(id=f"r-{reason}", route="m", prompt=_FINISH + reason, max_tokens=8)
+    if chat:
+        message = ChatMessage(role="user", content=_FINISH + reason)
+        request = EngineRequest(
+            id=f"c-{reason}", route="m", prompt="", max_tokens=8, messages=[message]
+        )
+    deltas = [delta async for delta in engine.generate(request)]
+    assert "".join(d.text for d in deltas) == "one two"
+    return str(deltas[-1].finish_reason)
+
+
+@pytest.mark.parametrize(
+    ("sent", "told"),
+    [
+        ("stop", "stop"),
+        ("length", "length"),
+        ("content_filter", "content_filter"),
+        ("eos_token", "stop"),  # TGI: the model ended its text
+        ("stop_sequence", "stop"),  # TGI: a stop string ended it
+    ],
+)
+async def test_an_upstreams_finish_reason_reaches_the_client_as_one_of_openais(
+    upstream_engine: OpenAICompatibleEngine, sent: str, told: str
+) -> None:
+    assert await _finish(upstream_engine, sent) == told
+    assert await _finish(upstream_engine, sent, chat=True) == told
+
+
+async def test_tool_calls_is_a_chat_finish_reason_only(
+    upstream_engine: OpenAICompatibleEngine,
+) -> None:
+    assert await _finish(upstream_engine, "tool_calls", chat=True) == "tool_calls"
+    with pytest.raises(EngineError, match="tool_calls"):
+        await _finish(upstream_engine, "tool_calls")
+
+
+async def test_an_upstream_abort_or_an_unknown_finish_reason_is_an_engine_error_logged_once(
+    upstream_engine: OpenAICompatibleEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang ends a request it aborted itself with ``abort``: the text is not a whole
+    answer. A reason OpenAI does not have cannot go to the client as it is (its SDKs and
+    generated clients check the value); each such request fails, the server's value is
+    logged once, not once a request."""
+    caplog.set_level(logging.WARNING, "workers.upstream")
+    for reason in ("abort", "abort", "wat", "wat"):
+        with pytest.raises(EngineError, match=f"finish_reason {reason!r}"):
+            await _finish(upstream_engine, reason)
+    logged = [r.getMessage() for r in caplog.records if r.name == "workers.upstream"]
+    assert len([m for m in logged if "'abort'" in m]) == 1, logged
+    assert len([m for m in logged if "'wat'" in m]) == 1, logged
+
+
+async def test_an_upstreams_context_length_refusal_is_openais(
+    stack: LiveStack, garbling: str
+) -> None:
+    """vLLM serve (OpenAI's own words) and llama.cpp (its own) refuse a prompt longer than
+    the model's context: the client gets OpenAI's 400 ``context_length_exceeded``, naming
+    the limit, as it would from OpenAI."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker(
+        "completion", engine="openai", upstream_url=garbling, upstream_model="up", upstream_slots=4
+    )
+    http = stack.http(ingress, await stack.api_key("team-c", size=5))
+    for prompt in _OVER_CONTEXT:
+        body = {"model": "laneway-code", "prompt": prompt, "max_tokens": 8}
+        answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 400, (prompt, answer.text)
+        error = answer.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error",
+            "context_length_exceeded",
+            "prompt",
+        )
+        assert "maximum context length is 4096 tokens" in error["message"], error
+        assert "127.0.0.1" not in error["message"]  # the upstream's address is not the client's

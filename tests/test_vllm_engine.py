@@ -33,9 +33,9 @@ from workers.types import EngineDelta, EngineRequest
 from workers.vllm_engine import VllmEngine
 
 
-def _settings(pool: str = "completion") -> WorkerSettings:
+def _settings(pool: str = "completion", **overrides: Any) -> WorkerSettings:
     values: dict[str, Any] = {"pool": pool, "engine": "vllm", "vllm_model": "/models/tiny"}
-    return WorkerSettings(**values)
+    return WorkerSettings(**{**values, **overrides})
 
 
 @pytest.fixture
@@ -69,6 +69,37 @@ async def test_deltas_carry_running_totals_and_the_completion_cap(
     _, params, priority = _llm().requests[0]
     assert params.max_tokens == 128
     assert priority == 0
+
+
+async def test_the_completion_cap_follows_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm.install(monkeypatch)
+    engine = VllmEngine(_settings(completion_max_tokens=300))
+    await engine.start()
+    try:
+        request = EngineRequest(id="r", route="m", prompt="x", max_tokens=200)
+        deltas = await _run(engine, request)
+    finally:
+        await engine.stop()
+    _, params, _ = _llm().requests[0]
+    assert params.max_tokens == 200
+    assert (len(deltas), deltas[-1].finish_reason) == (200, "length")
+
+
+async def test_a_suffix_is_refused_naming_it_not_dropped(fake_engine: VllmEngine) -> None:
+    """vLLM has no model-independent fill-in-the-middle (vLLM serve refuses ``suffix`` too):
+    a completion asked to fill in before a suffix would get a plain continuation. It is
+    refused before vLLM sees it; an empty suffix asks for nothing and passes."""
+    request = EngineRequest(
+        id="fim", route="m", prompt="def f(", suffix="\n    return x", max_tokens=4
+    )
+    with pytest.raises(EngineRejected, match="suffix") as refused:
+        await _run(fake_engine, request)
+    assert refused.value.param == "suffix"
+    assert "LANEWAY_UPSTREAM_URL" in str(refused.value)  # what serves it instead
+    assert _llm().requests == []
+    assert fake_engine.stats().running == 0
+    deltas = await _run(fake_engine, replace(request, id="empty", suffix=""))
+    assert len(deltas) == 4
 
 
 async def test_band_is_priority_and_sampling_is_passed_on(fake_engine: VllmEngine) -> None:

@@ -20,7 +20,6 @@ from laneway.errors import ConfigError
 from tests.vllm_fixtures import make_tiny_model, recorded_engine_arg_fields
 from workers import select
 from workers.profiles import (
-    COMPLETION_MAX_TOKENS,
     EngineProfile,
     build_profile,
     check_engine_args,
@@ -125,7 +124,7 @@ def test_completion_profile_is_half_precision_prefix_cached_and_capped() -> None
     profile = build_profile(_settings("completion"), accelerator=True, fp8_supported=True)
     args = profile.engine_args
     assert profile.name == "completion"
-    assert profile.max_tokens_cap == COMPLETION_MAX_TOKENS == 128
+    assert profile.max_tokens_cap == 128  # LANEWAY_COMPLETION_MAX_TOKENS's default
     assert args["dtype"] == "bfloat16"
     assert args["enable_prefix_caching"] is True
     assert args["scheduling_policy"] == "priority"
@@ -133,6 +132,16 @@ def test_completion_profile_is_half_precision_prefix_cached_and_capped() -> None
     assert profile.quantization == "none"
     fp16 = build_profile(_settings(vllm_dtype="float16"), accelerator=True, fp8_supported=False)
     assert fp16.engine_args["dtype"] == "float16"
+
+
+def test_the_completion_cap_is_the_one_the_ingress_enforces() -> None:
+    """An operator who raises LANEWAY_COMPLETION_MAX_TOKENS gets completions that long from
+    vLLM too, not text cut at 128 tokens with ``length`` while the ingress took the request."""
+    for cap in (64, 512):
+        settings = _settings("completion", completion_max_tokens=cap)
+        assert build_profile(settings, accelerator=True, fp8_supported=True).max_tokens_cap == cap
+        quantized = _settings("completion", completion_max_tokens=cap, vllm_profile="quantized")
+        assert build_profile(quantized, accelerator=True, fp8_supported=True).max_tokens_cap == cap
 
 
 def test_chat_profile_is_quantized_long_context_with_kv_offload() -> None:
@@ -175,7 +184,7 @@ def test_quantized_variant_is_the_breakers_level_one() -> None:
     fp8 = build_profile(settings, accelerator=True, fp8_supported=True)
     assert fp8.name == "completion-quantized"
     assert fp8.quantization == "fp8"
-    assert fp8.max_tokens_cap == COMPLETION_MAX_TOKENS
+    assert fp8.max_tokens_cap == settings.completion_max_tokens
     assert fp8.engine_args["enable_prefix_caching"] is True
     with pytest.raises(ConfigError, match="LANEWAY_VLLM_QUANTIZED_MODEL"):
         build_profile(settings, accelerator=False, fp8_supported=False)

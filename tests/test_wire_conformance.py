@@ -240,6 +240,39 @@ async def test_every_success_body_and_chunk_conforms(
     }
 
 
+async def test_the_official_sdk_reads_the_request_id_of_answers_streams_and_errors(
+    stack: LiveStack,
+) -> None:
+    """The OpenAI SDK reads ``x-request-id`` as ``request_id`` (of a raw response, of a parsed
+    one as ``_request_id``, of an ``APIStatusError``): it is the request's id, the one in the
+    body and in ``x-laneway-request-id``, the one to cancel or to quote in a report."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    await stack.start_worker("chat", sim_failure_rate=1.0)
+    client = openai.AsyncOpenAI(
+        base_url=ingress.base_url + "/v1", api_key=await stack.api_key("team-a"), max_retries=0
+    )
+    stack.track(client)
+    raw = await client.completions.with_raw_response.create(
+        model="laneway-code", prompt="def f(", max_tokens=4
+    )
+    completion = raw.parse()
+    assert raw.request_id == completion.id == completion._request_id
+    assert raw.headers["x-laneway-request-id"] == completion.id
+    streamed = await client.completions.with_raw_response.create(
+        model="laneway-code", prompt="def g(", max_tokens=4, stream=True
+    )
+    chunks = [chunk async for chunk in streamed.parse()]
+    assert streamed.request_id == chunks[0].id
+    with pytest.raises(openai.APIStatusError) as failed:
+        await client.chat.completions.create(
+            model="laneway-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert failed.value.status_code == 502
+    assert failed.value.request_id is not None
+    assert failed.value.request_id == failed.value.response.headers["x-laneway-request-id"]
+
+
 async def _set_isolated(stack: LiveStack, team: str) -> None:
     state = orjson.dumps({"level": 3, "rate": 0.3, "since": 0, "cooldown_s": 7})
     await stack.redis.set(RedisKeys(stack.prefix).breaker("laneway-code", team), state)
@@ -374,7 +407,11 @@ async def test_every_error_body_conforms(stack: LiveStack) -> None:
     wire.check_error("unknown model", await post({**COMPLETION, "model": "gpt-nope"}), 404)
     wire.check_error("unknown path", await http.get("/v1/nothing-here"), 404)
     wire.check_error("wrong method", await http.get("/v1/completions"), 405)
-    wire.check_error("prompt too large", await post({**COMPLETION, "prompt": "x" * 8000}), 413)
+    # As OpenAI answers a prompt over the context: 400 context_length_exceeded, the limit named.
+    too_long = await post({**COMPLETION, "prompt": "x" * 8000})
+    error = wire.check_error("prompt too large", too_long, 400)
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    assert "maximum context length is 1000 tokens" in error["message"]
     tiny = stack.http(ingress, await stack.api_key("tiny", size=1))
     over = {**COMPLETION, "max_tokens": 128}  # its reservation alone is over the 100 tokens
     wire.check_error("over quota", await tiny.post("/v1/completions", json=over), 429)

@@ -3,7 +3,8 @@
 The seed's table (DESIGN.md, Workers), one profile per pool:
 
 - ``completion``: half precision (``LANEWAY_VLLM_DTYPE``), prefix caching on, ``max_tokens``
-  capped at 128. Code completions share long file prefixes, so the cache pays most here.
+  capped at ``LANEWAY_COMPLETION_MAX_TOKENS`` (the ingress's cap, 128 by default). Code
+  completions share long file prefixes, so the cache pays most here.
 - ``chat``: quantized, long context: a pre-quantized checkpoint
   (``LANEWAY_VLLM_QUANTIZED_MODEL``, e.g. INT8 W8A8) or fp8 on the fly where the GPU has fp8;
   KV blocks offloaded to CPU memory (``LANEWAY_VLLM_KV_OFFLOAD_GIB``) on a GPU.
@@ -28,7 +29,6 @@ from laneway.errors import ConfigError
 from workers.settings import WorkerSettings
 
 __all__ = [
-    "COMPLETION_MAX_TOKENS",
     "EngineProfile",
     "build_profile",
     "check_engine_args",
@@ -37,7 +37,6 @@ __all__ = [
 
 Quantization = Literal["none", "fp8", "checkpoint"]
 
-COMPLETION_MAX_TOKENS = 128
 _GIB = 1 << 30
 
 
@@ -97,7 +96,10 @@ def _quantize(
 def _completion(settings: WorkerSettings, *, accelerator: bool) -> EngineProfile:
     args = _common_args(settings, accelerator=accelerator)
     args.update(dtype=settings.vllm_dtype, enable_prefix_caching=True)
-    return EngineProfile("completion", MappingProxyType(args), max_tokens_cap=COMPLETION_MAX_TOKENS)
+    # The ingress's own cap: a fixed one here would cut text at 128 tokens ("length") that
+    # an operator's higher LANEWAY_COMPLETION_MAX_TOKENS had let the client ask for.
+    cap = settings.completion_max_tokens
+    return EngineProfile("completion", MappingProxyType(args), max_tokens_cap=cap)
 
 
 def _chat(settings: WorkerSettings, *, accelerator: bool, fp8_supported: bool) -> EngineProfile:

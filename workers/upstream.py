@@ -103,6 +103,7 @@ class OpenAICompatibleEngine:
         self._metrics_at = -math.inf  # monotonic time of the last reading of them
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
+        self._odd_finishes: set[str] = set()  # finish reasons not OpenAI's, logged once each
 
     async def start(self) -> None:
         if self._session is not None:
@@ -217,7 +218,8 @@ class OpenAICompatibleEngine:
                     break
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
-            yield reading.final()
+            chat = request.messages is not None
+            yield reading.final(self._openai_finish(reading.finish, chat=chat))
         except (aiohttp.ClientError, TimeoutError) as exc:
             if call.aborted:
                 raise call.dropped(request.id, reading.ms()) from None
@@ -296,6 +298,29 @@ class OpenAICompatibleEngine:
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
         return response
 
+    def _openai_finish(self, reason: object, *, chat: bool) -> str:
+        """The upstream's finish_reason as OpenAI's (clients and their SDKs check the value).
+        An abort of the upstream's own (SGLang's ``abort``: the text is not a whole answer)
+        or a value OpenAI does not have fails the request; the value is logged once."""
+        if reason is None:
+            return "stop"  # ended by [DONE] alone
+        openai = _CHAT_FINISH_REASONS if chat else _FINISH_REASONS
+        if isinstance(reason, str) and reason in openai:
+            return openai[reason]
+        said = repr(reason)[:60]
+        if said not in self._odd_finishes and len(self._odd_finishes) < _ODD_FINISHES_LOGGED:
+            self._odd_finishes.add(said)
+            log.warning(
+                "upstream %s ended a %s request with finish_reason %s, which is not one of "
+                "OpenAI's: such requests fail as engine errors (logged once for this value)",
+                self.base_url,
+                "chat" if chat else "completion",
+                said,
+            )
+        if reason == "abort":
+            raise EngineError(f"the upstream aborted the request itself (finish_reason {said})")
+        raise EngineError(f"the upstream ended the request with finish_reason {said}, not OpenAI's")
+
     def _room(self) -> None:
         if self._on_room is not None:
             self._on_room()
@@ -338,6 +363,19 @@ _EARLY_ABORT_S = 5.0
 # The upstream's metrics are read every metrics_interval_s; missed this many times in a row,
 # what they last said no longer counts.
 _STALE_READINGS = 3
+# What servers end a stream with, as OpenAI's finish_reason. TGI tells the model's own end
+# of text (eos_token) from a stop string (stop_sequence); OpenAI calls both ``stop``. A chat
+# may end in tool calls; a completion cannot.
+_FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "content_filter": "content_filter",
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+}
+_CHAT_FINISH_REASONS = {**_FINISH_REASONS, "tool_calls": "tool_calls"}
+# A server sending a new value with every request would otherwise fill the log (and memory).
+_ODD_FINISHES_LOGGED = 32
 # Statuses by which OpenAI-compatible servers (vLLM, SGLang, llama.cpp, TGI) refuse a request
 # for what it asks: bad request, too large, unprocessable.
 _REQUEST_REFUSED = frozenset({400, 413, 422})
@@ -381,7 +419,7 @@ class _Reading:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached = 0
-        self.finish: str | None = None
+        self.finish: object = None  # the server's own value, until _openai_finish reads it
         self.started: float | None = None  # perf_counter at the first byte
 
     def ms(self) -> float:
@@ -435,10 +473,10 @@ class _Reading:
             engine_ms=self.ms(),
         )
 
-    def final(self) -> EngineDelta:
-        """The end: raises when the stream stopped before saying it was done ([DONE], or a
-        finish_reason), as a connection the upstream dropped or a body cut short does; the
-        text so far is not a whole answer then."""
+    def final(self, finish_reason: str) -> EngineDelta:
+        """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
+        saying it was done ([DONE], or a finish_reason), as a connection the upstream dropped
+        or a body cut short does; the text so far is not a whole answer then."""
         if not self.done and self.finish is None:
             raise EngineError(
                 "the upstream's stream ended before its end (no finish_reason, no [DONE])"
@@ -449,5 +487,5 @@ class _Reading:
             cached_tokens=self.cached,
             completion_tokens=self.completion_tokens,
             engine_ms=self.ms(),
-            finish_reason=self.finish or "stop",
+            finish_reason=finish_reason,
         )

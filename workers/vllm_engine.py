@@ -249,10 +249,7 @@ class VllmEngine:
         )
 
     async def _render(self, request: EngineRequest) -> Any:
-        """The engine input: the chat template when the tokenizer has one, else plain text.
-
-        A completion ``suffix`` is not sent: vLLM has no model-independent fill-in-the-middle.
-        """
+        """The engine input: the chat template when the tokenizer has one, else plain text."""
         renderer = self._llm.renderer
         if request.messages is not None and self._chat_template:
             params = _vllm("vllm.renderers.params").ChatParams(
@@ -267,6 +264,15 @@ class VllmEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         if self._llm is None:
             raise EngineError("vllm engine is not started (or already stopped)")
+        if request.suffix:
+            # vLLM has no model-independent fill-in-the-middle (vLLM serve refuses `suffix`
+            # too): the prompt alone would come back as a plain continuation, not the middle.
+            raise EngineRejected(
+                "suffix is not supported by this model's engine (vllm: no fill-in-the-middle); "
+                "send the prompt without it, or have the operator serve this model from a "
+                "server that fills in the middle (LANEWAY_UPSTREAM_URL)",
+                param="suffix",
+            )
         running = _Running(started=time.monotonic())
         self._running[request.id] = running
         try:
