@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,7 +98,10 @@ async def save_team(state: IngressState, team: str, body: TeamBody) -> dict[str,
 async def team_budget(state: IngressState, team: str) -> dict[str, object]:
     """A known team's record with its budget, remaining, usage and factor; ``NotFound``."""
     if not await state.redis.sismember(state.keys.teams(), team):
-        raise NotFound(f"no team {team!r} (create it with PUT /admin/teams/{team})", param="team")
+        raise NotFound(
+            f"no team {team!r} (create it with PUT /admin/teams/{quote(team, safe='')})",
+            param="team",
+        )
     record = await get_team(state.redis, state.keys, team)
     return await state.quota.enforcer.snapshot(record)
 
@@ -121,14 +125,16 @@ async def revoke_team_key(state: IngressState, key_or_id: str) -> dict[str, Any]
     return {**record.public(), "revoked": True}
 
 
-@admin_router.put("/teams/{team}")
+# ``{team:path}``: a new name has no '/' (``check_team_name`` says so, with a 400 rather than
+# a 404 here); a team named with one before that rule is still reached.
+@admin_router.put("/teams/{team:path}")
 async def put_team(team: str, request: Request) -> Response:
     state = authorise(request)
     body = parse_body(TeamBody, await request.body())
     return JSONResponse(await save_team(state, team, body))
 
 
-@admin_router.get("/teams/{team}")
+@admin_router.get("/teams/{team:path}")
 async def get_team_budget(team: str, request: Request) -> Response:
     return JSONResponse(await team_budget(authorise(request), team))
 

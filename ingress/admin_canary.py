@@ -3,6 +3,8 @@
 ``PUT /admin/canary/{model}`` with ``{"target": ..., "steps": [1, 5, 10, 100]}`` starts it;
 ``GET /admin/canary`` lists them; ``POST /admin/canary/{model}/abort`` sends every request
 back to the stable route at once. The streams app moves the steps (docs/canary.md).
+``{model}`` is the rest of the path: a served model's name may have a ``/`` in it
+(``Qwen/Qwen2.5-Coder-7B``), written as it is or as ``%2F``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class CanaryBody(BaseModel):
 
 
 def _view(state: CanaryState) -> dict[str, object]:
-    return {**state.model_dump(mode="json"), "weight": state.weight}
+    # Not the salt: with it a team could compute which of its sessions the canary takes.
+    return {**state.model_dump(mode="json", exclude={"salt"}), "weight": state.weight}
 
 
 @canary_router.get("")
@@ -39,7 +42,7 @@ async def get_canaries(request: Request) -> Response:
     return JSONResponse({"data": [_view(c) for c in canaries]})
 
 
-@canary_router.put("/{model}")
+@canary_router.put("/{model:path}")
 async def put_canary(model: str, request: Request) -> Response:
     state = authorise(request)
     body = parse_body(CanaryBody, await request.body())
@@ -47,7 +50,7 @@ async def put_canary(model: str, request: Request) -> Response:
     return JSONResponse(_view(started), status_code=201)
 
 
-@canary_router.post("/{model}/abort")
+@canary_router.post("/{model:path}/abort")
 async def post_abort(model: str, request: Request) -> Response:
     state = authorise(request)
     return JSONResponse(_view(await abort_canary(state.redis, state.keys, model)))

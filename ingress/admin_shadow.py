@@ -2,7 +2,8 @@
 
 ``PUT /admin/shadow/{model}`` with ``{"target": ..., "share": 0.05}`` starts mirroring;
 ``GET /admin/shadow`` lists them, each with the streams app's shadow-against-primary figures;
-``POST /admin/shadow/{model}/stop`` ends the mirroring (docs/shadow.md).
+``POST /admin/shadow/{model}/stop`` ends the mirroring (docs/shadow.md). ``{model}`` is the
+rest of the path: a served model's name may have a ``/`` in it (``Qwen/Qwen2.5-Coder-7B``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ async def get_shadows(request: Request) -> Response:
     return JSONResponse({"data": [await _view(state.redis, state.keys, s) for s in shadows]})
 
 
-@shadow_router.put("/{model}")
+@shadow_router.put("/{model:path}")
 async def put_shadow(model: str, request: Request) -> Response:
     state = authorise(request)
     body = parse_body(ShadowBody, await request.body())
@@ -59,7 +60,7 @@ async def put_shadow(model: str, request: Request) -> Response:
     return JSONResponse(await _view(state.redis, state.keys, started), status_code=201)
 
 
-@shadow_router.post("/{model}/stop")
+@shadow_router.post("/{model:path}/stop")
 async def post_stop(model: str, request: Request) -> Response:
     state = authorise(request)
     stopped = await stop_shadow(state.redis, state.keys, model)

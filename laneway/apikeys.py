@@ -85,23 +85,34 @@ MAX_TEAM_NAME_CHARS = 200
 
 
 async def check_team_name(redis: aioredis.Redis, keys: RedisKeys, team: str) -> None:
-    """A new team's name as it is shown, logged and used as a label: not blank, without
-    spaces around it or control characters (a name only those tell apart from another is a
-    second team nobody can tell from the first), at most 200 characters. A team that has
-    keys already keeps its name, whatever it is."""
+    """A new team's name as it is shown, logged, used as a label and as one path segment of
+    the admin API and the console: not blank, without spaces around it or control characters
+    (a name only those tell apart from another is a second team nobody can tell from the
+    first), no '/' and not '.' or '..' (no URL reaches those), at most 200 characters. A team
+    that has keys already keeps its name, whatever it is."""
     if not team.strip():
         raise BadRequest("team name is empty", param="team")
-    fine = (
-        team == team.strip()
-        and len(team) <= MAX_TEAM_NAME_CHARS
-        and not any(unicodedata.category(c) == "Cc" for c in team)
-    )
-    if not fine and not await redis.sismember(keys.teams(), team):
-        raise BadRequest(
-            f"team name {team[:MAX_TEAM_NAME_CHARS]!r} must have no spaces around it and no "
-            f"control characters, and at most {MAX_TEAM_NAME_CHARS} characters",
-            param="team",
+    shown = repr(team[:MAX_TEAM_NAME_CHARS])
+    if "/" in team:
+        problem = (
+            f"team name {shown} must not contain '/': a team is one segment of the admin "
+            "API's and the console's paths, and a '/' (even written %2F) splits it in two"
         )
+    elif team in (".", ".."):
+        problem = f"team name {shown} is a dot segment, which URLs resolve away"
+    elif (
+        team != team.strip()
+        or len(team) > MAX_TEAM_NAME_CHARS
+        or any(unicodedata.category(c) == "Cc" for c in team)
+    ):
+        problem = (
+            f"team name {shown} must have no spaces around it and no control characters, "
+            f"and at most {MAX_TEAM_NAME_CHARS} characters"
+        )
+    else:
+        return
+    if not await redis.sismember(keys.teams(), team):
+        raise BadRequest(problem, param="team")
 
 
 async def create_key(

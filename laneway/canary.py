@@ -3,10 +3,11 @@
 One canary per model, kept in Redis as JSON at ``<prefix>:canary:<model>`` (the set
 ``<prefix>:canaries`` lists the models that have one). The ingress sends a request to the
 canary's target when its *sticky key* falls under the current weight: the key is the team's
-session when the client names one (``X-Laneway-Session``), else the request id, hashed to a
-bucket in [0, 100). A bucket under 1 % is also under 5 %, so as the weight grows sessions only
-ever move from the stable route to the canary, never back, and within a step none moves at
-all. The streams app moves the step (``streams/canary.py``); people start and abort it
+session when the client names one (``X-Laneway-Session``), else the request id, hashed with
+the canary's secret salt to a bucket in [0, 100). A bucket under 1 % is also under 5 %, and
+the salt is drawn once, when the canary starts, so as the weight grows sessions only ever
+move from the stable route to the canary, never back, and within a step none moves at all.
+The streams app moves the step (``streams/canary.py``); people start and abort it
 (``laneway canary``, ``/admin/canary``).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import secrets
 import time
 from typing import Literal
 
@@ -88,6 +90,11 @@ class CanaryState(BaseModel):
     started: float = Field(default_factory=time.time)
     since: float = Field(default_factory=time.time)  # when the current step (or status) began
     reason: str = ""
+    # Drawn when the canary starts, kept for its life, never shown (admin API, CLI, console):
+    # with the bare hash a team could compute which of its sessions land on the canary and
+    # send the few requests a step is judged on itself (slow prompts to roll it back, cheap
+    # successes to promote it) for every team. "" (a record from before): the bare hash.
+    salt: str = Field("", repr=False)
 
     @field_validator("steps")
     @classmethod
@@ -125,9 +132,10 @@ class CanaryState(BaseModel):
         return self.model_dump_json().encode()
 
 
-def bucket(team: str, sticky: str) -> float:
-    """Where a sticky key falls in [0, 100): the same for the same key, everywhere."""
-    digest = hashlib.blake2b(f"{team}\0{sticky}".encode(errors="surrogatepass"), digest_size=8)
+def bucket(team: str, sticky: str, salt: str = "") -> float:
+    """Where a sticky key falls in [0, 100): the same for the same key and salt, everywhere."""
+    key = f"{salt}\0{sticky}" if salt else sticky
+    digest = hashlib.blake2b(f"{team}\0{key}".encode(errors="surrogatepass"), digest_size=8)
     return int.from_bytes(digest.digest(), "big") / 2**64 * 100
 
 
@@ -135,7 +143,7 @@ def canary_route(state: CanaryState | None, team: str, sticky: str) -> str | Non
     """The canary's target when this key's bucket is under the weight; None: stay stable."""
     if state is None or state.weight <= 0:
         return None
-    return state.target if bucket(team, sticky) < state.weight else None
+    return state.target if bucket(team, sticky, state.salt) < state.weight else None
 
 
 async def get_canary(redis: aioredis.Redis, keys: RedisKeys, model: str) -> CanaryState | None:
@@ -178,7 +186,9 @@ async def start_canary(
 ) -> CanaryState:
     """Start ``model``'s canary on ``target`` at its first step; one running canary a model."""
     try:  # the caller's input (a name too long or empty, bad steps), before Redis is asked
-        state = CanaryState(model=model, target=target, steps=steps, since=0.0)
+        state = CanaryState(
+            model=model, target=target, steps=steps, since=0.0, salt=secrets.token_hex(16)
+        )
     except ValidationError as exc:
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else "model"

@@ -84,7 +84,7 @@ class ShadowState(BaseModel):
     # Drawn when the shadow starts, never shown: which sessions are mirrored is not a hash a
     # tenant can compute, so no team can name its sessions to have all its traffic mirrored
     # (unbilled engine work, and the mirror slots other teams' sessions would have had).
-    salt: str = ""
+    salt: str = Field("", repr=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> ShadowState:
@@ -101,7 +101,7 @@ def mirrored(state: ShadowState | None, team: str, sticky: str) -> bool:
     """Whether this sticky key's requests are mirrored: the same answer for a whole session."""
     if state is None or state.status != "running":
         return False
-    return bucket(team, f"{state.salt}\0{sticky}" if state.salt else sticky) < state.share * 100
+    return bucket(team, sticky, state.salt) < state.share * 100
 
 
 def shadow_id(request_id: str) -> str | None:

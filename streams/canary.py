@@ -2,17 +2,25 @@
 the canary moves one step on, is promoted, or is rolled back.
 
 Usage events of a model with a running canary are kept per route (the stable route is the
-model's own name; the canary's is its target) from the moment the step began. Once a step
-has run ``LANEWAY_CANARY_WINDOW_S`` and the canary has served ``LANEWAY_CANARY_MIN_REQUESTS``:
+model's own name; the canary's is its target) from the moment the step began, at most
+``_STEP_WINDOWS`` windows back, and both sides are judged over the same span. An event is a
+run *answered* (``ok``, ``error``) or *abandoned*: left after it reached its engine
+(``cancelled``, ``superseded``, ``aborted``) or ``expired``. Once a step has run
+``LANEWAY_CANARY_WINDOW_S``:
 
-- its error rate above ``max(stable × LANEWAY_CANARY_MAX_ERROR_RATIO, stable +
-  LANEWAY_CANARY_ERROR_SLACK)``, or its P99 (successful requests, worker-side) above the
-  stable P99 × ``LANEWAY_CANARY_MAX_P99_RATIO``: rolled back (weight 0), announced on
-  ``laneway.control`` and to the on-call webhook;
-- otherwise: the next step, or promoted after the last.
+- with ``LANEWAY_CANARY_MIN_REQUESTS`` canary runs, a canary that abandons far more of its
+  runs than the stable route (an engine that hangs: the next keystroke supersedes each of
+  its runs before the upstream's timeout would make it an error) is rolled back;
+- with ``LANEWAY_CANARY_MIN_REQUESTS`` answered: its error rate above ``max(stable ×
+  LANEWAY_CANARY_MAX_ERROR_RATIO, stable + LANEWAY_CANARY_ERROR_SLACK)``, or its P99
+  (successful requests, worker-side) above the stable P99 × ``LANEWAY_CANARY_MAX_P99_RATIO``:
+  rolled back; otherwise the next step, or promoted after the last;
+- a step still undecided after ``_STEP_WINDOWS`` windows is rolled back: a canary that cannot
+  be judged does not serve its sessions unseen for ever.
 
-A step with too little traffic waits for more. Every change is written to Redis only if the
-canary is still the one judged (a person may have aborted or restarted it meanwhile).
+A rollback is announced on ``laneway.control`` and to the on-call webhook. Every change is
+written to Redis only if the canary is still the one judged (a person may have aborted or
+restarted it meanwhile).
 """
 
 from __future__ import annotations
@@ -20,8 +28,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
@@ -35,32 +45,101 @@ from streams.records import CanaryChange, RouteStats
 from streams.settings import StreamsSettings
 from streams.types import SendRecord
 
-__all__ = ["CanaryWatch", "Verdict", "judge"]
+__all__ = ["CanaryWatch", "StepTraffic", "Verdict", "judge", "judge_abandoned"]
 
 log = logging.getLogger(__name__)
 
-_JUDGED = ("ok", "error")
+_LEFT = ("cancelled", "superseded", "aborted")
+# A run dropped before it reached its engine is reported as it is dropped: its total_ms is
+# its queue_ms to within the microseconds between two readings of the clock. Such a drop
+# tells of the client's typing and the shared queue, not of the route, and is not judged.
+_STARTED_MS = 1.0
+# A step waits this many windows at most (30 min at the default 60 s): the span both sides
+# are kept and judged over, and at 100 events a second, 180,000 of them.
+_STEP_WINDOWS = 30
+# Events kept per route at most: a step of a model busier than that (over 100 a second for
+# the whole span) is judged on the trailing span both sides still hold.
+_MAX_EVENTS = 200_000
+# Abandoned runs: the canary is rolled back when its share of them is twice the stable
+# route's and 10 points above it (small shares: editors supersede few runs mid-way), or when
+# it answers less than half the share of its runs that the stable route answers (large
+# shares: where typing supersedes most runs, twice as many abandoned is more than all).
+# Wide on purpose, unlike the error check: a share of 50 runs is noisy, and it is there to
+# catch a canary that answers next to nothing, whose errors never come.
+_ABANDONED_RATIO = 2.0
+_ABANDONED_SLACK = 0.10
+_MIN_ANSWERED_RATIO = 0.5
+
+_Kind = Literal["ok", "error", "abandoned"]
+
+
+def _kind(event: UsageEvent) -> _Kind | None:
+    """How a step counts this outcome; None: not at all (a drop before its run began)."""
+    if event.status == "ok":
+        return "ok"
+    if event.status == "error":
+        return "error"
+    if event.status == "expired":
+        return "abandoned"
+    if event.status in _LEFT and event.total_ms - event.queue_ms >= _STARTED_MS:
+        return "abandoned"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepTraffic:
+    """One side of a step over the judged span: its answered requests (ok or error) and its
+    runs abandoned after they started, or expired."""
+
+    answered: RouteStats | None
+    abandoned: int = 0
+
+    @property
+    def runs(self) -> int:
+        return self.abandoned + (self.answered.requests if self.answered is not None else 0)
+
+    @property
+    def abandoned_share(self) -> float:
+        return self.abandoned / self.runs if self.runs else 0.0
 
 
 @dataclass(slots=True)
 class _Traffic:
-    """One route's judged events since a moment: (event time, error?, latency ms)."""
+    """One route's judged events, oldest first: (event time, kind, latency ms)."""
 
-    events: list[tuple[float, bool, float]] = field(default_factory=list)
+    events: deque[tuple[float, _Kind, float]] = field(
+        default_factory=lambda: deque(maxlen=_MAX_EVENTS)
+    )
 
-    def since(self, start: float) -> RouteStats | None:
-        picked = [(error, ms) for ts, error, ms in self.events if ts >= start]
-        if not picked:
-            return None
-        errors = sum(1 for error, _ in picked if error)
-        latencies = sorted(ms for error, ms in picked if not error)
-        p99 = latencies[max(0, math.ceil(0.99 * len(latencies)) - 1)] if latencies else None
-        return RouteStats(
-            requests=len(picked),
+    @property
+    def oldest_kept(self) -> float | None:
+        """The time of the oldest event once the side is full (older ones were let go)."""
+        return self.events[0][0] if len(self.events) == _MAX_EVENTS else None
+
+    def since(self, start: float, *, p99: bool = True) -> StepTraffic:
+        """The side's traffic from ``start``; ``p99=False``: the counts alone (no sort of a
+        busy stable route's latencies each second while a step waits for answers)."""
+        picked = [(kind, ms) for ts, kind, ms in self.events if ts >= start]
+        answered = [(kind == "error", ms) for kind, ms in picked if kind != "abandoned"]
+        abandoned = len(picked) - len(answered)
+        if not answered:
+            return StepTraffic(None, abandoned)
+        errors = sum(1 for error, _ in answered if error)
+        latencies = sorted(ms for error, ms in answered if not error) if p99 else []
+        rank = max(0, math.ceil(0.99 * len(latencies)) - 1)
+        stats = RouteStats(
+            requests=len(answered),
             errors=errors,
-            error_rate=round(errors / len(picked), 6),
-            p99_ms=p99,
+            error_rate=round(errors / len(answered), 6),
+            p99_ms=latencies[rank] if latencies else None,
         )
+        return StepTraffic(stats, abandoned)
+
+    def forget_before(self, start: float) -> None:
+        # Workers' events interleave a little: a straggler behind a newer one waits its turn
+        # (``since`` leaves it out meanwhile).
+        while self.events and self.events[0][0] < start:
+            self.events.popleft()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +149,7 @@ class Verdict:
 
 
 def judge(canary: RouteStats, stable: RouteStats | None, settings: StreamsSettings) -> Verdict:
-    """Whether a step's canary traffic held up against the stable route's."""
+    """Whether a step's answered canary requests held up against the stable route's."""
     stable_rate = stable.error_rate if stable is not None else 0.0
     allowed = max(
         stable_rate * settings.canary_max_error_ratio, stable_rate + settings.canary_error_slack
@@ -92,6 +171,23 @@ def judge(canary: RouteStats, stable: RouteStats | None, settings: StreamsSettin
     return Verdict(True, "")
 
 
+def judge_abandoned(canary: StepTraffic, stable: StepTraffic | None) -> Verdict:
+    """Whether the canary answered about as many of its runs as the stable route did."""
+    base = stable.abandoned_share if stable is not None else 0.0
+    limit = min(
+        max(base * _ABANDONED_RATIO, base + _ABANDONED_SLACK),
+        1 - (1 - base) * _MIN_ANSWERED_RATIO,
+    )
+    if canary.abandoned_share > limit:
+        return Verdict(
+            False,
+            f"{canary.abandoned_share:.1%} of {canary.runs} runs abandoned after they started "
+            f"or expired, above {limit:.1%} (stable {base:.1%} of "
+            f"{stable.runs if stable is not None else 0})",
+        )
+    return Verdict(True, "")
+
+
 class CanaryWatch:
     def __init__(
         self,
@@ -109,20 +205,28 @@ class CanaryWatch:
         self.send = send
         self.webhook = webhook
         self.clock = clock
+        self.max_step_s = settings.canary_window_s * _STEP_WINDOWS
         self.running: dict[str, CanaryState] = {}  # model → its running canary
         self._traffic: dict[tuple[str, str], _Traffic] = {}  # (model, route) → events
 
     def fold(self, event: UsageEvent) -> None:
         """Keep an event of a model under a running canary (the others cost nothing)."""
         state = self.running.get(event.model)
-        if state is None or event.status not in _JUDGED or event.cls == "batch":
+        if state is None or event.cls == "batch" or event.ts < state.since:
             # Batch never takes a canary route, and its times include hours in Kafka: on
             # the stable side alone it would make the stable route look slow.
             return
         if event.route not in (state.model, state.target):
             return  # a breaker fallback: neither side of the comparison
+        kind = _kind(event)
+        if kind is None:
+            return
         traffic = self._traffic.setdefault((event.model, event.route), _Traffic())
-        traffic.events.append((event.ts, event.status == "error", event.total_ms))
+        traffic.events.append((event.ts, kind, event.total_ms))
+
+    def held(self, model: str) -> int:
+        """Events kept for the judgement of ``model``'s canary, both sides."""
+        return sum(len(t.events) for (m, _), t in self._traffic.items() if m == model)
 
     async def evaluate(self) -> list[CanaryChange]:
         """Judge each running canary whose step has run its window; returns the changes."""
@@ -140,13 +244,33 @@ class CanaryWatch:
         return changes
 
     async def _judge(self, state: CanaryState, now: float) -> CanaryChange | None:
-        if now - state.since < self.settings.canary_window_s:
+        ran = now - state.since
+        if ran < self.settings.canary_window_s:
             return None
-        canary = self._stats(state.model, state.target, state.since)
-        if canary is None or canary.requests < self.settings.canary_min_requests:
+        start = self._span_start(state, now)
+        canary = self._side(state, state.target, start)
+        stable: StepTraffic | None = None
+        verdict: Verdict | None = None
+        enough = self.settings.canary_min_requests
+        if canary.runs >= enough:
+            verdict = judge_abandoned(canary, self._side(state, state.model, start, p99=False))
+            answered = canary.answered
+            if verdict.passed:
+                verdict = None  # too few answered to tell yet: the step goes on
+                if answered is not None and answered.requests >= enough:
+                    stable = self._side(state, state.model, start)
+                    verdict = judge(answered, stable.answered, self.settings)
+        if verdict is None and ran >= self.max_step_s:
+            answered_n = canary.answered.requests if canary.answered is not None else 0
+            verdict = Verdict(
+                False,
+                f"too little canary traffic to judge the {state.weight:g} % step in "
+                f"{ran:.0f} s: {canary.runs} canary runs, {answered_n} answered "
+                f"({enough} answered needed)",
+            )
+        if verdict is None:
             return None  # too little traffic to tell yet: the step goes on
-        stable = self._stats(state.model, state.model, state.since)
-        verdict = judge(canary, stable, self.settings)
+        stable = stable or self._side(state, state.model, start)  # the record's, with its P99
         new = (
             state.advanced(now)
             if verdict.passed
@@ -162,8 +286,8 @@ class CanaryWatch:
             weight=new.weight,
             previous_weight=state.weight,
             reason=verdict.reason,
-            canary=canary,
-            stable=stable,
+            canary=canary.answered,
+            stable=stable.answered,
         )
         log.warning("%s", change.summary())
         CANARY_WEIGHT.labels(state.model).set(new.weight)
@@ -176,9 +300,22 @@ class CanaryWatch:
             self.running.pop(state.model, None)
         return change
 
-    def _stats(self, model: str, route: str, since: float) -> RouteStats | None:
-        traffic = self._traffic.get((model, route))
-        return traffic.since(since) if traffic is not None else None
+    def _span_start(self, state: CanaryState, now: float) -> float:
+        """Where both sides of the step are judged from: its start, at most the step's longest
+        span back, and no earlier than the oldest event a full side still holds."""
+        start = max(state.since, now - self.max_step_s)
+        for route in (state.model, state.target):
+            traffic = self._traffic.get((state.model, route))
+            oldest = traffic.oldest_kept if traffic is not None else None
+            if oldest is not None:
+                start = max(start, oldest)
+        return start
+
+    def _side(
+        self, state: CanaryState, route: str, start: float, *, p99: bool = True
+    ) -> StepTraffic:
+        traffic = self._traffic.get((state.model, route))
+        return traffic.since(start, p99=p99) if traffic is not None else StepTraffic(None)
 
     async def _replace(self, old: CanaryState, new: CanaryState) -> bool:
         """Write ``new`` only if Redis still holds ``old`` (no one aborted or restarted it)."""
@@ -197,10 +334,10 @@ class CanaryWatch:
         return True
 
     def _forget(self, now: float) -> None:
-        """Events from before the oldest running step are of no more use."""
+        """Events from before a running step, or its longest span, are of no more use."""
         for (model, route), traffic in list(self._traffic.items()):
             state = self.running.get(model)
             if state is None:
                 del self._traffic[(model, route)]
                 continue
-            traffic.events = [e for e in traffic.events if e[0] >= state.since]
+            traffic.forget_before(max(state.since, now - self.max_step_s))

@@ -185,6 +185,32 @@ async def test_admin_api_creates_and_lists_keys_by_id(stack: LiveStack) -> None:
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "team")
 
 
+async def test_a_team_name_no_url_can_reach_is_refused_and_an_old_one_kept(
+    stack: LiveStack,
+) -> None:
+    """A team is a path segment of the admin API and the console: a name with '/' (decoded
+    before routing) or one of the dot segments ('.', '..', which URLs resolve away) could
+    never be reached there. New ones are refused, naming why; a team that has one keeps it."""
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    admin = stack.http(ingress, ADMIN)
+    for team, says in (("org/team", "'/'"), (".", "dot segment"), ("..", "dot segment")):
+        refused = await admin.post("/admin/keys", json={"team": team})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "team"), team
+        assert says in refused.json()["error"]["message"], refused.text
+    record = await admin.put("/admin/teams/org%2Fteam", json={"size": 2})
+    assert (record.status_code, record.json()["error"]["param"]) == (400, "team"), record.text
+    assert "'/'" in record.json()["error"]["message"]
+    dots = await admin.put("/admin/teams/%2E%2E", json={"size": 2})
+    assert dots.status_code in (400, 404), dots.text  # 404: a client that resolved '..' away
+    assert not await stack.redis.sismember(RedisKeys(stack.prefix).teams(), "..")
+
+    await stack.redis.sadd(RedisKeys(stack.prefix).teams(), "old/team")
+    kept = await admin.put("/admin/teams/old%2Fteam", json={"size": 2})
+    assert kept.status_code == 200, kept.text
+    assert (await admin.get("/admin/teams/old/team")).json()["team"] == "old/team"
+    assert (await admin.post("/admin/keys", json={"team": "old/team"})).status_code == 201
+
+
 async def test_no_key_is_stored_in_plain_text_the_probe_key_included(stack: LiveStack) -> None:
     keys = RedisKeys(stack.prefix)
     # What an older version left: the probe's key in plain text beside its record.

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from laneway.canary import CanaryState, bucket, get_canary, put_canary
+from laneway.canary import (
+    CanaryState,
+    abort_canary,
+    bucket,
+    canary_route,
+    get_canary,
+    put_canary,
+    start_canary,
+)
 from laneway.constants import RedisKeys
 from streams.canary import CanaryWatch
 from streams.oncall import OnCallWebhook
@@ -41,6 +50,9 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
     assert started.json()["weight"] == 50
     again = await admin.put("/admin/canary/laneway-code", json={"target": "laneway-code-v3"})
     assert again.status_code == 409
+    assert "salt" not in started.json()  # the canary's secret stays in Redis
+    canary = await get_canary(stack.redis, RedisKeys(stack.prefix), "laneway-code")
+    assert canary is not None
 
     sessions = [f"src/mod{i}.py" for i in range(12)]
     ids: dict[str, str] = {}
@@ -61,13 +73,13 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
         assert event["model"] == "laneway-code"
         routes[ids[event["id"]]].add(event["route"])
     for session in sessions:
-        want = "laneway-code-v2" if bucket("team-a", session) < 50 else "laneway-code"
+        want = canary_route(canary, "team-a", session) or "laneway-code"
         assert routes[session] == {want}, session  # every request of a session, one route
     assert {r for rs in routes.values() for r in rs} == {"laneway-code", "laneway-code-v2"}
 
     aborted = await admin.post("/admin/canary/laneway-code/abort")
     assert (aborted.status_code, aborted.json()["status"]) == (200, "aborted")
-    on_canary = next(s for s in sessions if bucket("team-a", s) < 50)
+    on_canary = next(s for s in sessions if canary_route(canary, "team-a", s))
 
     async def back_on_stable() -> bool:
         response = await http.post(
@@ -86,6 +98,56 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
     assert [(c["model"], c["status"], c["weight"]) for c in listed] == [
         ("laneway-code", "aborted", 0)
     ]
+    assert "salt" not in listed[0]
+
+
+async def test_a_team_cannot_compute_which_of_its_sessions_land_on_the_canary(
+    stack: LiveStack,
+) -> None:
+    """The sticky bucket is keyed with a secret drawn when the canary starts: sessions a team
+    finds under the weight with the public hash alone (to send a step the slow prompts that
+    roll it back, or the cheap successes that promote it) are on the canary no more often than
+    any others. The secret is the canary's for its life, so sessions still only move to it."""
+    keys = RedisKeys(stack.prefix)
+    sessions = (f"src/mod{i}.py" for i in range(20_000))
+    chosen = [s for s in sessions if bucket("team-a", s) < 5]  # computed offline
+    shares = []
+    for _ in range(3):  # fresh canaries, each with its own secret
+        state = await start_canary(stack.redis, keys, "code", "code-v2", (5, 50, 100))
+        on_canary = [s for s in chosen if canary_route(state, "team-a", s) == "code-v2"]
+        shares.append(len(on_canary) / len(chosen))
+        stored = await get_canary(stack.redis, keys, "code")
+        assert stored is not None
+        assert all(canary_route(stored, "team-a", s) == "code-v2" for s in on_canary)
+        grown = stored.advanced(now=stored.since + 60)
+        assert all(canary_route(grown, "team-a", s) == "code-v2" for s in on_canary)
+        await abort_canary(stack.redis, keys, "code")
+    assert max(shares) < 0.2, shares  # about 5 % each: the weight, as for any session
+
+
+async def test_a_canary_and_a_shadow_of_a_model_whose_name_has_a_slash(stack: LiveStack) -> None:
+    """vLLM serves models by their hub name (``Qwen/Qwen2.5-Coder-7B``): the admin routes take
+    the model as the rest of the path, slash or ``%2F`` alike."""
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    admin = stack.http(ingress, ADMIN)
+    started = await admin.put("/admin/canary/org/m", json={"target": "org/m-v2"})
+    assert started.status_code == 201, started.text
+    assert (started.json()["model"], started.json()["target"]) == ("org/m", "org/m-v2")
+    listed = (await admin.get("/admin/canary")).json()["data"]
+    assert [c["model"] for c in listed] == ["org/m"]
+    aborted = await admin.post("/admin/canary/org%2Fm/abort")
+    assert (aborted.status_code, aborted.json()["status"]) == (200, "aborted"), aborted.text
+
+    model = "Qwen/Qwen2.5-Coder-7B"
+    shadow = await admin.put(f"/admin/shadow/{model}", json={"target": "v2", "share": 0.1})
+    assert shadow.status_code == 201, shadow.text
+    assert shadow.json()["model"] == model
+    stopped = await admin.post(f"/admin/shadow/{model}/stop")
+    assert (stopped.status_code, stopped.json()["status"]) == (200, "stopped"), stopped.text
+    # The names the routes had before still reach the same operations.
+    plain = await admin.put("/admin/canary/laneway-code", json={"target": "laneway-code-v2"})
+    assert plain.status_code == 201, plain.text
+    assert (await admin.post("/admin/canary/laneway-code/abort")).status_code == 200
 
 
 async def test_a_healthy_canary_is_promoted_and_a_faulty_one_rolled_back(
@@ -197,3 +259,95 @@ async def test_batch_traffic_on_the_stable_route_does_not_flatter_a_slow_canary(
     assert "P99 200 ms" in change.reason
     assert change.stable is not None
     assert change.stable.p99_ms == 100.0
+
+
+async def _watch(
+    stack: LiveStack, clock: Callable[[], float], **settings: Any
+) -> tuple[CanaryWatch, RedisKeys]:
+    keys = RedisKeys(stack.prefix)
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        pass
+
+    watch = CanaryWatch(
+        StreamsSettings(**settings), stack.redis, keys, send, OnCallWebhook(""), clock=clock
+    )
+    return watch, keys
+
+
+async def test_a_canary_whose_engine_hangs_is_rolled_back(stack: LiveStack) -> None:
+    """Its runs start and never answer: the next keystroke supersedes each (or the client
+    leaves, or it expires) long before the upstream's timeout would make it an error. Judged
+    on ok and error alone, its step never had the requests it needed and its sessions were
+    served nothing for as long as it lasted."""
+    began, now = 1_000_000.0, 1_000_000.0
+    watch, keys = await _watch(stack, lambda: now, canary_window_s=1.0, canary_min_requests=20)
+    for model in ("code", "chat"):
+        await put_canary(
+            stack.redis,
+            keys,
+            CanaryState(model=model, target=f"{model}-v2", steps=(5, 100), since=began),
+        )
+    assert await watch.evaluate() == []
+    left = ("superseded", "cancelled", "aborted", "expired")
+    for i in range(100):
+        ts = began + i / 100
+        # The stable routes: most runs answered, a keystroke superseded now and then.
+        for model in ("code", "chat"):
+            status = "superseded" if i % 4 == 0 else "ok"
+            watch.fold(usage_event(model=model, route=model, status=status, queue_ms=5.0, ts=ts))
+        # The hung canary: every run reached its engine (total_ms past queue_ms), none answered.
+        watch.fold(
+            usage_event(
+                model="code",
+                route="code-v2",
+                status=left[i % 4],
+                queue_ms=5.0,
+                total_ms=900.0,
+                ts=ts,
+            )
+        )
+        # A healthy canary whose sessions typed fast: dropped before they ran (total_ms is
+        # queue_ms), which says nothing of its route; what it ran, it answered.
+        status = "ok" if i % 3 == 0 else "superseded"
+        total = 25.0 if status == "ok" else 5.0
+        watch.fold(
+            usage_event(
+                model="chat", route="chat-v2", status=status, queue_ms=5.0, total_ms=total, ts=ts
+            )
+        )
+    now = began + 2
+    changes = {c.model: c for c in await watch.evaluate()}
+    assert changes["code"].status == "rolled_back", changes
+    assert "100.0% of 100 runs abandoned" in changes["code"].reason
+    assert changes["chat"].status == "promoted", changes
+
+
+async def test_a_step_starved_of_canary_traffic_ends_and_holds_a_bounded_window(
+    stack: LiveStack,
+) -> None:
+    """A step waits for canary traffic for 30 windows at most, then is rolled back (and
+    on-call told): a canary that cannot be judged is not left serving its sessions unseen.
+    Meanwhile the stable side is kept for that span only, not from the step's start on."""
+    began, now = 1_000_000.0, 1_000_000.0
+    watch, keys = await _watch(stack, lambda: now, canary_window_s=1.0, canary_min_requests=20)
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(1, 100), since=began)
+    )
+    assert await watch.evaluate() == []
+    changes = []
+    held = []
+    for second in range(45):
+        for i in range(100):
+            ts = began + second + i / 100
+            watch.fold(usage_event(model="code", route="code", ts=ts))
+        if second % 10 == 0:
+            watch.fold(usage_event(model="code", route="code-v2", ts=began + second))
+        now = began + second + 1
+        changes += await watch.evaluate()
+        held.append(watch.held("code"))
+    assert [(c.status, c.previous_weight) for c in changes] == [("rolled_back", 1.0)]
+    assert "too little canary traffic" in changes[0].reason
+    assert "3 canary runs" in changes[0].reason
+    assert max(held) <= 100 * 31 + 4, max(held)
+    assert held[-1] == 0  # nothing kept once the canary no longer runs

@@ -6,7 +6,7 @@ import pytest
 
 from laneway.canary import CanaryState, bucket, canary_route, parse_steps
 from laneway.errors import BadRequest
-from streams.canary import judge
+from streams.canary import StepTraffic, judge, judge_abandoned
 from streams.records import RouteStats
 from streams.settings import StreamsSettings
 
@@ -41,7 +41,7 @@ def test_sessions_stick_and_only_ever_move_to_the_canary() -> None:
     sessions = [f"src/file{i}.py" for i in range(20_000)]
     by_step = []
     for step in range(4):
-        state = CanaryState(model="m", target="m-v2", step=step)
+        state = CanaryState(model="m", target="m-v2", step=step, salt="s3cret")
         routes = {s: canary_route(state, "team-a", s) for s in sessions}
         # Within a step: the same session gets the same route every time.
         assert all(canary_route(state, "team-a", s) == routes[s] for s in sessions[:500])
@@ -74,3 +74,21 @@ def test_the_judge_compares_the_canary_with_the_stable_route() -> None:
     assert not judge(_stats(200, 4, 100.0), clean, settings).passed
     # No stable traffic to compare with: the canary alone, against the slack.
     assert judge(_stats(100, 0, 50.0), None, settings).passed
+
+
+def _runs(answered: int, abandoned: int) -> StepTraffic:
+    return StepTraffic(_stats(answered, 0, 50.0) if answered else None, abandoned)
+
+
+def test_the_judge_rolls_back_a_canary_that_leaves_far_more_runs_unanswered() -> None:
+    # Few runs abandoned on the stable route: twice as many, and 10 points more, is too many.
+    assert judge_abandoned(_runs(88, 12), _runs(95, 5)).passed  # 12 % ≤ 15 %
+    failed = judge_abandoned(_runs(80, 20), _runs(95, 5))
+    assert not failed.passed
+    assert "20.0% of 100 runs abandoned after they started or expired" in failed.reason
+    # Most abandoned on the stable route (fast typing): answering under half its share is.
+    assert judge_abandoned(_runs(20, 80), _runs(30, 70)).passed  # 80 % ≤ 85 %
+    assert not judge_abandoned(_runs(10, 90), _runs(30, 70)).passed
+    # A hung engine answers nothing, whatever the stable route does short of the same.
+    assert not judge_abandoned(_runs(0, 50), _runs(2, 98)).passed
+    assert not judge_abandoned(_runs(0, 50), None).passed

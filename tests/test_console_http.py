@@ -105,6 +105,31 @@ async def test_forms_need_the_sessions_token_and_the_consoles_own_origin(
     assert "Saved." in page.text
 
 
+async def test_team_links_quote_the_name_and_a_name_no_url_can_reach_is_refused(
+    stack: LiveStack,
+) -> None:
+    """A team name is one path segment of a console link: quoted whole ('/' too, which
+    Jinja's urlencode keeps); a new name with '/' or a dot segment, which no link can reach,
+    is refused when it is opened, naming why."""
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    await stack.api_key("team #1?", size=2)
+    keys = RedisKeys(stack.prefix)
+    await stack.redis.sadd(keys.teams(), "old/team")  # from before names were checked
+    http, csrf = await _logged_in(stack, ingress)
+    overview = (await http.get("/console")).text
+    assert 'href="/console/teams/team%20%231%3F"' in overview
+    assert 'href="/console/teams/old%2Fteam"' in overview
+    page = await http.get("/console/teams/team%20%231%3F")
+    assert 'action="/console/teams/team%20%231%3F/keys"' in page.text
+
+    for name in ("org/team", ".."):
+        opened = await http.post("/console/team", data={"name": name, "csrf": csrf})
+        assert opened.status_code == 400, opened.text
+        assert "team" in opened.text
+    opened = await http.post("/console/team", data={"name": "org/team", "csrf": csrf})
+    assert "'/'" in opened.text
+
+
 async def test_a_key_made_on_the_console_works_and_one_revoked_there_is_refused(
     stack: LiveStack,
 ) -> None:

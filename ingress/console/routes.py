@@ -27,6 +27,7 @@ from ingress.console.feed import ConsoleFeed
 from ingress.console.session import COOKIE, ConsoleSession, ConsoleSessions
 from ingress.settings import IngressSettings
 from ingress.state import IngressState
+from laneway.apikeys import check_team_name
 from laneway.errors import BadRequest, NotFound
 from laneway.openai_api import validate_body
 from quota import Team, get_team
@@ -52,6 +53,11 @@ _HEADERS = {
 }
 
 
+def _segment(value: object) -> str:
+    """One path segment of a link: all quoted, '/' too (Jinja's ``urlencode`` keeps it)."""
+    return quote(str(value), safe="")
+
+
 def _clock(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -72,6 +78,7 @@ class Console:
             enable_async=False,
         )
         self.templates.filters["clock"] = _clock
+        self.templates.filters["segment"] = _segment
 
     async def stop(self) -> None:
         await self.feed.stop()
@@ -212,9 +219,13 @@ async def logout(request: Request) -> Response:
 
 @console_router.post("/team")
 async def open_team(request: Request) -> Response:
-    name = (await _posted(request)).form.get("name", "").strip()
+    posted = await _posted(request)
+    name = posted.form.get("name", "").strip()
     if not name or len(name) > 200:
         raise BadRequest("a team name has 1 to 200 characters", param="name")
+    # A name no new team may have ('/' or a dot segment: no link reaches it) is refused here,
+    # saying why, rather than sent on to a page that is not found.
+    await check_team_name(posted.state.redis, posted.state.keys, name)
     return RedirectResponse(f"/console/teams/{quote(name, safe='')}", status_code=303)
 
 
