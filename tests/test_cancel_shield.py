@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from ingress.cancels import CancelOutbox
 from laneway.constants import RedisKeys
-from laneway.errors import Cancelled
+from laneway.errors import Cancelled, Superseded
 from laneway.schema import CancelRecord, RequestEnvelope
 from tests.stack import (
     LiveStack,
@@ -305,6 +305,34 @@ def test_another_teams_tombstone_does_not_undo_the_owners_cancel() -> None:
     shield.cancel(CancelRecord(id=env.id, team="team-b"))
     assert isinstance(shield.verdict(env), Cancelled)
     assert shield.verdict(envelope(team="team-c").model_copy(update={"id": env.id})) is None
+
+
+def test_a_request_that_starts_stale_stays_stale_while_it_runs() -> None:
+    # A superseded keystroke whose generation others follow starts all the same (for them):
+    # its own client is still told it was superseded, not given the text as its answer.
+    shield = CancelShield()
+    owner = envelope(session="doc", seq=1)
+    shield.observe(envelope(session="doc", seq=2))
+    verdict = shield.verdict(owner)
+    assert isinstance(verdict, Superseded)
+    shield.started(owner, stale=verdict)
+    assert shield.stale_reason(owner.id) is verdict
+    assert shield.abort_latency(owner.id) is not None
+
+
+def test_a_tombstone_that_came_before_the_start_is_not_lost() -> None:
+    # A keystroke served from another's generation is known to the shield only from its
+    # start: its tombstone may come while the worker still looks at it (the cancel feed
+    # runs beside the fetch loop), and is kept among the cancels of requests not here.
+    shield = CancelShield()
+    env = envelope(session="doc", seq=1)
+    shield.cancel(CancelRecord(id=env.id, team=env.team))
+    shield.started(env)
+    assert isinstance(shield.stale_reason(env.id), Cancelled)
+    other = envelope()
+    shield.cancel(CancelRecord(id=other.id, team="team-b"))  # not its owner's: ignored
+    shield.started(other)
+    assert shield.stale_reason(other.id) is None
 
 
 def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:

@@ -104,3 +104,55 @@ def test_a_keystroke_asking_a_longer_answer_than_the_generation_makes_runs_on_it
     generation.end("stop", completed=True)
     registry.finished(owner.id)
     assert registry.match(_keystroke("def f(self, ", seq=5, max_tokens=100)) is not None
+
+
+def test_a_keystroke_that_typed_all_the_suggestion_has_runs_on_its_own() -> None:
+    # The user accepted the whole suggestion (Tab): nothing of it is left to give. Served from
+    # it, the keystroke got an empty answer reported ok; the IDE wants a fresh suggestion.
+    registry = ReuseRegistry()
+    owner = _running(registry, "def f(", "x, y): return ", max_tokens=3)
+    generation = registry.of_owner(owner.id)
+    assert generation is not None
+    whole = "def f(" + generation.text
+    # Running, but at its owner's max_tokens: its last delta is in, its end not yet noted.
+    assert registry.match(_keystroke(whole, seq=2, max_tokens=3)) is None
+    assert registry.match(_keystroke("def f(x, y): ", seq=3, max_tokens=3)) is not None
+    generation.end("length", completed=True)
+    registry.finished(owner.id)
+    assert registry.match(_keystroke(whole, seq=4, max_tokens=3)) is None
+    # Ended on its own, the same: an empty answer is not a suggestion.
+    registry = ReuseRegistry()
+    owner = _running(registry, "def f(", "x, y): return ", max_tokens=8)
+    generation = registry.of_owner(owner.id)
+    assert generation is not None
+    generation.end("stop", completed=True)
+    registry.finished(owner.id)
+    assert registry.match(_keystroke(whole, seq=2, max_tokens=8)) is None
+    assert registry.match(_keystroke("def f(x, y): ", seq=3, max_tokens=8)) is not None
+
+
+def test_a_follower_is_never_given_more_than_its_own_max_tokens() -> None:
+    # An engine may hand several tokens in one delta (vLLM merges outputs; an upstream's chunk
+    # counts as one): where inside it a smaller budget ends is unknown, so a keystroke whose
+    # own budget could end inside the generation runs on its own.
+    registry = ReuseRegistry()
+    owner = _keystroke("p", session=None, max_tokens=8)
+    generation = registry.begin(owner)
+    generation.add("AAAA BBBB CCCC DDDD ", 4, 1.0)
+    assert registry.match(_keystroke("p", session=None, max_tokens=2)) is None
+    same = registry.match(_keystroke("p", session=None, max_tokens=8))
+    assert same is not None
+    assert same.kind == "coalesced"
+    # A keystroke that typed k tokens of it with the same budget gets at most 8 - k: its cap
+    # lies past the generation's own end.
+    registry = ReuseRegistry()
+    owner = _running(registry, "q = ", "one two three four ", max_tokens=8)
+    assert registry.match(_keystroke("q = one two ", seq=2, max_tokens=5)) is None
+    assert registry.match(_keystroke("q = one two ", seq=3, max_tokens=6)) is not None
+    # Finished on its own with 4 tokens: a budget that reaches past what is left is enough.
+    generation = registry.of_owner(owner.id)
+    assert generation is not None
+    generation.end("stop", completed=True)
+    registry.finished(owner.id)
+    assert registry.match(_keystroke("q = one ", seq=4, max_tokens=2)) is None
+    assert registry.match(_keystroke("q = one ", seq=5, max_tokens=3)) is not None

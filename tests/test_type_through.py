@@ -272,3 +272,56 @@ async def test_a_team_that_turned_type_through_off_gets_a_request_each(
     again = await http.post("/v1/completions", **_keystroke(typed, 2, stream=False))
     assert (_text(whole), _text(again)) == (_suggestion(12), _suggestion(12))
     await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+
+
+async def test_accepting_the_whole_suggestion_gets_a_fresh_one(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """The user presses Tab: the next keystroke's prompt ends with the whole suggestion, which
+    ended at its max_tokens. Nothing of it is left to give: served from it, the keystroke got
+    an empty answer reported ok. It runs on its own."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    whole = await http.post("/v1/completions", **_keystroke("class C:", 1, stream=False))
+    assert _text(whole) == _suggestion(12)
+    accepted = await http.post(
+        "/v1/completions", **_keystroke("class C:" + _suggestion(12), 2, stream=False)
+    )
+    assert accepted.status_code == 200
+    assert _text(accepted) == _suggestion(12)  # the upstream's words again, its own
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    usage = await stack.read_topic(
+        stack.topics.usage, count=1, where=lambda u: u["id"] == accepted.json()["id"]
+    )
+    assert (usage[0]["status"], usage[0]["reused_from"]) == ("ok", None)
+    assert usage[0]["completion_tokens"] == 12
+
+
+async def test_a_keystroke_served_from_the_suggestion_has_its_teams_supersede_grace(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """A team lets a completion that streamed 2 tokens finish when a newer keystroke comes.
+    A keystroke served from the running suggestion gets what it made past the typed word at
+    once (2 words and more): the next keystroke leaves it to finish, as it would a run of its
+    own that streamed as much."""
+    ingress = await stack.start_ingress()
+    worker = await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key("team-g", supersede_grace_tokens=2))
+    # 40 tokens (2.4 s): the third keystroke comes while the suggestion still runs.
+    first, _ = await _first_words(http, "def main():", 3, max_tokens=40)
+    typed = asyncio.create_task(
+        http.post(
+            "/v1/completions",
+            **_keystroke("def main():" + WORDS[0], 2, stream=False, max_tokens=40),
+        )
+    )
+    await eventually(lambda: len(worker.runs.following) == 1, 10, "the keystroke following")
+    third = await http.post("/v1/completions", **_keystroke("def other():", 3, stream=False))
+    second = await typed
+    await first.aclose()
+    assert third.status_code == 200
+    assert second.status_code == 200, second.text
+    assert _text(second) == _suggestion(40)[len(WORDS[0]) :]
+    usage = await stack.usage_of(second.json()["id"])
+    assert usage[second.json()["id"]]["status"] == "ok"

@@ -183,12 +183,13 @@ class RequestExecutor:
         ``queue_ms`` is its wait from acceptance to this moment. None: it was preempted
         (aborted to run again later) and reported nothing."""
         queue_ms = max(0.0, (self.clock() - env.accepted_ts) * 1000)
-        verdict = self._start_verdict(env, time.time())  # the deadline is on this clock
-        if verdict is not None:
+        stale = self.shield.verdict(env, time.time())  # the deadline is on this clock
+        if stale is not None and not self._starts_for_followers(env, stale):
             self._ended(env, self.reuse.of_owner(env.id), _Totals(), "dropped")
-            return await self.drop(env, verdict)
+            return await self.drop(env, stale)
 
-        self.shield.started(env)
+        # Stale, it runs for its followers only: its client is told so, as if aborted.
+        self.shield.started(env, stale=stale)
         self.live.add(env.id)
         chunks = (
             ChunkStream(self.outbox.replies, env.reply_to, env.id, self.stream_interval)
@@ -288,12 +289,14 @@ class RequestExecutor:
             if chunks is not None:
                 chunks.cancel()
             return None
-        if status == "ok" and stale is not None:
-            # Its engine request ran to its end for the keystrokes that typed through it, not
-            # for it: its client is told it was superseded (or it left), as when aborted, not
-            # given the text cut off as a whole answer; and charged what it was sent (each
-            # follower is charged the tokens it received).
-            status, error = stale.status, str(stale)  # type: ignore[assignment]
+        if stale is not None:
+            # Its engine request ran on (to its end, or until the last follower left) for the
+            # keystrokes that typed through it, not for it: its client is told it was
+            # superseded (or it left), as when aborted, not given the text cut off as a whole
+            # answer; and charged what it was sent (each follower is charged the tokens it
+            # received).
+            if status == "ok":
+                status, error = stale.status, str(stale)  # type: ignore[assignment]
             got.completion_tokens = got.passed_tokens
         n = at = 0
         if chunks is not None:
@@ -359,15 +362,12 @@ class RequestExecutor:
             stale_ms = 0.0  # what it made after its own client left, others used
         return stale_ms, news_ms
 
-    def _start_verdict(self, env: RequestEnvelope, now: float) -> Dropped | None:
-        """Why ``env`` must not start now. Stale for its own client but followed by others
-        (type-through), it starts all the same: a deadline is the only reason then."""
-        verdict = self.shield.verdict(env, now)
+    def _starts_for_followers(self, env: RequestEnvelope, stale: Dropped) -> bool:
+        """Stale for its own client but followed by others (type-through), ``env`` starts all
+        the same: a deadline is the only reason not to then."""
         followed = self.reuse.of_owner(env.id)
         wanted = followed is not None and bool(followed.followers)
-        if verdict is not None and wanted and not isinstance(verdict, Expired):
-            return None
-        return verdict
+        return wanted and not isinstance(stale, Expired)
 
     def _fold(
         self, env: RequestEnvelope, got: _Totals, delta: EngineDelta, generation: Generation | None
@@ -379,7 +379,7 @@ class RequestExecutor:
         got.finish_reason = delta.finish_reason or got.finish_reason
         if not got.began:
             got.began = True
-            self._first_output(env)
+            self._first_output(env, generation)
         if delta.text and got.ttft_ms is None:
             got.ttft_ms = (self.clock() - env.accepted_ts) * 1000
         self.shield.progress(env.id, got.completion_tokens, got.engine_ms, delta.ended)
@@ -395,8 +395,16 @@ class RequestExecutor:
         text_parts: list[str],
     ) -> None:
         """A delta's text to its client: streamed, or kept for the final reply. None once
-        its client has gone and others follow its generation: they carry the text on."""
-        if generation is not None and generation.followers and self.shield.stale_reason(env.id):
+        its client has gone and others follow its generation (they carry the text on), or
+        once it was withdrawn (its partition's next owner answers it); for good: the text
+        after what its client lacks would leave a hole."""
+        if (
+            got.withheld
+            or env.id in self.withdrawn
+            or (
+                generation is not None and generation.followers and self.shield.stale_reason(env.id)
+            )
+        ):
             got.withheld = True
             return
         got.passed_tokens = got.completion_tokens
@@ -475,14 +483,26 @@ class RequestExecutor:
         return True
 
     async def withdraw(self, request_id: str) -> bool:
-        """Abort a request whose partition went to another worker: that worker runs it and
-        answers its client, so it reports nothing here (``run`` returns None), not even a
-        cancel that comes meanwhile. False as for ``preempt``."""
-        if not self._preemptible(request_id):
+        """Stop a request whose partition went to another worker: that worker runs it and
+        answers its client, so it reports nothing here (``run`` and ``follow`` return None),
+        not even a cancel that comes meanwhile. A follower leaves its generation at once; a
+        request others still follow runs on for them and stops when the last leaves. False
+        when it is not running or following, or withdrawn or preempted already."""
+        follower = self.reuse.follower(request_id)
+        if follower is not None:
+            if follower.withdrawn:
+                return False
+            follower.withdrawn = follower.left = True
+            follower.generation.wake()
+            await self.leave(request_id)
+            return True
+        if request_id not in self.live or request_id in self.preempted:
             return False
         self.preempted.add(request_id)
         self.withdrawn.add(request_id)
-        await self._stop(request_id)
+        generation = self.reuse.of_owner(request_id)
+        if generation is None or not generation.followers:
+            await self._stop(request_id)
         return True
 
     def _preemptible(self, request_id: str) -> bool:
@@ -516,26 +536,32 @@ class RequestExecutor:
             self._aborting.add(task)
             task.add_done_callback(self._aborting.discard)
 
-    async def follow(self, follower: Follower) -> UsageEvent:
-        """Serve a request from a generation it did not start (``workers.followers``)."""
+    async def follow(self, follower: Follower) -> UsageEvent | None:
+        """Serve a request from a generation it did not start (``workers.followers``); None:
+        it reported nothing (withdrawn, or to run on its own)."""
         return await serve_follower(self, follower)
 
     async def leave(self, request_id: str) -> None:
-        """A follower is done; the generation it followed stops if nobody wants it now."""
+        """A follower is done; the generation it followed stops if nobody wants it now: its
+        own client left (or was superseded), or its partition went to another worker."""
         generation = self.reuse.leave(request_id)
         if (
             generation is not None
             and not generation.done
             and not generation.followers
-            and self.shield.stale_reason(generation.owner) is not None
+            and (
+                generation.owner in self.withdrawn
+                or self.shield.stale_reason(generation.owner) is not None
+            )
         ):
             await self._stop(generation.owner)
 
-    def _first_output(self, env: RequestEnvelope) -> None:
+    def _first_output(self, env: RequestEnvelope, generation: Generation | None) -> None:
         """The engine's first output: the request began there. Began after it turned stale
         (the news came before the engine started it) is a late start: work the shield
-        should have saved."""
-        if self.shield.stale_reason(env.id) is not None:
+        should have saved, unless others follow its generation (it runs for them)."""
+        followed = generation is not None and bool(generation.followers)
+        if self.shield.stale_reason(env.id) is not None and not followed:
             metrics.LATE_STARTS.labels(self.pool).inc()
         if self.on_first_output is not None:
             self.on_first_output()

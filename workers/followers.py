@@ -21,10 +21,11 @@ async def _deliver(
     first_token: int,
     chunks: ChunkStream | None,
     clock: Callable[[], float],
+    progress: Callable[[int], None],
 ) -> tuple[int, float | None, bool, list[str]]:
     """Pass the generation's text on until it ends, the follower leaves or reaches its own
     max_tokens; returns where it got to, its time to first text, whether it was capped, and
-    the text not streamed."""
+    the text not streamed. ``progress``: the tokens it received so far, as they grow."""
     env, generation = follower.env, follower.generation
     # No more than its own max_tokens of the generation's tokens past its start.
     last = first_token + env.max_tokens
@@ -42,20 +43,25 @@ async def _deliver(
             at = end
             if ttft_ms is None:
                 ttft_ms = (clock() - env.accepted_ts) * 1000
+            tokens = generation.tokens_within(at) - first_token
             if chunks is not None:
-                chunks.add(text, generation.tokens_within(at) - first_token)
+                chunks.add(text, tokens)
             else:
                 parts.append(text)
+            progress(tokens)
         if capped or generation.done:
             break
         await changed.wait()
     return at, ttft_ms, capped, parts
 
 
-async def serve_follower(executor: RequestExecutor, follower: Follower) -> UsageEvent:
+async def serve_follower(executor: RequestExecutor, follower: Follower) -> UsageEvent | None:
     """Send ``follower`` what its generation made past the text it typed, at once, then the
-    rest as it comes; report it ``ok`` with no engine time and the tokens it received."""
+    rest as it comes; report it ``ok`` with no engine time and the tokens it received. None:
+    it reported nothing, withdrawn (``RequestExecutor.withdraw``) or to run on its own (its
+    generation ended with nothing for it)."""
     env, generation = follower.env, follower.generation
+    shield = executor.shield
     started = executor.clock()  # Redis's, as the acceptance's stamp
     chunks = (
         ChunkStream(executor.outbox.replies, env.reply_to, env.id, executor.stream_interval)
@@ -63,17 +69,29 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         else None
     )
     first_token = generation.tokens_within(follower.start)
+
+    def progress(tokens: int) -> None:
+        # As an engine run's chunks do: its team's supersede grace counts what it streamed.
+        shield.progress(env.id, tokens, 0.0)
+
     try:
-        at, ttft_ms, capped, parts = await _deliver(follower, first_token, chunks, executor.clock)
+        at, ttft_ms, capped, parts = await _deliver(
+            follower, first_token, chunks, executor.clock, progress
+        )
     except BaseException:
         if chunks is not None:
             chunks.cancel()
         raise
     finally:
         await executor.leave(env.id)
+    stale = shield.stale_reason(env.id)
+    if follower.withdrawn or (stale is None and _left_nothing(follower, at)):
+        if chunks is not None:
+            chunks.cancel()
+        shield.requeued(env.id)  # not finished: a tombstone while it waits still counts
+        return None
     tokens = generation.tokens_within(at) - first_token
-    stale = executor.shield.stale_reason(env.id)
-    executor.shield.finished(env.id)
+    shield.finished(env.id)
     status: Outcome = "ok"
     error = None
     if stale is not None:
@@ -101,3 +119,14 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         error=error,
         reused_from=generation.owner,
     )
+
+
+def _left_nothing(follower: Follower, at: int) -> bool:
+    """Its generation ended and gave it no text: it runs on its own. A keystroke that typed
+    all the suggestion made wants a fresh one, not an empty answer; one that followed a
+    generation cut short before anything came for it is not broken (nothing went out). An
+    empty answer to the very prompt the generation was asked stands."""
+    generation = follower.generation
+    if at > follower.start or not generation.done:
+        return False
+    return follower.start > 0 or generation.finish_reason is None

@@ -94,7 +94,8 @@ class Generation:
 
     def typed_by(self, env: RequestEnvelope) -> int | None:
         """How much of the text ``env`` typed (its prompt's extension), or None when it does
-        not extend this generation's prompt by text the generation produced."""
+        not extend this generation's prompt by text the generation produced, or may not
+        follow it (``serves``)."""
         prompt = env.prompt
         if len(prompt) < self.prompt_len or _settings(env) != self.settings:
             return None
@@ -105,17 +106,31 @@ class Generation:
             return None
         if self.finish_reason is None and (self.done or self.stopping):
             return None  # cut short (or about to be): its text is not a whole answer
-        return len(typed) if self.covers(env) else None
+        return len(typed) if self.serves(env, len(typed)) else None
 
-    def covers(self, env: RequestEnvelope) -> bool:
-        """Whether ``env`` asks no longer an answer than this generation may make: a
-        generation stopping at its owner's smaller max_tokens would cut a follower that asked
-        for more short (with a 'length' it did not ask for). A follower with the same budget
-        that typed k tokens gets up to max_tokens - k past them, the suggestion as its owner
-        asked for it; a generation that reached its natural end covers any budget."""
-        if self.done and self.finish_reason == "stop":
-            return True
-        return env.max_tokens <= self.max_tokens
+    def serves(self, env: RequestEnvelope, start: int) -> bool:
+        """Whether ``env``, having typed ``start`` characters of the text, may follow: it
+        gets something, and exactly what its own max_tokens allows."""
+        typed_tokens = self.tokens_within(start)
+        # Something: a keystroke that typed all the generation made, which makes no more (it
+        # ended, or reached its max_tokens), would get an empty answer: the user accepted the
+        # whole suggestion and wants a fresh one. (One that ends with no more text while
+        # followed leaves it to run on its own: ``workers.followers``.)
+        if self.done:
+            if start >= len(self.text):
+                return False
+            if self.finish_reason == "stop":
+                # Its natural end: any budget that reaches it gets the whole answer.
+                return typed_tokens + env.max_tokens >= self.tokens
+        elif start >= len(self.text) and self.tokens >= self.max_tokens:
+            return False  # its last delta is in, its end not yet noted
+        # Not longer than it may make: stopping at its owner's smaller max_tokens, it would
+        # cut the follower short with a 'length' it did not ask for. Not shorter either: an
+        # engine may hand several tokens in one delta (vLLM merges outputs, an upstream's
+        # chunk counts as one), and where in one the follower's own max_tokens would end is
+        # unknown, so its budget must reach the generation's end. With the owner's budget and
+        # k tokens typed, it gets up to max_tokens - k: the suggestion as it was asked for.
+        return self.max_tokens - typed_tokens <= env.max_tokens <= self.max_tokens
 
 
 @dataclass(eq=False)
@@ -126,7 +141,9 @@ class Follower:
     generation: Generation
     start: int  # characters of the generation's text it typed itself
     kind: str  # type-through, recent or coalesced
-    left: bool = False  # turned stale: stops at once
+    left: bool = False  # turned stale (or withdrawn): stops at once
+    # Its partition went to another worker, which answers it: it reports nothing here.
+    withdrawn: bool = False
 
 
 class ReuseRegistry:
@@ -200,7 +217,7 @@ class ReuseRegistry:
             and not running.done
             and not running.stopping
             and running.owner != env.id
-            and running.covers(env)
+            and running.serves(env, 0)
         ):
             return self._follow(env, running, 0, "coalesced")
         return None

@@ -94,12 +94,14 @@ class Runs:
         self.wake()
 
     async def withdraw_moved(self, assigned: set[TopicPartition]) -> None:
-        """A rebalance ended with ``assigned``: work on the engine whose partition went to
-        another worker stops, with no outcome here (the new owner runs it again, and this
-        run's answer would be thrown away). Work whose partition came back runs on: the
-        record fetched again is adopted, or skipped if the run answered first."""
+        """A rebalance ended with ``assigned``: work whose partition went to another worker
+        stops, with no outcome here (the new owner runs it again, and this run's answer
+        would be thrown away). Followers first: a generation others follow on partitions
+        this worker kept runs on for them (its own client's text no longer passed on), and
+        stops when the last leaves. Work whose partition came back runs on: the record
+        fetched again is adopted, or skipped if the run answered first."""
         self.offsets.kept(assigned)
-        for work in list(self.running.values()):
+        for work in [*self.following.values(), *self.running.values()]:
             if work.tp in assigned or self.offsets.current(work.tp, work.epoch):
                 continue
             if await self.executor.withdraw(work.env.id):
@@ -152,8 +154,12 @@ class Runs:
         return self.executor.reuse.match(env)
 
     def follow(self, work: Work, follower: Follower) -> None:
-        # Known to the shield at once: a newer keystroke or a tombstone ends it like any other.
+        # Known to the shield at once: a newer keystroke or a tombstone ends it like any other;
+        # a tombstone that came since it was matched (the cancel feed runs beside the fetch
+        # loop) ends it at once.
         self.shield.started(work.env)
+        if self.shield.stale_reason(work.env.id) is not None:
+            follower.left = True
         self.following[work.env.id] = work
         self._track(self._serve(work, follower), work, f"reuse-{work.env.id}")
 
@@ -208,9 +214,9 @@ class Runs:
 
     def _again(self, work: Work) -> None:
         """``work`` left the engine to run again later (preempted: memory pressure, or a
-        shared engine's interactive work): first in line again with its offset pending, and
-        no start deadline (it started in time; that it waits again is the engine's doing,
-        not its client's)."""
+        shared engine's interactive work), or its generation left a follower nothing: first
+        in line again with its offset pending, and no start deadline (it started in time;
+        that it waits again is the engine's doing, not its client's)."""
         if self.unfinished.get(work.env.id) is work:
             del self.unfinished[work.env.id]  # in the queue, or gone: no run to adopt
         if self.offsets.current(work.tp, work.epoch):
@@ -238,9 +244,14 @@ class Runs:
     async def _serve(self, work: Work, follower: Follower) -> None:
         try:
             try:
-                await self.executor.follow(follower)
+                usage = await self.executor.follow(follower)
             finally:
                 self.following.pop(work.env.id, None)
+            if usage is None:
+                # Withdrawn (its partition's next owner runs it), or to run on its own.
+                self._again(work)
+                self.wake()
+                return  # its offset stays pending
             await self.executor.delivered(work.env.id)
         except asyncio.CancelledError:
             raise

@@ -194,11 +194,19 @@ class CancelShield:
             return Expired(f"deadline passed {late_ms:.0f} ms before it could start")
         return None
 
-    def started(self, env: RequestEnvelope) -> None:
+    def started(self, env: RequestEnvelope, stale: Dropped | None = None) -> None:
+        """``env`` runs, or follows another's generation. ``stale``: why it is stale already
+        (it starts for the keystrokes that follow its generation); a tombstone that came
+        while it was not known here makes it stale too."""
         self._finished.pop(env.id, None)
-        self._running[env.id] = RunningRequest(
+        run = RunningRequest(
             env.team, env.session, env.seq, env.supersede_grace_tokens, progress_at=self._clock()
         )
+        if stale is None and self.enabled and env.team in self._cancelled.get(env.id, {}):
+            stale = Cancelled("cancelled before it started")
+        if stale is not None:
+            run.mark_stale(stale, run.progress_at, 0.0)  # the news came before: none waited
+        self._running[env.id] = run
 
     def progress(
         self, request_id: str, tokens: int, engine_ms: float, ended: float | None = None
