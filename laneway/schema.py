@@ -48,6 +48,9 @@ M = TypeVar("M", bound=_Wire)
 MAX_JOB_ID_CHARS = 200
 MAX_CUSTOM_ID_CHARS = 500  # a batch line's id (its custom_id)
 MAX_USAGE_TOKENS = 10**9  # one request's count: far above any context a model has
+# One request's time, in ms: a year is far above any wait, run or re-run a request can have
+# (a batch line waits days at most), and a rollup hour's sum of them stays finite.
+MAX_USAGE_MS = 366 * 86_400_000.0
 LAST_USAGE_TS = 4_102_444_800.0  # 2100-01-01 UTC
 
 
@@ -185,6 +188,10 @@ class Reply(_Wire):
 class UsageEvent(_Wire):
     """One event per terminal outcome on ``laneway.usage``, keyed by team."""
 
+    # JSON has no NaN or Infinity, yet the parser takes them: one in a sum made the hour's
+    # rollup NaN, published as null and recovered from its changelog as None.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     v: Literal[1] = 1
     id: str
     team: str
@@ -197,18 +204,26 @@ class UsageEvent(_Wire):
     prompt_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
     cached_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
     completion_tokens: int = Field(0, ge=0, le=MAX_USAGE_TOKENS)
-    engine_ms: float = 0.0
+    # Engine times are read on one clock (the engine's), never below 0. The waits span two
+    # (acceptance by the ingress or the broker, the outcome by the worker): a little below 0
+    # is the clocks' difference, not a bad record.
+    engine_ms: float = Field(0.0, ge=0, le=MAX_USAGE_MS)
     stale_engine_ms: float = Field(
-        0.0, description="engine time used after the request turned stale (cancel/supersession)"
+        0.0,
+        ge=0,
+        le=MAX_USAGE_MS,
+        description="engine time used after the request turned stale (cancel/supersession)",
     )
     stale_news_ms: float = Field(
         0.0,
+        ge=-MAX_USAGE_MS,
+        le=MAX_USAGE_MS,
         description="for one that turned stale while running: how long the news took from "
         "the ingress to its worker (engine time in that gap is not in stale_engine_ms)",
     )
-    queue_ms: float = 0.0
-    ttft_ms: float | None = None
-    total_ms: float = 0.0
+    queue_ms: float = Field(0.0, ge=-MAX_USAGE_MS, le=MAX_USAGE_MS)
+    ttft_ms: float | None = Field(None, ge=-MAX_USAGE_MS, le=MAX_USAGE_MS)
+    total_ms: float = Field(0.0, ge=-MAX_USAGE_MS, le=MAX_USAGE_MS)
     ts: float = Field(default_factory=time.time, gt=0, lt=LAST_USAGE_TS)
     worker: str | None = None
     error: str | None = None

@@ -4,13 +4,16 @@ A level is entered as soon as the windowed error rate is above its entry thresho
 left one level at a time, and only after the rate stayed below the (lower) exit threshold of
 the current level for a whole cool-down. A window with fewer than the minimum request count
 has no rate: it can never raise a level, and it counts as calm (no traffic is no evidence of
-failure, and a route nobody is sent to must be able to recover and be probed again).
+failure, and a route nobody is sent to must be able to recover and be probed again), except
+while the app reads usage older than the window (a backlog): the window is then empty for
+want of reading, and a raised level holds.
 
 Whose errors count where: a team's own level counts all of its failures, engine errors and
 requests the engine refused for what they asked (``rejected``: a prompt over the context)
 alike, so a team that keeps sending bad requests is isolated, alone. A route's level counts
 engine errors only, and only those seen by several teams (``route_counts``): one team can
-neither trip the route for everyone with its own traffic nor hide a route fault.
+neither trip the route for everyone with its own traffic nor hide a route fault. Only the
+classes the ingress gates by these levels count (completion and chat; see the processor).
 """
 
 from __future__ import annotations
@@ -115,29 +118,42 @@ def window_counts(
     return requests, errors, rejected
 
 
-def route_counts(per_team: Sequence[tuple[int, int]]) -> tuple[int, int]:
+def route_counts(per_team: Sequence[tuple[int, int]], min_requests: int) -> tuple[int, float]:
     """(requests, errors) a route's level is judged on, from each team's (requests, engine
-    errors) on it: those of all teams but the one whose absence lowers the error rate most.
+    errors) on it, by the views of the route without one of its teams: the requests of the
+    view with the lowest error rate among those of at least ``min_requests``, at the lowest
+    rate any view shows (``errors`` is then that rate times those requests).
 
     So the route's rate is one that several teams see: one team's errors, however many,
-    raise its own level and not the route's, and a route that only one team uses is judged
-    by that team's level alone. An engine that fails everyone fails the rest too.
+    raise its own level and not the route's (the view without it has none), and a route only
+    one team uses (no view without it can be judged) is judged by that team's level alone.
+    An engine that fails everyone fails the rest too, however little the rest sends: a view
+    too small to be judged alone can lower the route's rate, never raise it.
     """
-    total_n = sum(n for n, _ in per_team)
-    total_e = sum(e for _, e in per_team)
-    best: tuple[float, int, int] | None = None
-    for n, e in per_team:
-        rest_n, rest_e = total_n - n, total_e - e
-        rate = rest_e / rest_n if rest_n else 0.0
-        if best is None or (rate, rest_n) < (best[0], best[1]):
-            best = (rate, rest_n, rest_e)
-    return (0, 0) if best is None else (best[1], best[2])
+    teams = [(n, e) for n, e in per_team if n > 0]  # all refused: nothing the engine took
+    total_n = sum(n for n, _ in teams)
+    total_e = sum(e for _, e in teams)
+    views = [(total_n - n, total_e - e) for n, e in teams if total_n > n]
+    judged = [(e / n, -n, n, e) for n, e in views if n >= min_requests]
+    if not judged:
+        return 0, 0
+    rate, _, requests, errors = min(judged)
+    lowest = min(e / n for n, e in views)
+    return (requests, lowest * requests) if lowest < rate else (requests, errors)
 
 
 def next_state(
-    state: BreakerState, requests: int, errors: int, now: float, policy: BreakerPolicy
+    state: BreakerState,
+    requests: int,
+    errors: float,
+    now: float,
+    policy: BreakerPolicy,
+    *,
+    blind: bool = False,
 ) -> BreakerState:
-    """The state after one evaluation; ``level`` changes at most once per call."""
+    """The state after one evaluation; ``level`` changes at most once per call. ``blind``:
+    the window may lack events not read yet (the app is reading usage older than the
+    window), so too few requests for a rate are no sign of calm."""
     rate = errors / requests if requests else 0.0
     counted = requests >= policy.min_requests
     target = sum(1 for threshold in policy.enter if rate > threshold) if counted else 0
@@ -145,7 +161,7 @@ def next_state(
         return BreakerState(level=target, since=now, rate=rate, requests=requests)
     if state.level == 0:
         return dataclasses.replace(state, calm_since=None, rate=rate, requests=requests)
-    calm = not counted or rate < policy.exit[state.level - 1]
+    calm = rate < policy.exit[state.level - 1] if counted else not blind
     if not calm:
         return dataclasses.replace(state, calm_since=None, rate=rate, requests=requests)
     calm_since = now if state.calm_since is None else state.calm_since

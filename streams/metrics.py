@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["CANARY_WEIGHT", "EVENTS", "QUOTA_FACTOR"]
+__all__ = ["CANARY_WEIGHT", "EVENTS", "QUOTA_FACTOR", "RESTAMPED"]
 
 EVENTS = Counter(
     "laneway_streams_events_total", "Usage records read by the streams app", ["result"]
+)
+RESTAMPED = Counter(
+    "laneway_streams_restamped_total",
+    "Usage records counted at the time the broker stored them, their own time being too far "
+    "ahead of the app's clock or too far behind their stored time",
+    ["reason"],
 )
 QUOTA_FACTOR = Gauge("laneway_quota_factor", "Dynamic quota factor of a team", ["team"])
 CANARY_WEIGHT = Gauge(

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -35,7 +36,7 @@ from streams.breaker import (
 )
 from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
-from streams.metrics import EVENTS
+from streams.metrics import EVENTS, RESTAMPED
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
 from streams.settings import StreamsSettings
@@ -59,11 +60,24 @@ RETENTION_HOURS = WINDOW_HOURS + 2
 # What the breaker counts: served, failed in the engine, refused by the engine for what the
 # request asked (its team's doing); drops (cancelled, superseded, expired) say nothing.
 _COUNTED_STATUSES = ("ok", "error", "rejected")
+# ...and of which classes: the ingress gates completions and chats by the breaker levels, and
+# batch never (its lines go to their own pool's engines). A failing batch engine, or a team's
+# over-long batch lines, must not send everyone's IDE traffic to the fallback.
+_GATED_CLASSES = ("completion", "chat")
 
-
-# Workers stamp usage by Redis's clock, so an event this far ahead of the streams app's own
-# clock says more about its writer than about when it happened.
-_MAX_AHEAD_S = 3600.0
+# Workers stamp usage by Redis's clock, which this app reads too (each process learns it
+# every 30 s): an event more than this far ahead of it says more about its writer than about
+# when it happened, and is counted when the broker stored it.
+_MAX_AHEAD_S = 60.0
+# Less than that ahead, an event is the clocks' error: its rollup hour is its own, but the
+# breaker windows and the partition's clock take it as no later than this ahead of now (a
+# bucket ahead would count until its time came; a clock ahead would close hours early).
+_CLOCK_SLACK_S = 2.0
+# One warning a minute of each kind of record counted at another time than its own.
+_WARN_EVERY_S = 60.0
+# The app is reading a backlog while the records it read within this long were stored, and
+# happened, longer ago than the breaker window (a catch-up reads without pause).
+_READING_WITHIN_S = 5.0
 
 
 @dataclass
@@ -72,8 +86,16 @@ class ProcessorCounters:
     malformed: int = 0
     replayed: int = 0
     repeated: int = 0  # a request's second usage event (a worker's re-run)
-    too_old: int = 0
+    too_old: int = 0  # stored before the hours kept: not counted
+    restamped: int = 0  # counted when the broker stored it, its own time unusable
     published: int = 0
+
+
+def _utc(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):
+        return repr(ts)
 
 
 def rollup_key(team: str, cls: str, model: str, hour: int) -> str:
@@ -126,6 +148,10 @@ class UsageProcessor:
         self._last_event: dict[int, float] = {}  # partition → wall time of its last event
         self._started = clock()
         self._refreshed = self._started
+        self._warned: dict[str, tuple[float, int]] = {}  # kind → (last warned, records since)
+        # partition → (when its last record was read, how long before that it was stored
+        # and happened): how far behind the app reads
+        self._read_lag: dict[int, tuple[float, float]] = {}
 
     # -- in the agent ------------------------------------------------------------------------
 
@@ -142,48 +168,113 @@ class UsageProcessor:
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
-        if event.ts > now + _MAX_AHEAD_S:
-            # Not a time any worker's (Redis's) clock shows yet: counted when the broker
-            # stored it, rather than moving the stream's clock on and closing hours early.
-            # Not when it is read: read again after a restart, in the next hour, it would be
-            # counted in that hour too.
-            at = stored_at if stored_at is not None and stored_at <= now + _MAX_AHEAD_S else now
-            log.warning(
-                "usage record at %d/%d is %.0f s ahead; counted at the time it was stored",
+        # Old by both its own time and the broker's: a clock that is off (the writer's, or
+        # a producer's on a topic that keeps producer times) makes only one of them old.
+        newest = event.ts if stored_at is None else max(event.ts, stored_at)
+        self._read_lag[partition] = (now, now - newest)
+        at = self._counted_at(event, partition, offset, stored_at, now)
+        if at != event.ts:
+            event = event.model_copy(update={"ts": at})
+        if hour_of(event.ts) < hour_of(now) - RETENTION_HOURS:
+            # Its hour left the tables (published, and maybe deleted): a record of it now
+            # would clash with the one published. A backlog older than the tables keep.
+            self.counters.too_old += 1
+            EVENTS.labels("too_old").inc()
+            self._warn(
+                "too_old",
+                now,
+                "usage record at %d/%d of %s is older than the %d hours kept; not counted",
                 partition,
                 offset,
-                event.ts - now,
+                _utc(event.ts),
+                RETENTION_HOURS,
             )
-            event = event.model_copy(update={"ts": at})
+            return
         if self.ids is not None and self.ids.repeat(event, partition, offset, now):
             # A worker's re-run sent it again: the request is counted once.
             self.counters.repeated += 1
             EVENTS.labels("repeated").inc()
             return
+        # The sliding windows and the partition's clock take it no later than the app's
+        # clock shows, give or take the clocks' error; its rollup hour is its own.
+        live = event
+        if event.ts > now + _CLOCK_SLACK_S:
+            live = event.model_copy(update={"ts": now + _CLOCK_SLACK_S})
         if event.shadow:
             # A shadow route's mirror: not billed, and no quota, budget, breaker or canary
             # counts it (a bad shadow must not raise the breaker of the team it mirrors).
             EVENTS.labels("shadow").inc()
             if self.shadow is not None:
-                self.shadow.fold(event)
+                self.shadow.fold(live)
             return
         self._last_event[partition] = now
-        self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), event.ts)
+        self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), live.ts)
         self._fold_rollup(event, partition, offset, now)
-        if event.status in _COUNTED_STATUSES:
-            self._fold_outcome(event, partition, offset, now)
+        if live.status in _COUNTED_STATUSES and live.cls in _GATED_CLASSES:
+            self._fold_outcome(live, partition, offset, now)
         if self.canary is not None:
-            self.canary.fold(event)
+            self.canary.fold(live)
         if self.shadow is not None:
-            self.shadow.fold(event)
+            self.shadow.fold(live)
         self.counters.events += 1  # once folded: a fold that raises is not counted here
         EVENTS.labels("folded").inc()
 
+    def _counted_at(
+        self,
+        event: UsageEvent,
+        partition: int,
+        offset: int,
+        stored_at: float | None,
+        now: float,
+    ) -> float:
+        """The time ``event`` counts at: its own, or when the broker stored it if no clock
+        could show its own then. Decided the same however late the record is read (a
+        restart reads some records again): from the stored time, not the reading's."""
+        stored = stored_at if stored_at is not None and stored_at <= now + _MAX_AHEAD_S else None
+        if event.ts > now + _MAX_AHEAD_S:
+            # Not a time Redis's clock shows yet: counted when stored (or, with no plausible
+            # stored time, now), rather than moving the stream's clock on.
+            kind, at = "ahead", now if stored is None else stored
+            how = f"{event.ts - now:.0f} s ahead of the app's clock"
+            when = "when it was read" if stored is None else "when it was stored"
+        elif stored is not None and hour_of(event.ts) < hour_of(stored) - RETENTION_HOURS:
+            # A day or more before it reached the topic (its writer's clock far behind, or
+            # a worker that held it that long): its own hour has left the tables, so it is
+            # billed in the hour it was stored in rather than lost.
+            kind, at = "behind", stored
+            how = f"{(stored - event.ts) / 3600:.1f} h before it was stored"
+            when = "when it was stored"
+        else:
+            return event.ts
+        self.counters.restamped += 1
+        RESTAMPED.labels(kind).inc()
+        self._warn(
+            kind,
+            now,
+            "usage record at %d/%d says %s, %s; counted at %s, %s",
+            partition,
+            offset,
+            _utc(event.ts),
+            how,
+            _utc(at),
+            when,
+        )
+        return at
+
+    def _warn(self, kind: str, now: float, message: str, *args: object) -> None:
+        """Log one warning of ``kind`` a minute, with how many went unsaid in between (a
+        writer with a wrong clock writes every record wrong)."""
+        last, unsaid = self._warned.get(kind, (float("-inf"), 0))
+        if now - last < _WARN_EVERY_S:
+            self._warned[kind] = (last, unsaid + 1)
+            return
+        self._warned[kind] = (now, 0)
+        if unsaid:
+            message, args = message + " (and %d more since the last warning)", (*args, unsaid)
+        log.warning(message, *args)
+
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)
-        if hour < hour_of(now) - RETENTION_HOURS:
-            self.counters.too_old += 1
-            return
         key = rollup_key(event.team, event.cls, event.model, hour)
         value: dict[str, Any] = self.rollups.get(key) or new_rollup(
             event.team, event.cls, event.model, hour, partition
@@ -227,11 +318,16 @@ class UsageProcessor:
 
     async def evaluate_breakers(self) -> list[BreakerTransition]:
         now = self.clock()
-        totals: dict[BreakerSubject, tuple[int, int]] = {}
+        totals: dict[BreakerSubject, tuple[int, float]] = {}
         by_route: dict[str, list[tuple[int, int]]] = {}
         for key, value in list(self.outcomes.items()):
             requests, errors, rejected = window_counts(value["b"], now, self.policy)
             if requests == 0:
+                # Its window has passed: gone from the table, and from its changelog (any
+                # writer of usage can name a route; its key must not stay for ever).
+                self.outcomes.data.pop(key, None)
+                for partition in value.get("o", {}):
+                    delete_outside_stream(self.outcomes, key, int(partition))
                 continue
             route, team = orjson.loads(key)
             # The team's own level: every failure of its requests, refusals included.
@@ -239,13 +335,14 @@ class UsageProcessor:
             # The route's: engine errors of requests the engine took, across teams.
             by_route.setdefault(route, []).append((requests - rejected, errors))
         for route, per_team in by_route.items():
-            totals[(route, None)] = route_counts(per_team)
+            totals[(route, None)] = route_counts(per_team, self.policy.min_requests)
         raised = {subject for subject, state in self.states.items() if state.level > 0}
+        blind = self._reading_backlog(now)
         transitions: list[BreakerTransition] = []
         for subject in set(totals) | raised:
-            requests, errors = totals.get(subject, (0, 0))
+            requests, failures = totals.get(subject, (0, 0.0))
             old = self.states.get(subject, BreakerState())
-            new = next_state(old, requests, errors, now, self.policy)
+            new = next_state(old, requests, failures, now, self.policy, blind=blind)
             if new.level != old.level:
                 transitions.append(await self.announcer.breaker_changed(subject, old, new))
             if new.level == 0 and requests == 0:
@@ -258,6 +355,24 @@ class UsageProcessor:
                 if state.level > 0:
                     await self.announcer.store_level(subject, state)
         return transitions
+
+    def _reading_backlog(self, now: float) -> bool:
+        """Whether a partition is being read further behind than the breaker window: its
+        events reach the window only once read, so an empty window says nothing (after a
+        restart with a backlog, raised levels would step down, then jump back up)."""
+        behind = [
+            lag
+            for read_at, lag in self._read_lag.values()
+            if now - read_at <= _READING_WITHIN_S and lag > self.policy.window_s
+        ]
+        if behind and any(state.level > 0 for state in self.states.values()):
+            self._warn(
+                "backlog",
+                now,
+                "reading usage %.0f s behind: raised breaker levels are held",
+                max(behind),
+            )
+        return bool(behind)
 
     @staticmethod
     def _closed(value: dict[str, Any]) -> bool:

@@ -7,6 +7,7 @@ bucket, and identical however the events were split across restarts.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -26,6 +27,8 @@ __all__ = [
     "to_record",
 ]
 
+log = logging.getLogger(__name__)
+
 Rollup = dict[str, Any]
 
 DROPPED_STATUSES = ("cancelled", "superseded", "expired", "aborted", "rejected")
@@ -40,6 +43,26 @@ def _latency_bucket(ms: float) -> int:
 
 def _bucket_upper_ms(bucket: int) -> float:
     return math.expm1(bucket * _LOG_GROWTH)
+
+
+def _sum(rollup: Rollup, field: str) -> float:
+    """A float sum of ``rollup`` as a finite number. Usage records once could bring a NaN or
+    an infinity into it (the schema refuses them now): JSON has no NaN, so its changelog
+    gives it back as None. What it held is lost; it starts again from 0, said so."""
+    value = rollup.get(field)
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    log.warning(
+        "rollup %s/%s/%s hour %s had %s=%r; counted again from 0",
+        rollup["team"],
+        rollup["class"],
+        rollup["model"],
+        rollup["hour"],
+        field,
+        value,
+    )
+    rollup[field] = 0.0
+    return 0.0
 
 
 def new_rollup(team: str, cls: str, model: str, hour: int, partition: int) -> Rollup:
@@ -74,14 +97,16 @@ def add_event(rollup: Rollup, event: UsageEvent, price: Price) -> None:
     rollup["prompt_tokens"] += event.prompt_tokens
     rollup["cached_tokens"] += event.cached_tokens
     rollup["completion_tokens"] += event.completion_tokens
-    rollup["engine_ms"] += event.engine_ms
+    if math.isfinite(event.engine_ms):
+        rollup["engine_ms"] = _sum(rollup, "engine_ms") + event.engine_ms
     fresh_prompt = max(event.prompt_tokens - event.cached_tokens, 0)
-    rollup["cost"] += (
+    charge = (
         fresh_prompt * price.prompt
         + event.cached_tokens * price.cached
         + event.completion_tokens * price.completion
     ) / _TOKENS_PER_PRICE_UNIT
-    if event.status == "ok":
+    rollup["cost"] = _sum(rollup, "cost") + charge
+    if event.status == "ok" and math.isfinite(event.total_ms):
         latency: dict[str, int] = rollup["latency"]
         bucket = str(_latency_bucket(event.total_ms))
         latency[bucket] = latency.get(bucket, 0) + 1
@@ -124,13 +149,13 @@ def to_record(rollup: Rollup, *, now: float, final: bool = True) -> HourlyRollup
         prompt_tokens=rollup["prompt_tokens"],
         cached_tokens=rollup["cached_tokens"],
         completion_tokens=rollup["completion_tokens"],
-        engine_ms=round(rollup["engine_ms"], 3),
+        engine_ms=round(_sum(rollup, "engine_ms"), 3),
         latency_ms=LatencySummary(
             p50=percentile(latency, 0.50),
             p99=percentile(latency, 0.99),
             p999=percentile(latency, 0.999),
         ),
-        cost=round(rollup["cost"], 6),
+        cost=round(_sum(rollup, "cost"), 6),
         revision=rollup["rev"] + (1 if final else 0),
         final=final,
         ts=now,

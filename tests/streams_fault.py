@@ -6,8 +6,10 @@ exists, and the restart folds it), ``always`` every time. ``STREAMS_FAULT=recove
 the step of table recovery that Faust bounds by ``broker_request_timeout`` and runs the
 coroutine ``<step>`` (``flush``: the producer's, first of all; ``perform_seek``: the seek to
 the committed offsets, inside the hand-over) does not finish in time (1 s here), once (the
-marker again), as a broker that stops answering for 90 s would have it. Everything else is
-the real entry point.
+marker again), as a broker that stops answering for 90 s would have it.
+``STREAMS_FAULT=clock-ahead:<seconds>``: the app's clock reads that far ahead of Redis's, as
+if that much time had gone by (hours close without a test waiting for them). Everything else
+is the real entry point.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from faust.tables.recovery import Recovery
 
+from laneway.clock import RedisClock
 from streams.processor import UsageProcessor
 
 FAULT_TEAM = b'"team-fault"'
@@ -63,9 +66,15 @@ async def _stalled(self: Recovery, coro: Any, timeout: Any = None) -> None:  # n
     await _wait(self, coro, timeout=timeout)
 
 
+def _ahead_of_redis(self: RedisClock) -> float:
+    return self.local() + self.offset + float(_step)
+
+
 _step = _fault.partition(":")[2]
 if _fault.startswith("recovery:"):
     Recovery._wait = _stalled  # type: ignore[method-assign]
+elif _fault.startswith("clock-ahead:"):
+    RedisClock.now = _ahead_of_redis  # type: ignore[method-assign]
 else:
     UsageProcessor.handle = _faulty  # type: ignore[method-assign]
 runpy.run_module("streams", run_name="__main__", alter_sys=True)

@@ -269,8 +269,10 @@ async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() 
     assert await processor.publish_rollups() == 1
     now[0] += 60
     assert await processor.publish_rollups() == 0, "an unchanged open hour is not repeated"
-    # An event past the hour's end plus the grace closes it on its partition.
-    fold(1, hour_start + 3600 + 30)
+    # An event past the hour's end plus the grace closes it on its partition (at once: the
+    # partition is not idle, and the wall clock alone would wait LANEWAY_ROLLUP_IDLE_S).
+    now[0] = hour_start + 3600 + 30
+    fold(1, now[0])
     assert await processor.publish_rollups() == 2  # the closed hour, final; the next, open
     fold(1, hour_start + 1000)  # late
     assert await processor.publish_rollups() == 1
@@ -287,15 +289,15 @@ async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() 
 
 def test_a_routes_rate_is_one_that_several_teams_see() -> None:
     # One team failing everything, another served: the route's rate is the other's (0 %).
-    assert route_counts([(100, 100), (300, 0)]) == (300, 0)
+    assert route_counts([(100, 100), (300, 0)], 50) == (300, 0)
     # The engine fails everyone: without any one team, the rest still fail.
-    assert route_counts([(100, 30), (100, 25), (100, 35)]) == (200, 55)
+    assert route_counts([(100, 30), (100, 25), (100, 35)], 50) == (200, 55)
     # A big team with some errors and a small one failing everything: the small one is left
     # out, and the route is judged on the big one's own 10 %.
-    assert route_counts([(1000, 100), (60, 60)]) == (1000, 100)
+    assert route_counts([(1000, 100), (60, 60)], 50) == (1000, 100)
     # One team alone on a route: its level judges it; the route has no rate of its own.
-    assert route_counts([(500, 500)]) == (0, 0)
-    assert route_counts([]) == (0, 0)
+    assert route_counts([(500, 500)], 50) == (0, 0)
+    assert route_counts([], 50) == (0, 0)
 
 
 async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_teams(
