@@ -4,7 +4,8 @@ One ``UsageProcessor`` per streams process. ``handle`` runs inside the Faust age
 at a time, in offset order per partition); the ``evaluate_breakers``, ``publish_rollups`` and
 ``update_quota_factors`` coroutines run on timers. Tables hold everything that must survive a
 restart; the processor's own attributes are caches rebuilt from the tables (and, for breaker
-levels, from Redis) when the process starts.
+levels, from Redis) when the process starts. The time each event counts at, and the clocks
+that close hours, are decided in ``streams.event_time``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -36,7 +36,8 @@ from streams.breaker import (
 )
 from streams.canary import CanaryWatch
 from streams.dedupe import UsageIds
-from streams.metrics import EVENTS, RESTAMPED
+from streams.event_time import RETENTION_HOURS, EventTimes, as_live
+from streams.metrics import EVENTS
 from streams.records import BreakerTransition, HourlyRollup
 from streams.rollups import add_event, new_rollup, to_record
 from streams.settings import StreamsSettings
@@ -48,15 +49,12 @@ from streams.tables import (
     put_outside_stream,
 )
 from streams.types import ChangelogTable, SendRecord
-from streams.variance import HOUR_S, WINDOW_HOURS, hour_of, utilisation_stats
+from streams.variance import HOUR_S, hour_of, utilisation_stats
 
 __all__ = ["ProcessorCounters", "UsageProcessor"]
 
 log = logging.getLogger(__name__)
 
-# Hours of rollups kept: the 24 complete hours the variance needs, the current one, and one
-# more so an hour that closes late is still there when its last events arrive.
-RETENTION_HOURS = WINDOW_HOURS + 2
 # What the breaker counts: served, failed in the engine, refused by the engine for what the
 # request asked (its team's doing); drops (cancelled, superseded, expired) say nothing.
 _COUNTED_STATUSES = ("ok", "error", "rejected")
@@ -64,20 +62,6 @@ _COUNTED_STATUSES = ("ok", "error", "rejected")
 # batch never (its lines go to their own pool's engines). A failing batch engine, or a team's
 # over-long batch lines, must not send everyone's IDE traffic to the fallback.
 _GATED_CLASSES = ("completion", "chat")
-
-# Workers stamp usage by Redis's clock, which this app reads too (each process learns it
-# every 30 s): an event more than this far ahead of it says more about its writer than about
-# when it happened, and is counted when the broker stored it.
-_MAX_AHEAD_S = 60.0
-# Less than that ahead, an event is the clocks' error: its rollup hour is its own, but the
-# breaker windows and the partition's clock take it as no later than this ahead of now (a
-# bucket ahead would count until its time came; a clock ahead would close hours early).
-_CLOCK_SLACK_S = 2.0
-# One warning a minute of each kind of record counted at another time than its own.
-_WARN_EVERY_S = 60.0
-# The app is reading a backlog while the records it read within this long were stored, and
-# happened, longer ago than the breaker window (a catch-up reads without pause).
-_READING_WITHIN_S = 5.0
 
 
 @dataclass
@@ -89,13 +73,6 @@ class ProcessorCounters:
     too_old: int = 0  # stored before the hours kept: not counted
     restamped: int = 0  # counted when the broker stored it, its own time unusable
     published: int = 0
-
-
-def _utc(ts: float) -> str:
-    try:
-        return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    except (OverflowError, OSError, ValueError):
-        return repr(ts)
 
 
 def rollup_key(team: str, cls: str, model: str, hour: int) -> str:
@@ -144,14 +121,9 @@ class UsageProcessor:
         self._pending: set[str] = set()
         self._indexed = False
         self._provisional_at: dict[str, float] = {}  # rollup key → its last provisional record
-        self._stream_clock: dict[int, float] = {}  # partition → newest event time seen
-        self._last_event: dict[int, float] = {}  # partition → wall time of its last event
-        self._started = clock()
-        self._refreshed = self._started
-        self._warned: dict[str, tuple[float, int]] = {}  # kind → (last warned, records since)
-        # partition → (when its last record was read, how long before that it was stored
-        # and happened): how far behind the app reads
-        self._read_lag: dict[int, tuple[float, float]] = {}
+        started = clock()
+        self.times = EventTimes(started)
+        self._refreshed = started
 
     # -- in the agent ------------------------------------------------------------------------
 
@@ -168,27 +140,14 @@ class UsageProcessor:
             EVENTS.labels("malformed").inc()
             log.warning("skipping usage record at %d/%d: %s", partition, offset, exc)
             return
-        # Old by both its own time and the broker's: a clock that is off (the writer's, or
-        # a producer's on a topic that keeps producer times) makes only one of them old.
-        newest = event.ts if stored_at is None else max(event.ts, stored_at)
-        self._read_lag[partition] = (now, now - newest)
-        at = self._counted_at(event, partition, offset, stored_at, now)
-        if at != event.ts:
+        self.times.read(partition, event.ts, stored_at, now)
+        at = self.times.restamped_at(event, partition, offset, stored_at, now)
+        if at is not None:
+            self.counters.restamped += 1
             event = event.model_copy(update={"ts": at})
-        if hour_of(event.ts) < hour_of(now) - RETENTION_HOURS:
-            # Its hour left the tables (published, and maybe deleted): a record of it now
-            # would clash with the one published. A backlog older than the tables keep.
+        if self.times.too_old(event, partition, offset, now):
             self.counters.too_old += 1
             EVENTS.labels("too_old").inc()
-            self._warn(
-                "too_old",
-                now,
-                "usage record at %d/%d of %s is older than the %d hours kept; not counted",
-                partition,
-                offset,
-                _utc(event.ts),
-                RETENTION_HOURS,
-            )
             return
         if self.ids is not None and self.ids.repeat(event, partition, offset, now):
             # A worker's re-run sent it again: the request is counted once.
@@ -197,9 +156,7 @@ class UsageProcessor:
             return
         # The sliding windows and the partition's clock take it no later than the app's
         # clock shows, give or take the clocks' error; its rollup hour is its own.
-        live = event
-        if event.ts > now + _CLOCK_SLACK_S:
-            live = event.model_copy(update={"ts": now + _CLOCK_SLACK_S})
+        live = as_live(event, now)
         if event.shadow:
             # A shadow route's mirror: not billed, and no quota, budget, breaker or canary
             # counts it (a bad shadow must not raise the breaker of the team it mirrors).
@@ -207,8 +164,7 @@ class UsageProcessor:
             if self.shadow is not None:
                 self.shadow.fold(live)
             return
-        self._last_event[partition] = now
-        self._stream_clock[partition] = max(self._stream_clock.get(partition, 0.0), live.ts)
+        self.times.advance(partition, live.ts, now)
         self._fold_rollup(event, partition, offset, now)
         if live.status in _COUNTED_STATUSES and live.cls in _GATED_CLASSES:
             self._fold_outcome(live, partition, offset, now)
@@ -218,60 +174,6 @@ class UsageProcessor:
             self.shadow.fold(live)
         self.counters.events += 1  # once folded: a fold that raises is not counted here
         EVENTS.labels("folded").inc()
-
-    def _counted_at(
-        self,
-        event: UsageEvent,
-        partition: int,
-        offset: int,
-        stored_at: float | None,
-        now: float,
-    ) -> float:
-        """The time ``event`` counts at: its own, or when the broker stored it if no clock
-        could show its own then. Decided the same however late the record is read (a
-        restart reads some records again): from the stored time, not the reading's."""
-        stored = stored_at if stored_at is not None and stored_at <= now + _MAX_AHEAD_S else None
-        if event.ts > now + _MAX_AHEAD_S:
-            # Not a time Redis's clock shows yet: counted when stored (or, with no plausible
-            # stored time, now), rather than moving the stream's clock on.
-            kind, at = "ahead", now if stored is None else stored
-            how = f"{event.ts - now:.0f} s ahead of the app's clock"
-            when = "when it was read" if stored is None else "when it was stored"
-        elif stored is not None and hour_of(event.ts) < hour_of(stored) - RETENTION_HOURS:
-            # A day or more before it reached the topic (its writer's clock far behind, or
-            # a worker that held it that long): its own hour has left the tables, so it is
-            # billed in the hour it was stored in rather than lost.
-            kind, at = "behind", stored
-            how = f"{(stored - event.ts) / 3600:.1f} h before it was stored"
-            when = "when it was stored"
-        else:
-            return event.ts
-        self.counters.restamped += 1
-        RESTAMPED.labels(kind).inc()
-        self._warn(
-            kind,
-            now,
-            "usage record at %d/%d says %s, %s; counted at %s, %s",
-            partition,
-            offset,
-            _utc(event.ts),
-            how,
-            _utc(at),
-            when,
-        )
-        return at
-
-    def _warn(self, kind: str, now: float, message: str, *args: object) -> None:
-        """Log one warning of ``kind`` a minute, with how many went unsaid in between (a
-        writer with a wrong clock writes every record wrong)."""
-        last, unsaid = self._warned.get(kind, (float("-inf"), 0))
-        if now - last < _WARN_EVERY_S:
-            self._warned[kind] = (last, unsaid + 1)
-            return
-        self._warned[kind] = (now, 0)
-        if unsaid:
-            message, args = message + " (and %d more since the last warning)", (*args, unsaid)
-        log.warning(message, *args)
 
     def _fold_rollup(self, event: UsageEvent, partition: int, offset: int, now: float) -> None:
         hour = hour_of(event.ts)
@@ -337,7 +239,7 @@ class UsageProcessor:
         for route, per_team in by_route.items():
             totals[(route, None)] = route_counts(per_team, self.policy.min_requests)
         raised = {subject for subject, state in self.states.items() if state.level > 0}
-        blind = self._reading_backlog(now)
+        blind = self.times.reading_backlog(now, self.policy.window_s, levels_raised=bool(raised))
         transitions: list[BreakerTransition] = []
         for subject in set(totals) | raised:
             requests, failures = totals.get(subject, (0, 0.0))
@@ -356,24 +258,6 @@ class UsageProcessor:
                     await self.announcer.store_level(subject, state)
         return transitions
 
-    def _reading_backlog(self, now: float) -> bool:
-        """Whether a partition is being read further behind than the breaker window: its
-        events reach the window only once read, so an empty window says nothing (after a
-        restart with a backlog, raised levels would step down, then jump back up)."""
-        behind = [
-            lag
-            for read_at, lag in self._read_lag.values()
-            if now - read_at <= _READING_WITHIN_S and lag > self.policy.window_s
-        ]
-        if behind and any(state.level > 0 for state in self.states.values()):
-            self._warn(
-                "backlog",
-                now,
-                "reading usage %.0f s behind: raised breaker levels are held",
-                max(behind),
-            )
-        return bool(behind)
-
     @staticmethod
     def _closed(value: dict[str, Any]) -> bool:
         """Whether the hour's final record went out (values written before provisional
@@ -385,12 +269,8 @@ class UsageProcessor:
         or once that partition has been idle and the wall clock passed it."""
         if self._closed(value):
             return True  # a late event: its hour goes out again, final
-        partition = int(value["p"])
         closes = (int(value["hour"]) + 1) * HOUR_S + self.settings.rollup_grace_s
-        if self._stream_clock.get(partition, 0.0) >= closes:
-            return True
-        idle_since = self._last_event.get(partition, self._started)
-        return now >= closes and now - idle_since >= self.settings.rollup_idle_s
+        return self.times.passed(int(value["p"]), closes, now, self.settings.rollup_idle_s)
 
     def _provisional_due(self, key: str, value: dict[str, Any], now: float) -> bool:
         """An open hour goes out every ``LANEWAY_ROLLUP_PROVISIONAL_S`` while it changes."""

@@ -14,8 +14,9 @@ import pytest
 
 from laneway.errors import MalformedMessage
 from laneway.schema import UsageEvent, decode
+from streams.event_time import RETENTION_HOURS
 from streams.metrics import EVENTS
-from streams.processor import RETENTION_HOURS, UsageProcessor
+from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
 from tests.test_streams_logic import _Table
 from tests.test_streams_process import usage_event
@@ -110,7 +111,7 @@ async def test_an_event_stamped_ahead_does_not_close_the_hour_for_everyone() -> 
     for offset in range(5):
         processor.handle(usage_event(team="a", ts=now[0]).to_json(), 0, offset)
     processor.handle(usage_event(team="b", ts=now[0] + 3000).to_json(), 0, 5, stored_at=now[0])
-    assert processor._stream_clock[0] <= now[0] + 5
+    assert processor.times.stream_clock[0] <= now[0] + 5
     await processor.publish_rollups()
     assert sorted((r["team"], r["hour_start"], r["final"]) for r in sent) == [
         ("a", HOUR * 3600, False),
@@ -119,7 +120,7 @@ async def test_an_event_stamped_ahead_does_not_close_the_hour_for_everyone() -> 
     # Seconds ahead (a clock's error): counted in its own time, the stream's clock held to
     # a few seconds ahead of the app's.
     processor.handle(usage_event(team="c", ts=now[0] + 20).to_json(), 0, 6, stored_at=now[0])
-    assert processor._stream_clock[0] <= now[0] + 5
+    assert processor.times.stream_clock[0] <= now[0] + 5
 
 
 async def test_usage_too_old_for_the_tables_is_counted_when_it_was_stored(
@@ -137,7 +138,7 @@ async def test_usage_too_old_for_the_tables_is_counted_when_it_was_stored(
     processor.handle(stale, 0, 0, stored_at=now[0] - 10)  # read again: counted once
     assert [(r["hour"], r["requests"]) for r in rollups.values()] == [(HOUR, 1)]
     before = EVENTS.labels("too_old")._value.get(), processor.counters.events
-    with caplog.at_level(logging.WARNING, logger="streams.processor"):
+    with caplog.at_level(logging.WARNING, logger="streams.event_time"):
         processor.handle(usage_event(ts=days_ago).to_json(), 0, 1, stored_at=days_ago + 5)
     assert (EVENTS.labels("too_old")._value.get(), processor.counters.events) == (
         before[0] + 1,

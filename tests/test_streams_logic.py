@@ -490,7 +490,7 @@ async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it
     processor.handle(usage_event(ts=now + 5 * 365 * 86400).to_json(), 0, 0)
     (rollup,) = rollups.values()
     assert (rollup["hour"], rollup["requests"]) == (int(now // 3600), 1)
-    assert processor._stream_clock[0] == now
+    assert processor.times.stream_clock[0] == now
     # With the broker's time of the record, that is its time: the same however late it is
     # read (read again after a restart in the next hour, it was counted in that hour too).
     ahead = usage_event(ts=now + 5 * 365 * 86400).to_json()
