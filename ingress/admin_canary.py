@@ -4,7 +4,8 @@
 ``GET /admin/canary`` lists them; ``POST /admin/canary/{model}/abort`` sends every request
 back to the stable route at once. The streams app moves the steps (docs/canary.md).
 ``{model}`` is the rest of the path: a served model's name may have a ``/`` in it
-(``Qwen/Qwen2.5-Coder-7B``), written as it is or as ``%2F``.
+(``Qwen/Qwen2.5-Coder-7B``), written as it is or as ``%2F``; so a PUT to a path ending in
+``/abort`` (a PUT in place of the POST) is refused, not taken as a model of that name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from starlette.responses import Response
 from ingress.admin import authorise
 from ingress.responses import JSONResponse
 from laneway.canary import DEFAULT_STEPS, CanaryState, abort_canary, list_canaries, start_canary
+from laneway.errors import BadRequest
 from laneway.openai_api import parse_body
 
 __all__ = ["canary_router"]
@@ -36,6 +38,7 @@ def _view(state: CanaryState) -> dict[str, object]:
 
 
 @canary_router.get("")
+@canary_router.get("/", include_in_schema=False)  # else the PUT's {model:path} answers 405
 async def get_canaries(request: Request) -> Response:
     state = authorise(request)
     canaries = await list_canaries(state.redis, state.keys)
@@ -45,6 +48,13 @@ async def get_canaries(request: Request) -> Response:
 @canary_router.put("/{model:path}")
 async def put_canary(model: str, request: Request) -> Response:
     state = authorise(request)
+    if model.endswith("/abort"):
+        stem = model.removesuffix("/abort")
+        raise BadRequest(
+            f"model {model!r}: PUT starts a canary; to abort {stem!r}'s canary, "
+            f"POST /admin/canary/{stem}/abort",
+            param="model",
+        )
     body = parse_body(CanaryBody, await request.body())
     started = await start_canary(state.redis, state.keys, model, body.target, body.steps)
     return JSONResponse(_view(started), status_code=201)

@@ -3,7 +3,9 @@
 ``PUT /admin/shadow/{model}`` with ``{"target": ..., "share": 0.05}`` starts mirroring;
 ``GET /admin/shadow`` lists them, each with the streams app's shadow-against-primary figures;
 ``POST /admin/shadow/{model}/stop`` ends the mirroring (docs/shadow.md). ``{model}`` is the
-rest of the path: a served model's name may have a ``/`` in it (``Qwen/Qwen2.5-Coder-7B``).
+rest of the path: a served model's name may have a ``/`` in it (``Qwen/Qwen2.5-Coder-7B``);
+so a PUT to a path ending in ``/stop`` (a PUT in place of the POST) is refused, not taken as
+a model of that name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from starlette.responses import Response
 from ingress.admin import authorise
 from ingress.responses import JSONResponse
 from laneway.constants import RedisKeys
+from laneway.errors import BadRequest
 from laneway.openai_api import parse_body
 from laneway.shadow import (
     ShadowState,
@@ -46,6 +49,7 @@ async def _view(redis: aioredis.Redis, keys: RedisKeys, shadow: ShadowState) -> 
 
 
 @shadow_router.get("")
+@shadow_router.get("/", include_in_schema=False)  # else the PUT's {model:path} answers 405
 async def get_shadows(request: Request) -> Response:
     state = authorise(request)
     shadows = await list_shadows(state.redis, state.keys)
@@ -55,6 +59,13 @@ async def get_shadows(request: Request) -> Response:
 @shadow_router.put("/{model:path}")
 async def put_shadow(model: str, request: Request) -> Response:
     state = authorise(request)
+    if model.endswith("/stop"):
+        stem = model.removesuffix("/stop")
+        raise BadRequest(
+            f"model {model!r}: PUT starts a shadow; to stop {stem!r}'s shadow, "
+            f"POST /admin/shadow/{stem}/stop",
+            param="model",
+        )
     body = parse_body(ShadowBody, await request.body())
     started = await start_shadow(state.redis, state.keys, model, body.target, body.share)
     return JSONResponse(await _view(state.redis, state.keys, started), status_code=201)

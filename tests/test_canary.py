@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from laneway.canary import (
     CanaryState,
     abort_canary,
@@ -323,12 +325,112 @@ async def test_a_canary_whose_engine_hangs_is_rolled_back(stack: LiveStack) -> N
     assert changes["chat"].status == "promoted", changes
 
 
-async def test_a_step_starved_of_canary_traffic_ends_and_holds_a_bounded_window(
+async def _completion_traffic(
+    watch: CanaryWatch, began: float, seconds: range, *, superseded: int = 17
+) -> None:
+    """A model at 10 runs a second, ``superseded`` of every 20 superseded by the next
+    keystroke after they started; one run in ten (a second) on the canary, as a 1 % step's
+    sessions are a few of many."""
+    for second in seconds:
+        for i in range(10):
+            ts = began + second + i / 10
+            route = "code-v2" if i == 0 and second % 10 == 0 else "code"
+            n = second // 10 if route == "code-v2" else second * 10 + i
+            status = "superseded" if n % 20 < superseded else "ok"
+            watch.fold(
+                usage_event(
+                    model="code",
+                    route=route,
+                    status=status,
+                    queue_ms=5.0,
+                    total_ms=400.0 if status == "superseded" else 25.0,
+                    ts=ts,
+                )
+            )
+
+
+async def test_a_healthy_canary_on_completion_traffic_waits_for_its_answers(
     stack: LiveStack,
 ) -> None:
-    """A step waits for canary traffic for 30 windows at most, then is rolled back (and
-    on-call told): a canary that cannot be judged is not left serving its sessions unseen.
-    Meanwhile the stable side is kept for that span only, not from the step's start on."""
+    """At 10 runs a second, 85 % superseded after they started, a 1 % step sees ~180 canary
+    runs in 30 min and ~27 answered: a step that slow waits for its answers (its sessions
+    are few), and is promoted once it has them, not rolled back for "too little traffic"."""
+    began, now = 1_000_000.0, 1_000_000.0
+    watch, keys = await _watch(stack, lambda: now)  # 60 s windows, 50 requests
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(1, 100), since=began)
+    )
+    assert await watch.evaluate() == []
+    changes = []
+    for tick in range(400):  # 4000 s, judged every 10 s
+        await _completion_traffic(watch, began, range(tick * 10, tick * 10 + 10))
+        now = began + tick * 10 + 10
+        changes += await watch.evaluate()
+        if changes:
+            break
+    assert [(c.status, c.weight) for c in changes] == [("promoted", 100)], changes
+    assert changes[0].canary is not None
+    assert changes[0].canary.requests == 50
+    assert now - began > 3000  # 50 answered at 0.015 a second
+
+
+async def test_a_streams_app_restarted_late_in_a_step_judges_it_on_what_it_sees(
+    stack: LiveStack,
+) -> None:
+    """A streams app (re)started 40 min into a step holds none of its events: it does not
+    roll the canary back at its first look, it judges the traffic it sees from then on."""
+    now = 1_000_000.0
+    began = now - 2400
+    watch, keys = await _watch(stack, lambda: now, canary_min_requests=20)
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(5, 100), since=began)
+    )
+    assert await watch.evaluate() == []
+    for i in range(400):
+        ts = now + i / 10
+        watch.fold(usage_event(model="code", route="code", ts=ts))
+        if i % 10 == 0:
+            watch.fold(usage_event(model="code", route="code-v2", ts=ts))
+    now += 40
+    assert [(c.status, c.weight) for c in await watch.evaluate()] == [("promoted", 100)]
+
+
+async def test_a_full_step_on_completion_traffic_is_promoted(stack: LiveStack) -> None:
+    """At a 100 % step the stable route has no runs: the share of runs superseded on the
+    canary has nothing to be held to, and is not judged (completion traffic supersedes most
+    runs on any route)."""
+    began, now = 1_000_000.0, 1_000_000.0
+    watch, keys = await _watch(stack, lambda: now, canary_window_s=1.0, canary_min_requests=20)
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(100,), since=began)
+    )
+    assert await watch.evaluate() == []
+    for i in range(100):
+        status = "superseded" if i % 10 < 7 else "ok"
+        watch.fold(
+            usage_event(
+                model="code",
+                route="code-v2",
+                status=status,
+                queue_ms=5.0,
+                total_ms=400.0 if status == "superseded" else 25.0,
+                ts=began + i / 100,
+            )
+        )
+    now = began + 2
+    (change,) = await watch.evaluate()
+    assert (change.status, change.weight) == ("promoted", 100), change
+    assert change.canary is not None
+    assert change.canary.requests == 30
+
+
+async def test_a_starved_step_waits_and_holds_a_bounded_number_of_events(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with too little canary traffic waits for it (its sessions are few); meanwhile a
+    busy stable route's events are kept up to a bound, and both sides are judged on the
+    trailing span the stable side still holds."""
+    monkeypatch.setattr("streams.canary._MAX_EVENTS", 1000)
     began, now = 1_000_000.0, 1_000_000.0
     watch, keys = await _watch(stack, lambda: now, canary_window_s=1.0, canary_min_requests=20)
     await put_canary(
@@ -339,15 +441,43 @@ async def test_a_step_starved_of_canary_traffic_ends_and_holds_a_bounded_window(
     held = []
     for second in range(45):
         for i in range(100):
-            ts = began + second + i / 100
-            watch.fold(usage_event(model="code", route="code", ts=ts))
+            watch.fold(usage_event(model="code", route="code", ts=began + second + i / 100))
         if second % 10 == 0:
             watch.fold(usage_event(model="code", route="code-v2", ts=began + second))
         now = began + second + 1
         changes += await watch.evaluate()
         held.append(watch.held("code"))
-    assert [(c.status, c.previous_weight) for c in changes] == [("rolled_back", 1.0)]
-    assert "too little canary traffic" in changes[0].reason
-    assert "3 canary runs" in changes[0].reason
-    assert max(held) <= 100 * 31 + 4, max(held)
-    assert held[-1] == 0  # nothing kept once the canary no longer runs
+    assert changes == []  # 5 canary runs: it waits
+    assert max(held) <= 1000 + 5, max(held)
+    await abort_canary(stack.redis, keys, "code")
+    assert await watch.evaluate() == []
+    assert watch.held("code") == 0  # nothing kept once the canary no longer runs
+
+
+async def test_a_put_to_an_action_path_is_refused_not_taken_as_a_model(stack: LiveStack) -> None:
+    """The admin routes take the model as the rest of the path, so ``PUT .../x/abort`` would
+    start a canary of a model ``x/abort``: it is refused, naming the method that aborts."""
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    admin = stack.http(ingress, ADMIN)
+    for path, body in [
+        ("/admin/canary/laneway-code/abort", {"target": "laneway-code-v2"}),
+        ("/admin/canary/org/m/abort", {"target": "org/m-v2"}),
+        ("/admin/shadow/laneway-code/stop", {"target": "v2", "share": 0.1}),
+    ]:
+        refused = await admin.put(path, json=body)
+        assert refused.status_code == 400, (path, refused.text)
+        error = refused.json()["error"]
+        assert f"POST {path}" in error["message"], error
+        assert error["param"] == "model", error
+    assert (await admin.get("/admin/canary")).json()["data"] == []
+    assert (await admin.get("/admin/shadow")).json()["data"] == []
+    # The lists answer with a trailing slash too; a PUT without a model names it.
+    for path in ("/admin/canary/", "/admin/shadow/"):
+        listed = await admin.get(path, follow_redirects=True)
+        assert (listed.status_code, listed.json()["data"]) == (200, []), (path, listed.text)
+    nameless = await admin.put("/admin/canary/", json={"target": "v2"})
+    assert nameless.status_code == 400, nameless.text
+    assert nameless.json()["error"]["param"] == "model"
+    # A model that merely has the word in its name is a model.
+    named = await admin.put("/admin/canary/abort", json={"target": "abort-v2"})
+    assert (named.status_code, named.json()["model"]) == (201, "abort"), named.text
