@@ -86,12 +86,14 @@ _DROPS: dict[str, type[Dropped]] = {
 
 def _reply_error(reply: Reply, *, kind: ApiKind) -> LanewayError:
     message = reply.error or reply.status or "request failed"
-    if reply.status == "rejected":
-        # The engine refused the request itself: the worker passes on the engine's reason,
-        # meant for the client. Over the model's context, in words a known server uses, it
+    if reply.status in ("rejected", "unsupported"):
+        # The engine refused the request itself, or has not what it asks for (a parameter
+        # such as suffix): the worker passes on the engine's reason, meant for the client,
+        # and the field it names. Over the model's context, in words a known server uses, it
         # is OpenAI's context_length_exceeded, as the ingress's own limit is.
-        param = "messages" if kind == "chat" else "prompt"
-        return PromptTooLarge.from_engine(message, param=param) or BadRequest(message)
+        prompt = "messages" if kind == "chat" else "prompt"
+        too_large = PromptTooLarge.from_engine(message, param=prompt)
+        return too_large or BadRequest(message, param=reply.param)
     dropped = _DROPS.get(reply.status or "")
     if dropped is not None:
         return dropped(message)

@@ -25,6 +25,7 @@ __all__ = [
     "DuplicateLine",
     "EngineError",
     "EngineRejected",
+    "EngineUnsupported",
     "Expired",
     "LanewayError",
     "MalformedMessage",
@@ -233,15 +234,39 @@ class EngineError(LanewayError):
 
 
 class EngineRejected(EngineError):
-    """The engine refused the request itself (a prompt over its context, parameters it does
-    not take): the client's doing, not a fault of the engine, and the same on every retry.
-    ``param`` names the field at fault, where the engine can tell."""
+    """The engine refused the request itself (a prompt over its context, a value out of
+    range): the client's doing, not a fault of the engine, and the same on every retry.
+    ``param`` names the field at fault, where the engine can tell. A parameter the engine
+    does not have at all is ``EngineUnsupported``."""
 
     retriable = False
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineUnsupported(EngineRejected):
+    """The route's engine cannot do what the request asks (a parameter it does not have,
+    named by ``param``): the client still gets a 400, yet the request is right (another
+    engine serves it), so its team's breaker does not count it and it is not charged."""
+
+    @classmethod
+    def from_engine(cls, reason: str) -> EngineUnsupported | None:
+        """The engine's refusal ``reason`` as this error when it says, in a known server's
+        words, that it does not take a parameter; else None."""
+        for pattern in _UNSUPPORTED_REFUSALS:
+            if (found := pattern.search(reason)) is not None:
+                return cls(reason, param=found.group("param"))
+        return None
+
+
+# What a server says when it does not take a parameter at all. Only these exact phrases: any
+# other refusal is the request's own fault (``EngineRejected``) and is counted as one.
+_UNSUPPORTED_REFUSALS = (
+    # vLLM serve refuses every completion with a suffix (it has no fill-in-the-middle).
+    re.compile(r"\b(?P<param>suffix) is not currently supported"),
+)
 
 
 class MalformedMessage(LanewayError):

@@ -32,7 +32,12 @@ __all__ = [
     "decode",
 ]
 
-Outcome = Literal["ok", "error", "cancelled", "superseded", "expired", "aborted", "rejected"]
+# ``rejected``: the engine refused the request for what it asks (its team's doing; counted by
+# the team's breaker). ``unsupported``: the route's engine does not have what it asks (a
+# parameter such as ``suffix``): a 400 too, but neither counted nor charged.
+Outcome = Literal[
+    "ok", "error", "cancelled", "superseded", "expired", "aborted", "rejected", "unsupported"
+]
 ApiKind = Literal["completion", "chat"]
 
 
@@ -169,6 +174,10 @@ class Reply(_Wire):
     request again, however differently the re-run's text is cut into messages. ``n`` numbers
     the messages of one run; an ingress goes by it only for a worker that sends no ``at``
     (one from before offsets, during a rolling upgrade).
+
+    ``status`` is what the client is answered by. Workers send an ``unsupported`` outcome
+    (the usage event's) as ``rejected`` with its ``param``: the same 400 to every ingress,
+    where one from before ``unsupported`` could not decode the reply at all.
     """
 
     id: str
@@ -183,6 +192,9 @@ class Reply(_Wire):
     completion_tokens: int = 0
     route: str | None = None
     error: str | None = None
+    param: str | None = Field(
+        None, description="the request field an engine's refusal names (the client's 400)"
+    )
 
 
 class UsageEvent(_Wire):

@@ -268,6 +268,7 @@ class QuotaEnforcer:
         local: int = 0,
         accepted_ts: float = 0.0,
         once: bool = False,
+        min_charge: int | None = None,
     ) -> tuple[Any, ...]:
         """``settle`` as the words of one Redis command, for a pipeline the worker shares
         with its reply.
@@ -285,6 +286,7 @@ class QuotaEnforcer:
             local=local,
             accepted_ts=accepted_ts,
             once=once,
+            min_charge=min_charge,
         )
         return ("EVALSHA", self._settle.sha, len(keys), *keys, *args)
 

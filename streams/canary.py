@@ -78,7 +78,9 @@ def _kind(event: UsageEvent) -> _Kind | None:
     """How a step counts this outcome; None: not at all (a drop before its run began)."""
     if event.status == "ok":
         return "ok"
-    if event.status == "error":
+    if event.status in ("error", "unsupported"):
+        # A parameter the canary's engine refuses (an IDE's suffix) fails its users as an
+        # error does; a stable route that refuses it as well sees the same rate.
         return "error"
     if event.status == "expired":
         return "abandoned"

@@ -56,7 +56,9 @@ __all__ = ["ProcessorCounters", "UsageProcessor"]
 log = logging.getLogger(__name__)
 
 # What the breaker counts: served, failed in the engine, refused by the engine for what the
-# request asked (its team's doing); drops (cancelled, superseded, expired) say nothing.
+# request asked (its team's doing); drops (cancelled, superseded, expired), and refusals of
+# what the route's engine has not (unsupported: an IDE's suffix on the vllm engine), say
+# nothing.
 _COUNTED_STATUSES = ("ok", "error", "rejected")
 # ...and of which classes: the ingress gates completions and chats by the breaker levels, and
 # batch never (its lines go to their own pool's engines). A failing batch engine, or a team's

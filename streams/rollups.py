@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 Rollup = dict[str, Any]
 
-DROPPED_STATUSES = ("cancelled", "superseded", "expired", "aborted", "rejected")
+DROPPED_STATUSES = ("cancelled", "superseded", "expired", "aborted", "rejected", "unsupported")
 _GROWTH = 1.02
 _LOG_GROWTH = math.log(_GROWTH)
 _TOKENS_PER_PRICE_UNIT = 1000

@@ -26,13 +26,13 @@ from laneway.batch import BatchClient, JobStatus, batch_request_id
 from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest
-from laneway.schema import BatchRequest, BatchResult, RequestEnvelope
+from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope
 from laneway.settings import CommonSettings
 from ops.devstack import create_topics
 from quota import QuotaEnforcer, QuotaPolicy, Team
-from tests.stack import PARTITIONS, LiveStack, eventually, free_port
+from tests.stack import PARTITIONS, LiveStack, envelope, eventually, free_port
 from workers import batch_lane, batch_txn
-from workers.batch import BatchIntake
+from workers.batch import BatchIntake, batch_result
 from workers.batch_lane import BatchLane
 
 
@@ -1086,3 +1086,21 @@ def test_no_two_lines_share_a_request_id() -> None:
     assert batch_request_id("nightly", "doc-1", "docs") == "batch.docs.nightly-doc-1"
     assert batch_request_id("nightly-doc", "0") == "batch-nightly~2Ddoc-0"
     assert batch_request_id("a~b", "0", "docs") == "batch.docs.a~7Eb-0"
+
+
+@pytest.mark.parametrize("status", ["rejected", "unsupported"])
+def test_an_engines_refusal_of_a_line_is_a_400_naming_the_field(status: str) -> None:
+    """A batch line with a suffix on the vllm engine is refused as an interactive request
+    is: a 400 ``invalid_request_error`` naming the field, not a 500."""
+    env = envelope(id="batch-j-0", cls="batch", job_id="j", line_id="0", suffix="x")
+    said = "suffix is not supported by this model's engine"
+    final = Reply(id=env.id, n=0, done=True, status=status, error=said, param="suffix")
+    result = batch_result(env, final)
+    assert (result.status, result.status_code) == (status, 400)
+    assert result.body is not None
+    error = result.body["error"]
+    assert (error["type"], error["param"], error["message"]) == (
+        "invalid_request_error",
+        "suffix",
+        said,
+    )

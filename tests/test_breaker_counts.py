@@ -190,3 +190,28 @@ async def test_a_raised_level_holds_while_the_app_reads_usage_older_than_the_win
         await processor.evaluate_breakers()
         now[0] += 1
     assert (("laneway-code", None), 3, 2) in announcer.transitions[raised:]
+
+
+async def test_a_refusal_of_what_the_engine_has_not_counts_against_no_one() -> None:
+    """An IDE plugin sends a suffix with every completion; the vllm engine has no
+    fill-in-the-middle and refuses each (``unsupported``). Counted like a request refused
+    for what it asks (``rejected``), its team went to level 3 within the window: isolated,
+    a 503 for all its users, for the engine's shortfall. It raises no level."""
+    processor, announcer = _processor(lambda: NOW)
+    offset = iter(range(10_000))
+
+    def fold(team: str, status: str, count: int) -> None:
+        for _ in range(count):
+            event = usage_event(team=team, status=status, ts=NOW - 5, prompt_tokens=0)
+            processor.handle(event.to_json(), 0, next(offset))
+
+    for team in ("ide", "other"):
+        fold(team, "ok", 20)
+    fold("ide", "unsupported", 200)
+    assert await processor.evaluate_breakers() == []
+    assert announcer.transitions == []
+    # The same refusals as the request's own fault isolate the team: the count is live.
+    fold("ide", "rejected", 200)
+    await processor.evaluate_breakers()
+    assert (("laneway-code", "ide"), 0, 3) in announcer.transitions
+    assert not any(subject == ("laneway-code", None) for subject, _, _ in announcer.transitions)

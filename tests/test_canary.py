@@ -481,3 +481,23 @@ async def test_a_put_to_an_action_path_is_refused_not_taken_as_a_model(stack: Li
     # A model that merely has the word in its name is a model.
     named = await admin.put("/admin/canary/abort", json={"target": "abort-v2"})
     assert (named.status_code, named.json()["model"]) == (201, "abort"), named.text
+
+
+async def test_a_canary_whose_engine_refuses_what_the_stable_route_serves_is_rolled_back(
+    stack: LiveStack,
+) -> None:
+    """An IDE's ``suffix`` that the canary's engine refuses (usage status ``unsupported``)
+    fails its users as an error would: the step is rolled back, not promoted."""
+    began, now = 1_000_000.0, 1_000_000.0
+    watch, keys = await _watch(stack, lambda: now, canary_window_s=1.0, canary_min_requests=20)
+    await put_canary(
+        stack.redis, keys, CanaryState(model="code", target="code-v2", steps=(50, 100), since=began)
+    )
+    assert await watch.evaluate() == []
+    for i in range(100):
+        route = "code-v2" if i % 2 else "code"
+        status = "unsupported" if route == "code-v2" and i % 4 == 1 else "ok"
+        watch.fold(usage_event(model="code", route=route, status=status, ts=began + i / 100))
+    now = began + 2
+    (change,) = await watch.evaluate()
+    assert change.status == "rolled_back", change

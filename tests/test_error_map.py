@@ -159,3 +159,19 @@ def test_an_engines_other_refusals_stay_a_plain_400() -> None:
         body = orjson.loads(bytes(response.body))["error"]
         assert (response.status_code, body["code"]) == (400, "invalid_request")
         assert body["message"] == said
+
+
+@pytest.mark.parametrize("status", ["rejected", "unsupported"])
+def test_an_engines_refusal_names_the_field_the_worker_reports(status: str) -> None:
+    """The vllm engine refuses a suffix (``unsupported``; an older worker said ``rejected``):
+    the client's 400 names the field, as OpenAI's do."""
+    said = "suffix is not supported by this model's engine (vllm: no fill-in-the-middle)"
+    reply = Reply(id="r", n=0, done=True, status=status, error=said, param="suffix")
+    response = error_response(_reply_error(reply, kind="completion"))
+    body = orjson.loads(bytes(response.body))["error"]
+    assert response.status_code == 400
+    assert (body["type"], body["param"], body["message"]) == (
+        "invalid_request_error",
+        "suffix",
+        said,
+    )

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from laneway.constants import RedisKeys
-from laneway.errors import EngineError
+from laneway.errors import EngineError, EngineRejected, EngineUnsupported
 from laneway.schema import ChatMessage
 from quota.enforcer import QuotaEnforcer
 from quota.model import QuotaPolicy
@@ -64,6 +64,58 @@ _OVER_CONTEXT = {
     },
 }
 
+# TGI refuses a request in a 200 stream, [DONE] after it (older SGLang and llama.cpp too).
+_TGI_OVER_CONTEXT = (
+    b'data: {"error":"Input validation error: `inputs` tokens + `max_new_tokens` must be <= '
+    b'4096. Given: 4990 `inputs` tokens and 10 `max_new_tokens`","error_type":"validation"}'
+    b"\n\ndata: [DONE]\n\n"
+)
+# Error events by prompt, each [DONE] after it, and whether it refuses the request (it comes
+# before any text, and says so) or is a failure midway.
+_IN_STREAM = {
+    "over-context-tgi": (_TGI_OVER_CONTEXT, True),
+    "tgi-validation": (
+        b'data: {"error":"Input validation error: `temperature` must be strictly positive",'
+        b'"error_type":"validation"}\n\ndata: [DONE]\n\n',
+        True,
+    ),
+    "llama-400": (
+        b'data: {"error": {"code": 400, "message": "the request has a bad grammar", '
+        b'"type": "invalid_request_error"}}\n\ndata: [DONE]\n\n',
+        True,
+    ),
+    "status-422": (
+        b'data: {"error": {"message": "bad n", "http_status_code": 422}}\n\ndata: [DONE]\n\n',
+        True,
+    ),
+    # vLLM serve says 400 BadRequestError for any failure in a stream, a dead engine's too:
+    # only its words can tell a refusal.
+    "vllm-engine-dead": (
+        b'data: {"error": {"object": "error", "message": "EngineCore encountered an issue", '
+        b'"type": "BadRequestError", "param": null, "code": 400}}\n\ndata: [DONE]\n\n',
+        False,
+    ),
+    "vllm-over-context": (
+        b'data: {"error": {"object": "error", "message": "This model\'s maximum context length '
+        b'is 4096 tokens. However, you requested 5000 tokens.", "type": "BadRequestError", '
+        b'"param": null, "code": 400}}\n\ndata: [DONE]\n\n',
+        True,
+    ),
+    "server-500": (
+        b'data: {"error": {"code": 500, "message": "out of memory"}}\n\ndata: [DONE]\n\n',
+        False,
+    ),
+    "validation-after-text": (_WORDS + _TGI_OVER_CONTEXT, False),
+}
+# vLLM serve's answer to any completion with a suffix (it has no fill-in-the-middle).
+_NO_SUFFIX = {
+    "object": "error",
+    "message": "suffix is not currently supported",
+    "type": "BadRequestError",
+    "param": None,
+    "code": 400,
+}
+
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
@@ -71,11 +123,13 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return web.json_response({"choices": [{"text": "whole", "finish_reason": "stop"}]})
     if body["prompt"] in _OVER_CONTEXT:
         return web.json_response(_OVER_CONTEXT[body["prompt"]], status=400)
+    if "suffix" in body:
+        return web.json_response(_NO_SUFFIX, status=400)
     if body["prompt"].startswith(_FINISH):
         return await _finishing(request, body["prompt"].removeprefix(_FINISH), chat=False)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    sent = _BROKEN.get(body["prompt"])
+    sent = _BROKEN.get(body["prompt"]) or _IN_STREAM.get(body["prompt"])
     await response.write(sent[0] if sent else _GOOD)
     await response.write_eof()
     return response
@@ -262,8 +316,12 @@ async def test_an_upstreams_context_length_refusal_is_openais(
         "completion", engine="openai", upstream_url=garbling, upstream_model="up", upstream_slots=4
     )
     http = stack.http(ingress, await stack.api_key("team-c", size=5))
-    for prompt in _OVER_CONTEXT:
-        body = {"model": "laneway-code", "prompt": prompt, "max_tokens": 8}
+    ids = []
+    # TGI says it inside a 200 stream, before any text: the same refusal, streamed or not.
+    sent = [(prompt, False) for prompt in _OVER_CONTEXT]
+    sent += [("over-context-tgi", False), ("over-context-tgi", True)]
+    for prompt, stream in sent:
+        body = {"model": "laneway-code", "prompt": prompt, "max_tokens": 8, "stream": stream}
         answer = await http.post("/v1/completions", json=body)
         assert answer.status_code == 400, (prompt, answer.text)
         error = answer.json()["error"]
@@ -274,3 +332,35 @@ async def test_an_upstreams_context_length_refusal_is_openais(
         )
         assert "maximum context length is 4096 tokens" in error["message"], error
         assert "127.0.0.1" not in error["message"]  # the upstream's address is not the client's
+        ids.append(answer.headers["x-request-id"])
+    # The team's doing, not the route's: counted by the team's breaker alone.
+    events = await stack.usage_of(*ids)
+    assert {e["status"] for e in events.values()} == {"rejected"}
+
+
+@pytest.mark.parametrize("prompt", list(_IN_STREAM))
+async def test_an_error_event_before_any_text_that_refuses_the_request_is_a_refusal(
+    upstream_engine: OpenAICompatibleEngine, prompt: str
+) -> None:
+    """TGI (and older SGLang and llama.cpp) refuse a request inside a 200 stream. Such an
+    event before any text is the request's refusal (the client's 400), not an engine that
+    failed midway (a 502, counted against the route)."""
+    request = EngineRequest(id=f"r-{prompt}", route="m", prompt=prompt, max_tokens=8)
+    with pytest.raises(EngineError) as failed:
+        _ = [delta async for delta in upstream_engine.generate(request)]
+    refused = _IN_STREAM[prompt][1]
+    assert isinstance(failed.value, EngineRejected) is refused, failed.value
+    assert not isinstance(failed.value, EngineUnsupported)
+    said = "the engine refused the request" if refused else "failed midway"
+    assert said in str(failed.value)
+
+
+async def test_a_suffix_the_upstream_does_not_take_is_unsupported_naming_it(
+    upstream_engine: OpenAICompatibleEngine,
+) -> None:
+    """vLLM serve refuses every completion with a suffix: the route's shortfall, not the
+    request's fault (IDE plugins send one with every completion), named for the client."""
+    request = EngineRequest(id="fim", route="m", prompt="def f(", suffix="x", max_tokens=8)
+    with pytest.raises(EngineUnsupported, match="suffix is not currently supported") as refused:
+        _ = [delta async for delta in upstream_engine.generate(request)]
+    assert refused.value.param == "suffix"

@@ -14,17 +14,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
-from laneway.schema import ChatMessage
+from laneway.constants import RedisKeys
+from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected, EngineUnsupported
+from laneway.schema import ChatMessage, Reply, decode
+from quota.enforcer import QuotaEnforcer
+from quota.model import QuotaPolicy
+from quota.teams import get_team
 from tests import fake_vllm
-from tests.stack import LiveStack, eventually
+from tests.stack import LiveStack, clear_of_the_hour_turn, envelope, eventually
 from tests.vllm_fixtures import make_tiny_model
 from workers.profiles import build_profile
 from workers.select import vllm_installed
@@ -88,11 +92,12 @@ async def test_the_completion_cap_follows_the_setting(monkeypatch: pytest.Monkey
 async def test_a_suffix_is_refused_naming_it_not_dropped(fake_engine: VllmEngine) -> None:
     """vLLM has no model-independent fill-in-the-middle (vLLM serve refuses ``suffix`` too):
     a completion asked to fill in before a suffix would get a plain continuation. It is
-    refused before vLLM sees it; an empty suffix asks for nothing and passes."""
+    refused before vLLM sees it, as unsupported (the engine's shortfall, not the request's
+    fault); an empty suffix asks for nothing and passes."""
     request = EngineRequest(
         id="fim", route="m", prompt="def f(", suffix="\n    return x", max_tokens=4
     )
-    with pytest.raises(EngineRejected, match="suffix") as refused:
+    with pytest.raises(EngineUnsupported, match="suffix") as refused:
         await _run(fake_engine, request)
     assert refused.value.param == "suffix"
     assert "LANEWAY_UPSTREAM_URL" in str(refused.value)  # what serves it instead
@@ -100,6 +105,63 @@ async def test_a_suffix_is_refused_naming_it_not_dropped(fake_engine: VllmEngine
     assert fake_engine.stats().running == 0
     deltas = await _run(fake_engine, replace(request, id="empty", suffix=""))
     assert len(deltas) == 4
+
+
+class _ReplyBeforeUnsupported(Reply):
+    """A reply as an ingress from before the ``unsupported`` outcome decodes it."""
+
+    status: (
+        Literal["ok", "error", "cancelled", "superseded", "expired", "aborted", "rejected"] | None
+    ) = None
+
+
+async def test_a_suffix_on_the_vllm_engine_is_a_400_naming_it_neither_counted_nor_charged(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """IDE plugins that fill in the middle send a suffix with every completion. On a pool of
+    the vllm engine each is a 400 naming ``suffix``, streamed or not; its usage event says
+    ``unsupported`` (which no breaker counts: a ``rejected`` one per keystroke isolated the
+    team within a minute) and its reservation goes back whole, not the minimum charge."""
+    await clear_of_the_hour_turn(60)
+    fake_vllm.install(monkeypatch)
+    overrides = {"vllm_model": "/models/tiny"}
+    engine = VllmEngine(stack.worker_settings("completion", **overrides))
+    ingress = await stack.start_ingress(quota_lease_share=0)
+    await stack.start_worker("completion", engine=engine, **overrides)
+    http = stack.http(ingress, await stack.api_key("team-fim", size=5))
+    body = {"model": "laneway-code", "prompt": "def f(", "suffix": "\n    return x"}
+    ids = []
+    for stream in (False, True):
+        answer = await http.post("/v1/completions", json={**body, "stream": stream})
+        assert answer.status_code == 400, (stream, answer.text)
+        error = answer.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "suffix"), error
+        assert "LANEWAY_UPSTREAM_URL" in error["message"]  # what serves it instead
+        ids.append(answer.headers["x-request-id"])
+    events = await stack.usage_of(*ids)
+    assert [events[i]["status"] for i in ids] == ["unsupported", "unsupported"]
+    assert _llm().requests == []  # never reached vLLM
+    keys = RedisKeys(stack.prefix)
+    team = await get_team(stack.redis, keys, "team-fim")
+    enforcer = QuotaEnforcer(stack.redis, keys, QuotaPolicy())
+
+    async def interactive() -> dict[str, Any]:
+        pools: Any = (await enforcer.snapshot(team))["pools"]
+        return dict(pools["interactive"])
+
+    async def settled() -> bool:
+        return bool((await interactive())["reservations"] == 0)
+
+    await eventually(settled, 10, "the refused requests' reservations settled")
+    assert (await interactive())["used_tokens_this_hour"] == 0
+
+    # An ingress from before "unsupported" reads the same refusal: the final reply says
+    # "rejected" (its 400), with the field named for an ingress that reads it.
+    reply_to = f"{stack.prefix}:reply:old-ingress"
+    await stack.send_records(envelope(team="team-fim", suffix="x", reply_to=reply_to))
+    written = await eventually(lambda: stack.redis.xrange(reply_to), 30, "the final reply")
+    final = decode(_ReplyBeforeUnsupported, written[-1][1][b"d"])
+    assert (final.done, final.status, final.param) == (True, "rejected", "suffix")
 
 
 async def test_band_is_priority_and_sampling_is_passed_on(fake_engine: VllmEngine) -> None:

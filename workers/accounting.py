@@ -49,6 +49,7 @@ class Owed:
     local: int
     accepted_ts: float
     once: bool = False  # a batch line: a re-run's reservation goes back (``QuotaEnforcer``)
+    min_charge: int | None = None  # charged when it used no tokens (None: the policy's)
 
     @property
     def key(self) -> str:
@@ -86,6 +87,9 @@ class Accounting:
             env.quota_local,
             env.accepted_ts,
             once=env.cls == "batch",
+            # Refused by an engine without what it asks (the route's shortfall, not the
+            # team's request): not charged the minimum a request that used nothing pays.
+            min_charge=0 if usage.status == "unsupported" else None,
         )
 
     def commands(self, owed: Owed | None) -> list[Command]:
@@ -101,6 +105,7 @@ class Accounting:
                 local=owed.local,
                 accepted_ts=owed.accepted_ts,
                 once=owed.once,
+                min_charge=owed.min_charge,
             )
         ]
 
@@ -204,6 +209,7 @@ class Accounting:
             local=owed.local,
             accepted_ts=owed.accepted_ts,
             once=owed.once,
+            min_charge=owed.min_charge,
         )
 
     async def close(self) -> None:

@@ -48,6 +48,7 @@ _STATUS_CODES = {
     "ok": 200,
     "error": 500,
     "rejected": 400,  # the engine refused the request itself (a prompt over its context)
+    "unsupported": 400,  # the engine has not what it asks for (a suffix, on the vllm engine)
     "cancelled": 499,
     "aborted": 503,
     "expired": 504,
@@ -157,8 +158,9 @@ def batch_result(env: RequestEnvelope, final: Reply) -> BatchResult:
     if status == "ok":
         body = final_body(env, final.text, final)
     else:
-        kind = "invalid_request_error" if status == "rejected" else "server_error"
-        body = error_body(final.error or status, type_=kind, code=status)
+        refused = status in ("rejected", "unsupported")
+        kind = "invalid_request_error" if refused else "server_error"
+        body = error_body(final.error or status, type_=kind, code=status, param=final.param)
     return BatchResult(
         job_id=env.job_id or "",
         line_id=env.line_id or env.id,

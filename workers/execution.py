@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
 
-from laneway.errors import Cancelled, Dropped, EngineError, EngineRejected, Expired
+from laneway.errors import (
+    Cancelled,
+    Dropped,
+    EngineError,
+    EngineRejected,
+    EngineUnsupported,
+    Expired,
+)
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.retry import Backoff
 from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
@@ -204,6 +211,7 @@ class RequestExecutor:
         got = _Totals()
         status: Outcome = "ok"
         error: str | None = None
+        param: str | None = None
         requeued = False
         try:
             async for delta in self.engine.generate(self._engine_request(env)):
@@ -235,10 +243,8 @@ class RequestExecutor:
                 exc,
                 extra={"request_id": env.id, "team": env.team},
             )
-            # A request the engine refused for what it asks is "rejected": the breaker counts
-            # it against its team only, never against the route (it says nothing of the engine).
-            status = "rejected" if isinstance(exc, EngineRejected) else "error"
-            error = str(exc)
+            status, error = _engine_outcome(exc), str(exc)
+            param = exc.param if isinstance(exc, EngineRejected) else None
         except Exception as exc:
             # An engine that fails in a way nobody foresaw still owes its client an answer,
             # the quota a settlement and the breaker an error to count.
@@ -265,6 +271,7 @@ class RequestExecutor:
             stale=stale,
             waste=(stale_ms, news_ms),
             withdrawn=withdrawn,
+            param=param,
         )
 
     async def _outcome(
@@ -273,6 +280,7 @@ class RequestExecutor:
         *,
         status: Outcome,
         error: str | None,
+        param: str | None,
         got: _Totals,
         chunks: ChunkStream | None,
         text_parts: list[str],
@@ -317,6 +325,7 @@ class RequestExecutor:
             completion_tokens=got.completion_tokens,
             finish_reason=got.finish_reason,
             error=error,
+            param=param,
             stale_engine_ms=waste[0],
             stale_news_ms=waste[1],
         )
@@ -600,6 +609,7 @@ class RequestExecutor:
         completion_tokens: int = 0,
         finish_reason: str | None = None,
         error: str | None = None,
+        param: str | None = None,
         stale_engine_ms: float = 0.0,
         stale_news_ms: float = 0.0,
         reused_from: str | None = None,
@@ -637,19 +647,33 @@ class RequestExecutor:
             at=at,
             text=text,
             done=True,
-            status=status,
+            # The same 400 to the client: an ingress from before "unsupported" would drop a
+            # reply it cannot decode, and leave its client waiting for LANEWAY_REPLY_TIMEOUT_S.
+            status="rejected" if status == "unsupported" else status,
             finish_reason=finish_reason,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
             route=env.route,
             error=error,
+            param=param,
         )
         delivery = await self.outbox.finish(env, final, usage)
         if delivery is not None:
             self.deliveries[env.id] = (delivery, usage)
         _record(env, usage, self.price_of(env.route))
         return usage
+
+
+def _engine_outcome(exc: EngineError) -> Outcome:
+    """How an engine's error ends its request. ``rejected`` (refused for what it asks) is
+    counted by its team's breaker alone, never by the route's: it says nothing of the engine.
+    ``unsupported`` (the engine does not have what it asks) by neither, and not charged:
+    every request of a client that always sends it (an IDE's ``suffix``) would otherwise
+    isolate its team."""
+    if isinstance(exc, EngineUnsupported):
+        return "unsupported"
+    return "rejected" if isinstance(exc, EngineRejected) else "error"
 
 
 def _record(env: RequestEnvelope, usage: UsageEvent, price: Price) -> None:

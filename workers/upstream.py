@@ -28,7 +28,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-from laneway.errors import Aborted, EngineError, EngineRejected, Expired
+from laneway.errors import (
+    Aborted,
+    EngineError,
+    EngineRejected,
+    EngineUnsupported,
+    Expired,
+    PromptTooLarge,
+)
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
 from workers.learned_slots import LearnedSlots
@@ -294,7 +301,7 @@ class OpenAICompatibleEngine:
                 # The upstream refused the request itself (a prompt over its context,
                 # parameters it does not take): the client's doing, not a route fault for
                 # the breaker; the upstream's reason goes back to the client, its address not.
-                raise EngineRejected(f"the engine refused the request: {_reason(detail)}")
+                raise _refusal(_reason(detail))
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
         return response
 
@@ -395,6 +402,53 @@ def _reason(detail: str) -> str:
     return str(message)[:200] if message else detail[:200]
 
 
+def _refusal(reason: str) -> EngineRejected:
+    """The upstream's refusal of a request for what it asks, with the upstream's reason: a
+    parameter the server does not have at all (in its known words) is unsupported."""
+    message = f"the engine refused the request: {reason}"
+    return EngineUnsupported.from_engine(message) or EngineRejected(message)
+
+
+def _stream_error(chunk: dict[str, Any], *, text_sent: bool) -> EngineError:
+    """An error event in a stream. Before any text, a refusal of the request for what it
+    asks is a refusal (TGI, and older SGLang and llama.cpp, refuse in a 200 stream): its
+    error type says validation, its status is one of ``_REQUEST_REFUSED``, or it says the
+    prompt is over the context in a known server's words. Anything else, or anything after
+    text, is a failure midway (vLLM ends a request that failed while running so)."""
+    error = chunk["error"]
+    fields: dict[str, Any] = error if isinstance(error, dict) else {}
+    said = str(fields.get("message", error) if fields else error)[:300]
+    refused_status = fields.get("type") != _ANY_FAILURE_TYPE and any(
+        _status(fields.get(name)) in _REQUEST_REFUSED for name in _STATUS_FIELDS
+    )
+    if not text_sent and (
+        "validation" in (chunk.get("error_type"), fields.get("error_type"))
+        or refused_status
+        or PromptTooLarge.from_engine(said, param=None) is not None
+    ):
+        return _refusal(said)
+    return EngineError(f"the upstream failed midway: {said}")
+
+
+# Where servers put an HTTP status in a stream's error event: llama.cpp's and SGLang's
+# ``code``, older SGLang's ``http_status_code``, others' ``status``.
+_STATUS_FIELDS = ("code", "http_status_code", "status")
+# vLLM serve's stream generators answer any exception with this type and code 400, a dead
+# engine's included (newer versions say 500 for those): its status tells no refusal apart.
+_ANY_FAILURE_TYPE = "BadRequestError"
+
+
+def _status(value: object) -> int | None:
+    """An HTTP status given as a number or a string of digits (not a code like "invalid")."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
+
+
 def _expire(call: _Call) -> None:
     call.expired = True
     _close(call)
@@ -412,7 +466,15 @@ def _close(call: _Call) -> None:
 class _Reading:
     """Totals of one streamed response, folded in chunk by chunk."""
 
-    __slots__ = ("cached", "completion_tokens", "done", "finish", "prompt_tokens", "started")
+    __slots__ = (
+        "cached",
+        "completion_tokens",
+        "done",
+        "finish",
+        "prompt_tokens",
+        "started",
+        "text_sent",
+    )
 
     def __init__(self, prompt_tokens: int) -> None:
         self.done = False  # [DONE] was read
@@ -421,6 +483,7 @@ class _Reading:
         self.cached = 0
         self.finish: object = None  # the server's own value, until _openai_finish reads it
         self.started: float | None = None  # perf_counter at the first byte
+        self.text_sent = False  # some text came (and went on to the client)
 
     def ms(self) -> float:
         return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
@@ -437,10 +500,9 @@ class _Reading:
             chunk = orjson.loads(data)
             if isinstance(chunk, dict) and chunk.get("error"):
                 # vLLM and others end a stream that failed midway with an error event (and
-                # then [DONE]): the answer so far is not a whole one.
-                error = chunk["error"]
-                message = error.get("message") if isinstance(error, dict) else error
-                raise EngineError(f"the upstream failed midway: {str(message)[:300]}")
+                # then [DONE]): the answer so far is not a whole one. TGI refuses a request
+                # so too, before any text.
+                raise _stream_error(chunk, text_sent=self.text_sent)
             return self.chunk(chunk)
         except (ValueError, TypeError, AttributeError) as exc:
             # Not the OpenAI chunk it must be: the request fails with an engine error (its
@@ -463,6 +525,7 @@ class _Reading:
             self.finish = choice.get("finish_reason") or self.finish
         if text and not usage:
             self.completion_tokens += 1
+        self.text_sent = self.text_sent or bool(text)
         if not (text or usage):
             return None
         return EngineDelta(

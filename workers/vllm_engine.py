@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected
+from laneway.errors import Aborted, ConfigError, EngineError, EngineRejected, EngineUnsupported
 from workers.integrity import model_digest
 from workers.profiles import EngineProfile, build_profile, check_engine_args
 from workers.settings import WorkerSettings
@@ -267,7 +267,9 @@ class VllmEngine:
         if request.suffix:
             # vLLM has no model-independent fill-in-the-middle (vLLM serve refuses `suffix`
             # too): the prompt alone would come back as a plain continuation, not the middle.
-            raise EngineRejected(
+            # Unsupported, not rejected: IDE plugins send a suffix with every completion, and
+            # their team is not to be isolated (or charged) for this engine's shortfall.
+            raise EngineUnsupported(
                 "suffix is not supported by this model's engine (vllm: no fill-in-the-middle); "
                 "send the prompt without it, or have the operator serve this model from a "
                 "server that fills in the middle (LANEWAY_UPSTREAM_URL)",

@@ -32,7 +32,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HOUR_S = 3600
-_DROPPED = ("cancelled", "superseded", "expired", "aborted", "rejected")
+_DROPPED = ("cancelled", "superseded", "expired", "aborted", "rejected", "unsupported")
 
 
 def _text(value: bytes | str) -> str:
