@@ -243,3 +243,34 @@ async def test_a_tombstone_that_comes_before_a_follower_starts_ends_it(stack: Li
     await engine.let_go()
     (usage,) = (await stack.usage_of(owner.id)).values()
     assert usage["status"] == "ok"
+
+
+async def test_a_stale_owner_whose_followers_left_before_its_first_token_stays_stale(
+    stack: LiveStack,
+) -> None:
+    """The follower it started for leaves before the suggestion's first (and last) token
+    comes: that token reaches no one as an answer. The superseded owner is told so, not sent
+    the text as its answer nor charged for it."""
+    engine = _Stepped()
+    worker = await stack.start_worker("completion", engine=engine)
+    executor, shield = worker.executor, worker.shield
+    engine.answers["def main():"] = ["alpha "]
+    owner = _keystroke("def main():", session="doc-7")
+    engine.hold[owner.id] = 0
+    executor.reuse.begin(owner)
+    newer = _keystroke("def main():", session="doc-7", seq=2)
+    follower = executor.reuse.match(newer)
+    assert follower is not None
+    assert shield.observe(newer) == []
+    shield.started(newer)
+    run = asyncio.create_task(executor.run(owner))
+    served = asyncio.create_task(executor.follow(follower))
+    await eventually(lambda: owner.id in engine.holding, 20, "the suggestion running")
+    rid = shield.cancel(CancelRecord(id=newer.id, team=newer.team))
+    assert rid == newer.id
+    await executor.abort(rid)
+    await engine.let_go()
+    usage = await run
+    assert usage is not None
+    assert (usage.status, usage.completion_tokens) == ("superseded", 0)
+    assert (await served).status == "cancelled"

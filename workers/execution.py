@@ -208,7 +208,9 @@ class RequestExecutor:
         if generation is None and env.reuse and env.messages is None:
             generation = self.reuse.begin(env)
         text_parts: list[str] = []
-        got = _Totals()
+        # Stale from its start: its text is withheld from its own client from the first token,
+        # though the followers it started for may all have left by then.
+        got = _Totals(withheld=stale is not None)
         status: Outcome = "ok"
         error: str | None = None
         param: str | None = None
@@ -375,7 +377,7 @@ class RequestExecutor:
         """Stale for its own client but followed by others (type-through), ``env`` starts all
         the same: a deadline is the only reason not to then."""
         followed = self.reuse.of_owner(env.id)
-        wanted = followed is not None and bool(followed.followers)
+        wanted = followed is not None and any(not f.left for f in followed.followers.values())
         return wanted and not isinstance(stale, Expired)
 
     def _fold(
@@ -433,7 +435,12 @@ class RequestExecutor:
             return False
         generation.end(got.finish_reason, completed=status == "ok")
         self.reuse.finished(env.id)
-        return generation.served > 0
+        # Sent text, or still to be sent some (a follower may not have woken yet); not one
+        # that typed all it made, which runs on its own.
+        made = len(generation.text)
+        return generation.served > 0 or any(
+            not f.left and f.start < made for f in generation.followers.values()
+        )
 
     def _dropped(self, env: RequestEnvelope, got: _Totals, dropped: Dropped) -> tuple[Outcome, str]:
         """A running request that left the engine early: its outcome and why."""

@@ -43,6 +43,7 @@ async def _deliver(
             at = end
             if ttft_ms is None:
                 ttft_ms = (clock() - env.accepted_ts) * 1000
+                generation.served += 1  # not at the match: one sent nothing used nothing
             tokens = generation.tokens_within(at) - first_token
             if chunks is not None:
                 chunks.add(text, tokens)

@@ -59,7 +59,7 @@ class Generation:
     stopping: bool = False  # an abort of its engine request is under way
     finish_reason: str | None = None
     followers: dict[str, Follower] = field(default_factory=dict)
-    served: int = 0  # requests that followed it, ever
+    served: int = 0  # followers it sent text, ever (its engine time was of use)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float = 0.0
 
@@ -227,7 +227,6 @@ class ReuseRegistry:
     ) -> Follower:
         follower = Follower(env, generation, start, kind)
         generation.followers[env.id] = follower
-        generation.served += 1
         self._followers[env.id] = follower
         return follower
 

@@ -96,12 +96,14 @@ class Runs:
     async def withdraw_moved(self, assigned: set[TopicPartition]) -> None:
         """A rebalance ended with ``assigned``: work whose partition went to another worker
         stops, with no outcome here (the new owner runs it again, and this run's answer
-        would be thrown away). Followers first: a generation others follow on partitions
-        this worker kept runs on for them (its own client's text no longer passed on), and
-        stops when the last leaves. Work whose partition came back runs on: the record
-        fetched again is adopted, or skipped if the run answered first."""
+        would be thrown away). Runs before followers: a generation still followed is
+        marked withdrawn and runs on for its followers (its own client's text no longer
+        passed on) until the last leaves, then stops as withdrawn; withdrawing a follower
+        first would stop a stale owner as stale, which an engine that yields on abort (vLLM)
+        lets report before its own withdrawal. Work whose partition came back runs on: the
+        record fetched again is adopted, or skipped if the run answered first."""
         self.offsets.kept(assigned)
-        for work in [*self.following.values(), *self.running.values()]:
+        for work in [*self.running.values(), *self.following.values()]:
             if work.tp in assigned or self.offsets.current(work.tp, work.epoch):
                 continue
             if await self.executor.withdraw(work.env.id):
