@@ -141,6 +141,7 @@ class StreamsApp:
             canary=self.canary,
             shadow=self.shadow,
             clock=self.clock.now,
+            owned=self._owned,
         )
         usage = app.topic(topics.usage, key_serializer="raw", value_serializer="raw")
         app.agent(usage, name="usage")(self._consume)
@@ -168,6 +169,15 @@ class StreamsApp:
         # table write can come after the final changelog flush.
         self._stopping = False
         self._watch: asyncio.Future[None] | None = None
+
+    def _owned(self) -> set[int] | None:
+        """The usage partitions this instance holds (their changelogs' too); None before it
+        has any idea."""
+        consumer: Any = getattr(self.app, "_consumer", None)  # app.consumer would make one
+        try:
+            return set(_usage_partitions(consumer.assignment(), self.settings))
+        except Exception:  # noqa: BLE001 - a consumer not started yet has no assignment
+            return None
 
     async def _assigned(self, _app: Any, /, *moved: Any, **_: Any) -> None:
         log.info("partitions assigned: %s", _usage_partitions(moved[0], self.settings))

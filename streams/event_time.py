@@ -45,6 +45,10 @@ _MAX_AHEAD_S = 60.0
 # breaker windows and the partition's clock take it as no later than this ahead of now (a
 # bucket ahead would count until its time came; a clock ahead would close hours early).
 _CLOCK_SLACK_S = 2.0
+# An event this many hours before its record was stored counts in the hour it was stored:
+# two fewer than the hours kept, so one stored in time is not read (an hour or two late, in a
+# catch-up) only once its own hour has left the tables.
+_BEHIND_HOURS = RETENTION_HOURS - 2
 # One warning a minute of each kind of record counted at another time than its own.
 _WARN_EVERY_S = 60.0
 # The app is reading a backlog while the records it read within this long were stored, and
@@ -98,13 +102,19 @@ class EventTimes:
         clock could show its own time then; ``None`` if its own time stands. Decided the same
         however late the record is read (a restart reads some records again)."""
         stored = stored_at if stored_at is not None and stored_at <= now + _MAX_AHEAD_S else None
-        if event.ts > now + _MAX_AHEAD_S:
-            # Not a time Redis's clock shows yet: counted when stored (or, with no plausible
+        # Ahead of when it was stored, where that is known: the same answer however late the
+        # record is read (ahead of the reading, a record re-read after a restart 45 s later
+        # could count in the next hour too).
+        reference = now if stored is None else stored
+        if event.ts > reference + _MAX_AHEAD_S:
+            # Not a time Redis's clock showed yet: counted when stored (or, with no plausible
             # stored time, now), rather than moving the stream's clock on.
-            kind, at = "ahead", now if stored is None else stored
-            how = f"{event.ts - now:.0f} s ahead of the app's clock"
+            kind, at = "ahead", reference
+            how = f"{event.ts - reference:.0f} s ahead of the " + (
+                "app's clock" if stored is None else "broker's when it was stored"
+            )
             when = "when it was read" if stored is None else "when it was stored"
-        elif stored is not None and hour_of(event.ts) < hour_of(stored) - RETENTION_HOURS:
+        elif stored is not None and hour_of(event.ts) < hour_of(stored) - _BEHIND_HOURS:
             # A day or more before it reached the topic (its writer's clock far behind, or
             # a worker that held it that long): its own hour has left the tables, so it is
             # billed in the hour it was stored in rather than lost.

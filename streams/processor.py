@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,8 +100,11 @@ class UsageProcessor:
         canary: CanaryWatch | None = None,
         shadow: ShadowWatch | None = None,
         clock: Callable[[], float] = time.time,
+        owned: Callable[[], Collection[int] | None] = lambda: None,
     ) -> None:
         self.settings = settings
+        # The usage partitions this instance holds now (None: all of them, as in a test).
+        self.owned = owned
         self.policy = BreakerPolicy.from_settings(settings)
         self.quota = QuotaPolicy.from_settings(settings)
         self.rollups = rollups
@@ -228,10 +231,14 @@ class UsageProcessor:
             requests, errors, rejected = window_counts(value["b"], now, self.policy)
             if requests == 0:
                 # Its window has passed: gone from the table, and from its changelog (any
-                # writer of usage can name a route; its key must not stay for ever).
+                # writer of usage can name a route; its key must not stay for ever). Not
+                # from the changelog of a partition another instance holds now: its owner
+                # may have written the key since, and a delete after that would lose it.
                 self.outcomes.data.pop(key, None)
-                for partition in value.get("o", {}):
-                    delete_outside_stream(self.outcomes, key, int(partition))
+                owned = self.owned()
+                for partition in map(int, value.get("o", {})):
+                    if owned is None or partition in owned:
+                        delete_outside_stream(self.outcomes, key, partition)
                 continue
             route, team = orjson.loads(key)
             # The team's own level: every failure of its requests, refusals included.

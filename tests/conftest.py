@@ -8,6 +8,7 @@ starts its own broker and Redis.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
@@ -165,4 +166,6 @@ async def upstreams(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
 
     yield start
     for upstream in started:
-        upstream.stop()
+        # In a thread: one that holds a connection open takes up to 10 s to stop, and the
+        # loop (the test's workers' heartbeats among it) runs on meanwhile.
+        await asyncio.to_thread(upstream.stop)

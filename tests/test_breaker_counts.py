@@ -154,6 +154,22 @@ async def test_breaker_keys_leave_the_table_once_their_window_has_passed() -> No
     assert all(value is None for _, _, value in outcomes.changelog)
 
 
+async def test_a_key_is_deleted_only_from_the_changelogs_this_instance_holds() -> None:
+    """After a rebalance, a partition's new owner may have written a key since: a delete
+    from the old owner, sent to that changelog after it, would lose the key on restart."""
+    now = [NOW]
+    outcomes = _RecordingTable()
+    processor, _ = _processor(lambda: now[0], outcomes=outcomes, breaker_window_s=60.0)
+    processor.owned = lambda: {1}
+    event = usage_event(route="laneway-code", ts=now[0])
+    processor.handle(event.to_json(), 1, 0)
+    processor.handle(usage_event(route="laneway-code", ts=now[0]).to_json(), 2, 0)
+    now[0] += 62
+    await processor.evaluate_breakers()
+    assert not outcomes
+    assert [partition for partition, _, _ in outcomes.changelog] == [1]
+
+
 def _route(key: str) -> str:
     route: str = orjson.loads(key)[0]
     return route

@@ -19,10 +19,11 @@ import pytest
 
 from laneway.clock import RedisClock
 from laneway.constants import RedisKeys
+from laneway.schema import MAX_USAGE_MS
 from quota.enforcer import QuotaEnforcer
 from quota.model import QuotaPolicy
 from quota.teams import get_team
-from tests.stack import ROOT, LiveStack, clear_of_the_hour_turn, eventually
+from tests.stack import ROOT, LiveStack, clear_of_the_hour_turn, envelope, eventually
 
 SKEW_S = 5.0
 # The worker's process: every time.time() in it reads ``skew_s`` off (asyncio and the sim's
@@ -180,3 +181,20 @@ async def _redis_now(stack: LiveStack) -> float:
 
 async def _at_least(read: Callable[[], Awaitable[int]], tokens: int) -> bool:
     return await read() >= tokens
+
+
+async def test_a_request_stamped_by_no_plausible_clock_still_gets_its_outcome(
+    stack: LiveStack,
+) -> None:
+    """A batch line's acceptance time is its record's timestamp; on a topic an older laneway
+    made, its producer sets it, to 1970 if it likes. The run's durations then exceed what a
+    usage event holds: they are clamped, and the request still ends with its usage event
+    (and so its reply and settlement), not in an error after its engine time was spent."""
+    worker = await stack.start_worker("completion")
+    env = envelope(accepted_ts=0.001, reply_to=None)
+    usage = await worker.executor.run(env)
+    assert usage is not None
+    assert usage.status == "ok"
+    assert usage.total_ms == MAX_USAGE_MS
+    (stored,) = (await stack.usage_of(env.id)).values()
+    assert stored["status"] == "ok"

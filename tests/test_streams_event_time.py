@@ -148,6 +148,30 @@ async def test_usage_too_old_for_the_tables_is_counted_when_it_was_stored(
     assert "older than the" in caplog.text
     assert [(r["hour"], r["requests"]) for r in rollups.values()] == [(HOUR, 1)]
     # Within the hours kept, an event counts in its own hour, however late it comes.
-    late = now[0] - (RETENTION_HOURS - 1) * 3600
+    late = now[0] - (RETENTION_HOURS - 3) * 3600
     processor.handle(usage_event(ts=late).to_json(), 0, 2, stored_at=now[0])
-    assert sorted(r["hour"] for r in rollups.values()) == [HOUR - RETENTION_HOURS + 1, HOUR]
+    assert sorted(r["hour"] for r in rollups.values()) == [HOUR - RETENTION_HOURS + 3, HOUR]
+
+
+async def test_a_record_stamped_ahead_counts_in_one_hour_however_late_it_is_read() -> None:
+    """A writer 90 s ahead, its record stored 30 s before the hour turns: re-stamped when read
+    at once, and re-stamped the same when read again after a restart 45 s later (then only
+    45 s ahead of the app's clock): one request, in one hour."""
+    stored = (HOUR + 1) * 3600.0 - 30
+    rollups = _Table()
+    event = usage_event(ts=stored + 90).to_json()
+    _processor(rollups, [stored + 0.1]).handle(event, 0, 100, stored_at=stored)
+    _processor(rollups, [stored + 45]).handle(event, 0, 100, stored_at=stored)
+    assert [(r["hour"], r["requests"]) for r in rollups.values()] == [(HOUR, 1)]
+
+
+async def test_an_event_a_day_behind_its_record_is_counted_though_read_in_the_next_hour() -> None:
+    """Stored a second before the hour turns, 26 hours after its own time, and read two
+    seconds later: counted (in the hour it was stored), not lost between the rule for events
+    behind their record and the rule for a backlog too old."""
+    stored = (HOUR + 1) * 3600.0 - 1
+    rollups = _Table()
+    processor = _processor(rollups, [stored + 2])
+    processor.handle(usage_event(ts=stored - 26 * 3600).to_json(), 0, 0, stored_at=stored)
+    assert processor.counters.too_old == 0
+    assert [(r["hour"], r["requests"]) for r in rollups.values()] == [(HOUR, 1)]

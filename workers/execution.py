@@ -21,7 +21,7 @@ from laneway.errors import (
 )
 from laneway.metrics import COST, ERRORS, QUEUE_WAIT, TOKENS, TTFT, team_label
 from laneway.retry import Backoff
-from laneway.schema import Outcome, Reply, RequestEnvelope, UsageEvent
+from laneway.schema import MAX_USAGE_MS, Outcome, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import metrics
 from workers.cache_salt import CacheSalts
@@ -65,6 +65,13 @@ class _Totals:
     # (type-through): the text stopped going to it, the engine ran on for them.
     withheld: bool = False
     passed_tokens: int = 0  # the completion tokens its client was sent
+
+
+def _duration(ms: float) -> float:
+    """A duration as a usage event holds it: within a year either way. One measured from a
+    time no clock could give (a batch line's record stamped in 1970 by an old topic's
+    producer) still ends its request with an answer, a settlement and a usage event."""
+    return round(max(-MAX_USAGE_MS, min(MAX_USAGE_MS, ms)), 3)
 
 
 class RequestExecutor:
@@ -633,12 +640,12 @@ class RequestExecutor:
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
-            engine_ms=round(engine_ms, 3),
-            stale_engine_ms=round(stale_engine_ms, 3),
-            stale_news_ms=round(stale_news_ms, 3),
-            queue_ms=round(queue_ms, 3),
-            ttft_ms=round(ttft_ms, 3) if ttft_ms is not None else None,
-            total_ms=round((now - env.accepted_ts) * 1000, 3),
+            engine_ms=_duration(engine_ms),
+            stale_engine_ms=_duration(stale_engine_ms),
+            stale_news_ms=_duration(stale_news_ms),
+            queue_ms=_duration(queue_ms),
+            ttft_ms=_duration(ttft_ms) if ttft_ms is not None else None,
+            total_ms=_duration((now - env.accepted_ts) * 1000),
             ts=now,
             worker=self.worker_id,
             error=error,
