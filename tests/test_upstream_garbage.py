@@ -364,3 +364,14 @@ async def test_a_suffix_the_upstream_does_not_take_is_unsupported_naming_it(
     with pytest.raises(EngineUnsupported, match="suffix is not currently supported") as refused:
         _ = [delta async for delta in upstream_engine.generate(request)]
     assert refused.value.param == "suffix"
+
+
+async def test_an_empty_suffix_is_a_plain_completion_not_refused(
+    upstream_engine: OpenAICompatibleEngine,
+) -> None:
+    """An IDE at the end of a file sends `suffix: ""`: nothing to fill in around, which a
+    server without fill-in-the-middle (vLLM serve refuses the field whatever its value) serves
+    as the plain completion it is."""
+    request = EngineRequest(id="eof", route="m", prompt="def f(", suffix="", max_tokens=8)
+    deltas = [delta async for delta in upstream_engine.generate(request)]
+    assert deltas[-1].finish_reason == "stop"

@@ -190,7 +190,9 @@ class OpenAICompatibleEngine:
             body["messages"] = [m.model_dump() for m in request.messages]
             return "/chat/completions", body
         body["prompt"] = request.prompt
-        if request.suffix is not None:
+        if request.suffix:
+            # An empty one (the cursor at the end of the file) asks for a plain continuation,
+            # and is not sent: vLLM serve refuses a `suffix` of any value, "" included.
             body["suffix"] = request.suffix
         return "/completions", body
 
