@@ -7,8 +7,9 @@ the step of table recovery that Faust bounds by ``broker_request_timeout`` and r
 coroutine ``<step>`` (``flush``: the producer's, first of all; ``perform_seek``: the seek to
 the committed offsets, inside the hand-over) does not finish in time (1 s here), once (the
 marker again), as a broker that stops answering for 90 s would have it.
-``STREAMS_FAULT=clock-ahead:<seconds>``: the app's clock reads that far ahead of Redis's, as
-if that much time had gone by (hours close without a test waiting for them). Everything else
+``STREAMS_FAULT=clock-ahead:<seconds>``: the app's clock, and the broker's times of the records
+it reads, are that far ahead of Redis's, as if that much time had gone by (hours close without
+a test waiting for them). Everything else
 is the real entry point.
 """
 
@@ -70,11 +71,23 @@ def _ahead_of_redis(self: RedisClock) -> float:
     return self.local() + self.offset + float(_step)
 
 
+def _stored_later(
+    self: UsageProcessor,
+    raw: bytes | None,
+    partition: int,
+    offset: int,
+    stored_at: float | None = None,
+) -> None:
+    # The broker's clock goes by with the app's: an event of the hour ahead is stored then.
+    _handle(self, raw, partition, offset, None if stored_at is None else stored_at + float(_step))
+
+
 _step = _fault.partition(":")[2]
 if _fault.startswith("recovery:"):
     Recovery._wait = _stalled  # type: ignore[method-assign]
 elif _fault.startswith("clock-ahead:"):
     RedisClock.now = _ahead_of_redis  # type: ignore[method-assign]
+    UsageProcessor.handle = _stored_later  # type: ignore[method-assign]
 else:
     UsageProcessor.handle = _faulty  # type: ignore[method-assign]
 runpy.run_module("streams", run_name="__main__", alter_sys=True)
