@@ -78,6 +78,19 @@ def authorise(request: Request) -> IngressState:
     return state
 
 
+def refuse_misdirected_action(model: str, *, kind: str, action: str) -> None:
+    """A PUT whose model name ends in ``/<action>`` is that action sent with the wrong method
+    (the routes take a model name with '/' in it): refused, naming the right request, rather
+    than starting a ``kind`` for a model named ``x/<action>``."""
+    if model.endswith(f"/{action}"):
+        stem = model.removesuffix(f"/{action}")
+        raise BadRequest(
+            f"model {model!r}: PUT starts a {kind}; to {action} {stem!r}'s {kind}, "
+            f"POST /admin/{kind}/{stem}/{action}",
+            param="model",
+        )
+
+
 # The operations behind the routes; the web console (ingress/console/) calls the same ones.
 
 

@@ -14,10 +14,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ingress.admin import authorise
+from ingress.admin import authorise, refuse_misdirected_action
 from ingress.responses import JSONResponse
 from laneway.canary import DEFAULT_STEPS, CanaryState, abort_canary, list_canaries, start_canary
-from laneway.errors import BadRequest
 from laneway.openai_api import parse_body
 
 __all__ = ["canary_router"]
@@ -48,13 +47,7 @@ async def get_canaries(request: Request) -> Response:
 @canary_router.put("/{model:path}")
 async def put_canary(model: str, request: Request) -> Response:
     state = authorise(request)
-    if model.endswith("/abort"):
-        stem = model.removesuffix("/abort")
-        raise BadRequest(
-            f"model {model!r}: PUT starts a canary; to abort {stem!r}'s canary, "
-            f"POST /admin/canary/{stem}/abort",
-            param="model",
-        )
+    refuse_misdirected_action(model, kind="canary", action="abort")
     body = parse_body(CanaryBody, await request.body())
     started = await start_canary(state.redis, state.keys, model, body.target, body.steps)
     return JSONResponse(_view(started), status_code=201)

@@ -15,10 +15,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ingress.admin import authorise
+from ingress.admin import authorise, refuse_misdirected_action
 from ingress.responses import JSONResponse
 from laneway.constants import RedisKeys
-from laneway.errors import BadRequest
 from laneway.openai_api import parse_body
 from laneway.shadow import (
     ShadowState,
@@ -59,13 +58,7 @@ async def get_shadows(request: Request) -> Response:
 @shadow_router.put("/{model:path}")
 async def put_shadow(model: str, request: Request) -> Response:
     state = authorise(request)
-    if model.endswith("/stop"):
-        stem = model.removesuffix("/stop")
-        raise BadRequest(
-            f"model {model!r}: PUT starts a shadow; to stop {stem!r}'s shadow, "
-            f"POST /admin/shadow/{stem}/stop",
-            param="model",
-        )
+    refuse_misdirected_action(model, kind="shadow", action="stop")
     body = parse_body(ShadowBody, await request.body())
     started = await start_shadow(state.redis, state.keys, model, body.target, body.share)
     return JSONResponse(await _view(state.redis, state.keys, started), status_code=201)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import murmur2
 
 from ingress import create_app
 from ingress.settings import IngressSettings
@@ -41,6 +43,13 @@ from workers.sim import SimEngine
 from workers.types import Engine, EngineRequest
 
 PARTITIONS = 2
+
+
+def partition_of(affinity: str) -> int:
+    """The partition the producer's default partitioner gives records of ``affinity``."""
+    return (murmur2(affinity.encode()) & 0x7FFFFFFF) % PARTITIONS
+
+
 ROOT = Path(__file__).resolve().parent.parent
 # The suite runs on two shared cores beside other suites: Redis itself may go without the
 # CPU for 50 ms (the default hot timeout), which looks just like a Redis that hangs. Tests
@@ -353,6 +362,11 @@ class LiveStack:
             else:
                 topic, key = self.topics.request(record.cls, record.band), record.affinity
             await producer.send_and_wait(topic, record.to_json(), key=key.encode())
+
+    async def usage_counts(self, ids: set[str]) -> Counter[str]:
+        """How many usage events of each of ``ids`` the topic holds now."""
+        events = await self.read_all(self.topics.usage, where=lambda e: e["id"] in ids)
+        return Counter(e["id"] for e in events)
 
     async def usage_of(self, *ids: str) -> dict[str, dict[str, Any]]:
         """The usage event of each of ``ids``, by id (fails unless every one arrives)."""

@@ -13,7 +13,7 @@ from streams.announce import BreakerSubject
 from streams.breaker import BreakerState, route_counts
 from streams.processor import UsageProcessor
 from streams.settings import StreamsSettings
-from tests.test_streams_logic import _Table
+from tests.test_streams_logic import _Table, offline_processor
 from tests.test_streams_process import usage_event
 
 NOW = 1_800_000_000.0
@@ -51,14 +51,10 @@ def _processor(
     clock: Callable[[], float], outcomes: _Table | None = None, **settings: Any
 ) -> tuple[UsageProcessor, _Announcer]:
     announcer = _Announcer()
-    processor = UsageProcessor(
+    processor = offline_processor(
         StreamsSettings(**{"breaker_min_requests": 50, "breaker_cooldown_s": 10.0, **settings}),
-        rollups=_Table(),
         outcomes=_Table() if outcomes is None else outcomes,
-        announcer=announcer,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
-        send=None,  # type: ignore[arg-type]
+        announcer=announcer,
         clock=clock,
     )
     return processor, announcer

@@ -10,16 +10,15 @@ import subprocess
 import httpx
 import orjson
 import pytest
-from aiokafka.partitioner import murmur2
 
 from ingress.admission import affinity_key
-from tests.stack import PARTITIONS, LiveStack, eventually
+from tests.stack import LiveStack, eventually, partition_of
 from workers.sim import SimEngine
 from workers.types import EngineRequest
 
 
 def _partition(session: str, team: str = "team-a") -> int:
-    return (murmur2(affinity_key(team, session).encode()) & 0x7FFFFFFF) % PARTITIONS
+    return partition_of(affinity_key(team, session))
 
 
 async def test_same_session_same_partition_same_worker(stack: LiveStack) -> None:

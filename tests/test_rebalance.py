@@ -4,68 +4,22 @@ what runs of a partition that went elsewhere stops, and preemption counts are ke
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
-from aiokafka.partitioner import murmur2
 
-from tests.stack import PARTITIONS, LiveStack, envelope, eventually, long_prompt, sim_answer_tokens
+from tests.scripted_engine import ScriptedSim
+from tests.stack import (
+    PARTITIONS,
+    LiveStack,
+    envelope,
+    eventually,
+    long_prompt,
+    partition_of,
+    sim_answer_tokens,
+)
 from workers.pool import PoolWorker
-from workers.sim import SimEngine, SimProfile
-from workers.types import EngineDelta, EngineRequest
-
-
-class _Scripted(SimEngine):
-    """The sim engine (taking no time), counting its runs by request id. The first run of a
-    request named in ``hold`` keeps back its token of that index until the request is
-    aborted or ``let_go`` is called. The sim's abort takes effect at its next step: a run
-    kept back at its last token ends as it would have, as when an abort comes during the
-    last step."""
-
-    def __init__(self) -> None:
-        super().__init__(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0))
-        self.runs: Counter[str] = Counter()
-        self.hold: dict[str, int] = {}
-        self.holding: set[str] = set()
-        self.aborts: set[str] = set()
-        self._free = False
-        self._changed = asyncio.Condition()
-
-    async def abort(self, request_id: str) -> None:
-        self.aborts.add(request_id)
-        await super().abort(request_id)
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def let_go(self) -> None:
-        self._free = True
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        self.runs[request.id] += 1
-        at = self.hold.pop(request.id, None)
-        async with contextlib.aclosing(super().generate(request)) as deltas:
-            index = 0
-            async for delta in deltas:
-                if index == at:
-                    self.holding.add(request.id)
-                    async with self._changed:
-                        await self._changed.wait_for(
-                            lambda: self._free or request.id in self.aborts
-                        )
-                    self.holding.discard(request.id)
-                yield delta
-                index += 1
-
-
-def _partition(affinity: str) -> int:
-    """The partition the producer's default partitioner gives records of ``affinity``."""
-    return (murmur2(affinity.encode()) & 0x7FFFFFFF) % PARTITIONS
 
 
 async def _rebalance(worker: PoolWorker, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,12 +36,6 @@ async def _rebalance(worker: PoolWorker, monkeypatch: pytest.MonkeyPatch) -> Non
     await asyncio.wait_for(assigned.wait(), 30)
 
 
-async def _usage_counts(stack: LiveStack, ids: set[str]) -> Counter[str]:
-    """How many usage events of each of ``ids`` the topic holds now."""
-    events = await stack.read_all(stack.topics.usage, where=lambda e: e["id"] in ids)
-    return Counter(e["id"] for e in events)
-
-
 async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_rebalance(
     stack: LiveStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +44,7 @@ async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_reba
     there: the answered ones are skipped (the commit named them), and the held one and one
     whose usage event was still on its way when the partition was revoked finish as the
     runs they were in, not as second runs."""
-    engine = _Scripted()
+    engine = ScriptedSim()
     worker = await stack.start_worker("completion", engine=engine)
     held = envelope(prompt=long_prompt(4))
     engine.hold[held.id] = 0
@@ -130,7 +78,7 @@ async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_reba
 
     ours = [held, *quick, reporting, marker]
     assert {env.id: engine.runs[env.id] for env in ours} == {env.id: 1 for env in ours}
-    assert await _usage_counts(stack, {env.id for env in ours}) == {env.id: 1 for env in ours}
+    assert await stack.usage_counts({env.id for env in ours}) == {env.id: 1 for env in ours}
 
 
 async def test_a_run_that_answers_while_its_partition_is_away_is_not_run_again(
@@ -139,7 +87,7 @@ async def test_a_run_that_answers_while_its_partition_is_away_is_not_run_again(
     """The partition is revoked while a request runs; the run answers before the partition
     comes back to this worker, so nothing is left to adopt its record fetched again (the
     revoke's commit named it pending): it is skipped, not run a second time."""
-    engine = _Scripted()
+    engine = ScriptedSim()
     worker = await stack.start_worker("completion", engine=engine)
     held = envelope(prompt=long_prompt(4))
     engine.hold[held.id] = 0
@@ -162,7 +110,7 @@ async def test_a_run_that_answers_while_its_partition_is_away_is_not_run_again(
     await stack.usage_of(marker.id)
     await eventually(lambda: not worker.runs.tasks, 20, "every run ended")
     assert engine.runs[held.id] == 1
-    assert await _usage_counts(stack, {held.id}) == {held.id: 1}
+    assert await stack.usage_counts({held.id}) == {held.id: 1}
 
 
 @pytest.mark.parametrize("step", ["first", "last"])
@@ -174,11 +122,11 @@ async def test_a_request_whose_partition_went_to_another_worker_stops_there(
     answers it, once); the one whose partition stayed runs on, and is answered once. An
     abort that comes during the last step does not stop the run, which then reports nothing
     (its client had two answers)."""
-    first_engine, second_engine = _Scripted(), _Scripted()
+    first_engine, second_engine = ScriptedSim(), ScriptedSim()
     first = await stack.start_worker("completion", engine=first_engine)
     affinities: dict[int, str] = {}
     for i in range(100):
-        affinities.setdefault(_partition(f"s:doc-{i}"), f"s:doc-{i}")
+        affinities.setdefault(partition_of(f"s:doc-{i}"), f"s:doc-{i}")
     long = {p: envelope(prompt=long_prompt(4), affinity=a) for p, a in affinities.items()}
     assert len(long) == PARTITIONS == 2
     for env in long.values():
@@ -211,7 +159,7 @@ async def test_a_request_whose_partition_went_to_another_worker_stops_there(
     assert (answer["worker"], answer["status"]) == (first.settings.worker_id, "ok")
     await eventually(lambda: not first.runs.tasks, 20, "the first worker's runs ended")
     assert second_engine.runs == {moved.id: 1}
-    assert await _usage_counts(stack, {moved.id, kept.id}) == {moved.id: 1, kept.id: 1}
+    assert await stack.usage_counts({moved.id, kept.id}) == {moved.id: 1, kept.id: 1}
 
 
 async def test_a_shed_is_counted_once_it_took_effect_and_across_a_rebalance(
@@ -221,7 +169,7 @@ async def test_a_shed_is_counted_once_it_took_effect_and_across_a_rebalance(
     and it ends ``ok`` as it would have (not shed, nothing counted), the other's takes
     effect. That one waits in the queue while a rebalance gives its partition back, and
     its usage event still counts the preemption when it runs."""
-    engine = _Scripted()
+    engine = ScriptedSim()
     worker = await stack.start_worker(
         "completion", engine=engine, memory_check_ms=20, memory_cooldown_s=0.2
     )

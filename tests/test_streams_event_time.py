@@ -17,8 +17,7 @@ from laneway.schema import UsageEvent, decode
 from streams.event_time import RETENTION_HOURS
 from streams.metrics import EVENTS
 from streams.processor import UsageProcessor
-from streams.settings import StreamsSettings
-from tests.test_streams_logic import _Table
+from tests.test_streams_logic import _Table, offline_processor
 from tests.test_streams_process import usage_event
 
 HOUR = 500_000  # 2027-01-15T08:00Z
@@ -31,13 +30,8 @@ def _processor(
         if sent is not None:
             sent.append(orjson.loads(value))
 
-    return UsageProcessor(
-        StreamsSettings(),
+    return offline_processor(
         rollups=rollups,
-        outcomes=_Table(),
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
         send=send,
         clock=lambda: now[0],
     )

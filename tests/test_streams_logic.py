@@ -133,16 +133,26 @@ class _Table(dict[str, Any]):
         pass
 
 
+def offline_processor(settings: StreamsSettings | None = None, **parts: Any) -> UsageProcessor:
+    """A processor with no Redis, announcer or producer unless ``parts`` give them: its fold
+    and its timers alone, on tables of its own unless given."""
+    given: dict[str, Any] = {
+        "rollups": _Table(),
+        "outcomes": _Table(),
+        "announcer": None,
+        "redis": None,
+        "keys": None,
+        "send": None,
+        **parts,
+    }
+    return UsageProcessor(StreamsSettings() if settings is None else settings, **given)
+
+
 async def test_replayed_offsets_are_not_counted_twice() -> None:
     rollups, outcomes = _Table(), _Table()
-    processor = UsageProcessor(
-        StreamsSettings(),
+    processor = offline_processor(
         rollups=rollups,
         outcomes=outcomes,
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
-        send=None,  # type: ignore[arg-type]
     )
     events = [usage_event(status="error" if i % 3 == 0 else "ok") for i in range(10)]
     for offset, event in enumerate(events):
@@ -165,13 +175,9 @@ def _publishing(
     clock: Callable[[], float],
 ) -> UsageProcessor:
     """A processor whose hours close once their partition is idle a second (no grace)."""
-    return UsageProcessor(
+    return offline_processor(
         StreamsSettings(rollup_idle_s=1.0, rollup_grace_s=0),
         rollups=rollups,
-        outcomes=_Table(),
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
         send=send,
         clock=clock,
     )
@@ -243,13 +249,8 @@ async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() 
     async def send(topic: str, key: bytes, value: bytes) -> None:
         sent.append(orjson.loads(value))
 
-    processor = UsageProcessor(
+    processor = offline_processor(
         StreamsSettings(rollup_provisional_s=10, rollup_grace_s=30, rollup_idle_s=5),
-        rollups=_Table(),
-        outcomes=_Table(),
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
         send=send,
         clock=lambda: now[0],
     )
@@ -477,14 +478,8 @@ async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it
     a bad record (before: a crashed agent, a bill of 10^18 tokens)."""
     now = float(int(time.time()) // 3600 * 3600 + 600)
     rollups = _Table()
-    processor = UsageProcessor(
-        StreamsSettings(),
+    processor = offline_processor(
         rollups=rollups,
-        outcomes=_Table(),
-        announcer=None,  # type: ignore[arg-type]
-        redis=None,  # type: ignore[arg-type]
-        keys=None,  # type: ignore[arg-type]
-        send=None,  # type: ignore[arg-type]
         clock=lambda: now,
     )
     processor.handle(usage_event(ts=now + 5 * 365 * 86400).to_json(), 0, 0)

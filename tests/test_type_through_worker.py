@@ -5,68 +5,16 @@ its followers, and a tombstone that comes before a follower is known to the shie
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiokafka import TopicPartition
-from aiokafka.partitioner import murmur2
 
 from laneway.schema import CancelRecord, RequestEnvelope
-from tests.stack import PARTITIONS, LiveStack, envelope, eventually
+from tests.scripted_engine import ScriptedSim
+from tests.stack import PARTITIONS, LiveStack, envelope, eventually, partition_of
 from workers.dispatch import Work
-from workers.sim import SimEngine, SimProfile
-from workers.types import EngineDelta, EngineRequest
 
 WORDS = ["alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma "]
-
-
-class _Stepped(SimEngine):
-    """The sim engine (taking no time), counting its runs by request id, answering the prompts
-    in ``answers`` with those words (one a token). The first run of a request named in
-    ``hold`` keeps back its token of that index until the request is aborted or ``let_go`` is
-    called; the sim's abort takes effect at its next token."""
-
-    def __init__(self) -> None:
-        super().__init__(SimProfile(prefill_ms_per_token=0.0, decode_ms_per_step=0.0))
-        self.answers: dict[str, list[str]] = {}
-        self.runs: Counter[str] = Counter()
-        self.hold: dict[str, int] = {}
-        self.holding: set[str] = set()
-        self.aborts: set[str] = set()
-        self._free = False
-        self._changed = asyncio.Condition()
-
-    def _completion_words(self, request: EngineRequest) -> list[str]:
-        return self.answers.get(request.prompt) or super()._completion_words(request)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborts.add(request_id)
-        await super().abort(request_id)
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def let_go(self) -> None:
-        self._free = True
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        self.runs[request.id] += 1
-        at = self.hold.pop(request.id, None)
-        async with contextlib.aclosing(super().generate(request)) as deltas:
-            index = 0
-            async for delta in deltas:
-                if index == at:
-                    self.holding.add(request.id)
-                    async with self._changed:
-                        await self._changed.wait_for(
-                            lambda: self._free or request.id in self.aborts
-                        )
-                    self.holding.discard(request.id)
-                yield delta
-                index += 1
 
 
 def _keystroke(prompt: str, **fields: Any) -> RequestEnvelope:
@@ -79,13 +27,8 @@ def _affinity_of_each_partition() -> dict[int, str]:
     found: dict[int, str] = {}
     for i in range(100):
         affinity = f"s:doc-{i}"
-        found.setdefault((murmur2(affinity.encode()) & 0x7FFFFFFF) % PARTITIONS, affinity)
+        found.setdefault(partition_of(affinity), affinity)
     return found
-
-
-async def _usage_counts(stack: LiveStack, ids: set[str]) -> Counter[str]:
-    events = await stack.read_all(stack.topics.usage, where=lambda e: e["id"] in ids)
-    return Counter(e["id"] for e in events)
 
 
 async def test_a_keystroke_its_generation_left_nothing_to_give_runs_on_its_own(
@@ -94,7 +37,7 @@ async def test_a_keystroke_its_generation_left_nothing_to_give_runs_on_its_own(
     """The user typed all the suggestion had made so far, and its next output was its end
     with no more text (an engine's last delta often carries only the finish reason). The
     keystroke that followed it got an empty answer reported ok; it runs on its own now."""
-    engine = _Stepped()
+    engine = ScriptedSim()
     worker = await stack.start_worker("completion", engine=engine)
     engine.answers["def main():"] = ["alpha ", "beta ", ""]
     first = _keystroke("def main():")
@@ -111,7 +54,7 @@ async def test_a_keystroke_its_generation_left_nothing_to_give_runs_on_its_own(
     assert engine.runs[typed.id] == 1
     assert usage[first.id]["status"] == "superseded"
     await eventually(lambda: not worker.runs.tasks, 20, "every run ended")
-    assert await _usage_counts(stack, {first.id, typed.id}) == {first.id: 1, typed.id: 1}
+    assert await stack.usage_counts({first.id, typed.id}) == {first.id: 1, typed.id: 1}
 
 
 async def test_followers_of_a_partition_that_went_to_another_worker_stop_there(
@@ -122,7 +65,7 @@ async def test_followers_of_a_partition_that_went_to_another_worker_stop_there(
     other partition (coalesced). What the moved partition holds stops on the first worker and
     reports nothing there (the newcomer answers it, once): its followers at once, its
     suggestion once no follower on a kept partition is left. What stayed runs on."""
-    first_engine, second_engine = _Stepped(), _Stepped()
+    first_engine, second_engine = ScriptedSim(), ScriptedSim()
     first = await stack.start_worker("completion", engine=first_engine)
     affinity = _affinity_of_each_partition()
     assert len(affinity) == PARTITIONS == 2
@@ -186,24 +129,24 @@ async def test_followers_of_a_partition_that_went_to_another_worker_stop_there(
     assert stayed[same[kept].id]["status"] == "cancelled"
     await eventually(lambda: not first.runs.tasks, 20, "the first worker's runs ended")
     everything = {env.id for env in (*leaders.values(), *typed.values(), *same.values())}
-    assert await _usage_counts(stack, everything) == dict.fromkeys(everything, 1)
+    assert await stack.usage_counts(everything) == dict.fromkeys(everything, 1)
 
 
-async def test_a_superseded_request_that_starts_for_its_followers_is_told_so(
-    stack: LiveStack,
-) -> None:
+async def _stale_owner_left_by_its_follower(
+    stack: LiveStack, words: list[str], hold_at: int, session: str
+) -> tuple[ScriptedSim, RequestEnvelope, asyncio.Task[Any], asyncio.Task[Any]]:
     """A keystroke follows a suggestion the dispatcher just handed to the engine, and
-    supersedes it before its run began: it starts for the follower. Its own client is told it
-    was superseded (not sent the text, not charged it), and once the follower's client leaves,
-    the engine stops it: nobody wants it."""
-    engine = _Stepped()
+    supersedes it before its run began: it starts for the follower, and is held at its token
+    ``hold_at``; then the follower's client leaves. Returns the engine, the owner, and the
+    owner's run and the follower's service, both under way."""
+    engine = ScriptedSim()
     worker = await stack.start_worker("completion", engine=engine)
     executor, shield = worker.executor, worker.shield
-    engine.answers["def main():"] = WORDS
-    owner = _keystroke("def main():", session="doc-5")
-    engine.hold[owner.id] = 2
+    engine.answers["def main():"] = words
+    owner = _keystroke("def main():", session=session)
+    engine.hold[owner.id] = hold_at
     executor.reuse.begin(owner)  # what the dispatcher does as it starts it
-    newer = _keystroke("def main():", session="doc-5", seq=2)
+    newer = _keystroke("def main():", session=session, seq=2)
     follower = executor.reuse.match(newer)
     assert follower is not None
     assert shield.observe(newer) == []  # not running yet: nothing to abort
@@ -214,6 +157,15 @@ async def test_a_superseded_request_that_starts_for_its_followers_is_told_so(
     rid = shield.cancel(CancelRecord(id=newer.id, team=newer.team))
     assert rid == newer.id
     await executor.abort(rid)
+    return engine, owner, run, served
+
+
+async def test_a_superseded_request_that_starts_for_its_followers_is_told_so(
+    stack: LiveStack,
+) -> None:
+    """Its own client is told it was superseded (not sent the text, not charged it), and once
+    the follower's client leaves, the engine stops it: nobody wants it."""
+    engine, owner, run, served = await _stale_owner_left_by_its_follower(stack, WORDS, 2, "doc-5")
     await eventually(lambda: owner.id in engine.aborts, 20, "the suggestion stopped")
     usage = await run
     assert usage is not None
@@ -225,7 +177,7 @@ async def test_a_tombstone_that_comes_before_a_follower_starts_ends_it(stack: Li
     """The cancel feed runs beside the fetch loop: a keystroke's tombstone may come after it
     was matched to a generation and before it is known to the shield as running. It is not
     lost: the keystroke ends cancelled, the generation is not followed for it."""
-    engine = _Stepped()
+    engine = ScriptedSim()
     worker = await stack.start_worker("completion", engine=engine)
     engine.answers["def main():"] = WORDS
     owner = _keystroke("def main():", session="doc-6")
@@ -251,24 +203,7 @@ async def test_a_stale_owner_whose_followers_left_before_its_first_token_stays_s
     """The follower it started for leaves before the suggestion's first (and last) token
     comes: that token reaches no one as an answer. The superseded owner is told so, not sent
     the text as its answer nor charged for it."""
-    engine = _Stepped()
-    worker = await stack.start_worker("completion", engine=engine)
-    executor, shield = worker.executor, worker.shield
-    engine.answers["def main():"] = ["alpha "]
-    owner = _keystroke("def main():", session="doc-7")
-    engine.hold[owner.id] = 0
-    executor.reuse.begin(owner)
-    newer = _keystroke("def main():", session="doc-7", seq=2)
-    follower = executor.reuse.match(newer)
-    assert follower is not None
-    assert shield.observe(newer) == []
-    shield.started(newer)
-    run = asyncio.create_task(executor.run(owner))
-    served = asyncio.create_task(executor.follow(follower))
-    await eventually(lambda: owner.id in engine.holding, 20, "the suggestion running")
-    rid = shield.cancel(CancelRecord(id=newer.id, team=newer.team))
-    assert rid == newer.id
-    await executor.abort(rid)
+    engine, _, run, served = await _stale_owner_left_by_its_follower(stack, ["alpha "], 0, "doc-7")
     await engine.let_go()
     usage = await run
     assert usage is not None
