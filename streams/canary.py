@@ -66,9 +66,9 @@ _ABANDONED_SLACK = 0.10
 _MIN_ANSWERED_RATIO = 0.5
 # ...and only when so few answered are that identical routes give as few once in 10,000
 # (a one-sided Fisher test of the two sides' counts). The share alone, looked at every second
-# over a step, rolled back 16-20 % of healthy steps at 90 % superseded on a 50-run sample;
-# with the test, under 1 % (tests/test_canary_logic.py simulates it). A hung canary still
-# goes: at 90 % superseded on the stable route, answering none of ~90 runs at a 1 % step.
+# over a step, rolls healthy steps back by chance at 90 % superseded on a 50-run sample;
+# with the test, under 1 % of them (tests/test_canary_logic.py simulates it). A hung canary
+# still goes: at 90 % superseded on the stable route, within 120 runs at a 1 % step.
 _ABANDONED_P = 1e-4
 
 _Kind = Literal["ok", "error", "abandoned"]
