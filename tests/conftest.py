@@ -96,7 +96,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     try:
         kafka.start()
         try:
-            yield Services(kafka.bootstrap, redis.url)
+            yield Services(kafka.bootstrap, redis.url, broker_pid=kafka.pid)
         finally:
             kafka.stop()
     finally:

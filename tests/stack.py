@@ -65,6 +65,8 @@ class Services:
     # A secured broker: the admin principal's SASL options, which the stack's own set-up and
     # reads use (the components under test get principals of their own).
     admin_auth: dict[str, Any] = field(default_factory=dict)
+    # The session broker's process, for the tests that freeze it (None: not ours to freeze).
+    broker_pid: int | None = None
 
     def admin_settings(self) -> dict[str, Any]:
         """Settings fields that make a laneway client the admin principal (none if plain)."""

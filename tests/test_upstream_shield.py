@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import os
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -126,24 +128,21 @@ async def test_a_cancel_between_tokens_stops_the_upstream_within_a_token(
     await _idle(worker, upstream)
 
 
-async def test_superseded_keystrokes_never_reach_the_upstream(
-    stack: LiveStack, upstreams: Callable[..., Any]
+def _keystroke(http: httpx.AsyncClient, seq: int) -> asyncio.Task[httpx.Response]:
+    """Keystroke ``seq`` of one editor session: a completion that supersedes the ones before."""
+    headers = {"X-Laneway-Session": "src/app.py", "X-Laneway-Seq": str(seq)}
+    body = _completion(f"keystroke-{seq}", 8)
+    return asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
+
+
+async def _only_the_last_keystroke_ran(
+    keystrokes: list[asyncio.Task[httpx.Response]],
+    occupant: Any,
+    worker: PoolWorker,
+    upstream: UpstreamProcess,
 ) -> None:
-    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
-    ingress = await _ingress_with_room(stack)
-    worker = await _serving(stack, upstream, upstream_slots=1)
-    http = stack.http(ingress, await stack.api_key())
-    occupant = await _occupy(http, upstream, "occupant")
-    keystrokes = []
-    for seq in range(1, 6):
-        headers = {"X-Laneway-Session": "src/app.py", "X-Laneway-Seq": str(seq)}
-        body = _completion(f"keystroke-{seq}", 8)
-        keystrokes.append(
-            asyncio.create_task(http.post("/v1/completions", json=body, headers=headers))
-        )
-        await asyncio.sleep(0.02)
-    # Each keystroke is dropped (409) when a newer one reaches the worker; the slot is held
-    # until the first four are, so none of them could have started first.
+    """Each keystroke is dropped (409) when a newer one reaches the worker; the slot is held
+    until the first four are, so none of them could have started first."""
     await eventually(
         lambda: sum(k.done() for k in keystrokes) >= 4, 20, "four keystrokes superseded"
     )
@@ -154,6 +153,56 @@ async def test_superseded_keystrokes_never_reach_the_upstream(
     await _idle(worker, upstream)
     reached = sorted(e["prompt"] for e in upstream.entries() if "keystroke" in e["prompt"])
     assert reached == ["keystroke-5"]
+
+
+async def test_superseded_keystrokes_never_reach_the_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
+    ingress = await _ingress_with_room(stack)
+    worker = await _serving(stack, upstream, upstream_slots=1)
+    http = stack.http(ingress, await stack.api_key())
+    occupant = await _occupy(http, upstream, "occupant")
+    keystrokes = []
+    for seq in range(1, 6):
+        keystrokes.append(_keystroke(http, seq))
+        await asyncio.sleep(0.02)
+    await _only_the_last_keystroke_ran(keystrokes, occupant, worker, upstream)
+
+
+@contextlib.contextmanager
+def _frozen(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def test_keystrokes_typed_while_the_broker_is_frozen_are_shielded_once_it_is_back(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """A broker frozen past the worker's group session (a long GC pause, a stalled VM): the
+    keystrokes typed meanwhile wait, and once it is back the worker rejoins its group and
+    drops the stale ones before they reach the upstream, as if nothing had happened."""
+    assert stack.services.broker_pid is not None
+    upstream = await upstreams(slots=1, token_ms=40, metrics=True)
+    ingress = await _ingress_with_room(stack)
+    worker = await _serving(stack, upstream, upstream_slots=1)
+    http = stack.http(ingress, await stack.api_key())
+    occupant = await _occupy(http, upstream, "occupant")
+    keystrokes = [_keystroke(http, 1)]
+    await eventually(lambda: len(worker.queue) == 1, 10, "the first keystroke in the worker")
+    tenures = {tp: worker.offsets.epoch(tp) for tp in worker.consumer.assignment()}
+    with _frozen(stack.services.broker_pid):
+        for seq in range(2, 6):
+            keystrokes.append(_keystroke(http, seq))
+            await asyncio.sleep(0.02)
+        # Past the worker's session timeout: the group has lost it when the broker wakes.
+        await asyncio.sleep(worker.settings.session_timeout_ms / 1000 + 2)
+    await _only_the_last_keystroke_ran(keystrokes, occupant, worker, upstream)
+    # It did lose its partitions (and got them back): the freeze outlasted its session.
+    assert all(worker.offsets.epoch(tp) > tenure for tp, tenure in tenures.items())
 
 
 async def test_a_non_streamed_client_that_leaves_cancels_upstream_too(

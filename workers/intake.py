@@ -112,6 +112,12 @@ class Intake:
                     continue  # the lane holds it (a batch line waiting for its budget)
                 if not self.offsets.current(work.tp, work.epoch):
                     continue  # revoked while it waited to queue
+                stale = self.shield.verdict(work.env)
+                if stale is not None:
+                    # Superseded by a keystroke of its own batch (a backlog fetched at once:
+                    # after a rebalance, a broker pause): answered now, not when a slot frees.
+                    self.runs.drop(work, stale)
+                    continue
                 self.queue.push(work)
                 self.wake()
 
