@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import ClassVar, Literal
 
 __all__ = [
     "Aborted",
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "Dropped",
+    "DroppedStatus",
     "DuplicateLine",
     "EngineError",
     "EngineRejected",
@@ -279,13 +281,17 @@ class ProbeFailed(LanewayError):
     retriable = True
 
 
+# The outcomes of a request dropped or stopped short: each one of ``laneway.schema.Outcome``.
+DroppedStatus = Literal["cancelled", "superseded", "expired", "aborted"]
+
+
 class Dropped(LanewayError):
     """A request left without running to its end; not a failure. ``status`` is its outcome.
 
     ``engine_ms`` is the engine time it had already used (0 when dropped before running).
     """
 
-    status = "dropped"
+    status: ClassVar[DroppedStatus]
     status_code = 409
     error_type = "request_dropped"
     kind = "dropped"

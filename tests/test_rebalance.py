@@ -50,7 +50,11 @@ async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_reba
     engine.hold[held.id] = 0
     quick = [envelope(prompt=f"def quick_{i}():") for i in range(3)]
     reporting = envelope(prompt="def reporting():")
-    delivered, on_its_way, stored = worker.executor.delivered, asyncio.Event(), asyncio.Event()
+    delivered, on_its_way, stored = (
+        worker.executor.reports.delivered,
+        asyncio.Event(),
+        asyncio.Event(),
+    )
 
     async def slow_delivery(request_id: str) -> None:
         if request_id == reporting.id:
@@ -58,7 +62,7 @@ async def test_requests_answered_above_a_held_one_are_not_run_again_after_a_reba
             await stored.wait()
         await delivered(request_id)
 
-    monkeypatch.setattr(worker.executor, "delivered", slow_delivery)
+    monkeypatch.setattr(worker.executor.reports, "delivered", slow_delivery)
     await stack.send_records(held, quick[0], reporting, quick[1], quick[2])
     await stack.usage_of(*(env.id for env in quick))
     await asyncio.wait_for(on_its_way.wait(), 20)

@@ -96,7 +96,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
     status: Outcome = "ok"
     error = None
     if stale is not None:
-        status, error = stale.status, str(stale)  # type: ignore[assignment]
+        status, error = stale.status, str(stale)
     elif generation.finish_reason is None and not capped:
         status, error = "error", f"the generation of {generation.owner} it followed ended early"
     n = sent = 0
@@ -106,7 +106,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
     per_token = generation.engine_ms / generation.tokens if generation.tokens else 0.0
     metrics.REUSED.labels(executor.pool, follower.kind).inc()
     metrics.REUSE_SAVED_MS.labels(executor.pool).inc(per_token * tokens)
-    return await executor.report(
+    return await executor.reports.report(
         env,
         status,
         n=n,

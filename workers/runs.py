@@ -199,7 +199,7 @@ class Runs:
                 self._again(work)
                 return  # its offset stays pending
             self.lane.finished(work, usage)
-            await self.executor.delivered(env.id)
+            await self.executor.reports.delivered(env.id)
         except asyncio.CancelledError:
             # Shutdown past the grace period: leave the offset pending so it is re-run.
             raise
@@ -231,7 +231,7 @@ class Runs:
         try:
             usage: UsageEvent = await self.executor.drop(work.env, reason)
             self.lane.finished(work, usage)
-            await self.executor.delivered(work.env.id)
+            await self.executor.reports.delivered(work.env.id)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -254,7 +254,7 @@ class Runs:
                 self._again(work)
                 self.wake()
                 return  # its offset stays pending
-            await self.executor.delivered(work.env.id)
+            await self.executor.reports.delivered(work.env.id)
         except asyncio.CancelledError:
             raise
         except Exception:
