@@ -143,8 +143,10 @@ async def _only_the_last_keystroke_ran(
 ) -> None:
     """Each keystroke is dropped (409) when a newer one reaches the worker; the slot is held
     until the first four are, so none of them could have started first."""
+    # A bound for a machine that stalls: under four CPU hogs and other suites, one froze the
+    # broker and Redis together for 30 s (the shield then answered 50 ms after they woke).
     await eventually(
-        lambda: sum(k.done() for k in keystrokes) >= 4, 20, "four keystrokes superseded"
+        lambda: sum(k.done() for k in keystrokes) >= 4, 60, "four keystrokes superseded"
     )
     await upstream.release("occupant")
     codes = [r.status_code for r in await asyncio.gather(*keystrokes)]
