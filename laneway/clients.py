@@ -13,6 +13,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.asyncio.sentinel import Sentinel
 
+from laneway import kafka_bounds
 from laneway.errors import ConfigError
 from laneway.redis_circuit import attach_circuit
 from laneway.settings import CommonSettings
@@ -71,7 +72,9 @@ def make_producer(settings: CommonSettings, **overrides: Any) -> AIOKafkaProduce
 
 
 def make_consumer(settings: CommonSettings, *topics: str, **overrides: Any) -> AIOKafkaConsumer:
-    """A consumer that commits only when told (at-least-once is the caller's job)."""
+    """A consumer that commits only when told (at-least-once is the caller's job), and reads
+    no record batch past the decompressed bound (``laneway.kafka_bounds``)."""
+    kafka_bounds.install(settings.max_decompressed_batch_bytes)
     options: dict[str, Any] = {
         "bootstrap_servers": settings.kafka_bootstrap,
         "enable_auto_commit": False,

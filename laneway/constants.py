@@ -10,6 +10,7 @@ __all__ = [
     "BANDS",
     "BROKER_TIME",
     "CLASSES",
+    "DECOMPRESSED_BATCH_BYTES",
     "FILE_RETENTION_S",
     "HEARTBEAT_TTL_S",
     "INTERACTIVE_CLASSES",
@@ -51,6 +52,12 @@ API_KEY_CACHE_S: Final = 4.0
 # An unknown key is refused from memory this long: a client retrying a wrong key costs Redis
 # one read per replica per 30 s. Keys are random, so none is looked up before it exists.
 UNKNOWN_KEY_CACHE_S: Final = 30.0
+
+# A fetched Kafka record batch decompresses into at most this (``laneway.kafka_bounds``): a
+# producer batch of request lines is 1 MiB compressed by default, which text rarely expands
+# past ten times; this is far past that, and still nothing a worker holding one batch per
+# partition cannot afford.
+DECOMPRESSED_BATCH_BYTES: Final = 64 * 1024 * 1024
 
 # Files (uploads and a batch's output) and batch objects live this long: the retention of
 # laneway.results.batch and laneway.files, so no object outlives its bytes.

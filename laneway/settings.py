@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from redis.connection import parse_url
 
-from laneway.constants import RedisKeys, Topics
+from laneway.constants import DECOMPRESSED_BATCH_BYTES, RedisKeys, Topics
 from laneway.errors import ConfigError
 from laneway.redis_circuit import (
     DEFAULT_FAILURES,
@@ -135,6 +135,14 @@ class CommonSettings(BaseSettings):
         description="ingress, workers and streams: touch this file every second from the "
         "event loop, a sign of life for a supervisor that kills a hung process (`laneway up` "
         "sets it for each process; '': off)",
+    )
+
+    max_decompressed_batch_bytes: int = Field(
+        DECOMPRESSED_BATCH_BYTES,
+        ge=1024 * 1024,
+        description="a Kafka record batch a process fetches that decompresses past this (a "
+        "compression bomb on a tenant's topic), or that it cannot decode, is skipped unread: "
+        "logged with its topic, partition and offsets, and counted",
     )
 
     ingress_url: str = Field(
