@@ -13,8 +13,10 @@ So every consumer laneway makes (``laneway.clients.make_consumer``) decompresses
 at most ``LANEWAY_MAX_DECOMPRESSED_BATCH_BYTES``; a batch past that, or one that cannot be
 decoded, yields no records: it is logged with its topic, partition and offsets, counted
 (``laneway_kafka_batches_skipped_total``) and passed, as aiokafka passes an aborted
-transaction's batch. aiokafka 0.14 is patched in two places, its decoders and the fetcher's
-``PartitionRecords``; ``tests/test_kafka_bounds.py`` holds both to it.
+transaction's batch. The commit passes it with the next record read after it (until then, a
+new owner of the partition skips it again, and logs and counts it again). aiokafka 0.14 is
+patched in two places, its decoders and the fetcher's ``PartitionRecords``;
+``tests/test_kafka_bounds.py`` holds both to it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import aiokafka.record._crecords.default_records as c_default_records
 import aiokafka.record.default_records as py_default_records
 import cramjam
+from aiokafka.codec import snappy_decode as _aiokafka_snappy
 from aiokafka.consumer import fetcher
 from aiokafka.errors import CorruptRecordException, UnsupportedCodecError
 from prometheus_client import Counter
@@ -80,12 +83,25 @@ def _gzip(data: Any) -> bytes:
                 )
             parts.append(part)
             if stream.eof:
-                compressed = stream.unused_data  # another member, or nothing
+                # Another member, or nothing; zeros after the last one are padding (gzip's
+                # own reader passes them too).
+                compressed = stream.unused_data.lstrip(b"\0")
                 break
             compressed = stream.unconsumed_tail
             if not compressed:
                 raise BatchTooLarge(f"gzip record batch of {size} bytes ends mid-stream")
     return b"".join(parts)
+
+
+def _snappy(data: Any) -> bytes:
+    """``aiokafka.codec.snappy_decode``, then held to the bound: snappy's format caps what
+    a batch expands to (about 21 times), so it is decoded first and measured."""
+    out = _aiokafka_snappy(data)
+    if len(out) > _Bound.bytes:
+        raise BatchTooLarge(
+            f"snappy record batch of {len(data)} bytes decompresses past {_Bound.bytes} bytes"
+        )
+    return bytes(out)
 
 
 def _bounded(
@@ -128,9 +144,15 @@ class _Guarded:
     def __iter__(self) -> Iterator[Any]:
         try:
             return iter(self._batch)  # decompresses
-        except (BatchTooLarge, UnsupportedCodecError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a writer's bytes make a decoder raise
             batch, tp = self._batch, self._tp
-            reason = "too_large" if isinstance(exc, BatchTooLarge) else "codec"
+            reason = (
+                "too_large"
+                if isinstance(exc, BatchTooLarge)
+                else "codec"
+                if isinstance(exc, UnsupportedCodecError)
+                else "corrupt"
+            )
             SKIPPED.labels(tp.topic, reason).inc()
             log.warning(
                 "record batch %s:%d@%d-%d skipped, none of it read: %s",
@@ -164,7 +186,8 @@ class _BoundedPartitionRecords(fetcher.PartitionRecords):  # type: ignore[misc]
 
 
 def install(max_bytes: int = DECOMPRESSED_BATCH_BYTES) -> None:
-    """Bound every batch this process decompresses to ``max_bytes`` (idempotent)."""
+    """Bound every batch this process decompresses to ``max_bytes`` (idempotent). One
+    bound per process: the last call sets it (a process has one set of settings)."""
     _Bound.bytes = max_bytes
     if fetcher.PartitionRecords is _BoundedPartitionRecords:
         return
@@ -172,6 +195,7 @@ def install(max_bytes: int = DECOMPRESSED_BATCH_BYTES) -> None:
         "gzip_decode": _gzip,
         "zstd_decode": _bounded("zstd", cramjam.zstd.decompress_into),
         "lz4_decode": _bounded("lz4", cramjam.lz4.decompress_into),
+        "snappy_decode": _snappy,
     }
     modules: tuple[ModuleType, ...] = (c_default_records, py_default_records)
     for module in modules:

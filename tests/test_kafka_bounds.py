@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gzip
 import tracemalloc
+from typing import Any
 
 import cramjam
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.codec import gzip_decode
+from aiokafka.codec import gzip_decode, snappy_decode, snappy_encode
 
 from laneway import kafka_bounds
 from tests.stack import LiveStack, eventually
@@ -107,6 +108,10 @@ def test_the_bounded_decoders_read_what_aiokafka_reads() -> None:
     text = b"def f(x):\n    return x\n" * 100_000  # 2.3 MB, compresses hundreds of times
     two_members = gzip.compress(text[:1000]) + gzip.compress(text[1000:])
     assert kafka_bounds._gzip(two_members) == gzip_decode(two_members) == text
+    padded = two_members + bytes(64)  # zeros after the last member: gzip's own reader passes them
+    assert kafka_bounds._gzip(padded) == gzip_decode(padded) == text
+    framed = snappy_encode(text)  # xerial framing, as aiokafka's producer writes it
+    assert kafka_bounds._snappy(framed) == snappy_decode(framed) == text
     for name, codec in (("zstd", cramjam.zstd), ("lz4", cramjam.lz4)):
         compressed = bytes(codec.compress(text))
         assert len(compressed) * 16 < len(text)
@@ -119,5 +124,23 @@ def test_the_bounded_decoders_read_what_aiokafka_reads() -> None:
             kafka_bounds._bounded("zstd", cramjam.zstd.decompress_into)(
                 bytes(cramjam.zstd.compress(bytes(2 * MIB)))
             )
+        with pytest.raises(kafka_bounds.BatchTooLarge, match="past 1048576 bytes"):
+            kafka_bounds._snappy(snappy_encode(bytes(2 * MIB)))
     finally:
         kafka_bounds.install()
+
+
+class _Undecodable:
+    base_offset, next_offset = 7, 9
+
+    def __iter__(self) -> Any:
+        raise ValueError("a block that is not snappy")
+
+
+def test_a_batch_no_decoder_reads_is_skipped_not_raised() -> None:
+    """Whatever a writer's bytes make a decoder raise, the fetch goes on past the batch: raised
+    out of getmany, it stopped the worker, and again at each restart."""
+    tp = TopicPartition("t.req.batch.team.acme", 0)
+    before = _skipped(tp.topic)
+    assert list(kafka_bounds._Guarded(_Undecodable(), tp)) == []
+    assert _skipped(tp.topic) - before == 1

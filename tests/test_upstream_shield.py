@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -173,11 +174,18 @@ async def test_superseded_keystrokes_never_reach_the_upstream(
 
 
 @contextlib.contextmanager
-def _frozen(pid: int) -> Iterator[None]:
+def _frozen(pid: int, *, at_most_s: float = 60.0) -> Iterator[None]:
+    """The session's broker stopped for the block; a timer thread lets it go after
+    ``at_most_s`` whatever becomes of the test (a timeout raised in the event loop would
+    leave the block's own ``finally`` unrun, and every later test on a frozen broker)."""
+    thaw = threading.Timer(at_most_s, os.kill, (pid, signal.SIGCONT))
+    thaw.daemon = True
     os.kill(pid, signal.SIGSTOP)
+    thaw.start()
     try:
         yield
     finally:
+        thaw.cancel()
         os.kill(pid, signal.SIGCONT)
 
 
