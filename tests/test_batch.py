@@ -34,6 +34,7 @@ from tests.stack import PARTITIONS, LiveStack, envelope, eventually, free_port
 from workers import batch_lane, batch_txn
 from workers.batch import BatchIntake, batch_result
 from workers.batch_lane import BatchLane
+from workers.batch_yield import yield_to_interactive
 
 
 def _line(i: int, **body: Any) -> str:
@@ -287,7 +288,7 @@ async def test_a_partition_is_fetched_only_once_its_start_is_done_even_when_a_yi
     assigned = worker.consumer.assignment()
     await eventually(lambda: all(lane.txns.has(tp) for tp in assigned), 30, "producers open")
     lane.yielding = True  # interactive backlog seen as the partitions came
-    await lane._yield_to_interactive()  # none now (no interactive worker): the yield ends
+    await yield_to_interactive(lane)  # none now (no interactive worker): the yield ends
     assert not lane.yielding
     assert set(worker.consumer.paused()) == assigned  # still starting: not fetched
     gate.set()
@@ -448,7 +449,7 @@ async def test_commits_that_overlap_write_each_result_once(stack: LiveStack) -> 
             assert asyncio.get_running_loop().time() < deadline, f"stalled: {status}"
             await asyncio.gather(lane.commit(), lane.commit(), lane.commit())
     assert (status.done, status.duplicates) == (150, 0)
-    assert not lane._fenced
+    assert not lane.fenced
 
 
 @pytest.mark.slow
@@ -1014,7 +1015,7 @@ async def test_a_revoke_ends_a_start_of_its_partitions_producers_under_way(
     await asyncio.wait_for(lane.revoked(taken), 10)
     go_on.set()
     await asyncio.sleep(1)
-    assert not lane._starting
+    assert not lane.starting
     assert not any(lane.txns.has(tp) for tp in taken)
 
 

@@ -414,7 +414,7 @@ async def test_a_cancel_takes_only_its_own_teams_lines_of_that_job(stack: LiveSt
 
 
 async def test_a_line_waiting_without_its_body_holds_a_small_fixed_size(stack: LiveStack) -> None:
-    """What lets 50,000 lines wait on one worker (``batch_lane._MAX_PARKED``): past the bodies
+    """What lets 50,000 lines wait on one worker (``batch_parked._MAX_PARKED``): past the bodies
     kept, a line holds about 2 kB, however long its prompt (here 20 kB)."""
     policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")
     quota = QuotaEnforcer(stack.redis, RedisKeys(stack.prefix), policy)
@@ -462,14 +462,14 @@ async def test_a_team_record_read_while_it_changed_is_not_kept(
         reads += 1
         team = await read(redis, keys, name)
         if reads == 1:
-            lane._teams.expire(name)  # announced while this read was under way
+            lane.teams.expire(name)  # announced while this read was under way
         return team
 
     monkeypatch.setattr(batch_lane, "get_team", get_team)
-    await lane._team("thrifty")
-    await lane._team("thrifty")
+    await lane.team_of("thrifty")
+    await lane.team_of("thrifty")
     assert reads == 2  # the first read was not kept
-    await lane._team("thrifty")
+    await lane.team_of("thrifty")
     assert reads == 2  # the second was
 
 

@@ -18,6 +18,7 @@ from tests.stack import LiveStack, envelope, eventually
 from workers import reread
 from workers.batch import batch_request_id
 from workers.batch_lane import BatchLane
+from workers.batch_parked import read_back
 from workers.dispatch import Work
 from workers.reread import RecordGone, RecordReader
 
@@ -175,12 +176,12 @@ async def test_the_lane_asks_again_when_the_kept_line_at_an_offset_is_another(
     stale = ConsumerRecord(tp.topic, 0, offset, 0, 0, None, line("old"), None, -1, -1, ())
     lane.reread._keep(tp, reread._Fetched([stale]))
     before = _fetches()
-    read, _ = await lane._read_back(parked("new"))
+    read, _ = await read_back(lane, parked("new"))
     assert (read.job_id, read.line_id) == ("j", "new")
     assert _fetches() - before == 1
     with pytest.raises(RecordGone, match="is another line"):
-        await lane._read_back(parked("other"))
+        await read_back(lane, parked("other"))
     assert _fetches() - before == 2  # it asked the broker before it said so
     lane.forgot({tp}, [])
-    await lane._read_back(parked("new"))
+    await read_back(lane, parked("new"))
     assert _fetches() - before == 3

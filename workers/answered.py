@@ -59,6 +59,10 @@ class Answered:
             return False
         return self.low <= offset < self.high and offset not in self.pending
 
+    def top(self) -> int:
+        """The highest offset this commit names answered (``named_top``)."""
+        return named_top(self.low, self.high, sorted(self.pending))
+
 
 def commit_metadata(
     low: int, high: int, pending: Sequence[int], limit: int = MAX_METADATA_CHARS
