@@ -1,20 +1,23 @@
 """Batch objects in Redis: what the Batches API answers, and how far each batch's results
 were counted. Changes are compare-and-set, so replicas that change a batch at once (two
-counting the same results, a cancel during a count) never lose or double an update."""
+counting the same results, a cancel during a count) never lose or double an update. The
+changes that submitting and following a batch both make (started, failed) are here too."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
 
 from laneway.constants import FILE_RETENTION_S, RedisKeys
 from laneway.errors import NotFound
 
-__all__ = ["BatchRecord", "BatchRecords", "CreateBatch", "Status"]
+__all__ = ["BatchRecord", "BatchRecords", "CreateBatch", "Status", "started", "unsettled"]
 
 Status = Literal[
     "validating",
@@ -167,3 +170,39 @@ class BatchRecords:
             if await self.redis.eval(_SWAP, 1, key, raw, changed.model_dump_json()):
                 return changed
             # Another replica changed it since: decide again on what it stored.
+
+    async def fail(self, batch_id: str, code: str, message: str) -> None:
+        """The batch's lines were not queued: failed, saying why (cancelled, if it was being
+        cancelled); a batch that moved on already is left as it is."""
+        now = int(time.time())
+
+        def failed(current: BatchRecord) -> BatchRecord | None:
+            if current.status not in ("validating", "cancelling"):
+                return None
+            error = {"code": code, "message": message, "param": "input_file_id", "line": None}
+            if current.status == "cancelling":
+                return current.model_copy(update={"status": "cancelled", "cancelled_at": now})
+            return current.model_copy(
+                update={"status": "failed", "failed_at": now, "errors": [error]}
+            )
+
+        with contextlib.suppress(RedisError, OSError):
+            await self.update(batch_id, failed)
+
+
+def unsettled(record: BatchRecord) -> bool:
+    """Whether it is not known yet if the batch's lines were queued: validating, or
+    cancelled while it was (``in_progress_at`` is set once they are)."""
+    return record.status == "validating" or (
+        record.status == "cancelling" and record.in_progress_at is None
+    )
+
+
+def started(current: BatchRecord, now: int) -> BatchRecord | None:
+    """Its lines are queued: in progress, or, cancelled meanwhile, cancelling on (its lines
+    are answered "cancelled"); None when that is known already."""
+    if not unsettled(current):
+        return None
+    if current.status == "cancelling":
+        return current.model_copy(update={"in_progress_at": now})
+    return current.model_copy(update={"status": "in_progress", "in_progress_at": now})

@@ -16,8 +16,8 @@ from openai import AsyncOpenAI
 from openai.types import Batch
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from ingress import batches, files
-from ingress.batch_records import BatchRecord
+from ingress import batch_progress, batch_submission, files
+from ingress.batch_records import BatchRecord, started
 from ingress.settings import IngressSettings
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from tests.stack import Ingress, LiveStack, eventually, status_before_the_body_ends
@@ -506,9 +506,8 @@ async def test_a_redis_error_after_the_lines_were_committed_does_not_fail_the_ba
     connection just after the commit). The batch is not failed: its lines run all the same,
     and a client told to create it again would have each run twice. Recovery finds the
     commit, and it completes with every line counted."""
-    monkeypatch.setattr(batches, "_VALIDATING_OWNED_S", 0)  # recovery at the next poll
+    monkeypatch.setattr(batch_progress, "_VALIDATING_OWNED_S", 0)  # recovery at the next poll
     refused: list[str] = []
-    started = batches._started
 
     def refused_once(current: BatchRecord, now: int) -> BatchRecord | None:
         if not refused:
@@ -516,7 +515,7 @@ async def test_a_redis_error_after_the_lines_were_committed_does_not_fail_the_ba
             raise RedisConnectionError("connection reset by peer (injected)")
         return started(current, now)
 
-    monkeypatch.setattr(batches, "_started", refused_once)
+    monkeypatch.setattr(batch_submission, "started", refused_once)
     ingress = await stack.start_ingress()
     await stack.start_worker("batch")
     client = _client(stack, ingress, await stack.api_key("docs", size=100))
@@ -569,9 +568,11 @@ async def test_a_team_that_creates_many_batches_at_once_waits_behind_its_own(
     creates many at once holds up no other team (whose batch would otherwise wait, and be
     taken for lost after ten minutes). Past eight waiting on a replica, a team gets a 429."""
     running: list[int] = [0, 0]  # submissions under way now, most at once
-    submit_now = batches.BatchBook._submit_now
+    submit_now = batch_submission.BatchSubmissions._submit_now
 
-    async def slow(self: batches.BatchBook, record: Any, file: files.FileRecord) -> None:
+    async def slow(
+        self: batch_submission.BatchSubmissions, record: Any, file: files.FileRecord
+    ) -> None:
         running[0] += 1
         running[1] = max(running[1], running[0])
         try:
@@ -580,7 +581,7 @@ async def test_a_team_that_creates_many_batches_at_once_waits_behind_its_own(
         finally:
             running[0] -= 1
 
-    monkeypatch.setattr(batches.BatchBook, "_submit_now", slow)
+    monkeypatch.setattr(batch_submission.BatchSubmissions, "_submit_now", slow)
     ingress = await stack.start_ingress()
     await stack.start_worker("batch")
     busy = _client(stack, ingress, await stack.api_key("busy", size=100))

@@ -1,0 +1,209 @@
+"""Submitting a batch: its input file's lines and the job's header, written to Kafka in one
+transaction, so a submission cut short runs no line at all.
+
+Submissions run in the background, a few at a time and one at a time a team: each holds
+its file's text, and a team that creates many at once must wait behind its own batches,
+never another team's behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from ingress.batch_records import BatchRecord, BatchRecords, started
+from ingress.files import FileRecord, FileStore
+from ingress.settings import IngressSettings
+from laneway.batch import claimed_ids, parse_input
+from laneway.clients import make_producer
+from laneway.errors import BadRequest, LanewayError, RateLimited
+from laneway.schema import BatchJob, BatchRequest
+from laneway.tasks import stop_task
+
+__all__ = ["BatchSubmissions"]
+
+log = logging.getLogger(__name__)
+
+# Submissions a replica runs at once (each holds its file's text, up to LANEWAY_MAX_FILE_BYTES);
+# the others wait in validating, well within the time others leave a batch to its replica.
+# One at a time a team: a team that creates hundreds at once waits behind its own, not
+# every other team behind it, and a team has this many waiting on a replica at most (429).
+_SUBMITTING_AT_ONCE = 2
+_TEAM_WAITING_MAX = 8
+# Lines parsed and queued between two looks at the event loop: a file of 50,000 lines is
+# seconds of work, which the replica's interactive requests must not wait behind.
+_LINES_A_TURN = 200
+
+
+class BatchSubmissions:
+    """The batches this replica is submitting, each a task that queues its lines."""
+
+    def __init__(self, settings: IngressSettings, records: BatchRecords, files: FileStore) -> None:
+        self.settings = settings
+        self.records = records
+        self.files = files
+        self.topics = settings.topics
+        self._submitting: dict[str, asyncio.Task[None]] = {}
+        self._submit_turns = asyncio.Semaphore(_SUBMITTING_AT_ONCE)
+        self._team_turns: dict[str, asyncio.Lock] = {}
+        self._team_waiting: dict[str, int] = {}
+
+    def __contains__(self, batch_id: str) -> bool:
+        return batch_id in self._submitting
+
+    def check_room(self, team: str) -> None:
+        """A 429 when the team has as many batches waiting on this replica as it may."""
+        waiting = self._team_waiting.get(team, 0)
+        if waiting >= _TEAM_WAITING_MAX:
+            raise RateLimited(
+                f"team {team!r} has {waiting} batches being queued on this ingress already; "
+                "create this one once they are in progress",
+                team=team,
+                limit=_TEAM_WAITING_MAX,
+                retry_after=5.0,
+            )
+
+    def submit(self, record: BatchRecord, file: FileRecord) -> None:
+        """Queue the lines of ``file`` in the background, in the team's turn."""
+        team, batch_id = record.team, record.id
+        task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
+        self._submitting[batch_id] = task
+        # Counted now, not from before the awaits: two of one team's creates at once would
+        # both count from the same number.
+        self._team_waiting[team] = self._team_waiting.get(team, 0) + 1
+        task.add_done_callback(lambda _: self._submitted(team, batch_id))
+
+    async def stop(self, grace_s: float) -> None:
+        """Submissions under way get ``grace_s`` to finish; one cut short writes nothing."""
+        pending = list(self._submitting.values())
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        for task in list(self._submitting.values()):
+            await stop_task(task)
+
+    async def uncount(self, record: BatchRecord, file: FileRecord) -> None:
+        """The batch's lines were not stored: its team's allowance gets them back."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.files.stored.give_back(record.team, f"batch:{record.id}", file.bytes)
+
+    def _submitted(self, team: str, batch_id: str) -> None:
+        self._submitting.pop(batch_id, None)
+        left = self._team_waiting.get(team, 1) - 1
+        if left > 0:
+            self._team_waiting[team] = left
+        else:
+            self._team_waiting.pop(team, None)
+            self._team_turns.pop(team, None)
+
+    async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
+        """Queue the lines of ``file``, or fail the batch saying why."""
+        async with self._team_turns.setdefault(record.team, asyncio.Lock()), self._submit_turns:
+            try:
+                current = await self.records.load(record.id)
+            except (RedisError, OSError):
+                current = None  # as if still validating: the submission says what fails
+            if current is not None and current.status not in ("validating", "cancelling"):
+                # Given up on while it waited its turn (another replica took it for lost):
+                # its lines must not run now, uncounted.
+                log.warning("batch %s is %s: not queued", record.id, current.status)
+                return
+            await self._submit_now(record, file)
+
+    async def _submit_now(self, record: BatchRecord, file: FileRecord) -> None:
+        try:
+            lines = await self.files.lines(file)
+            claimed = await _claimed_ids_in_turns(lines)
+            # Parsed one at a time as they are sent: a large file is never held as objects.
+            requests = parse_input(
+                lines,
+                job_id=record.id,
+                team=record.team,
+                endpoint=record.endpoint,
+                claimed=claimed,
+            )
+            producer = make_producer(
+                self.settings,
+                transactional_id=f"{self.topics.prefix}.batches.{record.id}",
+                linger_ms=20,
+            )
+            await producer.start()
+            try:
+                await self._write(producer, record, file.id, requests)
+            finally:
+                await producer.stop()
+        except LanewayError as exc:
+            await self.records.fail(record.id, "invalid_file", str(exc))
+            await self.uncount(record, file)  # its transaction wrote nothing
+        except Exception as exc:
+            if isinstance(exc, (KafkaError, RedisError, OSError)):
+                log.warning("batch %s not queued: %r", record.id, exc)
+                why = "the batch's lines could not be queued; create it again"
+            else:  # a fault of laneway's own
+                log.exception("batch %s not queued", record.id)
+                why = "laneway could not queue the batch's lines"
+            # Before the lines were committed the batch fails at once, rather than waiting in
+            # validating until it is given up on. After (its header's offset stored: a Redis
+            # error just after the commit, a commit whose outcome is unknown), recovery reads
+            # what the transaction did: failed, the batch's lines would run all the same, and
+            # a client told to create it again would have each run twice.
+            with contextlib.suppress(RedisError, OSError):
+                stored = await self.records.load(record.id)
+                if stored is not None and stored.header_offset is None:
+                    await self.records.fail(record.id, "not_queued", why)
+                    # Nothing of it stays on Kafka: created again, it is not counted twice.
+                    await self.uncount(record, file)
+
+    async def _write(
+        self,
+        producer: AIOKafkaProducer,
+        batch: BatchRecord,
+        source: str,
+        requests: Iterable[BatchRequest],
+    ) -> None:
+        """The lines, then the job's header, in one transaction. The header's offset is
+        stored before the commit: whoever finds the batch still validating later can tell
+        from it whether the transaction committed."""
+        batch_id = batch.id
+        key = batch_id.encode()
+        async with producer.transaction():
+            topic = self.topics.request("batch")
+            lines = 0
+            for request in requests:
+                line_key = f"{batch_id}:{request.line_id}".encode()
+                await producer.send(topic, request.to_json(), key=line_key)
+                lines += 1
+                if lines % _LINES_A_TURN == 0:
+                    await asyncio.sleep(0)  # a send with room in its buffer never yields
+            if not lines:
+                raise BadRequest("the input file has no request lines", param="input_file_id")
+            header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
+            meta = await (await producer.send(self.topics.results_batch, header.to_json(), key=key))
+            await self.records.update(
+                batch_id,
+                lambda current: current.model_copy(
+                    update={
+                        "partition": meta.partition,
+                        "header_offset": meta.offset,
+                        "scanned_to": meta.offset + 1,
+                        "total": lines,
+                    }
+                ),
+            )
+        now = int(time.time())
+        await self.records.update(batch_id, lambda current: started(current, now))
+
+
+async def _claimed_ids_in_turns(lines: list[str]) -> set[str]:
+    """``claimed_ids`` of ``lines``, letting the event loop run between slices."""
+    claimed: set[str] = set()
+    for start in range(0, len(lines), _LINES_A_TURN):
+        claimed |= claimed_ids(lines[start : start + _LINES_A_TURN])
+        await asyncio.sleep(0)
+    return claimed
