@@ -58,8 +58,10 @@ class BatchSubmissions:
     def __contains__(self, batch_id: str) -> bool:
         return batch_id in self._submitting
 
-    def check_room(self, team: str) -> None:
-        """A 429 when the team has as many batches waiting on this replica as it may."""
+    def hold_room(self, team: str) -> None:
+        """A place among the team's batches waiting on this replica (a 429 when none is
+        left), held from here through the create's awaits until its submission ends or
+        ``let_go_room``: creates at once cannot all take the last place."""
         waiting = self._team_waiting.get(team, 0)
         if waiting >= _TEAM_WAITING_MAX:
             raise RateLimited(
@@ -69,15 +71,23 @@ class BatchSubmissions:
                 limit=_TEAM_WAITING_MAX,
                 retry_after=5.0,
             )
+        self._team_waiting[team] = waiting + 1
+
+    def let_go_room(self, team: str) -> None:
+        """The create that held a place failed before its submission began."""
+        left = self._team_waiting.get(team, 1) - 1
+        if left > 0:
+            self._team_waiting[team] = left
+        else:
+            self._team_waiting.pop(team, None)
+            self._team_turns.pop(team, None)
 
     def submit(self, record: BatchRecord, file: FileRecord) -> None:
-        """Queue the lines of ``file`` in the background, in the team's turn."""
+        """Queue the lines of ``file`` in the background, in the team's turn, in the place
+        ``hold_room`` held (given back when the submission ends)."""
         team, batch_id = record.team, record.id
         task = asyncio.create_task(self._submit(record, file), name=f"submit-{batch_id}")
         self._submitting[batch_id] = task
-        # Counted now, not from before the awaits: two of one team's creates at once would
-        # both count from the same number.
-        self._team_waiting[team] = self._team_waiting.get(team, 0) + 1
         task.add_done_callback(lambda _: self._submitted(team, batch_id))
 
     async def stop(self, grace_s: float) -> None:
@@ -95,12 +105,7 @@ class BatchSubmissions:
 
     def _submitted(self, team: str, batch_id: str) -> None:
         self._submitting.pop(batch_id, None)
-        left = self._team_waiting.get(team, 1) - 1
-        if left > 0:
-            self._team_waiting[team] = left
-        else:
-            self._team_waiting.pop(team, None)
-            self._team_turns.pop(team, None)
+        self.let_go_room(team)
 
     async def _submit(self, record: BatchRecord, file: FileRecord) -> None:
         """Queue the lines of ``file``, or fail the batch saying why."""

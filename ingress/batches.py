@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from ingress.batch_progress import BatchProgress
 from ingress.batch_records import BatchRecord, BatchRecords, CreateBatch
 from ingress.batch_submission import BatchSubmissions
-from ingress.files import FileStore
+from ingress.files import FileRecord, FileStore
 from ingress.settings import IngressSettings
 from laneway.constants import FILE_RETENTION_S
 from laneway.errors import BadRequest, NotFound, RateLimited
@@ -52,7 +52,19 @@ class BatchBook:
         await self.progress.stop()
 
     async def create(self, team: str, body: CreateBatch, batch_id: str) -> BatchRecord:
-        self.submissions.check_room(team)
+        self.submissions.hold_room(team)
+        try:
+            record, file = await self._stored(team, body, batch_id)
+        except BaseException:
+            self.submissions.let_go_room(team)
+            raise
+        self.submissions.submit(record, file)
+        return record
+
+    async def _stored(
+        self, team: str, body: CreateBatch, batch_id: str
+    ) -> tuple[BatchRecord, FileRecord]:
+        """The batch's record, stored with its file counted against the team's allowance."""
         stored = await self.records.count(team)
         if stored >= self.settings.batch_max_batches:
             raise RateLimited(
@@ -87,8 +99,7 @@ class BatchBook:
         except BaseException:
             await asyncio.shield(self.submissions.uncount(record, file))
             raise
-        self.submissions.submit(record, file)
-        return record
+        return record, file
 
     async def get(self, batch_id: str, team: str) -> BatchRecord:
         """The team's batch, its counts brought up to date; another team's is "not found"."""
