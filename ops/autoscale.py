@@ -22,7 +22,8 @@ from laneway.constants import RedisKeys, RequestClass, Topics
 from laneway.errors import MalformedMessage, ServiceError
 from laneway.schema import ScalingDecision, decode
 from ops.group_members import GroupMembers
-from ops.supervisor import Supervisor, SupervisorMetrics
+from ops.supervisor import Supervisor
+from ops.supervisor_metrics import SupervisorMetrics
 
 __all__ = ["LocalAutoscaler"]
 

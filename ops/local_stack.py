@@ -26,6 +26,7 @@ from laneway.settings import CommonSettings, load_settings
 from ops.autoscale import LocalAutoscaler
 from ops.devstack import KafkaBroker, RedisServer, create_topics, port_in_use
 from ops.group_members import GroupMembers
+from ops.restart_policy import RestartPolicy
 from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings
 from ops.supervised import (
@@ -35,7 +36,8 @@ from ops.supervised import (
     prefixed_echo,
     stray_services,
 )
-from ops.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+from ops.supervisor import Supervisor
+from ops.supervisor_metrics import SupervisorMetrics
 from streams.settings import StreamsSettings
 from workers.settings import WorkerSettings
 

@@ -102,7 +102,7 @@ def acl_rules(
         interactive = [t for pool in ("completion", "chat") for t in topics.pool_topics(pool)]
         # The HTTP Batches API is the one door to req.batch: it writes each job's lines with
         # the team of the caller's key and its header on results.batch, in one transaction
-        # per batch (ingress/batches.py). Its files live on <prefix>.files.
+        # per batch (ingress/batch_submission.py). Its files live on <prefix>.files.
         files = topics.files
         rules += topic([*interactive, topics.request("batch"), topics.cancel], writes)
         rules += topic([topics.control, topics.keys, files, topics.results_batch], writes)

@@ -17,114 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import signal
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from laneway.errors import ConfigError, ServiceError
-from ops.settings import StackSettings, backoff_ceiling
+from ops.hang_watch import HangWatch
+from ops.restart_policy import CrashLoop, RestartPolicy
 from ops.supervised import Supervised
+from ops.supervisor_metrics import SupervisorMetrics
 
-__all__ = [
-    "CrashLoop",
-    "RestartPolicy",
-    "Supervisor",
-    "SupervisorMetrics",
-    "describe_exit",
-]
+__all__ = ["Supervisor", "describe_exit"]
 
 log = logging.getLogger(__name__)
-
-
-class CrashLoop(ServiceError):
-    """A process exited too often in too short a time; the stack was stopped."""
-
-    retriable = False
-
-    def __init__(self, message: str, *, process: str, exits: int) -> None:
-        super().__init__(message)
-        self.process = process
-        self.exits = exits
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When to restart a process that exited, and when to give up on it."""
-
-    backoff_s: float = 0.5
-    backoff_max_s: float = 30.0
-    crash_limit: int = 5
-    crash_window_s: float = 60.0
-
-    @classmethod
-    def from_settings(cls, settings: StackSettings) -> RestartPolicy:
-        return cls(
-            backoff_s=settings.restart_backoff_s,
-            backoff_max_s=settings.restart_backoff_max_s,
-            crash_limit=settings.crash_limit,
-            crash_window_s=settings.crash_window_s,
-        )
-
-    def delay(self, exits_in_window: int) -> float:
-        """Wait before the restart after the n-th exit in the window: the first backoff,
-        doubled per exit up to the maximum, then jittered down by up to half (so processes
-        that died together do not all come back in the same instant)."""
-        ceiling = backoff_ceiling(self.backoff_s, self.backoff_max_s, exits_in_window)
-        return ceiling * random.uniform(0.5, 1.0)
-
-
-class SupervisorMetrics:
-    """Restarts and up/down state per process, on a registry of their own."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.restarts = Counter(
-            "laneway_supervisor_restarts_total",
-            "Restarts of a process of `laneway up` after it exited",
-            ["process"],
-            registry=self.registry,
-        )
-        self.up = Gauge(
-            "laneway_supervisor_process_up",
-            "1 while a process of `laneway up` runs, 0 while it is down or restarting",
-            ["process"],
-            registry=self.registry,
-        )
-        self.replicas = Gauge(
-            "laneway_local_replicas",
-            "Worker processes of a pool that `laneway up` runs now (its local autoscaler)",
-            ["pool"],
-            registry=self.registry,
-        )
-        self.desired = Gauge(
-            "laneway_local_desired_replicas",
-            "The pool's scaling signal as `laneway up` obeys it (within its min and max)",
-            ["pool"],
-            registry=self.registry,
-        )
-
-    def serve(self, port: int) -> Callable[[], None]:
-        """Serve ``/metrics`` on 127.0.0.1:``port``; returns the function that stops it."""
-        try:
-            server, thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        except OSError as exc:
-            raise ConfigError(
-                f"the supervisor's metrics port {port} is not free ({exc.strerror}); "
-                "set LANEWAY_SUPERVISOR_PORT to a free port (0: no metrics)"
-            ) from exc
-
-        def close() -> None:
-            server.shutdown()
-            server.server_close()
-            thread.join()
-
-        return close
 
 
 def describe_exit(code: int) -> str:
@@ -139,24 +45,6 @@ def describe_exit(code: int) -> str:
 
 def _not_counted(need: str, ago: float) -> str:
     return f" (not counted as a crash: {need}, which it needs, went down {ago:.0f}s ago)"
-
-
-# How often signs of life are looked at (more often under a timeout shorter than 8 s).
-_HANG_CHECK_S = 2.0
-# A run's first sign of life comes after its interpreter started and imported its packages,
-# which on a loaded machine (a broker's JVM starting beside it) takes far longer than a
-# blocked loop is allowed: until its first beat it has at least this long.
-_FIRST_BEAT_S = 120.0
-
-
-def _beat_of(path: Path | None) -> int | None:
-    """The watchdog file's mtime (ns), None while there is none."""
-    if path is None:
-        return None
-    try:
-        return path.stat().st_mtime_ns
-    except OSError:
-        return None
 
 
 class Supervisor:
@@ -201,11 +89,7 @@ class Supervisor:
         self._watchers: list[asyncio.Task[None]] = []
         self._kill = False
         self._failure: CrashLoop | None = None
-        # Per process: the watchdog file's mtime last seen, and when (monotonic) it was seen
-        # to change or the run started.
-        self._last_sign: dict[str, tuple[int | None, float]] = {}
-        self._hung: dict[str, float] = {}  # killed as hung: seconds without a sign of life
-        self._beating: set[str] = set()  # processes whose current run gave a sign of life
+        self._hangs = HangWatch(self)
 
     def restarts(self, name: str) -> int:
         """How often ``name`` was restarted so far."""
@@ -273,7 +157,7 @@ class Supervisor:
         starting = asyncio.create_task(self._start_in_order())
         stopped = asyncio.create_task(self._stop.wait())
         if self.hang_timeout_s > 0:
-            self._watchers.append(asyncio.create_task(self._watch_for_hangs(), name="hangs"))
+            self._watchers.append(asyncio.create_task(self._hangs.run(), name="hangs"))
         try:
             await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if starting.done():
@@ -311,8 +195,7 @@ class Supervisor:
                 self._pending_starts.discard(start)
         self._starts[process.name] += 1
         self._started_with[process.name] = {need: self._starts[need] for need in process.needs}
-        self._last_sign[process.name] = (_beat_of(process.alive_file), time.monotonic())
-        self._beating.discard(process.name)
+        self._hangs.started(process)
         self._set_up(process, up=True)
 
     def _set_up(self, process: Supervised, *, up: bool) -> None:
@@ -323,7 +206,7 @@ class Supervisor:
     async def _watch(self, process: Supervised) -> None:
         while True:
             code = await process.wait()
-            silent = self._hung.pop(process.name, None)
+            silent = self._hangs.killed_as_hung(process.name)
             if self._stop.is_set() or process.name in self._parked:
                 return
             self._set_up(process, up=False)
@@ -397,55 +280,6 @@ class Supervisor:
             ):
                 return need, ago
         return None
-
-    async def _watch_for_hangs(self) -> None:
-        every = min(_HANG_CHECK_S, self.hang_timeout_s / 4)
-        last_look = time.monotonic()
-        while True:
-            await asyncio.sleep(every)
-            now = time.monotonic()
-            if now - last_look > 2 * every:
-                # This loop did not run for a while (the supervisor was stopped or starved),
-                # and its children may have waited for it (on a full output pipe): that time
-                # is held against none of them.
-                self._last_sign = {n: (beat, now) for n, (beat, _) in self._last_sign.items()}
-            last_look = now
-            for process in self.processes:
-                self._judge(process, now)
-
-    def _judge(self, process: Supervised, now: float) -> None:
-        """Kill ``process`` if its watchdog file stood still for ``hang_timeout_s``; a process
-        parked, down, stopping or already killed is not judged."""
-        name = process.name
-        if (
-            process.alive_file is None
-            or self._stop.is_set()
-            or name in self._parked
-            or name in self._hung
-            or not self.is_up(name)
-        ):
-            return
-        beat = _beat_of(process.alive_file)
-        seen, since = self._last_sign[name]  # set by every start
-        if beat != seen:
-            self._last_sign[name] = (beat, now)
-            self._beating.add(name)
-            return
-        silent = now - since
-        started = name in self._beating
-        if silent < (self.hang_timeout_s if started else max(self.hang_timeout_s, _FIRST_BEAT_S)):
-            return
-        log.error(
-            "%s (pid %s) gave no sign of life for %.0fs (%s); killing it to restart it",
-            name,
-            process.pid,
-            silent,
-            "its event loop is blocked or the process is stopped"
-            if started
-            else "it never started beating",
-        )
-        self._hung[name] = silent
-        process.kill()
 
     async def _until_restart_due(self, process: Supervised, delay: float) -> bool:
         """Wait ``delay``, then until what ``process`` needs is up; False if stopped first."""

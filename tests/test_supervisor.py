@@ -24,9 +24,11 @@ from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings, local_addresses
 from ops.devstack import RedisServer
 from ops.local_stack import claimed, stack_processes, standby_processes
+from ops.restart_policy import CrashLoop, RestartPolicy
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess
-from ops.supervisor import CrashLoop, RestartPolicy, Supervisor, SupervisorMetrics
+from ops.supervisor import Supervisor
+from ops.supervisor_metrics import SupervisorMetrics
 from tests.stack import ROOT, eventually, free_port
 
 FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)

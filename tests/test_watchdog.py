@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from laneway.watchdog import AliveFile
-from ops import supervisor as supervisor_module
+from ops import hang_watch
+from ops.restart_policy import RestartPolicy
 from ops.supervised import ServiceProcess
-from ops.supervisor import RestartPolicy, Supervisor
+from ops.supervisor import Supervisor
 from tests.stack import eventually
 from tests.test_supervisor import _gone, supervising
 
@@ -107,7 +108,7 @@ async def test_a_run_has_longer_for_its_first_beat_than_between_beats(
 ) -> None:
     """Before its first beat a run is importing its packages, which on a loaded machine
     takes longer than a loop may stay blocked: it was killed before it could beat."""
-    monkeypatch.setattr(supervisor_module, "_FIRST_BEAT_S", 4.0)
+    monkeypatch.setattr(hang_watch, "_FIRST_BEAT_S", 4.0)
     silent = _service("silent", "import time\nprint('up', flush=True)\ntime.sleep(600)\n", tmp_path)
     supervisor = Supervisor([silent], POLICY, hang_timeout_s=HANG_TIMEOUT_S)
     before_spawn = time.monotonic()
