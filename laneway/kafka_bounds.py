@@ -4,10 +4,10 @@ aiokafka decompresses a whole record batch in memory before it yields a record o
 nothing upstream bounds what a batch expands to: ``max.message.bytes`` and the fetch sizes
 count compressed bytes, and the broker stores a batch in the producer's codec after only
 streaming through it. A tenant's batch topic is written with the tenant's own Kafka
-credentials: 45 KB of zstd that expands to 1.5 GB took a batch worker to 2.9 GB, and one
-that expands past its memory killed it; restarted, it fetched the same batch and died
-again, and every team's batch work stopped. A batch the process cannot decode at all (a
-codec it lacks) stopped the fetch loop the same way.
+credentials: a few KB of zstd can expand to gigabytes, and a batch past a worker's memory
+killed it; restarted, it fetched the same batch and died again, and every team's batch work
+stopped. A batch the process cannot decode at all (a codec it lacks) stopped the fetch loop
+the same way.
 
 So every consumer laneway makes (``laneway.clients.make_consumer``) decompresses a batch into
 at most ``LANEWAY_MAX_DECOMPRESSED_BATCH_BYTES``; a batch past that, or one that cannot be
