@@ -11,10 +11,11 @@ from ingress.admin import admin_router
 from ingress.admin_canary import canary_router
 from ingress.admin_shadow import shadow_router
 from ingress.batch_routes import FILES_PATH, batch_router
+from ingress.completions import HOT_ROUTES
 from ingress.console import Console, install_console
 from ingress.errors import install_error_handlers
 from ingress.limits import BodyLimit
-from ingress.routes import HOT_ROUTES, router
+from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.state import IngressState
 from laneway.watchdog import AliveFile

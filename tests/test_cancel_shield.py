@@ -263,7 +263,8 @@ def _waiting_for_replies() -> list[str]:
         chain
         for chain in chains
         if any(
-            "ingress/routes.py:" in line or (line.endswith(" in get") and "ingress/" in line)
+            any(f"ingress/{name}.py:" in line for name in ("completions", "reply_delivery"))
+            or (line.endswith(" in get") and "ingress/" in line)
             for line in chain.splitlines()
         )
     ]

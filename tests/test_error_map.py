@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from ingress.errors import error_response
-from ingress.routes import _reply_error
+from ingress.reply_delivery import reply_error
 from laneway.errors import (
     Aborted,
     BadRequest,
@@ -79,7 +79,7 @@ def test_a_dropped_reply_keeps_its_outcome_as_code_and_says_whether_to_send_it_a
     """Streamed or not, the client reads the same code (an abort mid-run was ``dropped``
     unstreamed, ``aborted`` in the stream). A drop is not to be sent again (the OpenAI SDKs
     retry a 409 unless told not to); a 504 is the client's to retry."""
-    error = _reply_error(Reply(id="r", n=0, done=True, status=status, error="why"), kind="chat")
+    error = reply_error(Reply(id="r", n=0, done=True, status=status, error="why"), kind="chat")
     response = error_response(error)
     code = orjson.loads(bytes(response.body))["error"]["code"]
     if status == "expired":
@@ -144,7 +144,7 @@ def test_an_engines_context_refusal_is_openais_context_length_exceeded(
     reply = Reply(
         id="r", n=0, done=True, status="rejected", error=f"the engine refused the request: {said}"
     )
-    response = error_response(_reply_error(reply, kind=kind))
+    response = error_response(reply_error(reply, kind=kind))
     body = orjson.loads(bytes(response.body))["error"]
     assert response.status_code == 400
     assert (body["code"], body["param"]) == ("context_length_exceeded", param)
@@ -155,7 +155,7 @@ def test_an_engines_context_refusal_is_openais_context_length_exceeded(
 def test_an_engines_other_refusals_stay_a_plain_400() -> None:
     for said in ("suffix is not currently supported", "temperature must be at most 2 (got 9)"):
         reply = Reply(id="r", n=0, done=True, status="rejected", error=said)
-        response = error_response(_reply_error(reply, kind="completion"))
+        response = error_response(reply_error(reply, kind="completion"))
         body = orjson.loads(bytes(response.body))["error"]
         assert (response.status_code, body["code"]) == (400, "invalid_request")
         assert body["message"] == said
@@ -167,7 +167,7 @@ def test_an_engines_refusal_names_the_field_the_worker_reports(status: str) -> N
     the client's 400 names the field, as OpenAI's do."""
     said = "suffix is not supported by this model's engine (vllm: no fill-in-the-middle)"
     reply = Reply(id="r", n=0, done=True, status=status, error=said, param="suffix")
-    response = error_response(_reply_error(reply, kind="completion"))
+    response = error_response(reply_error(reply, kind="completion"))
     body = orjson.loads(bytes(response.body))["error"]
     assert response.status_code == 400
     assert (body["type"], body["param"], body["message"]) == (
