@@ -296,11 +296,11 @@ async def test_an_upstream_abort_or_an_unknown_finish_reason_is_an_engine_error_
     answer. A reason OpenAI does not have cannot go to the client as it is (its SDKs and
     generated clients check the value); each such request fails, the server's value is
     logged once, not once a request."""
-    caplog.set_level(logging.WARNING, "workers.upstream")
+    caplog.set_level(logging.WARNING, "workers.upstream_stream")
     for reason in ("abort", "abort", "wat", "wat"):
         with pytest.raises(EngineError, match=f"finish_reason {reason!r}"):
             await _finish(upstream_engine, reason)
-    logged = [r.getMessage() for r in caplog.records if r.name == "workers.upstream"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "workers.upstream_stream"]
     assert len([m for m in logged if "'abort'" in m]) == 1, logged
     assert len([m for m in logged if "'wat'" in m]) == 1, logged
 

@@ -1,0 +1,78 @@
+"""The upstream's own queue length and KV-cache usage, read from its ``/metrics``.
+
+Where a server publishes them (vLLM, SGLang), its queue helps learn its capacity
+(``workers.learned_slots``) and its KV-cache usage is its memory pressure (``workers.memory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+
+import aiohttp
+
+from workers.learned_slots import LearnedSlots
+
+__all__ = ["UpstreamMetrics"]
+
+log = logging.getLogger(__name__)
+
+# The queue length that vLLM and SGLang publish on /metrics.
+_WAITING = re.compile(
+    rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs)(?:\{[^}]*\})? (\S+)", re.M
+)
+# Their KV-cache usage, a share 0..1 (vLLM's V1 and V0 names, SGLang's), for memory pressure.
+_KV_USAGE = re.compile(
+    rb"^(?:vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc|sglang:token_usage)"
+    rb"(?:\{[^}]*\})? (\S+)",
+    re.M,
+)
+# The upstream's metrics are read every interval_s; missed this many times in a row,
+# what they last said no longer counts.
+_STALE_READINGS = 3
+
+
+class UpstreamMetrics:
+    """The last reading of an upstream's metrics, every ``interval_s`` while ``poll`` runs."""
+
+    def __init__(self, url: str, interval_s: float, learned: LearnedSlots) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.learned = learned
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.at = -math.inf  # monotonic time of the last reading
+        # A reading older than this says nothing: kept, a queue or a pressure seen once
+        # would hold work back for good.
+        self.stale_after_s = _STALE_READINGS * interval_s
+
+    async def poll(self, session: aiohttp.ClientSession) -> None:
+        """Read them every ``interval_s``; return when the upstream publishes neither."""
+        while True:
+            try:
+                async with session.get(self.url) as response:
+                    text = await response.read()
+                    status = response.status
+                waiting = _WAITING.search(text)
+                kv_usage = _KV_USAGE.search(text)
+                if status == 404 or (status == 200 and waiting is None and kv_usage is None):
+                    log.info(
+                        "upstream publishes no queue length or KV-cache usage at %s; its "
+                        "capacity is learned from first-byte times alone, and its memory "
+                        "pressure is not seen",
+                        self.url,
+                    )
+                    return
+                if waiting is not None:
+                    self.waiting = int(float(waiting.group(1)))
+                    self.learned.upstream_load(self.waiting, fresh_s=3 * self.interval_s)
+                if kv_usage is not None:
+                    self.kv_usage = min(1.0, max(0.0, float(kv_usage.group(1))))
+                if waiting is not None or kv_usage is not None:
+                    self.at = time.monotonic()
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.debug("upstream metrics at %s unreadable: %s", self.url, exc)
+            await asyncio.sleep(self.interval_s)

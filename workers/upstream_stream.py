@@ -1,0 +1,158 @@
+"""An upstream's event stream read into deltas, and its finish_reason as OpenAI's.
+
+Every line of every streamed answer passes through here (the CPU per completion): a line
+is parsed once and folded into the totals, and only an error event costs more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from laneway.errors import EngineError
+from workers.types import EngineDelta
+from workers.upstream_refusals import stream_error
+
+__all__ = ["FinishReasons", "StreamReading"]
+
+log = logging.getLogger(__name__)
+
+# What servers end a stream with, as OpenAI's finish_reason. TGI tells the model's own end
+# of text (eos_token) from a stop string (stop_sequence); OpenAI calls both ``stop``. A chat
+# may end in tool calls; a completion cannot.
+_FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "content_filter": "content_filter",
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+}
+_CHAT_FINISH_REASONS = {**_FINISH_REASONS, "tool_calls": "tool_calls"}
+# A server sending a new value with every request would otherwise fill the log (and memory).
+_ODD_FINISHES_LOGGED = 32
+
+
+class FinishReasons:
+    """One upstream's finish_reason values as OpenAI's; each value it should not send is
+    logged once."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self._odd: set[str] = set()  # finish reasons not OpenAI's, logged once each
+
+    def openai(self, reason: object, *, chat: bool) -> str:
+        """The upstream's finish_reason as OpenAI's (clients and their SDKs check the value).
+        An abort of the upstream's own (SGLang's ``abort``: the text is not a whole answer)
+        or a value OpenAI does not have fails the request; the value is logged once."""
+        if reason is None:
+            return "stop"  # ended by [DONE] alone
+        openai = _CHAT_FINISH_REASONS if chat else _FINISH_REASONS
+        if isinstance(reason, str) and reason in openai:
+            return openai[reason]
+        said = repr(reason)[:60]
+        if said not in self._odd and len(self._odd) < _ODD_FINISHES_LOGGED:
+            self._odd.add(said)
+            log.warning(
+                "upstream %s ended a %s request with finish_reason %s, which is not one of "
+                "OpenAI's: such requests fail as engine errors (logged once for this value)",
+                self.upstream,
+                "chat" if chat else "completion",
+                said,
+            )
+        if reason == "abort":
+            raise EngineError(f"the upstream aborted the request itself (finish_reason {said})")
+        raise EngineError(f"the upstream ended the request with finish_reason {said}, not OpenAI's")
+
+
+class StreamReading:
+    """Totals of one streamed response, folded in chunk by chunk."""
+
+    __slots__ = (
+        "cached",
+        "completion_tokens",
+        "done",
+        "finish",
+        "prompt_tokens",
+        "started",
+        "text_sent",
+    )
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.done = False  # [DONE] was read
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached = 0
+        self.finish: object = None  # the server's own value, until FinishReasons reads it
+        self.started: float | None = None  # perf_counter at the first byte
+        self.text_sent = False  # some text came (and went on to the client)
+
+    def ms(self) -> float:
+        return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
+
+    def line(self, line: bytes) -> EngineDelta | None:
+        """One line of the event stream: the delta it brings, if any."""
+        if not line.startswith(b"data:"):
+            return None
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            chunk = orjson.loads(data)
+            if isinstance(chunk, dict) and chunk.get("error"):
+                # vLLM and others end a stream that failed midway with an error event (and
+                # then [DONE]): the answer so far is not a whole one. TGI refuses a request
+                # so too, before any text.
+                raise stream_error(chunk, text_sent=self.text_sent)
+            return self.chunk(chunk)
+        except (ValueError, TypeError, AttributeError) as exc:
+            # Not the OpenAI chunk it must be: the request fails with an engine error (its
+            # client answered, its quota settled, the route's breaker told), never silently.
+            raise EngineError(
+                f"the upstream sent an event that is not an OpenAI chunk: {bytes(data[:120])!r}"
+            ) from exc
+
+    def chunk(self, chunk: dict[str, Any]) -> EngineDelta | None:
+        usage = chunk.get("usage")
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached = int(details.get("cached_tokens") or 0)
+            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+        text = ""
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta")
+            text += (delta.get("content") if delta else choice.get("text")) or ""
+            self.finish = choice.get("finish_reason") or self.finish
+        if text and not usage:
+            self.completion_tokens += 1
+        self.text_sent = self.text_sent or bool(text)
+        if not (text or usage):
+            return None
+        return EngineDelta(
+            text=text,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached,
+            completion_tokens=self.completion_tokens,
+            engine_ms=self.ms(),
+        )
+
+    def final(self, finish_reason: str) -> EngineDelta:
+        """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
+        saying it was done ([DONE], or a finish_reason), as a connection the upstream dropped
+        or a body cut short does; the text so far is not a whole answer then."""
+        if not self.done and self.finish is None:
+            raise EngineError(
+                "the upstream's stream ended before its end (no finish_reason, no [DONE])"
+            )
+        return EngineDelta(
+            text="",
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached,
+            completion_tokens=self.completion_tokens,
+            engine_ms=self.ms(),
+            finish_reason=finish_reason,
+        )
