@@ -162,18 +162,19 @@ async def sse_events(
                 yield stream_chunk(env, text=reply.text, role=role)
                 role = False
             if reply.done:
-                _observe(env, 200 if reply.status == "ok" else 500, state.clock.now())
                 if reply.status == "ok":
+                    _observe(env, 200, state.clock.now())
                     yield stream_chunk(env, finish_reason=reply.finish_reason)
                     if include_usage:
                         yield stream_chunk(env, usage=usage_body(reply))
                 else:
+                    # The error a request that was not streamed gets, in the same words
+                    # (type, code, param), and counted under its status.
                     err = reply_error(reply, kind=env.kind)
-                    kind = (
-                        "invalid_request_error" if isinstance(err, BadRequest) else "server_error"
+                    _observe(env, err.status_code, state.clock.now())
+                    yield sse(
+                        error_body(str(err), type_=err.error_type, code=err.code, param=err.param)
                     )
-                    code = err.code if isinstance(err, PromptTooLarge) else reply.status
-                    yield sse(error_body(str(err), type_=kind, code=code, param=err.param))
                 yield DONE
                 finished = True
                 return
