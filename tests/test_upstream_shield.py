@@ -199,7 +199,9 @@ async def test_keystrokes_typed_while_the_broker_is_frozen_are_shielded_once_it_
     assert stack.services.broker_pid is not None
     upstream = await upstreams(slots=1, token_ms=40, metrics=True)
     ingress = await _ingress_with_room(stack)
-    worker = await _serving(stack, upstream, upstream_slots=1)
+    # The shortest session the broker allows: frozen past it, and not past the ingress's
+    # producer timeout (10 s), which would add retries to the wait.
+    worker = await _serving(stack, upstream, upstream_slots=1, session_timeout_ms=6000)
     http = stack.http(ingress, await stack.api_key())
     occupant = await _occupy(http, upstream, "occupant")
     keystrokes = [_keystroke(http, 1)]
