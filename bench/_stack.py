@@ -30,7 +30,10 @@ import redis.asyncio as aioredis
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys, Topics
 from laneway.settings import CommonSettings
-from ops.devstack import KafkaBroker, RedisServer, create_topics, stop_processes
+from ops.devstack import stop_processes
+from ops.kafka_broker import KafkaBroker
+from ops.kafka_topics import create_topics
+from ops.redis_server import RedisServer
 from quota import Team, set_team
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ from bench._stack import BenchStack, bench_stack, sigterm_unwinds
 from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
-from ops.devstack import RedisServer
 from ops.drills.http_pool import HttpPool
+from ops.redis_server import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, set_team
 
 RESERVATION = 10 + 16  # "y" * 40 → 10 prompt tokens, plus max_tokens 16

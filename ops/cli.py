@@ -18,8 +18,8 @@ from laneway.logs import setup_logging
 from laneway.settings import CommonSettings, load_settings
 from ops.batch_cli import add_batch_commands
 from ops.canary_cli import add_canary_commands
-from ops.devstack import create_topics
 from ops.drills import add_drill_commands
+from ops.kafka_topics import create_topics
 from ops.local_stack import run_local_stack
 from ops.principals_cli import add_principal_commands
 from ops.settings import StackSettings

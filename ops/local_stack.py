@@ -24,8 +24,11 @@ from laneway.constants import POOLS, RequestClass
 from laneway.errors import ConfigError, ServiceError
 from laneway.settings import CommonSettings, load_settings
 from ops.autoscale import LocalAutoscaler
-from ops.devstack import KafkaBroker, RedisServer, create_topics, port_in_use
+from ops.devstack import port_in_use
 from ops.group_members import GroupMembers
+from ops.kafka_broker import KafkaBroker
+from ops.kafka_topics import create_topics
+from ops.redis_server import RedisServer
 from ops.restart_policy import RestartPolicy
 from ops.secured_stack import StackSecrets
 from ops.settings import StackSettings

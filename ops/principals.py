@@ -37,7 +37,7 @@ from laneway.kafka_acl import (
     upsert_scram,
 )
 from laneway.settings import CommonSettings
-from ops.devstack import create_topics_async
+from ops.kafka_topics import create_topics_async
 
 __all__ = ["ROLES", "Role", "acl_rules", "create_principal", "delete_principal", "show_acls"]
 

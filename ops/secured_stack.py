@@ -19,8 +19,10 @@ from pydantic import SecretStr
 
 from laneway.constants import POOLS
 from laneway.settings import CommonSettings
-from ops.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
+from ops.broker_admin import BrokerAdmin
+from ops.kafka_broker import KafkaBroker
 from ops.principals import Role, create_principal
+from ops.redis_server import RedisServer, RedisUser
 
 __all__ = ["StackSecrets", "service_identity"]
 

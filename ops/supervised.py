@@ -286,7 +286,8 @@ def _runs_a_service(pid: int, alive_file: Path) -> bool:
 
 
 class _Server(Protocol):
-    """What ``ops.devstack`` servers offer (start and stop block until done)."""
+    """What the local servers offer (``ops.kafka_broker``, ``ops.redis_server``: start and
+    stop block until done)."""
 
     name: str
 
@@ -310,8 +311,9 @@ class _Server(Protocol):
 
 
 class LocalServer:
-    """Kafka or Redis of ``ops.devstack`` as a supervised process; its blocking start,
-    wait and stop run on threads. ``on_ready`` runs after every start (e.g. topic creation).
+    """Kafka or Redis (``ops.kafka_broker``, ``ops.redis_server``) as a supervised process;
+    its blocking start, wait and stop run on threads. ``on_ready`` runs after every start
+    (e.g. topic creation).
 
     It gives the supervisor no sign of life but its exit: a hung broker or Redis is not
     killed (a probe would be a Kafka or Redis client of the supervisor's, on a thread, and

@@ -13,7 +13,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from ops.devstack import RedisUser, redis_acl_file
+from ops.redis_server import RedisUser, redis_acl_file
 
 KAFKA = ("ADMIN", "INGRESS", "WORKER_COMPLETION", "WORKER_CHAT", "WORKER_BATCH", "STREAMS")
 REDIS = ("OPERATOR", "INGRESS", "WORKER", "STREAMS")

@@ -101,7 +101,8 @@ say "checking the Kafka broker jars"
 .venv/bin/python -c '
 import logging
 logging.basicConfig(level=logging.INFO, format="setup: %(message)s")
-from ops.devstack import ServiceError, kafka_classpath
+from ops.devstack import ServiceError
+from ops.kafka_jars import kafka_classpath
 try:
     kafka_classpath()
 except ServiceError as exc:

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from ops.devstack import KafkaBroker, RedisServer
+from ops.kafka_broker import KafkaBroker
+from ops.redis_server import RedisServer
 from tests import socket_origins
 from tests.secured import SecuredServices
 from tests.stack import (

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laneway.settings import CommonSettings
-from ops.devstack import BrokerAdmin, KafkaBroker, RedisServer, RedisUser
+from ops.broker_admin import BrokerAdmin
+from ops.kafka_broker import KafkaBroker
 from ops.principals import Role, create_principal
+from ops.redis_server import RedisServer, RedisUser
 from tests.stack import PARTITIONS, LiveStack, Services
 
 # Every test prefix starts with "t": a service user may touch the keys of any test's prefix.

@@ -33,7 +33,8 @@ from ingress.settings import IngressSettings
 from laneway.apikeys import create_key
 from laneway.redis_circuit import DEFAULT_FAILURES, DEFAULT_PROBE_INTERVAL_MS, attach_circuit
 from laneway.schema import CancelRecord, RequestEnvelope
-from ops.devstack import create_topics, port_in_use
+from ops.devstack import port_in_use
+from ops.kafka_topics import create_topics
 from quota.teams import Team, set_team
 from workers.factory import create_worker
 from workers.pool import PoolWorker

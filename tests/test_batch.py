@@ -28,7 +28,7 @@ from laneway.constants import RedisKeys
 from laneway.errors import BadRequest
 from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope
 from laneway.settings import CommonSettings
-from ops.devstack import create_topics
+from ops.kafka_topics import create_topics
 from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import PARTITIONS, LiveStack, envelope, eventually, free_port
 from workers import batch_lane, batch_txn

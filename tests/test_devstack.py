@@ -14,16 +14,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from laneway.errors import ConfigError
-from ops.devstack import (
-    KafkaBroker,
-    KafkaCluster,
-    RedisServer,
-    Replication,
-    ServiceError,
-    cache_dir,
-    create_topics,
-    port_in_use,
-)
+from ops.devstack import ServiceError, port_in_use
+from ops.kafka_broker import KafkaBroker, Replication
+from ops.kafka_cluster import KafkaCluster
+from ops.kafka_jars import cache_dir
+from ops.kafka_topics import create_topics
+from ops.redis_server import RedisServer
 from tests.stack import free_port, free_port_block, free_port_pair
 
 

@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from laneway.constants import RedisKeys, Topics
 from laneway.schema import ScalingDecision
 from ops.autoscale import LocalAutoscaler
-from ops.devstack import RedisServer
 from ops.group_members import GroupMembers
 from ops.local_stack import stop_grace_s, stop_leftovers
+from ops.redis_server import RedisServer
 from ops.supervisor import Supervisor
 from tests.stack import eventually, free_port
 from tests.test_supervisor import FAST, SLEEPER, _laneway_up, _python

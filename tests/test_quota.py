@@ -23,7 +23,7 @@ from laneway.constants import RedisKeys, Topics
 from laneway.errors import BadRequest, QuotaExceeded
 from laneway.schema import BatchRequest, Reply, UsageEvent
 from laneway.tokens import estimate_tokens
-from ops.devstack import RedisServer
+from ops.redis_server import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, get_team, utilisation_sigma
 from quota.teams import MAX_TEAM_SIZE, set_team
 from tests.stack import (

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from ingress.quota_gate import QuotaGate
 from laneway.constants import RedisKeys
 from laneway.redis_circuit import RedisCircuit, RedisUnavailable, attach_circuit
-from ops.devstack import RedisServer
+from ops.redis_server import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import free_port
 

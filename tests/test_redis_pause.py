@@ -31,7 +31,8 @@ from bench.redis_pause import (
     window_rows,
 )
 from laneway.redis_circuit import DEFAULT_HOT_TIMEOUT_MS
-from ops.devstack import RedisServer, stop_processes
+from ops.devstack import stop_processes
+from ops.redis_server import RedisServer
 from tests.stack import LiveStack, Services, free_port
 
 TEAM = "paused"

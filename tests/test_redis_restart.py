@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ops.devstack import RedisServer
+from ops.redis_server import RedisServer
 from tests.stack import Ingress, LiveStack, Services, eventually, free_port
 
 ADMIN = "admin-secret-0123456"

@@ -21,7 +21,8 @@ from ingress.replies import ReplyChannel, ReplyRouter
 from laneway.constants import Topics
 from laneway.redis_circuit import attach_circuit
 from laneway.schema import Reply, UsageEvent, decode
-from ops.devstack import RedisServer, create_topics
+from ops.kafka_topics import create_topics
+from ops.redis_server import RedisServer
 from tests.stack import Services, envelope, eventually, free_port, redis_client
 from workers.outbox import Outbox
 from workers.replies import ChunkStream

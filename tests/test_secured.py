@@ -33,7 +33,7 @@ from laneway.constants import Topics
 from laneway.errors import ConfigError, ServiceError
 from laneway.schema import BatchRequest
 from laneway.settings import CommonSettings, load_settings
-from ops.devstack import BrokerAdmin
+from ops.broker_admin import BrokerAdmin
 from ops.principals import Role, acl_rules, show_acls
 from tests.secured import Principals, SecuredServices
 from tests.stack import LiveStack

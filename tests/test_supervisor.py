@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 
 from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings, local_addresses
-from ops.devstack import RedisServer
 from ops.local_stack import claimed, stack_processes, standby_processes
+from ops.redis_server import RedisServer
 from ops.restart_policy import CrashLoop, RestartPolicy
 from ops.settings import StackSettings
 from ops.supervised import LocalServer, ServiceProcess

@@ -24,8 +24,11 @@ from redis.exceptions import RedisError
 
 from laneway.constants import POOLS, RedisKeys, Topics
 from laneway.errors import ServiceError
-from ops.devstack import KafkaCluster, RedisServer, Replication, create_topics
 from ops.group_members import GroupMembers
+from ops.kafka_broker import Replication
+from ops.kafka_cluster import KafkaCluster
+from ops.kafka_topics import create_topics
+from ops.redis_server import RedisServer
 from ops.supervised import ServiceProcess
 
 __all__ = ["ChaosTopology", "TopologyPlan"]
