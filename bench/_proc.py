@@ -30,6 +30,22 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and every process below it (LiteLLM's workers are children)."""
+    total = 0.0
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            total += stat_cpu_seconds(Path(f"/proc/{current}/stat").read_text())
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = (task / "children").read_text().split()
+                stack.extend(int(c) for c in children)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
 def cpu_times() -> list[int]:
     """The machine's CPU time counters (/proc/stat): user, nice, system, idle, ..., steal."""
     try:

@@ -1,0 +1,59 @@
+"""One window of the CPU bench: the CPU each process used for a fixed rate of completions,
+less what it used idle for as long (the broker and the streams app work when nothing comes in)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import uvloop
+
+from bench._cpu_load import drive
+from bench._proc import tree_cpu_seconds
+
+
+@dataclass
+class Window:
+    who: str
+    stream: bool
+    sent: int = 0
+    ok: int = 0
+    seconds: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # by process, idle subtracted
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    return {role: tree_cpu_seconds(pid) for role, pid in pids.items()}
+
+
+def measure_window(
+    who: str,
+    pids: dict[str, int],
+    port: int,
+    headers: dict[str, str],
+    model: str,
+    args: argparse.Namespace,
+    stream: bool,
+) -> Window:
+    """Idle for ``seconds``, then loaded for as long: the load's CPU less the idle's."""
+    before = _cpu(pids)
+    time.sleep(args.seconds)
+    idle = {r: v - before[r] for r, v in _cpu(pids).items()}
+    before = _cpu(pids)
+    started = time.monotonic()
+    sent, ok, failed = uvloop.run(drive(port, headers, model, args.rate, args.seconds, stream))
+    seconds = time.monotonic() - started
+    after = _cpu(pids)
+    # The idle window ran for args.seconds; the load ran a little longer (its tail).
+    scale = seconds / args.seconds
+    window = Window(who, stream, sent=sent, ok=ok, seconds=seconds)
+    window.cpu_s = {r: after[r] - before[r] - idle[r] * scale for r in pids}
+    print(
+        f"# {who} stream={stream}: {ok}/{sent} answered in {seconds:.1f}s"
+        + (f" (the others: {dict(failed)})" if failed else "")
+        + "; "
+        + "  ".join(f"{r} {1000 * v / max(1, ok):.2f}" for r, v in window.cpu_s.items()),
+        flush=True,
+    )
+    return window

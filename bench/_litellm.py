@@ -1,0 +1,80 @@
+"""LiteLLM's proxy as a process, the peer the CPU bench measures laneway beside; installed on
+demand into a venv of its own, so laneway's environment never depends on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from ops.devstack import stop_processes
+
+LITELLM_PORT = 31895
+LITELLM_VENV = Path.home() / ".cache" / "laneway" / "litellm-venv"
+LITELLM_KEY = "sk-laneway-bench"
+
+
+@contextmanager
+def litellm_proxy(workers: int, upstream_port: int) -> Iterator[int]:
+    """LiteLLM's proxy on LITELLM_PORT in front of the upstream on ``upstream_port`` (as model
+    ``up``); yields its pid."""
+    binary = LITELLM_VENV / "bin" / "litellm"
+    if not binary.exists():
+        print(f"# installing LiteLLM into {LITELLM_VENV} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run(
+            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True
+        )
+    config = Path(tempfile.mkdtemp(prefix="laneway-litellm-")) / "config.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: up\n"
+        "    litellm_params:\n"
+        "      model: openai/up\n"
+        f"      api_base: http://127.0.0.1:{upstream_port}/v1\n"
+        "      api_key: none\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+    )
+    # Its proxy wants a master key (clients send it, as laneway's send theirs), and would
+    # fetch a model price map from the internet at start.
+    env = {
+        **os.environ,
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_MASTER_KEY": LITELLM_KEY,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--config",
+            str(config),
+            "--port",
+            str(LITELLM_PORT),
+            "--num_workers",
+            str(workers),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{LITELLM_PORT}/health/liveliness", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("LiteLLM's proxy did not start") from None
+                time.sleep(0.5)
+        yield proc.pid
+    finally:
+        stop_processes([proc])
