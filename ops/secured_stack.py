@@ -23,8 +23,9 @@ from ops.broker_admin import BrokerAdmin
 from ops.kafka_broker import KafkaBroker
 from ops.principals import Role, create_principal
 from ops.redis_server import RedisServer, RedisUser
+from ops.settings import StackSettings
 
-__all__ = ["StackSecrets", "service_identity"]
+__all__ = ["StackSecrets", "service_identity", "stack_secrets"]
 
 _ADMIN = "admin"
 _OPERATOR = "operator"  # Redis: the CLI's user (keys, teams); every key and command
@@ -128,3 +129,10 @@ class StackSecrets:
 
         # Called on the supervisor's start-up thread, where no event loop runs.
         asyncio.run(create_all())
+
+
+def stack_secrets(settings: StackSettings) -> StackSecrets | None:
+    """The secured mode's passwords (generated on first use), or None when it is off."""
+    if not settings.secured:
+        return None
+    return StackSecrets.load_or_create(Path(settings.data_dir).resolve() / "secrets")

@@ -18,8 +18,8 @@ from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings
 from ops.cli import main as cli_main
 from ops.drills.topology import TopologyPlan
-from ops.local_stack import stack_processes
 from ops.settings import StackSettings
+from ops.stack_processes import stack_processes
 from tests.stack import ROOT, LiveStack, free_port
 from workers import metrics
 from workers.settings import WorkerSettings

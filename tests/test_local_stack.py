@@ -19,7 +19,7 @@ from laneway.constants import RedisKeys, Topics
 from laneway.schema import ScalingDecision
 from ops.autoscale import LocalAutoscaler
 from ops.group_members import GroupMembers
-from ops.local_stack import stop_grace_s, stop_leftovers
+from ops.leftovers import stop_grace_s, stop_leftovers
 from ops.redis_server import RedisServer
 from ops.supervisor import Supervisor
 from tests.stack import eventually, free_port
@@ -48,7 +48,7 @@ def test_a_leftover_service_this_stack_does_not_run_is_stopped_too(
     """A worker-completion-3 that a killed stack left running survives no restart with fewer
     replicas: its pid file, command line and watchdog file name it. A pid file of anything
     else is left, and so is one whose pid is now another stack's service."""
-    caplog.set_level(logging.WARNING, "ops.local_stack")
+    caplog.set_level(logging.WARNING, "ops.leftovers")
     logs = tmp_path / "logs"
     logs.mkdir()
     stray = _fake_service(tmp_path / "fake", "workers", logs / "worker-completion-3.alive")

@@ -30,7 +30,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from laneway.apikeys import create_key, lookup_team
 from laneway.constants import RedisKeys
-from ops.local_stack import process_runs
+from ops.leftovers import process_runs
 from quota.teams import Team, set_team
 from tests.stack import ROOT, eventually, free_port, free_port_pair
 

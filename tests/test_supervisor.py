@@ -22,10 +22,11 @@ import redis.asyncio as aioredis
 
 from laneway.errors import ConfigError
 from laneway.settings import CommonSettings, load_settings, local_addresses
-from ops.local_stack import claimed, stack_processes, standby_processes
+from ops.data_dir_lock import claimed
 from ops.redis_server import RedisServer
 from ops.restart_policy import CrashLoop, RestartPolicy
 from ops.settings import StackSettings
+from ops.stack_processes import stack_processes, standby_processes
 from ops.supervised import LocalServer, ServiceProcess
 from ops.supervisor import Supervisor
 from ops.supervisor_metrics import SupervisorMetrics
