@@ -7,13 +7,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from bench._stack import until_answering
 from ops.devstack import stop_processes
 
 LITELLM_PORT = 31895
@@ -66,15 +64,8 @@ def litellm_proxy(workers: int, upstream_port: int) -> Iterator[int]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{LITELLM_PORT}/health/liveliness", timeout=2)
-                break
-            except httpx.TransportError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("LiteLLM's proxy did not start") from None
-                time.sleep(0.5)
+        url = f"http://127.0.0.1:{LITELLM_PORT}/health/liveliness"
+        until_answering(proc, url, within_s=120, every_s=0.5, what="LiteLLM's proxy")
         yield proc.pid
     finally:
         stop_processes([proc])

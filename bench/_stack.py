@@ -265,3 +265,20 @@ def scrape(port: int, *prefixes: str) -> dict[str, float]:
     """``metric_samples`` of the ``/metrics`` page served on ``port`` of this machine."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     return metric_samples(text, *prefixes)
+
+
+def until_answering(
+    proc: subprocess.Popen[bytes], url: str, *, within_s: float, every_s: float, what: str
+) -> None:
+    """Return once ``url`` answers; ``RuntimeError`` naming ``what`` if ``proc`` exits first
+    or ``within_s`` passes."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            httpx.get(url, timeout=2)
+        except httpx.TransportError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(every_s)
+        else:
+            return

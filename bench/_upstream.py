@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 
-from bench._stack import ROOT
+from bench._stack import ROOT, until_answering
 from ops.devstack import stop_processes
 
 __all__ = ["Upstream", "upstream_process"]
@@ -60,15 +59,8 @@ def upstream_process(
     ] + (["--metrics"] if metrics else [])
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/stats", timeout=1)
-                break
-            except httpx.TransportError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the upstream on port {port} did not start") from None
-                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/stats"
+        until_answering(proc, url, within_s=20, every_s=0.1, what=f"the upstream on port {port}")
         yield Upstream(port, log, proc.pid)
     finally:
         stop_processes([proc])

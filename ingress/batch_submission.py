@@ -74,7 +74,8 @@ class BatchSubmissions:
         self._team_waiting[team] = waiting + 1
 
     def let_go_room(self, team: str) -> None:
-        """The create that held a place failed before its submission began."""
+        """Give back a place ``hold_room`` held: its submission ended, or its create failed
+        before the submission began."""
         left = self._team_waiting.get(team, 1) - 1
         if left > 0:
             self._team_waiting[team] = left

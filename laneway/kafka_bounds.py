@@ -96,12 +96,12 @@ def _gzip(data: Any) -> bytes:
 def _snappy(data: Any) -> bytes:
     """``aiokafka.codec.snappy_decode``, then held to the bound: snappy's format caps what
     a batch expands to (about 21 times), so it is decoded first and measured."""
-    out = _aiokafka_snappy(data)
+    out: bytes = _aiokafka_snappy(data)
     if len(out) > _Bound.bytes:
         raise BatchTooLarge(
             f"snappy record batch of {len(data)} bytes decompresses past {_Bound.bytes} bytes"
         )
-    return bytes(out)
+    return out
 
 
 def _bounded(
