@@ -26,6 +26,9 @@ __all__ = ["KafkaBroker", "Replication"]
 
 log = logging.getLogger(__name__)
 
+# Formatting the storage starts one JVM and writes a few files: seconds, or a stuck machine.
+_FORMAT_TIMEOUT_S = 120.0
+
 # Kafka's INFO chatter from these packages drowns what matters when a start fails.
 _QUIET_LOGGERS = (
     "kafka.coordinator",
@@ -219,7 +222,15 @@ class KafkaBroker(ServerProcess):
             # authenticates to itself with it, and it creates every other principal.
             *(self.admin.format_args() if self.admin is not None else ()),
         )
-        result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
+        try:
+            result = subprocess.run(
+                argv, capture_output=True, text=True, check=False, timeout=_FORMAT_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ServiceError(
+                f"kafka storage format of {self._log_dir} did not finish within "
+                f"{_FORMAT_TIMEOUT_S:.0f} s (a machine too loaded to start a JVM?)"
+            ) from exc
         if result.returncode == 0 and self.admin is not None:
             self.admin.mark_formatted(self._log_dir)
         if result.returncode != 0:

@@ -19,6 +19,8 @@ __all__ = ["cache_dir", "kafka_classpath"]
 log = logging.getLogger(__name__)
 
 _POM = Path(__file__).resolve().parent.parent / "scripts" / "kafka" / "pom.xml"
+# The first resolve downloads ~100 MB; a registry that stops answering must not hang setup.
+_MVN_TIMEOUT_S = 1200.0
 
 
 def cache_dir() -> Path:
@@ -57,20 +59,25 @@ def kafka_classpath(cache: Path | None = None) -> str:
     partial = target.with_suffix(".partial")
     log.info("resolving Kafka jars with Maven (first run downloads ~100 MB into ~/.m2)")
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            mvn,
-            "-q",
-            "-B",
-            "-f",
-            str(_POM),
-            "dependency:build-classpath",
-            f"-Dmdep.outputFile={partial}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    argv = [
+        mvn,
+        "-q",
+        "-B",
+        "-f",
+        str(_POM),
+        "dependency:build-classpath",
+        f"-Dmdep.outputFile={partial}",
+    ]
+    try:
+        result = subprocess.run(
+            argv, capture_output=True, text=True, check=False, timeout=_MVN_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ServiceError(
+            f"mvn did not resolve the Kafka jars from {_POM} within {_MVN_TIMEOUT_S:.0f} s "
+            "(a registry that does not answer?); run it again, or run "
+            f"'{' '.join(argv)}' to watch it"
+        ) from exc
     if result.returncode != 0 or not partial.is_file():
         output = (result.stdout + result.stderr).strip().splitlines()
         raise ServiceError(

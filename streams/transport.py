@@ -5,10 +5,22 @@ Faust reads its input ``read_committed`` only when the app itself runs transacti
 lane writes usage events in Kafka transactions, and an aborted one (its line runs again)
 must not be counted: this transport reads committed records only, and changes nothing else.
 Register it with ``register()``; the app's broker URL then uses the ``laneway://`` scheme.
+
+It also makes Faust's seek to the committed offsets (``Consumer.perform_seek``) seek every input
+partition. aiokafka's ``seek_to_committed`` leaves a partition with no committed offset (or 0)
+where its fetch position is; Faust seeks there at each hand-over from recovery, and its fetcher
+does when it gets records while its flow is off, dropping them as the seek will read them
+again. For a partition no commit reached yet (the first minutes of a topic, or a run that
+failed before its first commit) that seek did nothing, and the dropped records were lost: a
+restart folded none of a partition's backlog, and the next commit passed it. Such a partition
+now goes back to its start, where the group would begin it (``auto_offset_reset=earliest``);
+what it reads again is counted once (``streams.tables``). Table changelogs are left to
+recovery, which places them itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from faust.transport.drivers import TRANSPORTS
@@ -26,6 +38,24 @@ class _ReadCommittedThread(faust_aiokafka.AIOKafkaConsumerThread):
         # one place Faust offers no way to pass it.
         consumer._isolation_level = "read_committed"
         return consumer
+
+    async def seek_to_committed(self) -> Mapping[Any, int]:
+        """Seek every assigned partition to its committed offset, and an input partition
+        with none to its start (aiokafka leaves those where they are)."""
+        committed: Mapping[Any, int] = await self.call_thread(self._seek_to_committed)
+        return committed
+
+    async def _seek_to_committed(self) -> Mapping[Any, int]:
+        consumer = self._ensure_consumer()
+        committed: Mapping[Any, int] = await consumer.seek_to_committed()
+        unstarted = [
+            tp
+            for tp, offset in committed.items()
+            if not offset and not self.consumer._is_changelog_tp(tp)
+        ]
+        if unstarted:
+            await consumer.seek_to_beginning(*unstarted)
+        return committed
 
 
 class _Consumer(faust_aiokafka.Consumer):

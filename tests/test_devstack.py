@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from laneway.errors import ConfigError
+from ops import kafka_jars
 from ops.devstack import ServiceError, port_in_use
 from ops.kafka_broker import KafkaBroker, Replication
 from ops.kafka_cluster import KafkaCluster
-from ops.kafka_jars import cache_dir
+from ops.kafka_jars import cache_dir, kafka_classpath
 from ops.kafka_topics import create_topics
 from ops.redis_server import RedisServer
 from tests.stack import free_port, free_port_block, free_port_pair
@@ -28,6 +30,21 @@ def test_cache_dir_follows_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert cache_dir() == tmp_path
     monkeypatch.delenv("LANEWAY_CACHE_DIR")
     assert cache_dir() == Path.home() / ".cache" / "laneway"
+
+
+def test_a_maven_that_never_answers_is_named_not_waited_on_for_ever(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A registry that stops answering holds ``mvn`` for ever: setup says so and stops."""
+    stuck = tmp_path / "bin" / "mvn"
+    stuck.parent.mkdir()
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stuck.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(kafka_jars, "_MVN_TIMEOUT_S", 0.5)
+    with pytest.raises(ServiceError, match=r"mvn did not resolve the Kafka jars .* within 0 s"):
+        kafka_classpath(cache=tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "kafka").glob("classpath-*.txt"))  # nothing cached
 
 
 def test_port_in_use(occupied_port: int) -> None:

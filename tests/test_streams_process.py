@@ -239,6 +239,7 @@ async def test_a_record_that_fails_to_fold_restarts_the_app_then_is_skipped_if_i
         counted = await _requests_by_team(stack)
         assert await _exits(second, within_s=0.1) is None, second.log()  # still up
     finally:
+        print(second.log())  # both runs' (one data dir): pytest shows it if the test fails
         assert await second.stop() == 0, second.log()
     if fault == "always":
         del teams["team-fault"]
