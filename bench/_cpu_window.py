@@ -24,7 +24,15 @@ class Window:
 
 
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    return {role: tree_cpu_seconds(pid) for role, pid in pids.items()}
+    cpu: dict[str, float] = {}
+    for role, pid in pids.items():
+        try:
+            cpu[role] = tree_cpu_seconds(pid)
+        except ProcessLookupError:
+            raise SystemExit(
+                f"bench.cpu: the {role} (pid {pid}) exited during the run; its log says why"
+            ) from None
+    return cpu
 
 
 def measure_window(

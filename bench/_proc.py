@@ -31,7 +31,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid`` and every process below it (LiteLLM's workers are children)."""
+    """CPU time of ``pid`` and every process below it (LiteLLM's workers are children).
+    ``ProcessLookupError`` if ``pid`` itself is gone: a child that exits takes its time with
+    it, but the root's is the measure, and 0 for it would read as a negative window."""
+    if not Path(f"/proc/{pid}/stat").exists():
+        raise ProcessLookupError(f"process {pid} is gone")
     total = 0.0
     stack = [pid]
     while stack:

@@ -10,12 +10,13 @@ import pkgutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import bench
-from bench._proc import stat_cpu_seconds
+from bench._proc import stat_cpu_seconds, tree_cpu_seconds
 from ops.drills.http_pool import server_timing
 
 MODULES = sorted(info.name for info in pkgutil.iter_modules(bench.__path__))
@@ -36,6 +37,26 @@ def test_stat_cpu_seconds_reads_past_a_command_name_with_spaces_and_parentheses(
     ticks = os.sysconf("SC_CLK_TCK")
     stat = f"4242 (C2 Compiler) x () S 1 4242 4242 0 -1 4194560 10 0 0 0 {3 * ticks} {ticks} 0 0"
     assert stat_cpu_seconds(stat) == pytest.approx(4.0)
+
+
+def test_tree_cpu_seconds_counts_the_children_and_refuses_a_process_that_is_gone() -> None:
+    """LiteLLM's workers are children of the process the bench started; a root that exited
+    must not read as 0 s, which a window would take for negative CPU."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 5: pass"
+    spawn = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {burn!r}]); input()"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", spawn], stdin=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while tree_cpu_seconds(parent.pid) < 0.5:  # the parent idles: the child's burn
+            assert time.monotonic() < deadline, "the child's CPU never showed in the tree"
+            time.sleep(0.05)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the child with it
+        parent.communicate()
+    with pytest.raises(ProcessLookupError, match=str(parent.pid)):
+        tree_cpu_seconds(parent.pid)
 
 
 def test_server_timing_gives_each_part_in_ms() -> None:
