@@ -1,9 +1,9 @@
-"""Faust's aiokafka transport, reading ``read_committed``.
+"""Faust's aiokafka transport, reading ``read_committed`` and seeking every input partition.
 
 Faust reads its input ``read_committed`` only when the app itself runs transactions
 (``processing_guarantee="exactly_once"``, which changes how it commits everything). The batch
 lane writes usage events in Kafka transactions, and an aborted one (its line runs again)
-must not be counted: this transport reads committed records only, and changes nothing else.
+must not be counted: this transport reads committed records only.
 Register it with ``register()``; the app's broker URL then uses the ``laneway://`` scheme.
 
 It also makes Faust's seek to the committed offsets (``Consumer.perform_seek``) seek every input
