@@ -29,6 +29,7 @@ __all__ = [
     "StartedInside",
     "port_in_use",
     "run_sync",
+    "run_tool",
     "stop_processes",
 ]
 
@@ -72,6 +73,17 @@ def run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def run_tool(argv: list[str], timeout_s: float, what: str) -> subprocess.CompletedProcess[str]:
+    """Run a setup tool to its end, its output captured; ``ServiceError`` saying ``what`` did
+    not finish if it runs past ``timeout_s`` (it is killed)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise ServiceError(
+            f"{what} did not finish within {timeout_s:.0f} s; it was stopped ({' '.join(argv)})"
+        ) from exc
 
 
 class StartedInside:

@@ -7,7 +7,6 @@ import base64
 import gc
 import logging
 import socket
-import subprocess
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from laneway.errors import ServiceError
 from ops.broker_admin import BrokerAdmin
-from ops.devstack import ServerProcess, run_sync
+from ops.devstack import ServerProcess, run_sync, run_tool
 from ops.kafka_jars import kafka_classpath
 
 __all__ = ["KafkaBroker", "Replication"]
@@ -222,15 +221,11 @@ class KafkaBroker(ServerProcess):
             # authenticates to itself with it, and it creates every other principal.
             *(self.admin.format_args() if self.admin is not None else ()),
         )
-        try:
-            result = subprocess.run(
-                argv, capture_output=True, text=True, check=False, timeout=_FORMAT_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise ServiceError(
-                f"kafka storage format of {self._log_dir} did not finish within "
-                f"{_FORMAT_TIMEOUT_S:.0f} s (a machine too loaded to start a JVM?)"
-            ) from exc
+        result = run_tool(
+            argv,
+            _FORMAT_TIMEOUT_S,
+            f"kafka storage format of {self._log_dir} (a machine too loaded to start a JVM?)",
+        )
         if result.returncode == 0 and self.admin is not None:
             self.admin.mark_formatted(self._log_dir)
         if result.returncode != 0:

@@ -7,12 +7,11 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 from laneway.errors import ServiceError
-from ops.devstack import LOG_TAIL_LINES
+from ops.devstack import LOG_TAIL_LINES, run_tool
 
 __all__ = ["cache_dir", "kafka_classpath"]
 
@@ -68,16 +67,11 @@ def kafka_classpath(cache: Path | None = None) -> str:
         "dependency:build-classpath",
         f"-Dmdep.outputFile={partial}",
     ]
-    try:
-        result = subprocess.run(
-            argv, capture_output=True, text=True, check=False, timeout=_MVN_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ServiceError(
-            f"mvn did not resolve the Kafka jars from {_POM} within {_MVN_TIMEOUT_S:.0f} s "
-            "(a registry that does not answer?); run it again, or run "
-            f"'{' '.join(argv)}' to watch it"
-        ) from exc
+    result = run_tool(
+        argv,
+        _MVN_TIMEOUT_S,
+        f"mvn resolving the Kafka jars from {_POM} (a registry that does not answer?)",
+    )
     if result.returncode != 0 or not partial.is_file():
         output = (result.stdout + result.stderr).strip().splitlines()
         raise ServiceError(
