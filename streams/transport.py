@@ -54,7 +54,14 @@ class _ReadCommittedThread(faust_aiokafka.AIOKafkaConsumerThread):
             if not offset and not self.consumer._is_changelog_tp(tp)
         ]
         if unstarted:
-            await consumer.seek_to_beginning(*unstarted)
+            # Sought to the offsets themselves: aiokafka's ``seek_to_beginning`` leaves the
+            # partition without a position until its reset is done, and Faust's livelock check
+            # reads that position from the app's thread (an AssertionError that stopped it).
+            starts = await consumer.beginning_offsets(unstarted)
+            assigned = consumer.assignment()  # a rebalance may have taken some meanwhile
+            for tp, offset in starts.items():
+                if tp in assigned:
+                    consumer.seek(tp, offset)
         return committed
 
 
