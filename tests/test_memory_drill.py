@@ -163,14 +163,17 @@ def test_the_cli_names_what_is_missing_or_wrong(
 async def test_a_short_drill_sheds_and_finishes_everything(stack: LiveStack) -> None:
     ingress = await stack.start_ingress()
     # Simulated engines slow enough that the job and the chats are still running when the
-    # hold begins; the workers read the hold at each heartbeat.
-    for pool, slots in (("completion", 32), ("chat", 32), ("batch", 2)):
+    # hold begins; the workers read the hold at each heartbeat (2 s). A batch line outlives
+    # two of them (64 steps of 75 ms): the worker sheds the newest running line, and one
+    # that ends as the abort comes is not shed, so the next beat must still find the other
+    # running (with 1 s lines, both had ended by then: 0 shed, once in CI).
+    for pool, slots, step_ms in (("completion", 32, 15.0), ("chat", 32, 15.0), ("batch", 2, 75.0)):
         await stack.start_worker(
-            pool, sim_decode_ms_per_step=15.0, sim_batch_slots=slots, memory_cooldown_s=1.0
+            pool, sim_decode_ms_per_step=step_ms, sim_batch_slots=slots, memory_cooldown_s=1.0
         )
     key = await stack.api_key("drill", size=10_000)
     run = await run_memory(
-        MemoryPlan.short(),
+        MemoryPlan.short(batch_lines=20),
         base_url=ingress.base_url,
         key=key,
         redis=stack.redis,
