@@ -203,6 +203,69 @@ async def test_a_keystroke_never_follows_a_generation_whose_abort_is_under_way(
     assert usage[0]["completion_tokens"] == 2
 
 
+def _hold_long(worker: PoolWorker) -> None:
+    """A wait for the next keystroke that no test outlasts (the setting's bound is 1 s):
+    a generation that waits does so until that keystroke comes, however slow Kafka is."""
+    worker.executor.reuse_hold_s = 600.0
+
+
+async def test_a_shown_suggestion_whose_client_left_waits_for_the_keystroke_typing_it(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """The IDE drops the old request before the new keystroke reaches the worker (its
+    tombstone comes through Redis, the keystroke through Kafka): the suggestion its client
+    was shown waits for it instead of being aborted."""
+    ingress = await stack.start_ingress()
+    worker = await _worker(stack, upstream)
+    _hold_long(worker)
+    http = stack.http(ingress, await stack.api_key())
+    first, first_id = await _first_words(http, "def main():", 2)
+    await first.aclose()
+    shield = worker.executor.shield
+    await eventually(lambda: shield.stale_reason(first_id) is not None, 10, "the tombstone")
+    typed = _keystroke("def main():" + WORDS[0], 2, stream=False)
+    second = await http.post("/v1/completions", **typed)
+    assert second.status_code == 200
+    assert _text(second) == _suggestion(12)[len(WORDS[0]) :]
+    await eventually(lambda: upstream.entry("def main():") is not None, 10, "the generation's end")
+    assert [e["prompt"] for e in upstream.entries()] == ["def main():"]
+
+
+def _made_text(worker: PoolWorker) -> bool:
+    """Whether a generation running on the worker has made text."""
+    generations = [worker.executor.reuse.of_owner(rid) for rid in worker.runs.running]
+    return any(generation is not None and generation.text for generation in generations)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed-no-text-yet", "not-streamed"])
+async def test_a_gone_keystroke_whose_suggestion_was_never_shown_stops_at_once(
+    stack: LiveStack, upstream: UpstreamProcess, stream: bool
+) -> None:
+    """Only a suggestion its client was shown waits for the next keystroke: nobody types
+    what they never saw. One streamed with no text yet (its upstream in prefill: held here
+    before its first token) or one not streamed (shown only once whole) is aborted when its
+    client leaves. Waiting for every gone keystroke let the upstream start work nobody
+    wanted (issue 22's late starts)."""
+    # A start deadline past the test: the upstream's hold is not ended by it.
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
+    worker = await _worker(stack, upstream)
+    _hold_long(worker)
+    http = stack.http(ingress, await stack.api_key())
+    if stream:
+        await upstream.hold("def main():")
+    body = _keystroke("def main():", 1, stream=stream, max_tokens=40)
+    gone = asyncio.create_task(http.post("/v1/completions", **body))
+    await upstream.until(lambda running, _: running == 1, "the keystroke to run upstream")
+    if not stream:
+        await eventually(lambda: _made_text(worker), 10, "its first words")
+    gone.cancel()  # the client leaves: a tombstone
+    await upstream.until(lambda running, _: running == 0, "its abort, with no wait")
+    await eventually(lambda: upstream.entry("def main():") is not None, 10, "its log entry")
+    entry = upstream.entry("def main():")
+    assert entry is not None
+    assert (entry["outcome"], entry["tokens"] < 40) == ("gone_running", True)
+
+
 async def test_another_team_never_reuses_a_generation(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:

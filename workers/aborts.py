@@ -22,8 +22,11 @@ __all__ = ["abort", "leave", "preempt", "release", "withdraw"]
 async def abort(executor: RequestExecutor, request_id: str, *, hold: bool = False) -> None:
     """Stop a request that turned stale. One that others follow (type-through) keeps its
     generation running for them; a follower just leaves it. ``hold``: a reusable
-    generation of a session waits up to ``reuse_hold_s`` for the session's next
-    keystroke, which may type through it (``release`` ends the wait)."""
+    generation of a session that its client has shown waits up to ``reuse_hold_s`` for the
+    session's next keystroke, which may type through it (``release`` ends the wait). One
+    not shown (no text yet, or not streamed) stops at once: no keystroke types what the
+    user never saw, and a hold before its first token would let the engine start work
+    nobody wants (a late start, docs/type-through.md)."""
     follower = executor.reuse.follower(request_id)
     if follower is not None:
         follower.left = True
@@ -32,7 +35,13 @@ async def abort(executor: RequestExecutor, request_id: str, *, hold: bool = Fals
     generation = executor.reuse.of_owner(request_id)
     if generation is not None and generation.followers:
         return
-    if hold and generation is not None and generation.session and executor.reuse_hold_s > 0:
+    if (
+        hold
+        and generation is not None
+        and generation.session
+        and generation.shown
+        and executor.reuse_hold_s > 0
+    ):
         if request_id not in executor.held_aborts:
             executor.held_aborts[request_id] = asyncio.get_running_loop().call_later(
                 executor.reuse_hold_s, _abort_held, executor, request_id

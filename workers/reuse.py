@@ -52,6 +52,7 @@ class Generation:
     prompt_hash: bytes
     settings: Settings
     max_tokens: int = 0  # its owner's: the most tokens it makes
+    streamed: bool = False  # its owner's client gets its text as it comes
     text: str = ""
     ends: list[int] = field(default_factory=list)  # text length after each token's delta
     engine_ms: float = 0.0
@@ -66,6 +67,12 @@ class Generation:
     @property
     def tokens(self) -> int:
         return len(self.ends)
+
+    @property
+    def shown(self) -> bool:
+        """Whether its owner's client may have shown some of its text: only a suggestion the
+        user saw is typed through on purpose (a non-streamed one is shown once it ended)."""
+        return self.streamed and bool(self.text)
 
     def tokens_within(self, chars: int) -> int:
         """Tokens whose text ends at or before ``chars``."""
@@ -170,6 +177,7 @@ class ReuseRegistry:
             prompt_hash=_digest(env.prompt),
             settings=_settings(env),
             max_tokens=env.max_tokens,
+            streamed=env.stream,
         )
         self._by_owner[env.id] = generation
         self._by_prompt[(env.team, generation.prompt_hash, generation.settings)] = generation

@@ -95,9 +95,9 @@ class WorkerSettings(CommonSettings):
         30,
         ge=0,
         le=1000,
-        description="type-through: a running completion whose client left waits this long for "
-        "its session's next keystroke, which may type through it, before it is aborted (0: no "
-        "wait)",
+        description="type-through: a running streamed completion whose client left after it "
+        "was sent text waits this long for its session's next keystroke, which may type "
+        "through it, before it is aborted (0: no wait)",
     )
     reuse_max_entries: int = Field(
         2000, ge=0, description="type-through: sessions whose latest generation a worker keeps"
