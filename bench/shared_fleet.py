@@ -37,8 +37,8 @@ import uvloop
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack, scrape
 from bench._stats import percentile
-from bench._upstream import Upstream, upstream_process
-from bench.upstream_storm import drain, usage_events
+from bench._upstream import Upstream, drain, upstream_process
+from bench.upstream_storm import usage_events
 from laneway.batch import BatchClient
 from ops.drills.http_pool import HttpPool
 

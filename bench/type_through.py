@@ -35,8 +35,8 @@ import uvloop
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack
 from bench._stats import percentile
-from bench._upstream import Upstream, upstream_process
-from bench.upstream_storm import drain, usage_events
+from bench._upstream import Upstream, drain, upstream_process
+from bench.upstream_storm import usage_events
 from ops.drills.http_pool import HttpPool
 
 MAX_TOKENS = 48

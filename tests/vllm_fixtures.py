@@ -143,7 +143,8 @@ def _record() -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["record"]:
         _record()
-    elif len(sys.argv) == 3 and sys.argv[1] == "model":
-        print(make_tiny_model(Path(sys.argv[2])))
+    elif len(sys.argv) in (3, 4) and sys.argv[1] == "model":
+        max_len = int(sys.argv[3]) if len(sys.argv) == 4 else 2048
+        print(make_tiny_model(Path(sys.argv[2]), max_len=max_len))
     else:
-        sys.exit("usage: python -m tests.vllm_fixtures record | model DIR")
+        sys.exit("usage: python -m tests.vllm_fixtures record | model DIR [MAX_LEN]")
