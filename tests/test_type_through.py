@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.stack import LiveStack, eventually
@@ -120,6 +121,56 @@ async def test_typing_the_suggestion_gets_the_rest_without_a_new_engine_request(
     assert usage[0]["reused_from"] == first_id
     assert usage[0]["engine_ms"] == 0
     assert usage[0]["completion_tokens"] == 11
+
+
+async def test_type_through_with_the_official_sdk_as_the_client(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """An unmodified OpenAI SDK on both keystrokes (the session headers as ``extra_headers``,
+    as an IDE plugin built on it sends them): the second gets the rest of the first's
+    suggestion from one upstream request, and the first, still reading, is told it was
+    superseded by the SDK's own error rather than handed a cut text as a whole answer."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    sdk = openai.AsyncOpenAI(
+        base_url=ingress.base_url + "/v1", api_key=await stack.api_key(), max_retries=0
+    )
+    stack._clients.append(sdk)  # closed with the stack
+
+    def keystroke(seq: int) -> dict[str, str]:
+        return {"X-Laneway-Session": SESSION, "X-Laneway-Seq": str(seq)}
+
+    first = await sdk.completions.create(
+        model="laneway-code",
+        prompt="def main():",
+        max_tokens=12,
+        stream=True,
+        extra_headers=keystroke(1),
+    )
+    chunks = aiter(first)
+    shown = ""
+    while shown.count(" ") < 2:
+        shown += (await anext(chunks)).choices[0].text
+    second = await sdk.completions.create(
+        model="laneway-code",
+        prompt="def main():" + WORDS[0],
+        max_tokens=12,
+        extra_headers=keystroke(2),
+    )
+    assert second.choices[0].text == _suggestion(12)[len(WORDS[0]) :]
+    rest: list[str] = []
+
+    async def read_on() -> None:
+        async for chunk in chunks:
+            rest.append(chunk.choices[0].text)
+
+    with pytest.raises(openai.APIError, match="superseded"):
+        await read_on()
+    assert _suggestion(12).startswith(shown + "".join(rest))
+    await eventually(lambda: upstream.entry("def main():") is not None, 10, "the generation's end")
+    assert [e["prompt"] for e in upstream.entries()] == ["def main():"]
+    usage = await stack.usage_of(second.id)
+    assert usage[second.id]["reused_from"] == first.response.headers["x-laneway-request-id"]
 
 
 async def test_the_keystroke_typed_through_is_told_it_was_superseded_and_charged_its_part(

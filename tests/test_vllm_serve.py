@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from bench._vllm_serve import Reading, VllmServe, vllm_serve
@@ -44,7 +45,7 @@ def served() -> Iterator[VllmServe]:
 async def _laneway(
     stack: LiveStack, served: VllmServe, **worker: Any
 ) -> tuple[Ingress, PoolWorker, httpx.AsyncClient]:
-    room = {"completion_max_tokens": LONG + 100}
+    room: dict[str, Any] = {"completion_max_tokens": LONG + 100}
     ingress = await stack.start_ingress(completion_deadline_ms=60_000, **room)
     pool = await stack.start_worker(
         "completion",
@@ -152,16 +153,16 @@ async def test_a_client_that_leaves_stops_its_request_on_vllm_serve(
     _, _, http = await _laneway(stack, served, upstream_slots=MAX_NUM_SEQS)
     before = served.reading()
     body = _completion("def leave(now):", LONG, stream=stream)
-    if stream:
 
-        async def read() -> None:
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                async for _ in response.aiter_lines():
-                    pass
+    async def ask() -> None:
+        if not stream:
+            await http.post("/v1/completions", json=body)
+            return
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                pass
 
-        client = asyncio.create_task(read())
-    else:
-        client = asyncio.create_task(http.post("/v1/completions", json=body))
+    client = asyncio.create_task(ask())
     await _until_vllm_runs(served, 1)
     client.cancel()  # the client closes its connection
     await asyncio.gather(client, return_exceptions=True)
@@ -201,3 +202,43 @@ async def test_the_worker_learns_vllm_serves_capacity_from_its_metrics(
     await asyncio.gather(*clients, later, return_exceptions=True)
     await _generation_stopped(served)
     assert await _load(served) == (0, 0)
+
+
+async def test_typing_what_vllm_suggests_is_served_from_its_running_generation(
+    stack: LiveStack, served: VllmServe
+) -> None:
+    """Type-through in front of vLLM serve: the user types the first characters vLLM's
+    suggestion streamed; the new keystroke gets the rest of that generation, and vLLM, by its
+    own count, ran one request and made one suggestion's tokens for both keystrokes."""
+    _, _, http = await _laneway(stack, served, upstream_slots=MAX_NUM_SEQS)
+    before = served.reading()
+    session = {"X-Laneway-Session": "src/main.py"}
+    body = _completion("def main():", 400, stream=True)
+    request = http.build_request(
+        "POST", "/v1/completions", json=body, headers={**session, "X-Laneway-Seq": "1"}
+    )
+    first = await http.send(request, stream=True)
+    first_id = first.headers["x-laneway-request-id"]
+    lines = first.aiter_lines()
+    shown = ""
+    while len(shown) < 3:
+        line = await anext(lines)
+        if line.startswith("data: {"):
+            shown += orjson.loads(line[6:])["choices"][0]["text"]
+    typed = shown[:3]
+    second = await http.post(
+        "/v1/completions",
+        json=_completion("def main():" + typed, 400),
+        headers={**session, "X-Laneway-Seq": "2"},
+    )
+    await first.aclose()
+    assert second.status_code == 200, second.text
+    rest = second.json()["choices"][0]["text"]
+    assert (typed + rest).startswith(shown)
+    usage = await stack.read_topic(
+        stack.topics.usage, count=1, where=lambda u: u["id"] == second.json()["id"]
+    )
+    assert (usage[0]["status"], usage[0]["reused_from"]) == ("ok", first_id)
+    did = (await _generation_stopped(served)) - before
+    assert did.added == 1
+    assert did.generated_tokens == 400
