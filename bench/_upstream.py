@@ -18,11 +18,13 @@ import orjson
 from bench._stack import ROOT, until_answering
 from ops.devstack import stop_processes
 
-__all__ = ["Upstream", "drain", "upstream_process"]
+__all__ = ["ServerProcess", "Upstream", "drain", "upstream_process"]
 
 
 @dataclass(frozen=True)
-class Upstream:
+class ServerProcess:
+    """An OpenAI-compatible server a bench started: its port, the file it logs to, its pid."""
+
     port: int
     log: Path
     pid: int
@@ -30,6 +32,11 @@ class Upstream:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+
+@dataclass(frozen=True)
+class Upstream(ServerProcess):
+    """``bench.upstream_server``: it logs every request's work."""
 
     def entries(self) -> list[dict[str, Any]]:
         """Every request it has ended, in the order they ended."""

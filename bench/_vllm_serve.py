@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench._stack import ROOT, metric_samples, until_answering
+from bench._upstream import ServerProcess
 from ops.devstack import stop_processes
 
 __all__ = ["Reading", "VllmServe", "vllm_python", "vllm_serve"]
@@ -74,14 +75,8 @@ class Reading:
 
 
 @dataclass(frozen=True)
-class VllmServe:
-    port: int
-    log: Path
-    pid: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+class VllmServe(ServerProcess):
+    """``vllm serve``: its log is vLLM's own (with ``--enable-log-requests``)."""
 
     async def load(self, client: httpx.AsyncClient) -> tuple[int, int]:
         """Requests running on its engine and waiting in its queue now."""

@@ -50,7 +50,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import httpx
@@ -102,16 +102,7 @@ class Verdict:
     queued: list[int] = field(default_factory=list)  # the upstream's queue, sampled
 
     def merge(self, other: Verdict) -> None:
-        self.queued += other.queued
-        self.keystrokes += other.keystrokes
-        self.upstream_requests += other.upstream_requests
-        self.slot_s += other.slot_s
-        self.waste_s += other.waste_s
-        self.abandoned += other.abandoned
-        self.late_starts += other.late_starts
-        self.kept += other.kept
-        self.errors += other.errors
-        self.stops += other.stops
+        _add_up(self, other)
 
     @property
     def waste(self) -> float:
@@ -120,6 +111,12 @@ class Verdict:
     @property
     def late_share(self) -> float:
         return self.late_starts / self.abandoned if self.abandoned else 0.0
+
+
+def _add_up(total: Any, other: Any) -> None:
+    """Add each field of ``other`` to ``total``'s (a path's verdicts over its windows)."""
+    for each in fields(total):
+        setattr(total, each.name, getattr(total, each.name) + getattr(other, each.name))
 
 
 def judge(window: Window, log: list[dict[str, Any]]) -> Verdict:
@@ -359,11 +356,7 @@ class VllmVerdict:
         return cls(window.sent, did, list(window.kept.values()), window.errors, window.queued)
 
     def merge(self, other: VllmVerdict) -> None:
-        self.keystrokes += other.keystrokes
-        self.did += other.did
-        self.kept += other.kept
-        self.errors += other.errors
-        self.queued += other.queued
+        _add_up(self, other)
 
     @property
     def per_kept(self) -> float:
