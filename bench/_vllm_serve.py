@@ -15,12 +15,13 @@ and work from ``vllm:generation_tokens_total``, which counts every token its eng
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import httpx
@@ -50,28 +51,26 @@ def vllm_python() -> Path:
 
 @dataclass(frozen=True)
 class Reading:
-    """vLLM's counters at one moment."""
+    """vLLM's counters at one moment; a difference of two is what it did in between."""
 
-    generated_tokens: float  # vllm:generation_tokens_total: every token its engine made
-    prompt_tokens: float  # vllm:prompt_tokens_total: prompt tokens of requests it prefilled
-    added: int  # requests added to its engine (its log)
-    aborted: int  # requests aborted (its log): a client that closed its connection
+    generated_tokens: float = 0.0  # vllm:generation_tokens_total: every token its engine made
+    prompt_tokens: float = 0.0  # vllm:prompt_tokens_total: prompt tokens of requests prefilled
+    added: int = 0  # requests added to its engine (its log)
+    aborted: int = 0  # requests aborted (its log): a client that closed its connection
+    # vllm:time_to_first_token_seconds, its sum and count: requests that got a first token
+    first_token_s: float = 0.0
+    first_tokens: float = 0.0
 
     def __add__(self, other: Reading) -> Reading:
-        return Reading(
-            self.generated_tokens + other.generated_tokens,
-            self.prompt_tokens + other.prompt_tokens,
-            self.added + other.added,
-            self.aborted + other.aborted,
-        )
+        return Reading(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: Reading) -> Reading:
-        return Reading(
-            self.generated_tokens - other.generated_tokens,
-            self.prompt_tokens - other.prompt_tokens,
-            self.added - other.added,
-            self.aborted - other.aborted,
-        )
+        return Reading(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def first_token_ms(self) -> float:
+        """vLLM's mean time to a first token, from arrival, in ms."""
+        return self.first_token_s / self.first_tokens * 1000 if self.first_tokens else math.nan
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,17 @@ class VllmServe(ServerProcess):
 
     def reading(self) -> Reading:
         text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
-        samples = metric_samples(text, "vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+        samples = metric_samples(
+            text,
+            "vllm:generation_tokens_total",
+            "vllm:prompt_tokens_total",
+            "vllm:time_to_first_token_seconds_sum",
+            "vllm:time_to_first_token_seconds_count",
+        )
+
+        def total(name: str) -> float:
+            return sum(v for k, v in samples.items() if k.startswith(name + "{"))
+
         log = self.log.read_text(errors="replace")
         aborted = sum(
             line.rsplit("Aborted request(s) ", 1)[1].count(",") + 1
@@ -105,14 +114,12 @@ class VllmServe(ServerProcess):
             if "Aborted request(s) " in line
         )
         return Reading(
-            generated_tokens=sum(
-                v for k, v in samples.items() if k.startswith("vllm:generation_tokens_total")
-            ),
-            prompt_tokens=sum(
-                v for k, v in samples.items() if k.startswith("vllm:prompt_tokens_total")
-            ),
+            generated_tokens=total("vllm:generation_tokens_total"),
+            prompt_tokens=total("vllm:prompt_tokens_total"),
             added=log.count("] Added request "),
             aborted=aborted,
+            first_token_s=total("vllm:time_to_first_token_seconds_sum"),
+            first_tokens=total("vllm:time_to_first_token_seconds_count"),
         )
 
 

@@ -371,12 +371,13 @@ def report_vllm(results: dict[tuple[str, bool], list[VllmVerdict]]) -> None:
     print(
         "| path, answers | keystrokes | vLLM requests / keystroke | vLLM aborts | prompt tokens "
         "/ keystroke | generated tokens / kept | vLLM tokens / kept | vLLM queue mean / max | "
-        "kept | kept P50 ms | kept P99 ms | kept errors | tokens / kept, P50 per round |"
+        "vLLM first token mean ms | kept | kept P50 ms | kept P99 ms | kept errors | tokens / "
+        "kept, P50 per round |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[tuple[str, bool], VllmVerdict] = {}
     for (path, stream), verdicts in results.items():
-        total = VllmVerdict(0, Reading(0.0, 0.0, 0, 0), [], 0, [])
+        total = VllmVerdict(0, Reading(), [], 0, [])
         for verdict in verdicts:
             total.merge(verdict)
         totals[(path, stream)] = total
@@ -390,7 +391,8 @@ def report_vllm(results: dict[tuple[str, bool], list[VllmVerdict]]) -> None:
             f"| {path}, {'streamed' if stream else 'not streamed'} | {total.keystrokes} | "
             f"{did.added / keystrokes:.2f} | {did.aborted} | {did.prompt_tokens / keystrokes:.0f}"
             f" | {did.generated_tokens / max(1, len(kept)):.0f} | {total.per_kept:.0f} | "
-            f"{sum(queued) / len(queued):.1f} / {max(queued)} | {len(kept)} | "
+            f"{sum(queued) / len(queued):.1f} / {max(queued)} | {did.first_token_ms:.0f} | "
+            f"{len(kept)} | "
             f"{percentile(kept, 50) if kept else float('nan'):.0f} | "
             f"{percentile(kept, 99) if kept else float('nan'):.0f} | {total.errors} | {spread} |"
         )
@@ -528,7 +530,8 @@ def _run_vllm(
         did = verdict.did
         print(
             f"#   vLLM's account: {did.added} requests added, {did.aborted} aborted, "
-            f"{did.generated_tokens:.0f} tokens generated, {did.prompt_tokens:.0f} prompt tokens",
+            f"{did.generated_tokens:.0f} tokens generated, {did.prompt_tokens:.0f} prompt tokens, "
+            f"first token {did.first_token_ms:.0f} ms on average",
             flush=True,
         )
         results.setdefault((window.path, window.stream), []).append(verdict)
