@@ -905,8 +905,9 @@ async def test_a_job_sent_twice_while_its_first_copy_runs_loses_no_line(
     the same id is answered at once (409 ``duplicate_line``, saying why) and not run."""
     await stack.api_key("docs", size=1000)
     # The sim engine (a simulated GPU) slow enough that the first copies still run when the
-    # others come: 8 tokens of 250 ms each.
-    await stack.start_worker("batch", sim_decode_ms_per_step=250.0, quota_offpeak="")
+    # others come: 8 tokens of 750 ms each. At 250 ms (2 s in all) a loaded CI run once
+    # answered the changed doc-0 with a run of its own: by then the first had ended.
+    await stack.start_worker("batch", sim_decode_ms_per_step=750.0, quota_offpeak="")
     lines = [_line(i) for i in range(3)]
     async with BatchClient(CommonSettings(**stack.common)) as client:
         await client.submit(lines, team="docs", job_id="twice")
