@@ -51,7 +51,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -70,6 +70,7 @@ MAX_TOKENS = 48
 PROMPT_CHARS = 400
 UPSTREAM_PORT = 31890
 WORKER_METRICS_PORT = 31891
+_V = TypeVar("_V", "Verdict", "VllmVerdict")  # a path's verdict, for either upstream
 _LETTERS = "abcdefghijklmnopqrstuvwxyz     \n"
 
 
@@ -101,9 +102,6 @@ class Verdict:
     stops: list[float] = field(default_factory=list)  # ms from a client's leaving to the stop
     queued: list[int] = field(default_factory=list)  # the upstream's queue, sampled
 
-    def merge(self, other: Verdict) -> None:
-        _add_up(self, other)
-
     @property
     def waste(self) -> float:
         return self.waste_s / self.slot_s if self.slot_s else 0.0
@@ -113,10 +111,13 @@ class Verdict:
         return self.late_starts / self.abandoned if self.abandoned else 0.0
 
 
-def _add_up(total: Any, other: Any) -> None:
-    """Add each field of ``other`` to ``total``'s (a path's verdicts over its windows)."""
-    for each in fields(total):
-        setattr(total, each.name, getattr(total, each.name) + getattr(other, each.name))
+def _added_up(verdicts: list[_V], total: _V) -> _V:
+    """``total`` with each field of every verdict added to its own: a path's verdicts over
+    its windows."""
+    for verdict in verdicts:
+        for each in fields(total):
+            setattr(total, each.name, getattr(total, each.name) + getattr(verdict, each.name))
+    return total
 
 
 def judge(window: Window, log: list[dict[str, Any]]) -> Verdict:
@@ -306,10 +307,7 @@ def report(results: dict[tuple[str, bool], list[Verdict]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[tuple[str, bool], Verdict] = {}
     for (path, stream), verdicts in results.items():
-        total = Verdict(0, 0, 0.0, 0.0, 0, 0, [], 0)
-        for verdict in verdicts:
-            total.merge(verdict)
-        totals[(path, stream)] = total
+        total = totals[(path, stream)] = _added_up(verdicts, Verdict(0, 0, 0.0, 0.0, 0, 0, [], 0))
         spread = "; ".join(
             f"{v.waste * 100:.1f} %, {percentile(v.kept, 50):.0f} ms" if v.kept else "-"
             for v in verdicts
@@ -355,9 +353,6 @@ class VllmVerdict:
     def of(cls, window: Window, did: Reading) -> VllmVerdict:
         return cls(window.sent, did, list(window.kept.values()), window.errors, window.queued)
 
-    def merge(self, other: VllmVerdict) -> None:
-        _add_up(self, other)
-
     @property
     def per_kept(self) -> float:
         """vLLM's work per kept answer: the prompt tokens it prefilled and the tokens it
@@ -377,10 +372,7 @@ def report_vllm(results: dict[tuple[str, bool], list[VllmVerdict]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[tuple[str, bool], VllmVerdict] = {}
     for (path, stream), verdicts in results.items():
-        total = VllmVerdict(0, Reading(), [], 0, [])
-        for verdict in verdicts:
-            total.merge(verdict)
-        totals[(path, stream)] = total
+        total = totals[(path, stream)] = _added_up(verdicts, VllmVerdict(0, Reading(), [], 0, []))
         spread = "; ".join(
             f"{v.per_kept:.0f}, {percentile(v.kept, 50):.0f} ms" if v.kept else "-"
             for v in verdicts
