@@ -117,7 +117,7 @@ class Announcer:
         return found
 
     async def quota_factor(self, team: str, stats: Utilisation) -> None:
-        await self.redis.set(self.keys.quota_factor(team), f"{stats.factor:.6f}")
+        await self.redis.set(self.keys.quota_factor(team), _factor_text(stats.factor))
         QUOTA_FACTOR.labels(team_label(team)).set(stats.factor)
         update = QuotaFactorUpdate(
             subject=f"quota:{team}",
@@ -135,6 +135,34 @@ class Announcer:
             stats.sigma,
             stats.mean,
         )
+
+    async def restore_factors(self, factors: dict[str, float]) -> list[str]:
+        """Write again the factors Redis no longer holds as announced (a failover to a replica
+        the write had not reached, an AOF that lost its last second, a hand's DEL): the
+        ingress would read a missing factor as 1 and hold a bursty team to its plain budget
+        until the factor next moved. Returns the teams whose factor was written again."""
+        teams = sorted(factors)
+        if not teams:
+            return []
+        stored = await self.redis.mget([self.keys.quota_factor(team) for team in teams])
+        restored = []
+        for team, raw in zip(teams, stored, strict=True):
+            text = _factor_text(factors[team])
+            found = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            if found != text:
+                await self.redis.set(self.keys.quota_factor(team), text)
+                log.warning(
+                    "quota factor of %s was %s in Redis, not %s as announced; written again",
+                    team,
+                    "missing" if found is None else repr(found),
+                    text,
+                )
+                restored.append(team)
+        return restored
+
+
+def _factor_text(factor: float) -> str:
+    return f"{factor:.6f}"
 
 
 def _parse_level(key: bytes | str, raw: bytes | str | None) -> Iterator[StoredLevel]:

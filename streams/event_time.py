@@ -74,9 +74,9 @@ def as_live(event: UsageEvent, now: float) -> UsageEvent:
 class EventTimes:
     """The usage stream's clock per partition, and the time each of its events counts at."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self) -> None:
         self.stream_clock: dict[int, float] = {}  # partition → newest event time seen
-        self._started = started
+        self._started: float | None = None  # see ``begin``
         self._last_event: dict[int, float] = {}  # partition → wall time of its last event
         # partition → (when its last record was read, how long before that it was stored
         # and happened): how far behind the app reads
@@ -158,12 +158,21 @@ class EventTimes:
         self._last_event[partition] = now
         self.stream_clock[partition] = max(self.stream_clock.get(partition, 0.0), ts)
 
+    def begin(self, now: float) -> None:
+        """The first publish looks at ``now``: a partition with no event yet is idle since
+        then. Not since the process was built: its clock is synced to Redis's only once the
+        app starts, and a machine's clock ahead of it would close such hours that much late."""
+        if self._started is None:
+            self._started = now
+
     def passed(self, partition: int, at: float, now: float, idle_s: float) -> bool:
         """Whether ``partition``'s events passed ``at``, or it has been idle ``idle_s`` and
         the wall clock passed it."""
         if self.stream_clock.get(partition, 0.0) >= at:
             return True
-        idle_since = self._last_event.get(partition, self._started)
+        idle_since = self._last_event.get(
+            partition, now if self._started is None else self._started
+        )
         return now >= at and now - idle_since >= idle_s
 
     def reading_backlog(self, now: float, window_s: float, *, levels_raised: bool) -> bool:

@@ -126,9 +126,11 @@ class UsageProcessor:
         self._pending: set[str] = set()
         self._indexed = False
         self._provisional_at: dict[str, float] = {}  # rollup key → its last provisional record
-        started = clock()
-        self.times = EventTimes(started)
-        self._refreshed = started
+        # Both start on their first tick, not here: the app's clock is synced to Redis's only
+        # once it starts, and a machine's clock ahead of Redis's would hold back the first
+        # refresh of the raised levels by as much as it is ahead, past their TTL.
+        self.times = EventTimes()
+        self._refreshed = float("-inf")  # levels a restart read back are rewritten at once
 
     # -- in the agent ------------------------------------------------------------------------
 
@@ -260,7 +262,7 @@ class UsageProcessor:
                 self.states.pop(subject, None)
             else:
                 self.states[subject] = new
-        if now - self._refreshed >= BREAKER_STATE_TTL_S / 4:
+        if not 0 <= now - self._refreshed < BREAKER_STATE_TTL_S / 4:  # or the clock went back
             self._refreshed = now
             for subject, state in self.states.items():
                 if state.level > 0:
@@ -300,6 +302,7 @@ class UsageProcessor:
         """Publish the closed hours with unpublished events (final) and the open hours that
         changed since their last provisional record; returns how many records went out."""
         now = self.clock()
+        self.times.begin(now)
         if not self._indexed:
             self._indexed = True
             self._pending.update(
@@ -349,7 +352,8 @@ class UsageProcessor:
         announcement must not keep the σ of part of the history (a first tick while the agent
         still folds a backlog sees only part of it). In steady traffic the 24 h window moves once
         an hour, so a capped team gets about one more announcement an hour; while a backlog or
-        late usage is folded, each tick that moves σ or the mean sends one."""
+        late usage is folded, each tick that moves σ or the mean sends one. A factor Redis
+        lost since it was announced is written again (not announced: nothing changed)."""
         now = self.clock()
         tokens: dict[str, dict[int, float]] = {}
         for value in list(self.rollups.data.values()):
@@ -362,6 +366,7 @@ class UsageProcessor:
             by_hour[hour] = by_hour.get(hour, 0.0) + value["prompt_tokens"]
             by_hour[hour] += value["completion_tokens"]
         changed = 0
+        unchanged: dict[str, float] = {}
         for team, by_hour in sorted(tokens.items()):
             try:
                 record = await get_team(self.redis, self.keys, team)
@@ -372,8 +377,12 @@ class UsageProcessor:
             stats = utilisation_stats(by_hour, budget, hour_of(now))
             announced = (round(stats.factor, 6), round(stats.sigma, 6), round(stats.mean, 6))
             if self.factors.get(team) == announced:
+                unchanged[team] = stats.factor
                 continue
             await self.announcer.quota_factor(team, stats)
             self.factors[team] = announced
             changed += 1
+        # Announced once, a factor lives in Redis with no expiry: one lost there (a failover,
+        # a lost AOF second) would read as 1 until the factor moved, hours later.
+        await self.announcer.restore_factors(unchanged)
         return changed

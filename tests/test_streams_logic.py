@@ -410,6 +410,83 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
         await redis.aclose()
 
 
+async def test_a_factor_redis_lost_is_written_again_on_the_next_tick(
+    services: Services, prefix: str
+) -> None:
+    """A factor is announced once and kept in Redis with no expiry; one lost there (a
+    failover to a replica the write had not reached) read as 1 until the factor moved."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(prefix)
+    now = time.time()
+    current = int(now) // 3600
+    processor, sent = _announcing(redis, keys, now)
+    try:
+        await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
+        for offset, i in enumerate((0, 6, 12, 18)):
+            event = usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0)
+            event = event.model_copy(update={"ts": (current - 24 + i) * 3600 + 60})
+            processor.handle(event.to_json(), 0, offset)
+        assert await processor.update_quota_factors() == 1
+        await redis.delete(keys.quota_factor("bursty"))
+        assert await processor.update_quota_factors() == 0  # nothing moved: no announcement
+        assert await redis.get(keys.quota_factor("bursty")) == b"1.300000"
+        await redis.set(keys.quota_factor("bursty"), b"1.000000")  # or a stale value
+        await processor.update_quota_factors()
+        assert await redis.get(keys.quota_factor("bursty")) == b"1.300000"
+        assert len(sent) == 1
+    finally:
+        await redis.aclose()
+
+
+async def test_raised_levels_are_rewritten_when_the_clock_steps_back_to_redis(
+    services: Services, prefix: str
+) -> None:
+    """The app's clock is this machine's until its first sync with Redis. A machine an hour
+    ahead stepped back an hour at the sync, and the refresh of raised levels (every 150 s,
+    their TTL 600 s) then waited that hour: the ingress read level 0 from 600 s on."""
+    redis = aioredis.Redis.from_url(services.redis_url)
+    keys = RedisKeys(prefix)
+    redis_now = time.time()
+    now = [redis_now + 3600.0]  # this machine's clock, before the first sync
+    settings = StreamsSettings(breaker_min_requests=20, breaker_window_s=60.0)
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        pass
+
+    processor = UsageProcessor(
+        settings,
+        rollups=_Table(),
+        outcomes=_Table(),
+        announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
+        redis=redis,
+        keys=keys,
+        send=send,
+        clock=lambda: now[0],
+    )
+    try:
+        await processor.evaluate_breakers()  # a first tick, before the sync
+        now[0] = redis_now  # synced: an hour back
+        offsets = iter(range(10_000))
+        for _ in range(40):
+            event = usage_event(team="noisy", status="error", ts=redis_now - 1)
+            processor.handle(event.to_json(), 0, next(offsets))
+        await processor.evaluate_breakers()
+        level_key = keys.breaker("laneway-code", "noisy")
+        assert orjson.loads(await redis.get(level_key))["level"] == 3
+        for _ in range(4):  # errors go on; the level holds, and nothing new is announced
+            await redis.delete(level_key)  # as if its TTL had run out
+            now[0] += 160.0
+            for _ in range(40):
+                event = usage_event(team="noisy", status="error", ts=now[0] - 1)
+                processor.handle(event.to_json(), 0, next(offsets))
+            await processor.evaluate_breakers()
+            stored = await redis.get(level_key)
+            assert stored is not None, f"level not rewritten {now[0] - redis_now:.0f} s on"
+            assert orjson.loads(stored)["level"] == 3
+    finally:
+        await redis.aclose()
+
+
 async def test_batch_usage_leaves_the_interactive_quota_factor_alone(
     services: Services, prefix: str
 ) -> None:
