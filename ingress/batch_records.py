@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
-from laneway.constants import FILE_RETENTION_S, RedisKeys
+from laneway.constants import FILE_RETENTION_S, RedisKeys, object_id_keyable
 from laneway.errors import NotFound
 
 __all__ = ["BatchRecord", "BatchRecords", "CreateBatch", "Status", "started", "unsettled"]
@@ -148,7 +148,7 @@ class BatchRecords:
         await self.redis.zrem(self.keys.team_batches(team), batch_id)
 
     async def load(self, batch_id: str) -> BatchRecord | None:
-        if len(batch_id) > 200:
+        if not object_id_keyable(batch_id):
             return None
         raw = await self.redis.get(self.keys.batch(batch_id))
         return BatchRecord.model_validate_json(raw) if raw is not None else None

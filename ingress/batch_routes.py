@@ -38,6 +38,13 @@ async def _caller(request: Request) -> tuple[IngressState, Team]:
 async def create_file(request: Request) -> Response:
     """Upload a batch input file (multipart: ``file`` and ``purpose=batch``)."""
     state, team = await _caller(request)
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "multipart/form-data":
+        raise BadRequest(
+            f"a file is uploaded as multipart/form-data (fields 'file' and 'purpose'), "
+            f"not {kind or 'a body with no Content-Type'}",
+            param="file",
+        )
     state.files.transfers.take(team.name)  # before the body: it is spooled as it comes
     try:
         async with request.form(max_files=1, max_fields=8) as form:

@@ -55,7 +55,8 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, HTTPException)
         code = "not_found" if exc.status_code == 404 else None
         body = error_body(str(exc.detail), type_="invalid_request_error", code=code)
-        return JSONResponse(body, status_code=exc.status_code)
+        # Starlette's own headers stay: a 405's ``Allow`` names the methods the path takes.
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def on_backend_error(request: Request, exc: Exception) -> Response:
         log.warning("%s %s: a backing service failed: %r", request.method, request.url.path, exc)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from ingress.settings import IngressSettings
 from laneway.batch import output_line_bytes, results_record
 from laneway.clients import make_consumer, start_client
-from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics
+from laneway.constants import FILE_RETENTION_S, RedisKeys, Topics, object_id_keyable
 from laneway.errors import BadRequest, BodyTooLarge, NotFound, RateLimited
 from laneway.schema import BatchResult
 
@@ -204,7 +204,8 @@ class FileStore:
 
     async def get(self, file_id: str, team: str, *, param: str = "file_id") -> FileRecord:
         """The team's file ``file_id``; another team's is "not found" like a missing one."""
-        raw = await self.redis.get(self.keys.file(file_id)) if len(file_id) <= 200 else None
+        keyable = object_id_keyable(file_id)
+        raw = await self.redis.get(self.keys.file(file_id)) if keyable else None
         record = FileRecord.model_validate_json(raw) if raw is not None else None
         if record is None or record.team != team:
             raise NotFound(f"no file {file_id[:200]!r} of team {team!r}", param=param)

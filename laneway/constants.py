@@ -24,6 +24,7 @@ __all__ = [
     "RedisKeys",
     "RequestClass",
     "Topics",
+    "object_id_keyable",
 ]
 
 RequestClass = Literal["completion", "chat", "batch"]
@@ -172,6 +173,18 @@ class Topics:
 # age out of a short retention (tombstones, replies) before they were read. Retention, time
 # lookups (``offsets_for_times``) and record times then follow the broker's clock alone.
 BROKER_TIME = {"message.timestamp.type": "LogAppendTime"}
+
+
+_OBJECT_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+
+
+def object_id_keyable(object_id: str) -> bool:
+    """Whether a client's id of a file or batch can name its record's key: the ids laneway
+    makes (``file-…``, ``batch_…``) are letters, digits, ``_`` and ``-``. Any other (one
+    with ``:``) is no record's, and under ``<prefix>:batch:`` could name another kind of
+    key (``batch:cancelled:<id>``): read as a batch, that was a 500 for any team, and told
+    it which batch ids had been cancelled."""
+    return _OBJECT_ID.fullmatch(object_id) is not None
 
 
 class RedisKeys:

@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from laneway.errors import BadRequest
@@ -127,6 +135,15 @@ class _Body(_Strict):
     def _stop_as_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _options_of_a_stream(cls, value: object, info: ValidationInfo) -> object:
+        # As OpenAI and vLLM answer (vLLM lets an empty one pass): taken silently, they
+        # would promise a usage chunk that a JSON answer never sends.
+        if value and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -157,8 +174,13 @@ class _ChatMessageIn(_Strict):
     @classmethod
     def _text_parts_only(cls, value: object) -> object:
         for i, part in enumerate(value if isinstance(value, list) else []):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ValueError(f"part {i} is {part.get('type')!r}: only text parts are served")
+            if not isinstance(part.get("text"), str):  # pydantic reports a ValueError only
+                said = (
+                    "has no 'text'" if "text" not in part else "has a 'text' that is not a string"
+                )
+                raise ValueError(f"text part {i} {said}")  # noqa: TRY004
         return value
 
     def flat(self) -> ChatMessage:

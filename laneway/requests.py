@@ -55,15 +55,21 @@ class RequestShape:
 
 
 def shape_request(
-    settings: CommonSettings, body: CompletionRequest | ChatRequest, cls: RequestClass
+    settings: CommonSettings,
+    body: CompletionRequest | ChatRequest,
+    cls: RequestClass,
+    *,
+    where: str = "",
 ) -> RequestShape:
-    """Validate ``body`` against the served models and the limits of ``cls``."""
+    """Validate ``body`` against the served models and the limits of ``cls``. ``where``:
+    what an error's ``param`` is prefixed with (``body.`` for a batch line's body)."""
     if body.model not in settings.models:
         raise ModelNotFound(
             f"model {clipped(repr(body.model), 100)} is not served here; "
             f"available: {sorted(settings.models)} (LANEWAY_MODELS)",
-            param="model",
+            param=f"{where}model",
         )
+    field = "max_tokens"
     if isinstance(body, CompletionRequest):
         kind: ApiKind = "completion"
         prompt, messages, suffix = body.prompt, None, body.suffix
@@ -74,14 +80,16 @@ def shape_request(
         messages, suffix = body.flat_messages(), None
         prompt = "".join(m.content for m in messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
+        if body.max_completion_tokens:
+            field = "max_completion_tokens"  # the error names the field the client sent
         cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
     if cls == "batch" and settings.chat_max_tokens > cap:  # a batch line may be as long
         cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
     max_tokens = max_tokens or cap
     if max_tokens > cap:
         raise BadRequest(
-            f"max_tokens {max_tokens} is over the {cls} limit {cap} ({setting})",
-            param="max_tokens",
+            f"{field} {max_tokens} is over the {cls} limit {cap} ({setting})",
+            param=f"{where}{field}",
         )
     prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
     if messages is not None:
@@ -96,7 +104,7 @@ def shape_request(
             settings.max_prompt_tokens,
             f"However, your {what} came to about {prompt_tokens} tokens. "
             f"Please reduce the length of the {what}.",
-            param=what,
+            param=f"{where}{what}",
             setting="LANEWAY_MAX_PROMPT_TOKENS",
         )
     return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body)

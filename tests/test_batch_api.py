@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -310,6 +311,16 @@ async def test_cancel_answers_the_lines_not_started(stack: LiveStack) -> None:
     assert sorted(r["custom_id"] for r in output + errors) == sorted(f"doc-{i}" for i in range(60))
     assert {r["error"]["code"] for r in errors} == {"cancelled"}
     assert (await client.batches.cancel(batch.id)).status == "cancelled"  # says so again
+    # The cancel's flag is kept at <prefix>:batch:cancelled:<id>, under the batches' own
+    # keys: read as a batch, that id was a 500 for any team, which told it what was cancelled.
+    other = _client(stack, ingress, await stack.api_key("rivals", size=100))
+    for caller in (client, other):
+        for attempt in (
+            caller.batches.retrieve(f"cancelled:{batch.id}"),
+            caller.batches.cancel(f"cancelled:{batch.id}"),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                await attempt
 
 
 async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(
@@ -391,6 +402,22 @@ async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(
         "no file 'file-nope'",
     )
     await refused(client.batches.retrieve("batch_nope"), 404, "batch_id", "no batch")
+    async with httpx.AsyncClient(
+        base_url=str(client.base_url), headers={"Authorization": f"Bearer {key}"}
+    ) as http:
+        # A JSONL body sent as it is, not as a form: the answer says what an upload is.
+        as_json = await http.post(
+            "files", content=_line(0), headers={"Content-Type": "application/json"}
+        )
+        assert as_json.status_code == 400, as_json.text
+        error = as_json.json()["error"]
+        assert "multipart/form-data" in error["message"], error
+        assert "application/json" in error["message"], error
+        # A method the path does not take: 405 with the methods it does (RFC 9110).
+        listed = await http.get("completions")
+        assert listed.status_code == 405, listed.text
+        assert listed.headers["allow"] == "POST"
+        assert listed.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: LiveStack) -> None:

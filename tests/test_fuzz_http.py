@@ -95,10 +95,17 @@ SERVED = st.sampled_from(["laneway-code", "laneway-chat"])
 completion_bodies = st.fixed_dictionaries(
     {"model": MODELS, "prompt": PROMPTS}, optional={"suffix": texts, **OPENAI_FIELDS}
 )
+
+
+def _options_of_a_stream(body: dict[str, Any]) -> bool:
+    """Stream options are valid only with ``stream`` true (OpenAI's rule, vLLM's too)."""
+    return bool(body.get("stream")) or not body.get("stream_options")
+
+
 valid_completion_bodies = st.fixed_dictionaries(
     {"model": SERVED, "prompt": st.text(max_size=300)},
     optional={"suffix": st.text(max_size=30), **VALID_FIELDS},
-)
+).filter(_options_of_a_stream)
 messages = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]) | texts,
@@ -127,7 +134,7 @@ chat_bodies = st.fixed_dictionaries(
 valid_chat_bodies = st.fixed_dictionaries(
     {"model": SERVED, "messages": valid_messages},
     optional={**VALID_FIELDS, "max_completion_tokens": st.integers(1, 512)},
-)
+).filter(_options_of_a_stream)
 team_bodies = st.fixed_dictionaries(
     {},
     optional={

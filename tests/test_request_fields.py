@@ -21,6 +21,8 @@ from laneway.openai_api import (
     CompletionRequest,
     validate_body,
 )
+from laneway.requests import shape_request
+from laneway.settings import CommonSettings
 from tests.stack import LiveStack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +91,9 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     (CHAT, "store", True),
     (CHAT, "service_tier", "flex"),
     (CHAT, "suffix", "x"),  # a completions field
+    # Only for a stream, as OpenAI and vLLM answer: a JSON answer has no usage chunk to send.
+    (CHAT, "stream_options", {"include_usage": True}),
+    (COMPLETION, "stream_options", {"include_usage": False}),
 ]
 
 
@@ -117,12 +122,38 @@ def test_an_unsupported_value_is_refused_naming_the_field(
             "messages.0.content",
         ),
         ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages.0.content"),
     ],
 )
 def test_a_message_laneway_cannot_render_is_refused(message: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as refused:
         validate_body(ChatRequest, {**CHAT, "messages": [message]})
     assert refused.value.param == param
+    content = message["content"]
+    if isinstance(content, list) and content[0]["type"] == "text":
+        # A text part whose text is missing or not a string is told so, not that only
+        # text parts are served.
+        assert "only text parts" not in refused.value.message
+        assert "'text'" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({**CHAT, "max_tokens": 10**6}, "max_tokens"),
+        ({**COMPLETION, "max_tokens": 10**6}, "max_tokens"),
+    ],
+)
+def test_a_limit_error_names_the_field_the_client_sent(body: dict[str, Any], field: str) -> None:
+    model = ChatRequest if "messages" in body else CompletionRequest
+    request = validate_body(model, body)
+    with pytest.raises(BadRequest) as refused:
+        shape_request(CommonSettings(), request, "chat")
+    assert (refused.value.param, refused.value.message.split()[0]) == (field, field)
+    with pytest.raises(BadRequest) as in_a_line:  # a batch line's, under its body
+        shape_request(CommonSettings(), request, "batch", where="body.")
+    assert in_a_line.value.param == f"body.{field}"
 
 
 def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
@@ -147,6 +178,7 @@ def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
         "metadata": {"ticket": "42"},
         "prompt_cache_key": "repo-1",
         "parallel_tool_calls": False,
+        "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }
     accepted = validate_body(ChatRequest, body)

@@ -120,7 +120,7 @@ class BatchIntake:
             body = validate_body(CompletionRequest, line.body, prefix="body.")
         else:
             body = validate_body(ChatRequest, line.body, prefix="body.")
-        shape = shape_request(self.settings, body, "batch")
+        shape = shape_request(self.settings, body, "batch", where="body.")
         return shape.envelope(
             id=request_id,
             team=team,
