@@ -13,10 +13,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from ingress.settings import IngressSettings
 from laneway.constants import POOLS
 from laneway.errors import ConfigError, ServiceError
-from laneway.settings import load_settings
 from ops.autoscale import LocalAutoscaler
 from ops.data_dir_lock import claimed
 from ops.devstack import port_in_use
@@ -26,18 +24,18 @@ from ops.redis_server import RedisServer
 from ops.restart_policy import RestartPolicy
 from ops.secured_stack import StackSecrets, stack_secrets
 from ops.settings import StackSettings
-from ops.stack_processes import pool_replicas, stack_processes, standby_processes, worker_ids
+from ops.stack_processes import (
+    ingress_host,
+    pool_replicas,
+    stack_processes,
+    standby_processes,
+    worker_ids,
+)
 from ops.supervised import Supervised
 from ops.supervisor import Supervisor
-from ops.supervisor_metrics import SupervisorMetrics
+from ops.supervisor_metrics import ServiceMetrics, SupervisorMetrics
 
 __all__ = ["run_local_stack"]
-
-
-def _ingress_host() -> str:
-    """Where the ingress can be reached on this machine (LANEWAY_HOST; any address: here)."""
-    host = load_settings(IngressSettings).host
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # noqa: S104 - compared, not bound
 
 
 def _check_ingress_port_set(port: int) -> None:
@@ -95,7 +93,7 @@ def _run_local_stack(
     processes: list[Supervised],
     grace_s: float,
 ) -> None:
-    host = _ingress_host()
+    host = ingress_host()
     metrics = SupervisorMetrics()
     supervisor = Supervisor(
         processes,
@@ -104,6 +102,15 @@ def _run_local_stack(
         standby=standby_processes(settings),
         grace_s=grace_s,
         hang_timeout_s=settings.hang_timeout_s,
+    )
+    metrics.registry.register(
+        ServiceMetrics(
+            lambda: [
+                (process.name, process.metrics_url)
+                for process in processes
+                if process.metrics_url is not None and supervisor.is_up(process.name)
+            ]
+        )
     )
     close_metrics = metrics.serve(settings.supervisor_port) if settings.supervisor_port else None
     data = Path(settings.data_dir).resolve()

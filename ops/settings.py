@@ -56,8 +56,8 @@ class StackSettings(CommonSettings):
         8001,
         ge=0,
         le=65535,
-        description="`laneway up`: serve /metrics (restarts and state of every process) "
-        "here (0: off)",
+        description="`laneway up`: serve /metrics (restarts and state of every process, "
+        "and each one's own series) here (0: off)",
     )
     restart_backoff_s: float = Field(
         0.5,

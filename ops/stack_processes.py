@@ -20,7 +20,7 @@ from ops.supervised import LocalServer, ServiceProcess, Supervised, prefixed_ech
 from streams.settings import StreamsSettings
 from workers.settings import WorkerSettings
 
-__all__ = ["pool_replicas", "stack_processes", "standby_processes", "worker_ids"]
+__all__ = ["ingress_host", "pool_replicas", "stack_processes", "standby_processes", "worker_ids"]
 
 # Settings of `laneway up` itself; the services it starts do not get them (LANEWAY_PORT goes
 # to the ingress alone).
@@ -37,6 +37,12 @@ _BROKER_LOGIN = {
     for name in CommonSettings.model_fields
     if name.startswith("kafka_") and name != "kafka_bootstrap"
 }
+
+
+def ingress_host() -> str:
+    """Where the ingress can be reached on this machine (LANEWAY_HOST; any address: here)."""
+    host = load_settings(IngressSettings).host
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host  # noqa: S104 - compared, not bound
 
 
 def pool_replicas(settings: StackSettings) -> dict[RequestClass, list[str]]:
@@ -129,7 +135,11 @@ def stack_processes(
         LocalServer(redis),
         LocalServer(kafka, on_ready=kafka_ready),
     ]
+    # With the supervisor's /metrics on, it serves every service's too: the ingress's from its
+    # own port, the others' from a port each run is given.
+    metrics = bool(settings.supervisor_port)
     for name, module, extra in services:
+        ingress = module == "ingress"
         processes.append(
             ServiceProcess(
                 name,
@@ -140,8 +150,14 @@ def stack_processes(
                 echo=prefixed_echo(name, width),
                 # Stopped first: it finishes its open requests (up to 10 s) while the workers
                 # that answer them still run.
-                front=module == "ingress",
+                front=ingress,
                 watchdog=True,
+                metrics_url=(
+                    f"http://{ingress_host()}:{settings.port}/metrics"
+                    if metrics and ingress
+                    else None
+                ),
+                serve_metrics=metrics and not ingress,
             )
         )
     return processes
@@ -161,7 +177,8 @@ def _check_services(services: list[tuple[str, str, dict[str, str]]], env: dict[s
         raise ConfigError(
             f"LANEWAY_METRICS_PORT={env['LANEWAY_METRICS_PORT']}: under `laneway up` every "
             "worker and the streams app would serve /metrics on that one port (all but one "
-            "failing); leave it unset: LANEWAY_SUPERVISOR_PORT serves the stack's /metrics"
+            "failing); leave it unset: LANEWAY_SUPERVISOR_PORT's /metrics serves every "
+            "process's series, each labelled with its process"
         )
     checked: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
     for name, module, extra in services:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,9 @@ class Supervised(Protocol):
 
     name: str
     needs: tuple[str, ...]  # names of processes that must be up before this one (re)starts
+    # Where its current run serves its Prometheus metrics (the supervisor's /metrics serves
+    # them under a ``process`` label), or None.
+    metrics_url: str | None
     # The front door (the ingress): stopped first and alone, so that it finishes the requests
     # it has open while the services that answer them still run.
     front: bool
@@ -79,6 +83,14 @@ class Supervised(Protocol):
         file names it and its command line matches), else None."""
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (the OS's pick), for a child to serve its metrics on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def prefixed_echo(name: str, width: int, out: TextIO | None = None) -> Callable[[str], None]:
     """Print a child's output line as ``name | line`` (names padded to ``width``)."""
 
@@ -106,8 +118,15 @@ class ServiceProcess:
         echo: Callable[[str], None] | None = None,
         front: bool = False,
         watchdog: bool = False,
+        metrics_url: str | None = None,
+        serve_metrics: bool = False,
     ) -> None:
+        """``metrics_url``: where it serves its metrics (the ingress, on its own port);
+        ``serve_metrics``: told to serve them (LANEWAY_METRICS_PORT) on a port free when
+        each run starts."""
         self.name = name
+        self.metrics_url = metrics_url
+        self._serve_metrics = serve_metrics
         self.needs = tuple(needs)
         self.front = front
         self.argv = list(argv)
@@ -141,6 +160,10 @@ class ServiceProcess:
     async def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._lines.clear()
+        if self._serve_metrics:
+            port = _free_port()
+            self.env["LANEWAY_METRICS_PORT"] = str(port)
+            self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         log_file = self.log_path.open("ab")
         try:
             self._process = await asyncio.create_subprocess_exec(
@@ -322,6 +345,7 @@ class LocalServer:
     needs: tuple[str, ...] = ()
     front = False
     alive_file: Path | None = None
+    metrics_url: str | None = None
 
     def __init__(self, server: _Server, *, on_ready: Callable[[], None] | None = None) -> None:
         self.server = server

@@ -1,15 +1,57 @@
 """What ``laneway up`` serves on its metrics port (``LANEWAY_SUPERVISOR_PORT``): restarts and
-up/down state per process, and each pool's replicas as its local autoscaler runs them."""
+up/down state per process, each pool's replicas as its local autoscaler runs them, and every
+running service's own series, labelled with its process."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from laneway.errors import ConfigError
 
-__all__ = ["SupervisorMetrics"]
+__all__ = ["ServiceMetrics", "SupervisorMetrics"]
+
+log = logging.getLogger(__name__)
+
+# One service that does not answer in time is left out of a scrape, not the scrape itself.
+_SCRAPE_TIMEOUT_S = 2.0
+
+
+class ServiceMetrics(Collector):
+    """The series of every running service (``targets``: its process name and metrics URL),
+    read when the supervisor's /metrics is, each sample with a ``process`` label: the
+    workers and the streams app serve theirs on ports of their own, which a user of
+    ``laneway up`` never set, and each replica's series would otherwise collide."""
+
+    def __init__(self, targets: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self.targets = targets
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for process, url in self.targets():
+            try:
+                with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as response:  # noqa: S310 - a URL the supervisor made
+                    text = response.read().decode()
+                parsed = list(text_string_to_metric_families(text))
+            except (OSError, ValueError) as exc:  # down, restarting, or not serving yet
+                log.debug("metrics of %s not read: %s", process, exc)
+                continue
+            for family in parsed:
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = Metric(family.name, family.documentation, family.type, family.unit)
+                    families[family.name] = merged
+                merged.samples.extend(
+                    sample._replace(labels={**sample.labels, "process": process})
+                    for sample in family.samples
+                )
+        yield from families.values()
 
 
 class SupervisorMetrics:

@@ -27,6 +27,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from laneway.apikeys import create_key, lookup_team
 from laneway.constants import RedisKeys
@@ -498,6 +499,38 @@ async def test_a_worker_that_gives_no_sign_of_life_is_killed_and_restarted(up: U
 
 def test_the_up_line_comes_once_the_ingress_takes_connections(up: UpStack) -> None:
     assert up.after_the_up_line == "connected", up.log()
+
+
+async def test_the_supervisors_metrics_carry_every_services_own_series(up: UpStack) -> None:
+    """A user of `laneway up` sets no metrics port of a worker or the streams app (one port
+    for all would clash): the supervisor's /metrics serves their series, by process."""
+    key = await up.api_key("team-metrics")
+    async with up.http(key) as http:
+        served = await http.post("/v1/completions", json=_completion("metrics"))
+    assert served.status_code == 200, served.text
+
+    async def families_by_process() -> dict[str, set[str]]:
+        async with httpx.AsyncClient() as scrape:
+            text = (await scrape.get(up.metrics_url)).text
+        found: dict[str, set[str]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if "process" in sample.labels:
+                    found.setdefault(sample.labels["process"], set()).add(family.name)
+        return found
+
+    async def all_there() -> bool:
+        found = await families_by_process()
+        return all(name in found for name in SERVICES)
+
+    await eventually(
+        all_there, 30, "every service's series on the supervisor's /metrics", every_s=1.0
+    )
+    found = await families_by_process()
+    assert "laneway_dispatch_queue" in found["worker-completion"]  # a worker's own
+    assert "laneway_engine_capacity" in found["worker-batch"]
+    assert "laneway_ingress_responses" in found["ingress"]  # counters lose their _total
+    assert "laneway_streams_events" in found["streams"]
 
 
 def _cli(up: UpStack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
