@@ -41,6 +41,8 @@ _GOOD = b'data: {"choices": [{"text": "fine", "finish_reason": "stop"}]}\n\ndata
 _NOT_STREAMED = "json"  # answered with one JSON body, though a stream was asked for
 # A prompt "finish:<reason>" (a chat message's content too) ends its stream with that reason.
 _FINISH = "finish:"
+# A prompt "usage:<json>" gets a good stream whose usage chunk is that JSON.
+_USAGE = "usage:"
 # How servers refuse a prompt longer than the model's context (4096 tokens), by prompt.
 _OVER_CONTEXT = {
     "over-context-vllm": {
@@ -127,6 +129,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         return web.json_response(_NO_SUFFIX, status=400)
     if body["prompt"].startswith(_FINISH):
         return await _finishing(request, body["prompt"].removeprefix(_FINISH), chat=False)
+    if body["prompt"].startswith(_USAGE):
+        usage = orjson.loads(body["prompt"].removeprefix(_USAGE))
+        return await _finishing(request, "stop", chat=False, usage=usage)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     sent = _BROKEN.get(body["prompt"]) or _IN_STREAM.get(body["prompt"])
@@ -148,15 +153,18 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _finishing(request: web.Request, reason: str, *, chat: bool) -> web.StreamResponse:
-    """Two words, the second chunk ending the stream with ``reason``, then usage and [DONE]."""
+async def _finishing(
+    request: web.Request, reason: str, *, chat: bool, usage: dict[str, Any] | None = None
+) -> web.StreamResponse:
+    """Two words, the second chunk ending the stream with ``reason``, then ``usage`` (by
+    default a good one) and [DONE]."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for text, finish in (("one ", None), ("two", reason)):
         part = {"delta": {"content": text}} if chat else {"text": text}
         chunk = {"choices": [{"index": 0, **part, "finish_reason": finish}]}
         await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = usage or {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -242,6 +250,57 @@ async def test_an_upstream_that_reports_no_usage_is_billed_the_ingress_estimate(
         stack.topics.usage, count=1, where=lambda e: e["team"] == "team-u"
     )
     assert event["prompt_tokens"] == billed
+
+
+async def test_usage_counts_an_upstream_cannot_mean_are_replaced_by_laneways_own(
+    stack: LiveStack, garbling: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A null, negative, fractional or absurd count in the upstream's usage failed the usage
+    event after the client had its answer: no event, no settlement, and a batch line passed
+    over with no result. The answer stands; the counts are laneway's own."""
+    ingress = await stack.start_ingress(quota_lease_share=0)
+    await stack.start_worker(
+        "completion", engine="openai", upstream_url=garbling, upstream_model="up", upstream_slots=4
+    )
+    http = stack.http(ingress, await stack.api_key("team-n", size=5))
+    odd = [
+        {"prompt_tokens": None, "completion_tokens": 2},
+        {"prompt_tokens": -3, "completion_tokens": 2},
+        {"prompt_tokens": 3, "completion_tokens": 2.5},
+        {"prompt_tokens": 10**12, "completion_tokens": True},
+        {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": "x"},
+        },
+        {"prompt_tokens": 3, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 9}},
+    ]
+    with caplog.at_level(logging.WARNING, logger="workers.upstream_stream"):
+        ids = []
+        for usage in odd:
+            prompt = _USAGE + orjson.dumps(usage).decode()
+            answer = await http.post(
+                "/v1/completions", json={"model": "laneway-code", "prompt": prompt, "max_tokens": 8}
+            )
+            assert answer.status_code == 200, (usage, answer.text)
+            assert answer.json()["choices"][0]["text"] == "one two"
+            ids.append(answer.headers["x-laneway-request-id"])
+        events = await stack.usage_of(*ids)
+    for usage, event in zip(odd, (events[i] for i in ids), strict=True):
+        assert event["status"] == "ok", (usage, event)
+        assert 0 < event["prompt_tokens"] < 1000, (usage, event)  # the estimate where odd
+        assert event["completion_tokens"] == 2, (usage, event)  # the chunks, where odd
+        assert 0 <= event["cached_tokens"] <= event["prompt_tokens"], (usage, event)
+    assert "which is no token count" in caplog.text
+    keys = RedisKeys(stack.prefix)
+    enforcer = QuotaEnforcer(stack.redis, keys, QuotaPolicy())
+    team = await get_team(stack.redis, keys, "team-n")
+
+    async def settled() -> bool:
+        pools: Any = (await enforcer.snapshot(team))["pools"]
+        return bool(pools["interactive"]["reservations"] == 0)
+
+    await eventually(settled, 10, "every reservation settled")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from laneway.errors import EngineError
+from laneway.schema import MAX_USAGE_TOKENS
 from workers.types import EngineDelta
 from workers.upstream_refusals import stream_error
 
@@ -67,6 +68,30 @@ class FinishReasons:
         raise EngineError(f"the upstream ended the request with finish_reason {said}, not OpenAI's")
 
 
+def _count(usage: dict[str, Any], field: str, kept: int) -> int:
+    """The upstream's ``usage[field]`` if it is a token count, else ``kept`` (laneway's own
+    estimate, or its count of the chunks): a null, negative, fractional or absurd count
+    would fail the request's usage event after its client had its answer, and a batch
+    line would be passed over with no result (logged, up to a few times)."""
+    value = usage.get(field, kept)
+    if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS:
+        return value
+    global _odd_counts_logged  # noqa: PLW0603 - a bound on the log, for the process
+    if _odd_counts_logged < _ODD_FINISHES_LOGGED:
+        _odd_counts_logged += 1
+        log.warning(
+            "the upstream reported %s %s, which is no token count: laneway's own count %d "
+            "is used instead",
+            field,
+            repr(value)[:60],
+            kept,
+        )
+    return kept
+
+
+_odd_counts_logged = 0
+
+
 class StreamReading:
     """Totals of one streamed response, folded in chunk by chunk."""
 
@@ -118,10 +143,11 @@ class StreamReading:
     def chunk(self, chunk: dict[str, Any]) -> EngineDelta | None:
         usage = chunk.get("usage")
         if usage:
-            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            self.prompt_tokens = _count(usage, "prompt_tokens", self.prompt_tokens)
             details = usage.get("prompt_tokens_details") or {}
-            self.cached = int(details.get("cached_tokens") or 0)
-            self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+            cached = _count(details, "cached_tokens", 0) if "cached_tokens" in details else 0
+            self.cached = min(cached, self.prompt_tokens)
+            self.completion_tokens = _count(usage, "completion_tokens", self.completion_tokens)
         text = ""
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta")
