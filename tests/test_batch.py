@@ -692,6 +692,9 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         b"{not json",
         {"v": 1, "job_id": "j-bad", "team": "docs", "body": body},  # no line id
         {"v": 1, "job_id": "j-bad", "line_id": "x" * 600, "team": "docs", "body": body},
+        # An id written as a number, and a team no line can name: answered all the same.
+        {"v": 1, "job_id": "j-bad", "line_id": 7, "team": "docs", "body": body},
+        {"v": 1, "job_id": "j-bad", "line_id": "long-team", "team": "d" * 300, "body": body},
         # Past what orjson parses at all (1024 levels): its top level still names the line.
         b'{"v": 1, "job_id": "j-bad", "line_id": "abyss", "team": "docs", "body": '
         + b"[" * 3000
@@ -702,10 +705,10 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         value = record if isinstance(record, bytes) else orjson.dumps(record)
         await producer.send_and_wait(topic, value, key=b"j-bad")
     results = await stack.read_topic(
-        stack.topics.results_batch, count=7, where=lambda r: r.get("job_id") == "j-bad"
+        stack.topics.results_batch, count=9, where=lambda r: r.get("job_id") == "j-bad"
     )
     by_line = {r["line_id"]: r for r in results}
-    answered = ["a-string", "abyss", "deep", "good", "huge", "newer"]
+    answered = ["7", "a-string", "abyss", "deep", "good", "huge", "long-team", "newer"]
     (cut,) = set(by_line) - set(answered)
     assert cut.startswith("x" * 400)
     assert len(cut) <= 500
@@ -718,13 +721,15 @@ async def test_a_kafka_line_that_names_its_job_but_is_malformed_is_answered(
         ("huge", "body: max_tokens: an integer above the 64-bit range (100 bits)"),
         ("deep", "nested more than 64 levels deep"),
         ("abyss", "recursion limit exceeded"),
+        ("7", "line_id"),
+        ("long-team", "team"),
     ):
         assert by_line[name]["status_code"] == 400, by_line[name]
         message = by_line[name]["body"]["error"]["message"]
         assert "not a laneway batch line" in message, message
         assert words in message, message
     await asyncio.sleep(1)  # nothing more comes: the two that name no line are not answered
-    assert len(await stack.read_all(stack.topics.results_batch)) == 7
+    assert len(await stack.read_all(stack.topics.results_batch)) == 9
 
 
 _JOBS = {"thrifty": ("j-thrifty", 120), "rich": ("j-rich", 40)}

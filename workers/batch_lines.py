@@ -201,16 +201,23 @@ def _salvage(raw: bytes | None, exc: MalformedMessage) -> BatchRequest | None:
         return None
     team = fields.get("team")
     line_id = fields.get("line_id")
+    if type(line_id) is int:  # a number its submitter's code wrote as one: the line it counts
+        line_id = str(line_id)
     if isinstance(line_id, str) and len(line_id) > MAX_CUSTOM_ID_CHARS:
         # Answered under an id that fits, the same in every run, that starts as its own.
         digest = hashlib.blake2b(line_id.encode(), digest_size=6).hexdigest()
         line_id = f"{line_id[: MAX_CUSTOM_ID_CHARS - 13]}#{digest}"
-    try:
-        return BatchRequest(
-            job_id=fields.get("job_id"),
-            line_id=line_id,
-            team=team if isinstance(team, str) and team else None,
-            error=f"not a laneway batch line: {exc}",
-        )
-    except ValidationError:
-        return None
+    # A team the line cannot name (one too long, say) is left out rather than the line: a
+    # team's own topic names its team anyway, and elsewhere the line is answered unrun.
+    named = team if isinstance(team, str) and team else None
+    for who in dict.fromkeys((named, None)):
+        try:
+            return BatchRequest(
+                job_id=fields.get("job_id"),
+                line_id=line_id,
+                team=who,
+                error=f"not a laneway batch line: {exc}",
+            )
+        except ValidationError:
+            continue
+    return None
