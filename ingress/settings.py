@@ -37,7 +37,7 @@ class IngressSettings(CommonSettings):
     )
     console_session_s: float = Field(
         8 * 3600.0,
-        gt=0,
+        ge=1,  # a cookie's max-age is whole seconds
         le=7 * 86400,
         description="web console (/console, on with the admin key): a login lasts this long",
     )

@@ -7,7 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["finite_float", "int_from"]
+__all__ = ["finite_float", "int_from", "positive_float"]
 
 
 def finite_float(text: str) -> float:
@@ -36,3 +36,11 @@ def int_from(low: int, high: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int from {low} to {high}"
     return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a time to wait: 0 or less gives up before it begins)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not above 0")
+    return value

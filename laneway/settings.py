@@ -356,9 +356,27 @@ def local_addresses(cls: type[BaseSettings], environ: Mapping[str, str]) -> dict
     return found
 
 
+def _refuse_nulls(cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+    """A JSON ``null`` for a list, map or number setting: pydantic-settings drops it, and
+    the default would stand as if the variable were unset, with nothing said."""
+    env = {k.upper(): v for k, v in environ.items()}
+    for field, info in cls.model_fields.items():
+        value = env.get(f"LANEWAY_{field.upper()}")
+        if (
+            value is not None
+            and value.strip() == "null"
+            and info.annotation not in (str, SecretStr)
+        ):
+            raise ConfigError(
+                f"bad setting: LANEWAY_{field.upper()}=null: null is no value here; leave the "
+                "variable unset for the default"
+            )
+
+
 def load_settings(cls: type[S], **overrides: Any) -> S:
     """Build ``cls`` from the environment plus ``overrides``; errors name the variable."""
     check_environment()
+    _refuse_nulls(cls, os.environ)
     try:
         return cls(**{**local_addresses(cls, os.environ), **overrides})
     except SettingsError as exc:

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from tqdm import tqdm
 
-from laneway.arguments import finite_float
+from laneway.arguments import positive_float
 from laneway.batch import MAX_JOB_ID_CHARS, BatchClient, output_line
 from laneway.batch_http import HttpBatchClient
 from laneway.errors import BadRequest, ConfigError, LanewayError
@@ -242,7 +242,7 @@ def add_batch_commands(sub: Any) -> None:
     )
     bsubmit.add_argument("--wait", action="store_true", help="follow the job until it is done")
     bsubmit.add_argument(
-        "--timeout", type=finite_float, default=24 * 3600, help="--wait: give up after"
+        "--timeout", type=positive_float, default=24 * 3600, help="--wait: give up after (s)"
     )
     bsubmit.add_argument("--kafka", action="store_true", help=kafka_help)
     bsubmit.add_argument("--team", default=None, help="--kafka: the team the lines run for")

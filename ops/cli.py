@@ -200,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("WARNING")
     try:
         result: int = args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: what the command did so far stands (a submitted job runs on); no traceback.
+        print("laneway: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, BadRequest) as exc:
         print(f"laneway: {exc}", file=sys.stderr)
         return 2

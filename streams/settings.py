@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Self
 
 from pydantic import Field, model_validator
@@ -117,7 +118,8 @@ class StreamsSettings(CommonSettings):
                 "LANEWAY_BREAKER_ENTER and LANEWAY_BREAKER_EXIT need three rates each "
                 "(levels 1, 2, 3)"
             )
-        if sorted(enter) != enter or any(not 0 < rate < 1 for rate in enter):
+        rises = all(low < high for low, high in itertools.pairwise(enter))
+        if not rises or any(not 0 < rate < 1 for rate in enter):
             raise ValueError(f"LANEWAY_BREAKER_ENTER={enter} must rise within (0, 1)")
         if any(out >= into for out, into in zip(leave, enter, strict=True)) or min(leave) < 0:
             raise ValueError(

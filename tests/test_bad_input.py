@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -20,6 +21,7 @@ from ops.cli import main as cli_main
 from ops.drills.topology import TopologyPlan
 from ops.settings import StackSettings
 from ops.stack_processes import stack_processes
+from streams.settings import StreamsSettings
 from tests.stack import ROOT, LiveStack, free_port
 from workers import metrics
 from workers.settings import WorkerSettings
@@ -291,6 +293,36 @@ def test_a_setting_laneway_cannot_use_is_refused_by_name(
     assert "hunter2" not in str(refused.value)  # a Redis URL may hold a password
 
 
+@pytest.mark.parametrize(
+    ("variable", "cls"),
+    [
+        ("LANEWAY_PRICES", StreamsSettings),
+        ("LANEWAY_MODELS", IngressSettings),
+        ("LANEWAY_BREAKER_ENTER", StreamsSettings),
+        ("LANEWAY_LOCAL_REPLICAS", StackSettings),
+    ],
+)
+def test_a_json_null_is_refused_not_taken_for_the_default(
+    monkeypatch: pytest.MonkeyPatch, variable: str, cls: type[Any]
+) -> None:
+    """pydantic-settings drops a null: the default stood, as if the variable were unset."""
+    monkeypatch.setenv(variable, "null")
+    with pytest.raises(ConfigError, match=f"{variable}=null: null is no value here"):
+        load_settings(cls)
+
+
+def test_ctrl_c_in_a_command_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(_args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ops.cli.cmd_topics_create", interrupted)
+    assert cli_main(["topics", "create"]) == 130
+    err = capsys.readouterr().err
+    assert err == "laneway: interrupted\n"
+
+
 def test_a_heartbeat_slower_than_liveness_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANEWAY_HEARTBEAT_INTERVAL_S", "7")  # beats counted live for 6 s
     with pytest.raises(ConfigError, match="LANEWAY_HEARTBEAT_INTERVAL_S"):
@@ -302,9 +334,12 @@ def test_a_heartbeat_slower_than_liveness_is_refused(monkeypatch: pytest.MonkeyP
     [
         ("LANEWAY_MAX_INFLIGHT", "abc", "worker-completion: bad setting: LANEWAY_MAX_INFLIGHT"),
         ("LANEWAY_BREAKER_ENTER", "[0.5, 0.1, 0.2]", "streams: bad setting"),
+        ("LANEWAY_BREAKER_ENTER", "[0.1, 0.1, 0.1]", "must rise"),  # three levels in one
         ("LANEWAY_SUPERVISOR_PORT", "8000", "LANEWAY_PORT and LANEWAY_SUPERVISOR_PORT"),
         ("LANEWAY_REDIS_PORT", "19093", "Kafka controller) and LANEWAY_REDIS_PORT"),
         ("LANEWAY_METRICS_PORT", "9100", "that one port"),
+        ("LANEWAY_ENGINE", "openai", "worker-completion: bad setting: LANEWAY_ENGINE=openai needs"),
+        ("LANEWAY_ENGINE", "vllm", "worker-completion: bad setting: LANEWAY_ENGINE=vllm needs"),
     ],
 )
 def test_laneway_up_refuses_what_a_service_would_before_starting_anything(
@@ -371,6 +406,8 @@ def test_a_service_says_in_a_line_that_kafka_did_not_answer() -> None:
         (["batch", "results", "j", "-o", "/"], "/ is a directory"),
         (["batch", "results", "j", "-o", "/no/such/dir/out.jsonl"], "no directory /no/such/dir"),
         (["drill", "chaos", "--data-dir", __file__], "is a file"),
+        # Refused before the job is sent, not a job left running and "not done after -5s".
+        (["batch", "submit", __file__, "--wait", "--timeout", "-5"], "-5 is not above 0"),
     ],
 )
 def test_the_cli_refuses_bad_arguments_before_reaching_a_server(

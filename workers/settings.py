@@ -10,6 +10,7 @@ from pydantic import (
     SecretStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from laneway.constants import HEARTBEAT_TTL_S, RequestClass
@@ -292,5 +293,19 @@ class WorkerSettings(CommonSettings):
 
     @field_validator("worker_id")
     @classmethod
-    def _default_worker_id(cls, value: str) -> str:
-        return value or f"{os.uname().nodename}-{os.getpid()}"
+    def _default_worker_id(cls, value: str, info: ValidationInfo) -> str:
+        return value or f"{info.data.get('pool', 'worker')}-{os.uname().nodename}-{os.getpid()}"
+
+    @model_validator(mode="after")
+    def _engine_has_what_it_needs(self) -> WorkerSettings:
+        # Here, not where the engine starts: `laneway up` checks every service's settings
+        # before it starts anything, instead of a crash loop after Kafka and Redis are up.
+        if self.engine == "openai" and not self.upstream_url:
+            raise ValueError(
+                "LANEWAY_ENGINE=openai needs LANEWAY_UPSTREAM_URL (the server's /v1 URL)"
+            )
+        if self.engine == "vllm" and not self.vllm_model:
+            raise ValueError(
+                "LANEWAY_ENGINE=vllm needs LANEWAY_VLLM_MODEL (a model directory or hub id)"
+            )
+        return self
