@@ -49,7 +49,9 @@ async def put_canary(model: str, request: Request) -> Response:
     state = authorise(request)
     refuse_misdirected_action(model, kind="canary", action="abort")
     body = parse_body(CanaryBody, await request.body())
-    started = await start_canary(state.redis, state.keys, model, body.target, body.steps)
+    started = await start_canary(
+        state.redis, state.keys, model, body.target, body.steps, served=state.settings.models
+    )
     return JSONResponse(_view(started), status_code=201)
 
 

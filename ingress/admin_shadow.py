@@ -60,7 +60,9 @@ async def put_shadow(model: str, request: Request) -> Response:
     state = authorise(request)
     refuse_misdirected_action(model, kind="shadow", action="stop")
     body = parse_body(ShadowBody, await request.body())
-    started = await start_shadow(state.redis, state.keys, model, body.target, body.share)
+    started = await start_shadow(
+        state.redis, state.keys, model, body.target, body.share, served=state.settings.models
+    )
     return JSONResponse(await _view(state.redis, state.keys, started), status_code=201)
 
 

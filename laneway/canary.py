@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import secrets
 import time
+from collections.abc import Collection
 from typing import Literal
 
 import redis.asyncio as aioredis
@@ -31,6 +32,7 @@ from pydantic import (
 
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest, Conflict, NotFound
+from laneway.requests import check_served
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -183,8 +185,12 @@ async def start_canary(
     model: str,
     target: str,
     steps: tuple[float, ...] = DEFAULT_STEPS,
+    *,
+    served: Collection[str] | None = None,
 ) -> CanaryState:
-    """Start ``model``'s canary on ``target`` at its first step; one running canary a model."""
+    """Start ``model``'s canary on ``target`` at its first step; one running canary a model.
+    ``served``: the models clients may ask for (a canary of another would show "running"
+    for ever, with no traffic); None: not checked."""
     try:  # the caller's input (a name too long or empty, bad steps), before Redis is asked
         state = CanaryState(
             model=model, target=target, steps=steps, since=0.0, salt=secrets.token_hex(16)
@@ -193,6 +199,8 @@ async def start_canary(
         error = exc.errors()[0]
         field = str(error["loc"][0]) if error["loc"] else "model"
         raise BadRequest(f"{field}: {error['msg']}", param=field) from None
+    if served is not None:
+        check_served(model, served)
     current = await get_canary(redis, keys, model)
     if current is not None and current.status == "running":
         raise Conflict(

@@ -6,6 +6,7 @@ job fails exactly where the same body would fail over HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ from laneway.schema import ApiKind, ChatMessage, RequestEnvelope
 from laneway.settings import CommonSettings
 from laneway.tokens import estimate_tokens
 
-__all__ = ["RequestShape", "shape_request"]
+__all__ = ["RequestShape", "check_served", "shape_request"]
 
 # What a chat template adds to the prompt (OpenAI's rule of thumb for its own models).
 _MESSAGE_TOKENS = 3  # per message: its role and separators
@@ -54,6 +55,16 @@ class RequestShape:
         )
 
 
+def check_served(model: str, models: Collection[str], *, param: str = "model") -> None:
+    """``ModelNotFound`` naming the served models unless ``model`` is one of them."""
+    if model not in models:
+        raise ModelNotFound(
+            f"model {clipped(repr(model), 100)} is not served here; "
+            f"available: {sorted(models)} (LANEWAY_MODELS)",
+            param=param,
+        )
+
+
 def shape_request(
     settings: CommonSettings,
     body: CompletionRequest | ChatRequest,
@@ -63,12 +74,7 @@ def shape_request(
 ) -> RequestShape:
     """Validate ``body`` against the served models and the limits of ``cls``. ``where``:
     what an error's ``param`` is prefixed with (``body.`` for a batch line's body)."""
-    if body.model not in settings.models:
-        raise ModelNotFound(
-            f"model {clipped(repr(body.model), 100)} is not served here; "
-            f"available: {sorted(settings.models)} (LANEWAY_MODELS)",
-            param=f"{where}model",
-        )
+    check_served(body.model, settings.models, param=f"{where}model")
     field = "max_tokens"
     if isinstance(body, CompletionRequest):
         kind: ApiKind = "completion"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Collection
 from typing import Literal
 
 import redis.asyncio as aioredis
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from laneway.canary import bucket
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest, Conflict, NotFound
+from laneway.requests import check_served
 from laneway.schema import RequestEnvelope
 
 __all__ = [
@@ -204,9 +206,25 @@ async def _put(redis: aioredis.Redis, keys: RedisKeys, state: ShadowState) -> No
 
 
 async def start_shadow(
-    redis: aioredis.Redis, keys: RedisKeys, model: str, target: str, share: float
+    redis: aioredis.Redis,
+    keys: RedisKeys,
+    model: str,
+    target: str,
+    share: float,
+    *,
+    served: Collection[str] | None = None,
 ) -> ShadowState:
-    """Mirror ``share`` of ``model``'s requests to ``target``; one running shadow a model."""
+    """Mirror ``share`` of ``model``'s requests to ``target``; one running shadow a model.
+    ``served``: the models clients may ask for (a shadow of another would show "running"
+    for ever, mirroring nothing); None: not checked."""
+    try:
+        state = ShadowState(model=model, target=target, share=share, salt=secrets.token_hex(16))
+    except ValidationError as exc:  # a name too long or empty: the caller's input
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "model"
+        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
+    if served is not None:
+        check_served(model, served)
     current = await get_shadow(redis, keys, model)
     if current is not None and current.status == "running":
         raise Conflict(
@@ -214,12 +232,6 @@ async def start_shadow(
             f"{current.share:.1%} of requests); stop it first",
             param="model",
         )
-    try:
-        state = ShadowState(model=model, target=target, share=share, salt=secrets.token_hex(16))
-    except ValidationError as exc:  # a name too long or empty: the caller's input
-        error = exc.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else "model"
-        raise BadRequest(f"{field}: {error['msg']}", param=field) from None
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(keys.shadow_comparison(model))  # the last shadow's figures are not this one's
         pipe.set(keys.shadow(model), state.to_json())

@@ -17,7 +17,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     steps = parse_steps(args.steps)
 
     async def start(settings: CommonSettings, redis: Any) -> int:
-        state = await start_canary(redis, settings.keys, args.model, args.to, steps)
+        state = await start_canary(
+            redis, settings.keys, args.model, args.to, steps, served=settings.models
+        )
         print(
             f"canary {state.model} → {state.target}: steps {', '.join(f'{w:g}' for w in steps)} %,"
             f" now at {state.weight:g} %"

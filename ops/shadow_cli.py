@@ -28,7 +28,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         raise BadRequest("--to must name the shadow's route", param="to")
 
     async def start(settings: CommonSettings, redis: Any) -> int:
-        state = await start_shadow(redis, settings.keys, args.model, args.to, share)
+        state = await start_shadow(
+            redis, settings.keys, args.model, args.to, share, served=settings.models
+        )
         print(
             f"shadow {state.model} → {state.target}: {state.share:.2%} of requests mirrored "
             "(answers discarded, usage marked shadow, not billed)"

@@ -45,6 +45,13 @@ async def test_the_ingress_sends_sticky_sessions_to_the_canary(stack: LiveStack)
     long_name = await admin.put(f"/admin/canary/{'m' * 201}", json={"target": "v2"})
     assert long_name.status_code == 400, long_name.text
     assert long_name.json()["error"]["param"] == "model"
+    # A model no client can ask for (a typo) would show "running" for ever, with no traffic.
+    for kind, body in (("canary", {"target": "v2"}), ("shadow", {"target": "v2", "share": 0.1})):
+        typo = await admin.put(f"/admin/{kind}/laneway-cdoe", json=body)
+        assert typo.status_code == 404, typo.text
+        assert typo.json()["error"]["code"] == "model_not_found"
+        assert "laneway-code" in typo.json()["error"]["message"]  # what is served
+    assert (await admin.get("/admin/canary")).json()["data"] == []
     started = await admin.put(
         "/admin/canary/laneway-code", json={"target": "laneway-code-v2", "steps": [50, 100]}
     )
@@ -130,7 +137,8 @@ async def test_a_team_cannot_compute_which_of_its_sessions_land_on_the_canary(
 async def test_a_canary_and_a_shadow_of_a_model_whose_name_has_a_slash(stack: LiveStack) -> None:
     """vLLM serves models by their hub name (``Qwen/Qwen2.5-Coder-7B``): the admin routes take
     the model as the rest of the path, slash or ``%2F`` alike."""
-    ingress = await stack.start_ingress(admin_key=ADMIN)
+    served = ["laneway-code", "laneway-chat", "org/m", "Qwen/Qwen2.5-Coder-7B"]
+    ingress = await stack.start_ingress(admin_key=ADMIN, models=served)
     admin = stack.http(ingress, ADMIN)
     started = await admin.put("/admin/canary/org/m", json={"target": "org/m-v2"})
     assert started.status_code == 201, started.text
@@ -457,7 +465,7 @@ async def test_a_starved_step_waits_and_holds_a_bounded_number_of_events(
 async def test_a_put_to_an_action_path_is_refused_not_taken_as_a_model(stack: LiveStack) -> None:
     """The admin routes take the model as the rest of the path, so ``PUT .../x/abort`` would
     start a canary of a model ``x/abort``: it is refused, naming the method that aborts."""
-    ingress = await stack.start_ingress(admin_key=ADMIN)
+    ingress = await stack.start_ingress(admin_key=ADMIN, models=["laneway-code", "abort"])
     admin = stack.http(ingress, ADMIN)
     for path, body in [
         ("/admin/canary/laneway-code/abort", {"target": "laneway-code-v2"}),

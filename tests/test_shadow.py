@@ -328,6 +328,8 @@ async def test_the_cli_starts_shows_and_stops_a_shadow_and_names_bad_input(
         "shadow", "start", "laneway-code", "--to", "laneway-code", "--share", "0.1"
     )
     assert (code, "must differ from the model" in err) == (2, True)
+    code, _, err = await run("shadow", "start", "laneway-cdoe", "--to", SHADOW, "--share", "0.1")
+    assert (code, "is not served here" in err, "LANEWAY_MODELS" in err) == (2, True, True)
     code, out, _ = await run("shadow", "start", "laneway-code", "--to", SHADOW, "--share", "0.05")
     assert (code, out.strip()) == (
         0,
