@@ -374,6 +374,10 @@ async def test_identical_requests_in_flight_share_one_generation(
     assert [_text(r) for r in both] == [_suggestion(12)] * 2
     await eventually(lambda: upstream.entry("import os") is not None, 10, "the log entry")
     assert [e["prompt"] for e in upstream.entries()] == ["import os"]
+    # The same prompt is billed the same whether it ran or followed: the engine's count
+    # (this upstream's is 2), not the ingress's estimate (3) for the one that followed.
+    usage = await stack.usage_of(*(r.json()["id"] for r in both))
+    assert sorted(u["prompt_tokens"] for u in usage.values()) == [2, 2]
 
 
 async def test_a_team_that_turned_type_through_off_gets_a_request_each(

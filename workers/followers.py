@@ -114,7 +114,7 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         text="".join(parts),
         queue_ms=max(0.0, (started - env.accepted_ts) * 1000),
         ttft_ms=ttft_ms,
-        prompt_tokens=env.prompt_tokens,
+        prompt_tokens=generation.prompt_tokens_of(env),
         completion_tokens=tokens,
         finish_reason="length" if capped else generation.finish_reason,
         error=error,

@@ -59,7 +59,7 @@ def fold_delta(
 ) -> None:
     """One delta of the engine's into ``got`` (and the generation others may follow)."""
     if generation is not None:
-        generation.add(delta.text, delta.completion_tokens, delta.engine_ms)
+        generation.add(delta.text, delta.completion_tokens, delta.engine_ms, delta.prompt_tokens)
     got.prompt_tokens, got.cached_tokens = delta.prompt_tokens, delta.cached_tokens
     got.completion_tokens, got.engine_ms = delta.completion_tokens, delta.engine_ms
     got.finish_reason = delta.finish_reason or got.finish_reason

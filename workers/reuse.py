@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from laneway.schema import RequestEnvelope
+from laneway.tokens import estimate_tokens
 
 __all__ = ["Follower", "Generation", "ReuseRegistry"]
 
@@ -56,6 +57,7 @@ class Generation:
     text: str = ""
     ends: list[int] = field(default_factory=list)  # text length after each token's delta
     engine_ms: float = 0.0
+    prompt_tokens: int = 0  # the engine's count of its prompt, once it says (else 0)
     done: bool = False
     stopping: bool = False  # an abort of its engine request is under way
     finish_reason: str | None = None
@@ -78,8 +80,9 @@ class Generation:
         """Tokens whose text ends at or before ``chars``."""
         return bisect.bisect_right(self.ends, chars)
 
-    def add(self, text: str, tokens: int, engine_ms: float) -> None:
+    def add(self, text: str, tokens: int, engine_ms: float, prompt_tokens: int = 0) -> None:
         """A delta: ``tokens`` is the generation's token count so far."""
+        self.prompt_tokens = prompt_tokens or self.prompt_tokens
         self.text += text
         while len(self.ends) < tokens:
             self.ends.append(len(self.text))
@@ -87,6 +90,14 @@ class Generation:
             self.ends[-1] = len(self.text)
         self.engine_ms = engine_ms
         self.wake()
+
+    def prompt_tokens_of(self, env: RequestEnvelope) -> int:
+        """The prompt tokens of ``env``, which follows it: its own prompt's count where the
+        engine gave one, plus the text it typed, estimated. The same prompt twice is billed
+        the same, whether it ran or followed (the ingress's estimate of it may differ)."""
+        if not self.prompt_tokens:
+            return env.prompt_tokens
+        return self.prompt_tokens + estimate_tokens(env.prompt[self.prompt_len :])
 
     def end(self, finish_reason: str | None, completed: bool) -> None:
         self.done = True
