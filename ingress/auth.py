@@ -51,8 +51,11 @@ class CallerResolver:
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
 
     async def resolve(self, authorization: str | None) -> Caller:
-        if not authorization or authorization[:7].lower() != "bearer ":
+        if not authorization:
             raise Unauthorized("missing 'Authorization: Bearer <key>' header")
+        if authorization[:7].lower() != "bearer ":
+            # The value is not shown: it may be the key itself, sent without its scheme.
+            raise Unauthorized("the Authorization header must be 'Bearer <key>'")
         key = authorization[7:].strip()
         if not well_formed(key):
             raise Unauthorized(_UNKNOWN)

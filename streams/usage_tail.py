@@ -33,6 +33,8 @@ _HOURLY_COLUMNS = (
     ("prompt_tokens", 9), ("completion_tokens", 9), ("p99_ms", 8), ("cost", 10),
     ("state", 12),
 )  # fmt: skip
+# Headers that fit their columns (a cut "prompt_" / "complet" read as nothing).
+_LABELS = {"prompt_tokens": "prompt", "completion_tokens": "output"}
 # Home the cursor and clear the screen (ANSI; every terminal laneway runs in takes it).
 _CLEAR = "\x1b[H\x1b[2J"
 _MAX_DRAWN_ROWS = 200
@@ -59,6 +61,10 @@ def _cell(record: dict[str, Any], name: str) -> str:
     if isinstance(value, float):
         return f"{value:.4f}" if name == "cost" else f"{value:.1f}"
     return "-" if value is None else str(value)
+
+
+def _header(columns: tuple[tuple[str, int], ...]) -> str:
+    return _row(columns, [_LABELS.get(name, name) for name, _ in columns])
 
 
 def _row(columns: tuple[tuple[str, int], ...], values: list[str]) -> str:
@@ -103,7 +109,7 @@ async def tail_usage(
     await consumer.start()
     try:
         if output == "table":
-            print(_row(columns, [name for name, _ in columns]), file=out, flush=True)
+            print(_header(columns), file=out, flush=True)
         while not stop() and (limit is None or shown < limit):
             batches = await consumer.getmany(timeout_ms=200)
             for message in (m for records in batches.values() for m in records):
@@ -174,7 +180,7 @@ def _revision(record: dict[str, Any]) -> int:
 
 def _draw(latest: dict[tuple[str, str, str, str], dict[str, Any]], out: TextIO) -> None:
     rows = [latest[key] for key in sorted(latest)][-_MAX_DRAWN_ROWS:]
-    lines = [_row(_HOURLY_COLUMNS, [name for name, _ in _HOURLY_COLUMNS])]
+    lines = [_header(_HOURLY_COLUMNS)]
     lines += [_row(_HOURLY_COLUMNS, [_cell(r, name) for name, _ in _HOURLY_COLUMNS]) for r in rows]
     out.write(_CLEAR + "\n".join(lines) + "\n")
     out.flush()

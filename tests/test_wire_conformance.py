@@ -404,6 +404,11 @@ async def test_every_error_body_conforms(stack: LiveStack) -> None:
     anonymous = stack.http(ingress)
     wire.check_error("no key", await anonymous.post("/v1/completions", json=COMPLETION), 401)
     wire.check_error("no key, models", await anonymous.get("/v1/models"), 401)
+    # The key without its scheme: told what the header must be, not that it is missing.
+    schemeless = await anonymous.get("/v1/models", headers={"Authorization": "sk-something"})
+    said = wire.check_error("no scheme", schemeless, 401)["message"]
+    assert "must be 'Bearer <key>'" in said, said
+    assert "sk-something" not in said, said
     wire.check_error("unknown model", await post({**COMPLETION, "model": "gpt-nope"}), 404)
     wire.check_error("unknown path", await http.get("/v1/nothing-here"), 404)
     wire.check_error("wrong method", await http.get("/v1/completions"), 405)
