@@ -62,12 +62,25 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+def _retried_is_a_warning(record: logging.LogRecord) -> bool:
+    """aiokafka logs a coordinator it cannot find yet as an ERROR, then retries: on every
+    first start (the broker still creating its offsets topic) a new user's first sight was
+    an error. A retriable one is a WARNING; one it gives up on stays an ERROR."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if record.levelno == logging.ERROR and args and getattr(args[0], "retriable", False):
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
 def setup_logging(level: str = "INFO", fmt: LogFormat = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler])
     # aiokafka logs every rebalance step at INFO; keep its warnings.
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
+    if _retried_is_a_warning not in coordinator.filters:
+        coordinator.addFilter(_retried_is_a_warning)
 
 
 def tune_gc() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 
 import orjson
+import pytest
+from aiokafka.errors import GroupAuthorizationFailedError, GroupCoordinatorNotAvailableError
 
-from laneway.logs import JsonFormatter, TextFormatter
+from laneway.logs import JsonFormatter, TextFormatter, setup_logging
 
 
 def record(**extra: object) -> logging.LogRecord:
@@ -29,3 +31,21 @@ def test_json_lines_are_objects_with_the_fields_as_keys() -> None:
     assert entry["message"] == "reply lost for r1"
     assert (entry["level"], entry["logger"]) == ("WARNING", "laneway.test")
     assert (entry["request_id"], entry["team"]) == ("r1", "alpha")
+
+
+def test_a_coordinator_aiokafka_retries_is_a_warning_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """aiokafka logs a group coordinator it cannot find yet as an ERROR and retries: every
+    first start (the broker still making its offsets topic) began with an error."""
+    aiokafka = logging.getLogger("aiokafka")
+    level = aiokafka.level
+    setup_logging("INFO")
+    aiokafka.setLevel(level)  # the filter is what is tested; other tests keep their level
+    coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
+    with caplog.at_level(logging.WARNING, logger="aiokafka"):
+        coordinator.error(
+            "Group Coordinator Request failed: %s", GroupCoordinatorNotAvailableError()
+        )
+        coordinator.error("Group Coordinator Request failed: %s", GroupAuthorizationFailedError())
+    assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]  # given up: an error
