@@ -3,6 +3,7 @@ name, a worker's pool and id, and an environment checked before anything starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from streams.settings import StreamsSettings
 from workers.settings import WorkerSettings
 
 __all__ = ["ingress_host", "pool_replicas", "stack_processes", "standby_processes", "worker_ids"]
+
+log = logging.getLogger(__name__)
 
 # Settings of `laneway up` itself; the services it starts do not get them (LANEWAY_PORT goes
 # to the ingress alone).
@@ -93,7 +96,17 @@ def stack_processes(
     )
     specs = settings.topics.specs(settings.partitions)
     env = {k: v for k, v in os.environ.items() if k.upper() not in _STACK_ONLY | _BROKER_LOGIN}
-    env.update(LANEWAY_KAFKA_BOOTSTRAP=kafka.bootstrap, LANEWAY_REDIS_URL=redis.url)
+    own = {"LANEWAY_KAFKA_BOOTSTRAP": kafka.bootstrap, "LANEWAY_REDIS_URL": redis.url}
+    for variable, address in own.items():
+        if env.get(variable, address) != address:
+            # The value is not shown: a Redis URL may hold a password.
+            log.warning(
+                "%s is set in this shell, but laneway up runs its services on its own %s "
+                "(the CLI in this shell still reaches the one the variable names)",
+                variable,
+                "Kafka" if "KAFKA" in variable else "Redis",
+            )
+    env.update(own)
 
     def login(service: str, pool: str = "") -> dict[str, str]:
         # Secured: each service logs in as its own Kafka principal and Redis user.

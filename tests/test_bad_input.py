@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import socket
@@ -351,6 +352,19 @@ def test_laneway_up_refuses_what_a_service_would_before_starting_anything(
     with pytest.raises(ConfigError, match=re.escape(words)):
         stack_processes(load_settings(StackSettings, data_dir=str(tmp_path / "stack")))
     assert not (tmp_path / "stack").exists()
+
+
+def test_laneway_up_says_it_does_not_use_the_shells_kafka_and_redis(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LANEWAY_REDIS_URL", "redis://:hunter2@elsewhere:6379/0")
+    monkeypatch.setenv("LANEWAY_KAFKA_BOOTSTRAP", "elsewhere:9092")
+    with caplog.at_level(logging.WARNING, logger="ops.stack_processes"):
+        stack_processes(load_settings(StackSettings, data_dir=str(tmp_path / "stack")))
+    said = [r.getMessage() for r in caplog.records]
+    assert any("LANEWAY_REDIS_URL is set in this shell" in m for m in said), said
+    assert any("LANEWAY_KAFKA_BOOTSTRAP is set in this shell" in m for m in said), said
+    assert "hunter2" not in caplog.text
 
 
 def _python(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
