@@ -373,6 +373,14 @@ def _announcing(
     return processor, sent
 
 
+def _fold_busy_hours(processor: UsageProcessor, current: int, *hours: int) -> None:
+    """Three budgets of team "bursty" in each of ``hours`` of the 24 before ``current``."""
+    for i in hours:
+        ts = (current - 24 + i) * 3600 + 60
+        event = usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0)
+        processor.handle(event.model_copy(update={"ts": ts}).to_json(), 0, i)
+
+
 async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
     services: Services, prefix: str
 ) -> None:
@@ -386,19 +394,11 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
     try:
         # Budget 1 × 50 × 2.0 × 1000 = 100k tokens an hour; a busy hour is 3.0 of it.
         await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
-        offsets = iter(range(100))
-
-        def fold(*hours: int) -> None:
-            for i in hours:
-                ts = (current - 24 + i) * 3600 + 60
-                event = usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0)
-                processor.handle(event.model_copy(update={"ts": ts}).to_json(), 0, next(offsets))
-
         # The part of the backlog folded by the first tick: two busy hours in 24, σ 0.83,
         # already past the cap's 0.6.
-        fold(0, 6)
+        _fold_busy_hours(processor, current, 0, 6)
         assert await processor.update_quota_factors() == 1
-        fold(12, 18)  # the rest: four busy hours, σ = √1.25
+        _fold_busy_hours(processor, current, 12, 18)  # the rest: four busy hours, σ = √1.25
         assert await processor.update_quota_factors() == 1
         assert await processor.update_quota_factors() == 0  # nothing moved: not repeated
         assert [(u["factor"], u["sigma"]) for u in sent] == [
@@ -422,10 +422,7 @@ async def test_a_factor_redis_lost_is_written_again_on_the_next_tick(
     processor, sent = _announcing(redis, keys, now)
     try:
         await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
-        for offset, i in enumerate((0, 6, 12, 18)):
-            event = usage_event(team="bursty", prompt_tokens=300_000, completion_tokens=0)
-            event = event.model_copy(update={"ts": (current - 24 + i) * 3600 + 60})
-            processor.handle(event.to_json(), 0, offset)
+        _fold_busy_hours(processor, current, 0, 6, 12, 18)
         assert await processor.update_quota_factors() == 1
         await redis.delete(keys.quota_factor("bursty"))
         assert await processor.update_quota_factors() == 0  # nothing moved: no announcement

@@ -215,10 +215,14 @@ async def test_a_garbled_upstream_stream_ends_its_request_with_an_error(
     for event in events:
         if event["id"] in ids:
             assert ids[event["id"]] in event["error"], event
-    # Every reservation settled: none is left holding the team's tokens.
+    await _every_reservation_settled(stack, "team-g")
+
+
+async def _every_reservation_settled(stack: LiveStack, team_name: str) -> None:
+    """None is left holding the team's tokens."""
     keys = RedisKeys(stack.prefix)
     enforcer = QuotaEnforcer(stack.redis, keys, QuotaPolicy())
-    team = await get_team(stack.redis, keys, "team-g")
+    team = await get_team(stack.redis, keys, team_name)
 
     async def settled() -> bool:
         pools: Any = (await enforcer.snapshot(team))["pools"]
@@ -292,15 +296,7 @@ async def test_usage_counts_an_upstream_cannot_mean_are_replaced_by_laneways_own
         assert event["completion_tokens"] == 2, (usage, event)  # the chunks, where odd
         assert 0 <= event["cached_tokens"] <= event["prompt_tokens"], (usage, event)
     assert "which is no token count" in caplog.text
-    keys = RedisKeys(stack.prefix)
-    enforcer = QuotaEnforcer(stack.redis, keys, QuotaPolicy())
-    team = await get_team(stack.redis, keys, "team-n")
-
-    async def settled() -> bool:
-        pools: Any = (await enforcer.snapshot(team))["pools"]
-        return bool(pools["interactive"]["reservations"] == 0)
-
-    await eventually(settled, 10, "every reservation settled")
+    await _every_reservation_settled(stack, "team-n")
 
 
 @pytest.fixture
