@@ -142,7 +142,7 @@ def stack_processes(
             {"LANEWAY_STREAMS_DATA_DIR": str(data / "streams"), **login("streams")},
         )
     )
-    _check_services(services, env)
+    _check_services(services, env, settings.partitions)
     width = max(len(name) for name, _, _ in services)
     processes: list[Supervised] = [
         LocalServer(redis),
@@ -183,7 +183,9 @@ _SETTINGS_OF: dict[str, type[CommonSettings]] = {
 }
 
 
-def _check_services(services: list[tuple[str, str, dict[str, str]]], env: dict[str, str]) -> None:
+def _check_services(
+    services: list[tuple[str, str, dict[str, str]]], env: dict[str, str], partitions: int
+) -> None:
     """Each service's settings as it will be started: one it would refuse stops ``laneway up``
     now, naming it, instead of after Kafka and Redis started, as a crash loop."""
     if env.get("LANEWAY_METRICS_PORT", "0") not in ("", "0"):
@@ -201,6 +203,12 @@ def _check_services(services: list[tuple[str, str, dict[str, str]]], env: dict[s
             continue
         checked.add(key)
         try:
-            load_settings(_SETTINGS_OF[module], **own)
+            loaded = load_settings(_SETTINGS_OF[module], **own)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
+        if isinstance(loaded, StreamsSettings) and loaded.streams_partitions not in (0, partitions):
+            raise ConfigError(
+                f"{name}: LANEWAY_STREAMS_PARTITIONS={loaded.streams_partitions}, but the "
+                f"stack's topics have LANEWAY_PARTITIONS={partitions}: the tables are "
+                "partitioned as the usage topic they fold; leave it unset (0: the topic's own)"
+            )

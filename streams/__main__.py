@@ -85,7 +85,16 @@ async def serve(settings: StreamsSettings) -> int:
 
 
 async def _serve_app(settings: StreamsSettings) -> int:
-    partitions = settings.streams_partitions or await usage_partitions(settings)
+    partitions = await usage_partitions(settings)
+    if settings.streams_partitions not in (0, partitions):
+        # Each table partition folds the usage partition of its number: fewer would leave
+        # usage unfolded, more would never be written, and the changelogs would not be
+        # listed as Faust expects (a start that only timed out, naming no setting).
+        raise ConfigError(
+            f"LANEWAY_STREAMS_PARTITIONS={settings.streams_partitions}, but "
+            f"{settings.topics.usage} has {partitions} partitions: the tables are partitioned "
+            "as the topic they fold; set it to that or 0 (the topic's own)"
+        )
     await ensure_changelogs(settings, partitions)
     streams = StreamsApp(settings, partitions=partitions)
     serve_metrics(settings.metrics_port)

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from laneway.schema import UsageEvent
-from tests.stack import LiveStack, eventually, free_port
+from tests.stack import PARTITIONS, LiveStack, eventually, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +132,18 @@ async def test_streams_process_starts_and_stops_cleanly_on_sigterm(
         code = await streams.stop()
     assert code == 0, streams.log()
     assert "skipping usage record" in streams.log()
+
+
+async def test_changelog_partitions_unlike_the_usage_topics_are_refused_naming_the_setting(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """The tables are partitioned as the topic they fold: another count only timed out
+    waiting for changelogs, in a crash loop that named no setting."""
+    streams = StreamsProcess(stack, tmp_path, streams_partitions=PARTITIONS + 1)
+    await streams.start()
+    assert streams.proc is not None
+    assert await asyncio.wait_for(streams.proc.wait(), 60) == 2, streams.log()
+    assert f"LANEWAY_STREAMS_PARTITIONS={PARTITIONS + 1}, but" in streams.log()
 
 
 async def test_a_sigterm_while_the_tables_recover_stops_the_process_cleanly(
