@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -206,9 +207,24 @@ def _check_services(
             loaded = load_settings(_SETTINGS_OF[module], **own)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
+        if isinstance(loaded, IngressSettings):
+            _listenable(loaded.host)
         if isinstance(loaded, StreamsSettings) and loaded.streams_partitions not in (0, partitions):
             raise ConfigError(
                 f"{name}: LANEWAY_STREAMS_PARTITIONS={loaded.streams_partitions}, but the "
                 f"stack's topics have LANEWAY_PARTITIONS={partitions}: the tables are "
                 "partitioned as the usage topic they fold; leave it unset (0: the topic's own)"
             )
+
+
+def _listenable(host: str) -> None:
+    """The ingress's LANEWAY_HOST names an address of this machine's resolver: otherwise the
+    ingress exits at once, its server's error ("Name or service not known") naming no
+    setting, in a crash loop."""
+    try:
+        socket.getaddrinfo(host or None, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"ingress: LANEWAY_HOST={host!r} is not an address the ingress can listen on "
+            f"({getattr(exc, 'strerror', None) or exc})"
+        ) from None

@@ -342,6 +342,7 @@ def test_a_heartbeat_slower_than_liveness_is_refused(monkeypatch: pytest.MonkeyP
         ("LANEWAY_ENGINE", "openai", "worker-completion: bad setting: LANEWAY_ENGINE=openai needs"),
         ("LANEWAY_ENGINE", "vllm", "worker-completion: bad setting: LANEWAY_ENGINE=vllm needs"),
         ("LANEWAY_STREAMS_PARTITIONS", "2", "streams: LANEWAY_STREAMS_PARTITIONS=2, but"),
+        ("LANEWAY_HOST", "abc.invalid", "ingress: LANEWAY_HOST='abc.invalid' is not an address"),
     ],
 )
 def test_laneway_up_refuses_what_a_service_would_before_starting_anything(
