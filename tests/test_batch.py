@@ -379,15 +379,41 @@ async def test_a_paused_batch_worker_cannot_commit_what_its_partitions_new_owner
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("member", [True, False], ids=["still-a-member", "maybe-replaced"])
 async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_written_twice(
-    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch, member: bool
 ) -> None:
     """A producer that lost its coordinator with a broker can wait for good on the end of a
     transaction that did commit. The worker replaces that producer and learns from the
-    group's offsets what went out, so it neither stalls nor writes those results again."""
+    group's offsets what went out, so it neither stalls nor writes those results again.
+    Not a member any more (its heartbeat refused: cut off that long, the group may have
+    given the partition to another), it starts no producer there, which would fence the
+    new owner: it asks the group, and runs the partition again once assigned it."""
     monkeypatch.setattr(batch_lane, "_TXN_STUCK_S", 5.0)  # the real commit ends well before
-    lane = (await stack.start_worker("batch")).lane
+    worker = await stack.start_worker("batch")
+    lane = worker.lane
     assert isinstance(lane, BatchLane)
+    assignments: list[set[TopicPartition]] = []
+    assign = lane.assigned
+
+    async def noted_assign(partitions: set[TopicPartition]) -> None:
+        if stuck:  # assigned again, after the transaction that never ended
+            assignments.append(set(partitions))
+        await assign(partitions)
+
+    monkeypatch.setattr(lane, "assigned", noted_assign)
+    coordinator = worker.consumer._coordinator
+    heartbeat = coordinator._do_heartbeat
+    refused: list[bool] = []
+
+    async def heartbeat_once_refused() -> bool:
+        if not member and not refused:
+            refused.append(True)
+            coordinator.reset_generation()  # as aiokafka takes UNKNOWN_MEMBER_ID
+            return False
+        return bool(await heartbeat())
+
+    monkeypatch.setattr(coordinator, "_do_heartbeat", heartbeat_once_refused)
     commit = lane.txns.commit
     stuck: list[int] = []
 
@@ -408,6 +434,9 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
     assert stuck, "no transaction was cut off"
     assert (status.done, status.duplicates) == (60, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
+    # A member goes on where it was; one that may have been replaced waits to be assigned.
+    assert bool(assignments) == (not member), assignments
+    assert refused == ([] if member else [True])
 
 
 async def test_a_submit_cut_short_leaves_nothing_and_sent_again_runs_once(

@@ -185,8 +185,13 @@ class BatchLane:
                 continue
             try:
                 if not self.txns.has(tp):
-                    # Its producer did not start when the partition was assigned: start it
-                    # now (never for a partition fenced since: that would fence its owner).
+                    if tp not in self.cut_off or tp not in self.started:
+                        # Its producer starts where the group assigns the partition
+                        # (``assigned``). Here only again, after a stuck one was closed while
+                        # the group still counted this worker in (``replace_stuck``): one
+                        # started for a partition the group gave another worker meanwhile
+                        # (this one cut off, or a revoke under way) would fence that owner.
+                        continue
                     await self.txns.open([tp])
                 if tp in self.cut_off:
                     await settle_cut_off(self, tp)

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from workers import metrics
 from workers.lanes import read_commits
@@ -30,7 +31,10 @@ _PRODUCER_STOP_S = 10.0
 
 async def replace_stuck(lane: BatchLane, tp: TopicPartition, after_s: float) -> None:
     """Drop the producer of a transaction not ended after ``after_s``. The next commit starts
-    a new one, which ends the old transaction (committed or aborted) before it begins."""
+    a new one, which ends the old transaction (committed or aborted) before it begins; but
+    only if the group still counts this worker in (a heartbeat answered, no rebalance under
+    way). A worker cut off from the brokers that long may have lost the partition to
+    another, whose producer a new one here would fence; it asks the group instead."""
     log.warning(
         "batch transaction of %s:%d not ended after %.0fs: its producer is replaced",
         tp.topic,
@@ -41,6 +45,25 @@ async def replace_stuck(lane: BatchLane, tp: TopicPartition, after_s: float) -> 
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(_PRODUCER_STOP_S):
             await lane.txns.close([tp])
+    if not await _still_a_member(lane):
+        log.warning(
+            "%s:%d: the group may have given it to another worker meanwhile: asking for it again",
+            tp.topic,
+            tp.partition,
+        )
+        await _ask_again(lane, tp)
+
+
+async def _still_a_member(lane: BatchLane) -> bool:
+    """Whether the group's coordinator answers this worker's heartbeat as a member of the
+    current generation, with no rebalance under way (aiokafka has no public call for it)."""
+    coordinator = lane.worker.consumer._coordinator
+    try:
+        async with asyncio.timeout(_PRODUCER_STOP_S):
+            answered = bool(await coordinator._do_heartbeat())
+    except (TimeoutError, KafkaError):
+        return False
+    return answered and not coordinator._rejoin_needed_fut.done()
 
 
 async def settle_cut_off(lane: BatchLane, tp: TopicPartition) -> None:
@@ -68,10 +91,16 @@ async def lose(lane: BatchLane, tp: TopicPartition) -> None:
         tp.topic,
         tp.partition,
     )
-    lane.fenced.add(tp)
-    lane.started.discard(tp)
     lane.fences += 1
     metrics.BATCH_FENCES.labels(lane.worker.pool).inc()
+    await _ask_again(lane, tp)
+
+
+async def _ask_again(lane: BatchLane, tp: TopicPartition) -> None:
+    """Nothing more of ``tp`` is committed or read here until the group assigns it again."""
+    lane.fenced.add(tp)
+    lane.started.discard(tp)
+    lane.cut_off.discard(tp)
     if not lane.worker.stopping:
         # Before anything below can fail or wait. aiokafka has no public call for it: the
         # next round of its coordinator rejoins, through the revoke and assignment
