@@ -31,7 +31,7 @@ from laneway.settings import CommonSettings
 from ops.kafka_topics import create_topics
 from quota import QuotaEnforcer, QuotaPolicy, Team
 from tests.stack import PARTITIONS, LiveStack, envelope, eventually, free_port
-from workers import batch_lane, batch_txn
+from workers import batch_lane, batch_txn, batch_txn_failures
 from workers.batch import BatchIntake, batch_result
 from workers.batch_lane import BatchLane
 from workers.batch_yield import yield_to_interactive
@@ -402,27 +402,32 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
         await assign(partitions)
 
     monkeypatch.setattr(lane, "assigned", noted_assign)
-    coordinator = worker.consumer._coordinator
-    heartbeat = coordinator._do_heartbeat
-    refused: list[bool] = []
+    opened = lane.txns.open
+    # After the stuck transaction: each producer start, and how many assignments came first.
+    opens: list[int] = []
 
-    async def heartbeat_once_refused() -> bool:
-        if not member and not refused:
-            refused.append(True)
-            coordinator.reset_generation()  # as aiokafka takes UNKNOWN_MEMBER_ID
+    async def noted_open(partitions: Any) -> None:
+        if stuck and stuck[0][0] in partitions:
+            opens.append(len(assignments))
+        await opened(partitions)
+
+    monkeypatch.setattr(lane.txns, "open", noted_open)
+    if not member:
+        # The coordinator does not answer its heartbeat as a member's (cut off that long,
+        # expelled). raising=False: code without the check runs as it did.
+        async def expelled(_lane: BatchLane) -> bool:
             return False
-        return bool(await heartbeat())
 
-    monkeypatch.setattr(coordinator, "_do_heartbeat", heartbeat_once_refused)
+        monkeypatch.setattr(batch_txn_failures, "_still_a_member", expelled, raising=False)
     commit = lane.txns.commit
-    stuck: list[int] = []
+    stuck: list[tuple[TopicPartition, int]] = []
 
     async def commit_then_hang(
         tp: TopicPartition, records: list[Any], offset: int, metadata: str = ""
     ) -> None:
         await commit(tp, records, offset, metadata)
         if records and not stuck:
-            stuck.append(offset)
+            stuck.append((tp, offset))
             await asyncio.Event().wait()  # its end is never reported
 
     monkeypatch.setattr(lane.txns, "commit", commit_then_hang)
@@ -431,12 +436,19 @@ async def test_a_transaction_whose_end_never_comes_is_replaced_and_nothing_writt
         job = await client.submit([_line(i) for i in range(60)], team="docs")
         status = await _status_when(client, job, 60, 90)
         results = await client.results(job)
-    assert stuck, "no transaction was cut off"
+        assert stuck, "no transaction was cut off"
+        # Lines after it, on both partitions: the stuck one's need a producer again.
+        later = await client.submit([_line(i) for i in range(60, 80)], team="docs")
+        later_status = await _status_when(client, later, 20, 90)
     assert (status.done, status.duplicates) == (60, 0)
     assert sorted(r.line_id for r in results) == sorted(f"doc-{i}" for i in range(60))
-    # A member goes on where it was; one that may have been replaced waits to be assigned.
-    assert bool(assignments) == (not member), assignments
-    assert refused == ([] if member else [True])
+    assert (later_status.done, later_status.duplicates) == (20, 0)
+    assert opens, "no producer started again: the partition stalled"
+    if member:  # it goes on where it was, its producer replaced at once
+        assert (assignments, opens[0]) == ([], 0)
+    else:  # it starts none before the group assigns it the partition again
+        assert assignments
+        assert 0 not in opens, opens
 
 
 async def test_a_submit_cut_short_leaves_nothing_and_sent_again_runs_once(
