@@ -307,25 +307,9 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
     """Rejected requests (the engine refused what they asked) count for their team only;
     engine errors count for the route too, once they are not one team's alone."""
     redis = aioredis.Redis.from_url(services.redis_url)
-    sent: list[dict[str, Any]] = []
-
-    async def send(topic: str, key: bytes, value: bytes) -> None:
-        sent.append(orjson.loads(value))
-
     settings = StreamsSettings(breaker_min_requests=20, breaker_window_s=60.0)
     now = time.time()
-    processor = UsageProcessor(
-        settings,
-        rollups=_Table(),
-        outcomes=_Table(),
-        announcer=Announcer(
-            redis, RedisKeys(prefix), "control", send, OnCallWebhook(""), cooldown_s=30.0
-        ),
-        redis=redis,
-        keys=RedisKeys(prefix),
-        send=send,
-        clock=lambda: now,
-    )
+    processor, sent = _announcing(redis, RedisKeys(prefix), lambda: now, settings)
     try:
         offsets = iter(range(10_000))
 
@@ -352,23 +336,27 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
 
 
 def _announcing(
-    redis: aioredis.Redis, keys: RedisKeys, now: float
+    redis: aioredis.Redis,
+    keys: RedisKeys,
+    clock: Callable[[], float],
+    settings: StreamsSettings | None = None,
 ) -> tuple[UsageProcessor, list[dict[str, Any]]]:
-    """A processor that writes quota factors to ``redis`` at ``now``, and what it sent."""
+    """A processor that writes quota factors and breaker levels to ``redis`` on ``clock``,
+    and the control records it sent."""
     sent: list[dict[str, Any]] = []
 
     async def send(topic: str, key: bytes, value: bytes) -> None:
         sent.append(orjson.loads(value))
 
     processor = UsageProcessor(
-        StreamsSettings(),
+        settings or StreamsSettings(),
         rollups=_Table(),
         outcomes=_Table(),
         announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
         redis=redis,
         keys=keys,
         send=send,
-        clock=lambda: now,
+        clock=clock,
     )
     return processor, sent
 
@@ -390,7 +378,7 @@ async def test_a_capped_factor_is_announced_again_when_its_sigma_moves(
     keys = RedisKeys(prefix)
     now = time.time()
     current = int(now) // 3600
-    processor, sent = _announcing(redis, keys, now)
+    processor, sent = _announcing(redis, keys, lambda: now)
     try:
         # Budget 1 × 50 × 2.0 × 1000 = 100k tokens an hour; a busy hour is 3.0 of it.
         await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
@@ -419,7 +407,7 @@ async def test_a_factor_redis_lost_is_written_again_on_the_next_tick(
     keys = RedisKeys(prefix)
     now = time.time()
     current = int(now) // 3600
-    processor, sent = _announcing(redis, keys, now)
+    processor, sent = _announcing(redis, keys, lambda: now)
     try:
         await set_team(redis, keys, Team("bursty", size=1, complexity=2.0))
         _fold_busy_hours(processor, current, 0, 6, 12, 18)
@@ -446,20 +434,7 @@ async def test_raised_levels_are_rewritten_when_the_clock_steps_back_to_redis(
     redis_now = time.time()
     now = [redis_now + 3600.0]  # this machine's clock, before the first sync
     settings = StreamsSettings(breaker_min_requests=20, breaker_window_s=60.0)
-
-    async def send(topic: str, key: bytes, value: bytes) -> None:
-        pass
-
-    processor = UsageProcessor(
-        settings,
-        rollups=_Table(),
-        outcomes=_Table(),
-        announcer=Announcer(redis, keys, "control", send, OnCallWebhook(""), cooldown_s=30.0),
-        redis=redis,
-        keys=keys,
-        send=send,
-        clock=lambda: now[0],
-    )
+    processor, _ = _announcing(redis, keys, lambda: now[0], settings)
     try:
         await processor.evaluate_breakers()  # a first tick, before the sync
         now[0] = redis_now  # synced: an hour back
@@ -493,7 +468,7 @@ async def test_batch_usage_leaves_the_interactive_quota_factor_alone(
     keys = RedisKeys(prefix)
     now = time.time()
     current = int(now) // 3600
-    processor, sent = _announcing(redis, keys, now)
+    processor, sent = _announcing(redis, keys, lambda: now)
     try:
         await set_team(redis, keys, Team("steady", size=1))  # 50k tokens an hour
         offsets = iter(range(100))
