@@ -136,16 +136,15 @@ class Announcer:
             stats.mean,
         )
 
-    async def restore_factors(self, factors: dict[str, float]) -> list[str]:
+    async def restore_factors(self, factors: dict[str, float]) -> None:
         """Write again the factors Redis no longer holds as announced (a failover to a replica
         the write had not reached, an AOF that lost its last second, a hand's DEL): the
         ingress would read a missing factor as 1 and hold a bursty team to its plain budget
-        until the factor next moved. Returns the teams whose factor was written again."""
+        until the factor next moved."""
         teams = sorted(factors)
         if not teams:
-            return []
+            return
         stored = await self.redis.mget([self.keys.quota_factor(team) for team in teams])
-        restored = []
         for team, raw in zip(teams, stored, strict=True):
             text = _factor_text(factors[team])
             found = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
@@ -157,8 +156,6 @@ class Announcer:
                     "missing" if found is None else repr(found),
                     text,
                 )
-                restored.append(team)
-        return restored
 
 
 def _factor_text(factor: float) -> str:
