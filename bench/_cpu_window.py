@@ -23,6 +23,10 @@ class Window:
     cpu_s: dict[str, float] = field(default_factory=dict)  # by process, idle subtracted
 
 
+# After the load, before the window closes (see measure_window).
+SETTLE_S = 3.0
+
+
 def _cpu(pids: dict[str, int]) -> dict[str, float]:
     cpu: dict[str, float] = {}
     for role, pid in pids.items():
@@ -44,7 +48,11 @@ def measure_window(
     args: argparse.Namespace,
     stream: bool,
 ) -> Window:
-    """Idle for ``seconds``, then loaded for as long: the load's CPU less the idle's."""
+    """Idle for ``seconds``, then loaded for as long: the load's CPU less the idle's.
+
+    The window closes ``SETTLE_S`` after the last answer, so work a request causes after its
+    answer (laneway's usage events, which the worker sends and the streams app folds; a
+    peer's logging) counts for that window and not as the next window's idle."""
     before = _cpu(pids)
     time.sleep(args.seconds)
     idle = {r: v - before[r] for r, v in _cpu(pids).items()}
@@ -52,9 +60,11 @@ def measure_window(
     started = time.monotonic()
     sent, ok, failed = uvloop.run(drive(port, headers, model, args.rate, args.seconds, stream))
     seconds = time.monotonic() - started
+    time.sleep(SETTLE_S)
     after = _cpu(pids)
-    # The idle window ran for args.seconds; the load ran a little longer (its tail).
-    scale = seconds / args.seconds
+    # The idle window ran for args.seconds; the load ran a little longer (its tail), and the
+    # window closed SETTLE_S after that.
+    scale = (time.monotonic() - started) / args.seconds
     window = Window(who, stream, sent=sent, ok=ok, seconds=seconds)
     window.cpu_s = {r: after[r] - before[r] - idle[r] * scale for r in pids}
     print(

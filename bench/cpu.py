@@ -160,7 +160,10 @@ def main() -> None:
         ours = dict(stack.pids)
         auth = {"Authorization": f"Bearer {key}"}
         peer_auth = {"Authorization": f"Bearer {LITELLM_KEY}"}
+        # Both sides warm up alike before the first window (imports, caches, connections).
         uvloop.run(drive(stack.ingress_port, auth, "laneway-code", args.rate, 10, False))
+        if peer is not None:
+            uvloop.run(drive(LITELLM_PORT, peer_auth, "up", args.rate, 10, False))
         running = engines[0]
         for round_ in range(args.rounds):
             # ABBA: each engine as often first as second, against drift over the run.

@@ -3,7 +3,9 @@
 Part 1 times the Lua scripts against a real Redis: reserve and settle, one at a time and 32
 at once. Part 2 runs 4 ingress processes against one team budget (no workers, so every
 admission stays reserved) and fires requests at all of them at once: the admitted tokens
-minus the budget is the drift (the design bound: one reservation).
+minus the budget is the drift (the design bound: one reservation). Admitted means answered
+504 (reserved, then no worker answered in time); 429 is refused; any other answer is counted
+apart, as neither, and its first body printed.
 
     .venv/bin/python -m bench.quota [--decisions 3000] [--requests 600]
 """
@@ -63,7 +65,8 @@ async def _decision_costs(url: str, decisions: int) -> None:
 
 async def _drift_round(
     stack: BenchStack, ports: list[int], requests: int, budget: int
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
+    """Admitted (504), refused (429) and other answers of one round."""
     redis = aioredis.Redis.from_url(stack.redis_url)
     team = f"drift-{uuid.uuid4().hex[:6]}"
     complexity = budget / 50_000  # size 1 × 50 units × 1,000 tokens × complexity
@@ -85,8 +88,11 @@ async def _drift_round(
         if status not in (429, 504):
             print(f"#   {status}: {data[:300]!r}")
             break
-    admitted = sum(1 for status, _, _ in results if status != 429)
-    return admitted, sum(1 for status, _, _ in results if status == 429)
+    return (
+        codes.get(504, 0),
+        codes.get(429, 0),
+        sum(n for status, n in codes.items() if status not in (429, 504)),
+    )
 
 
 def main() -> None:
@@ -101,7 +107,7 @@ def main() -> None:
     print(f"# quota admission — {machine()}")
 
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
-    redis = RedisServer(port=36479, data_dir=data)
+    redis = RedisServer(port=31479, data_dir=data)  # beside bench._stack's ports
     with sigterm_unwinds():
         redis.start()
         try:
@@ -127,13 +133,15 @@ def main() -> None:
             f"# 4 ingress processes, {args.requests} requests at once, budget {args.budget} tokens, {RESERVATION} reserved each"
         )
         print(
-            f"{'round':>6} {'admitted':>9} {'429':>6} {'admitted tokens':>16} {'drift tokens':>13} {'drift reservations':>19}"
+            f"{'round':>6} {'admitted':>9} {'429':>6} {'admitted tokens':>16} {'drift tokens':>13} {'drift reservations':>19} {'other':>6}"
         )
         for n in range(1, args.rounds + 1):
-            admitted, refused = asyncio.run(_drift_round(stack, ports, args.requests, args.budget))
+            admitted, refused, other = asyncio.run(
+                _drift_round(stack, ports, args.requests, args.budget)
+            )
             drift = admitted * RESERVATION - args.budget
             print(
-                f"{n:>6} {admitted:>9} {refused:>6} {admitted * RESERVATION:>16} {drift:>13} {drift / RESERVATION:>19.2f}"
+                f"{n:>6} {admitted:>9} {refused:>6} {admitted * RESERVATION:>16} {drift:>13} {drift / RESERVATION:>19.2f} {other:>6}"
             )
 
 

@@ -135,9 +135,9 @@ def main() -> None:
     )
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--bursts", type=int, default=3)
-    parser.add_argument("--kafka-port", type=int, default=39192)
-    parser.add_argument("--redis-port", type=int, default=36479)
-    parser.add_argument("--ingress-port", type=int, default=38100)
+    parser.add_argument("--kafka-port", type=int, default=31292)
+    parser.add_argument("--redis-port", type=int, default=31579)
+    parser.add_argument("--ingress-port", type=int, default=31900)
     args = parser.parse_args()
     stack = BenchStack(
         kafka_port=args.kafka_port,

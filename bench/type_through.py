@@ -218,9 +218,8 @@ def report(verdicts: dict[str, Verdict]) -> None:
             f"{v.upstream_requests / max(1, v.keystrokes):.2f} | {v.slot_s / max(1, v.kept):.2f} | "
             f"{v.kept} | {kept_ttft} | {v.reused} | {reused_ttft} | {v.errors} |"
         )
-    on, off = verdicts["reuse"], verdicts["no-reuse"]
-    per_on, per_off = on.slot_s / max(1, on.kept), off.slot_s / max(1, off.kept)
-    saved = 1 - per_on / per_off if per_off else 0.0
+    on = verdicts["reuse"]
+    saved = _saved(verdicts)
     print()
     print(
         f"upstream slot-seconds per kept completion, reuse vs not: {saved * 100:.0f} % fewer "
@@ -298,9 +297,20 @@ def _run(
     usage = uvloop.run(usage_events(stack))
     log = upstream.entries()
     verdicts = {path: Verdict() for path in PATHS}
-    for window in done:
+    rounds = [{path: Verdict() for path in PATHS} for _ in range(args.rounds)]
+    for i, window in enumerate(done):
         judge(window, log, usage, verdicts[window.path])
+        judge(window, log, usage, rounds[i // len(PATHS)][window.path])
+    per_round = ", ".join(f"{100 * _saved(r):.0f} %" for r in rounds)
+    print(f"# slot-seconds per kept completion saved by reuse, per round: {per_round}")
     return verdicts
+
+
+def _saved(verdicts: dict[str, Verdict]) -> float:
+    """The share of upstream slot-seconds per kept completion that reuse saved."""
+    on, off = verdicts["reuse"], verdicts["no-reuse"]
+    per_on, per_off = on.slot_s / max(1, on.kept), off.slot_s / max(1, off.kept)
+    return 1 - per_on / per_off if per_off else 0.0
 
 
 if __name__ == "__main__":

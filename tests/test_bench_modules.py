@@ -1,12 +1,14 @@
 """bench/ as a whole: every bench module imports (a helper moved between modules breaks no
-bench), the parsers of what a bench reads (/proc, Server-Timing) read it right, and a bench
-stopped with SIGTERM still stops the services it started."""
+bench), `make bench` runs every bench docs/benchmarks.md reports, the parsers of what a bench
+reads (/proc, Server-Timing) read it right, and a bench stopped with SIGTERM still stops the
+services it started."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import pkgutil
+import re
 import signal
 import subprocess
 import sys
@@ -20,10 +22,26 @@ from bench._proc import stat_cpu_seconds, tree_cpu_seconds
 from ops.drills.http_pool import server_timing
 
 MODULES = sorted(info.name for info in pkgutil.iter_modules(bench.__path__))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_there_are_benches_to_import() -> None:
     assert {"cancel_storm", "overhead", "_stats"} <= set(MODULES)
+
+
+def _make_target(name: str) -> str:
+    """A Makefile target's recipe: the lines after ``name:`` up to the first blank one."""
+    text = (ROOT / "Makefile").read_text()
+    return text.split(f"\n{name}:", 1)[1].split("\n\n", 1)[0]
+
+
+def test_make_bench_runs_every_bench_the_benchmarks_page_reports() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    reported = set(re.findall(r"\*\*Command:\*\*\s+`\.venv/bin/python\s+-m\s+bench\.(\w+)", page))
+    run = set(re.findall(r"-m bench\.(\w+)", _make_target("bench")))
+    assert len(reported) >= 10, "the page's **Command:** lines are no longer found"
+    assert reported - run == set(), "make bench leaves out benches docs/benchmarks.md reports"
+    assert run <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)
