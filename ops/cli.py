@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
@@ -25,7 +26,7 @@ from ops.principals_cli import add_principal_commands
 from ops.settings import StackSettings
 from ops.shadow_cli import add_shadow_commands
 from ops.with_redis import with_redis
-from quota.teams import Team, set_team
+from quota.teams import Team, get_team, set_team
 from streams.report import add_report_commands
 from streams.usage_tail import add_usage_commands
 
@@ -77,26 +78,51 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return with_redis(revoke)
 
 
-def cmd_teams_set(args: argparse.Namespace) -> int:
-    team = Team(
-        args.team,
-        size=args.size,
-        complexity=args.complexity,
-        tier=args.tier,
-        supersede_grace_tokens=args.supersede_grace_tokens,
-        type_through=args.type_through,
+# The options of ``teams set``, each a field of ``quota.Team`` of the same name.
+_TEAM_FIELDS = ("size", "complexity", "tier", "supersede_grace_tokens", "type_through")
+
+
+def _describe(team: Team) -> str:
+    return (
+        f"team {team.name}: size {team.size}, complexity {team.complexity}, "
+        f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens, "
+        f"type-through {'on' if team.type_through else 'off'}"
     )
 
+
+def cmd_teams_set(args: argparse.Namespace) -> int:
+    """Change the fields given; a field left out keeps its stored value (a new team needs
+    ``--size``, and takes the defaults for the rest)."""
+    given = {name: getattr(args, name) for name in _TEAM_FIELDS if getattr(args, name) is not None}
+
     async def store(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        if await redis.sismember(settings.keys.teams(), args.team):
+            team = replace(await get_team(redis, settings.keys, args.team), **given)
+        elif "size" not in given:
+            raise BadRequest(
+                f"team {args.team!r} does not exist yet: give its --size to create it",
+                param="size",
+            )
+        else:
+            team = Team(args.team, **given)
         await set_team(redis, settings.keys, team)
-        print(
-            f"team {team.name}: size {team.size}, complexity {team.complexity}, "
-            f"tier {team.tier}, supersede grace {team.supersede_grace_tokens} tokens, "
-            f"type-through {'on' if team.type_through else 'off'}"
-        )
+        print(_describe(team))
         return 0
 
     return with_redis(store)
+
+
+def cmd_teams_show(args: argparse.Namespace) -> int:
+    async def show(settings: CommonSettings, redis: aioredis.Redis) -> int:
+        if not await redis.sismember(settings.keys.teams(), args.team):
+            raise BadRequest(
+                f"no team {args.team!r} (create it with: laneway teams set {args.team} --size N)",
+                param="team",
+            )
+        print(_describe(await get_team(redis, settings.keys, args.team)))
+        return 0
+
+    return with_redis(show)
 
 
 def cmd_topics_create(args: argparse.Namespace) -> int:
@@ -147,27 +173,30 @@ def _parser() -> argparse.ArgumentParser:
         dest="teams_command", required=True
     )
     tset = teams.add_parser(
-        "set", help="set a team's size, complexity factor, tier and supersession policy"
+        "set",
+        help="create a team, or change the fields given of its size, complexity factor, tier "
+        "and supersession and type-through policies (the others keep their values)",
     )
     tset.add_argument("team")
-    tset.add_argument("--size", type=int, required=True)
-    tset.add_argument("--complexity", type=finite_float, default=1.0)
-    tset.add_argument("--tier", choices=["hi", "lo"], default="hi")
+    tset.add_argument("--size", type=int, help="required for a new team")
+    tset.add_argument("--complexity", type=finite_float, help="new team: 1.0")
+    tset.add_argument("--tier", choices=["hi", "lo"], help="new team: hi")
     tset.add_argument(
         "--supersede-grace-tokens",
         type=int,
-        default=0,
         metavar="N",
         help="a superseded completion that already streamed N tokens may finish "
-        "(default 0: dropped at once)",
+        "(new team: 0, dropped at once)",
     )
     tset.add_argument(
         "--type-through",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="serve a keystroke that types a running or recent suggestion from it (default: on)",
+        help="serve a keystroke that types a running or recent suggestion from it (new team: on)",
     )
     tset.set_defaults(func=cmd_teams_set)
+    tshow = teams.add_parser("show", help="a team's record")
+    tshow.add_argument("team")
+    tshow.set_defaults(func=cmd_teams_show)
 
     add_batch_commands(sub)
 

@@ -463,6 +463,20 @@ class LiveStack:
         environ.update(extra)  # a test may set any of the above its own way
         return environ
 
+    async def cli(self, *argv: str, **extra: str) -> tuple[int, str]:
+        """``laneway <argv>`` run on this stack: its exit code and its output (both streams)."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "ops.cli",
+            *argv,
+            env=self.process_env(**extra),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await proc.communicate()
+        return proc.returncode or 0, out.decode()
+
     def spawn(self, module: str, **extra: str) -> subprocess.Popen[bytes]:
         """``python -m module`` (ingress, workers, streams) as a real process of this stack."""
         return subprocess.Popen(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from urllib.parse import urlsplit
@@ -54,23 +53,6 @@ async def _status(ingress: Ingress, key: str) -> int:
 
 async def _refused_everywhere(ingresses: list[Ingress], key: str) -> bool:
     return all([await _status(i, key) == 401 for i in ingresses])
-
-
-async def _cli(stack: LiveStack, *argv: str, redis_url: str | None = None) -> tuple[int, str]:
-    env = stack.process_env()
-    if redis_url is not None:
-        env["LANEWAY_REDIS_URL"] = redis_url
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "ops.cli",
-        *argv,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    return proc.returncode or 0, out.decode()
 
 
 async def test_a_revoked_key_is_refused_by_two_replicas_within_5_s(stack: LiveStack) -> None:
@@ -142,23 +124,23 @@ async def test_keys_list_and_revoke_by_id_from_the_cli(stack: LiveStack) -> None
     mine = [await stack.api_key("team-a"), await stack.api_key("team-a")]
     theirs = await stack.api_key("team-b")
 
-    code, out = await _cli(stack, "keys", "list", "--team", "team-a")
+    code, out = await stack.cli("keys", "list", "--team", "team-a")
     assert code == 0, out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("key-")]
     assert sorted(listed) == sorted(key_id(hash_key(k)) for k in mine)
     assert "lw-" not in out  # ids only: a list never shows a key
     assert all(line.split()[1] == "team-a" for line in out.splitlines() if line)
 
-    code, out = await _cli(stack, "keys", "revoke", key_id(hash_key(mine[0])))
+    code, out = await stack.cli("keys", "revoke", key_id(hash_key(mine[0])))
     assert code == 0, out
     assert f"revoked API key {key_id(hash_key(mine[0]))} of team 'team-a'" in out
     await until(lambda: _refused_everywhere([ingress], mine[0]), REVOCATION_BOUND_S, "refused")
     assert [await _status(ingress, k) for k in (mine[1], theirs)] == [200, 200]
 
-    code, out = await _cli(stack, "keys", "revoke", "key-0000000000000000")
+    code, out = await stack.cli("keys", "revoke", "key-0000000000000000")
     assert code == 2
     assert "no API key" in out
-    code, out = await _cli(stack, "keys", "revoke", "not-a-key")
+    code, out = await stack.cli("keys", "revoke", "not-a-key")
     assert code == 2
     assert "neither an API key" in out
 
@@ -226,7 +208,7 @@ async def test_no_key_is_stored_in_plain_text_the_probe_key_included(stack: Live
     made.append(
         (await stack.http(ingress, ADMIN).post("/admin/keys", json={"team": "t"})).json()["key"]
     )
-    code, out = await _cli(stack, "keys", "create", "--team", "team-d")
+    code, out = await stack.cli("keys", "create", "--team", "team-d")
     assert code == 0, out
     made.append(out.splitlines()[-1])
 

@@ -1,13 +1,15 @@
 """A team's record changed by an admin (``quota.set_team``: ``laneway teams set``, the admin
 API) is used at once by the ingress, not when its cached copy expires; while Redis does not
-answer, the copy it had still serves."""
+answer, the copy it had still serves. ``laneway teams set`` changes only what it is given."""
 
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
 from laneway.cache import TtlCache
+from laneway.constants import RedisKeys
 from quota import Team, set_team
+from quota.teams import get_team
 from tests.stack import LiveStack, eventually
 from tests.tcp_proxy import TcpProxy
 
@@ -84,3 +86,31 @@ def test_a_record_expired_by_its_change_stays_the_fallback() -> None:
     assert teams.get("payments") == "new"
     teams.expire(None)
     assert (teams.get("payments"), teams.get("payments", stale_ok=True)) == (None, "new")
+
+
+async def test_teams_set_changes_only_the_fields_it_is_given(stack: LiveStack) -> None:
+    # An operator turning type-through off must not also reset the team's budget and tier.
+    code, out = await stack.cli(
+        "teams", "set", "payments", "--size", "12", "--complexity", "1.2", "--tier", "lo"
+    )
+    assert code == 0, out
+    code, out = await stack.cli("teams", "set", "payments", "--no-type-through")
+    assert code == 0, out
+    keys = RedisKeys(stack.prefix)
+    assert await get_team(stack.redis, keys, "payments") == Team(
+        "payments", size=12, complexity=1.2, tier="lo", type_through=False
+    )
+    code, out = await stack.cli("teams", "show", "payments")
+    assert (code, out.strip()) == (
+        0,
+        "team payments: size 12, complexity 1.2, tier lo, supersede grace 0 tokens, "
+        "type-through off",
+    )
+    # A new team has no stored size to keep: it must be given, and nothing is stored without.
+    code, out = await stack.cli("teams", "set", "newcomers", "--tier", "lo")
+    assert code == 2, out
+    assert "'newcomers' does not exist yet: give its --size" in out
+    assert not await stack.redis.sismember(keys.teams(), "newcomers")
+    code, out = await stack.cli("teams", "show", "newcomers")
+    assert code == 2, out
+    assert "no team 'newcomers'" in out
