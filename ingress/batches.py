@@ -141,7 +141,7 @@ class BatchBook:
                 param="batch_id",
             )
         # Workers answer the lines they have not started yet with a "cancelled" result.
-        await self.redis.set(self.keys.batch_cancelled(batch_id), b"1", ex=FILE_RETENTION_S)
+        await self.redis.set(self.keys.batch_cancelled(team, batch_id), b"1", ex=FILE_RETENTION_S)
         now = int(time.time())
 
         def cancelling(current: BatchRecord) -> BatchRecord | None:

@@ -40,7 +40,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from ingress import metrics
-from laneway.constants import RedisKeys, Topics
+from laneway.constants import SESSION_RESTART_S, RedisKeys, Topics
 from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope, cancel_key
 
@@ -122,9 +122,16 @@ class CancelOutbox:
         if lane is None or env.seq is None:
             return
         known = self._newest.get(lane)
-        if known is not None and known[0] >= env.seq:
+        now = time.monotonic()
+        # A lower seq long after the newest: the session's count started again (as the
+        # workers' shield reads it), so it is the newest now.
+        if (
+            known is not None
+            and known[0] >= env.seq
+            and (known[0] == env.seq or now - known[1] < SESSION_RESTART_S)
+        ):
             return
-        self._newest[lane] = (env.seq, time.monotonic())
+        self._newest[lane] = (env.seq, now)
         self._newest.move_to_end(lane)
         while len(self._newest) > _NEWEST_MAX:
             self._newest.popitem(last=False)

@@ -46,6 +46,11 @@ SCALING_DECISION_TTL_S: Final = 3 * HEARTBEAT_TTL_S
 REPLY_STREAM_TTL_S: Final = 300
 # Replies are read within milliseconds; the cap only bounds memory if an ingress dies.
 REPLY_STREAM_MAXLEN: Final = 20_000
+# A keystroke whose seq is below its session's newest, accepted this long after that newest
+# one, starts the session's count again (an editor restarted, a document reopened) instead of
+# being superseded by the old count. An older keystroke racing a newer one (two connections,
+# two replicas) is accepted within milliseconds of it, not seconds.
+SESSION_RESTART_S: Final = 2.0
 # Key records change rarely (create/revoke). A replica re-reads a key it knows this often, so
 # a revoked key is refused within 5 s even when the revocation topic does not reach it (the
 # topic brings it in milliseconds, and is what refuses it while Redis is away).
@@ -262,9 +267,10 @@ class RedisKeys:
         """A team's batch ids scored by creation time (``GET /v1/batches``)."""
         return f"{self.prefix}:batches:{team}"
 
-    def batch_cancelled(self, job_id: str) -> str:
-        """Set while a batch job is cancelled: workers answer its remaining lines at once."""
-        return f"{self.prefix}:batch:cancelled:{job_id}"
+    def batch_cancelled(self, team: str, job_id: str) -> str:
+        """Set while a team's batch job is cancelled: workers answer its remaining lines at
+        once. Per team: another team's job of the same id (on its own topic) runs on."""
+        return f"{self.prefix}:batch:cancelled:{job_id}:{team}"
 
     def cancel_rate(self, team: str) -> str:
         """``DELETE /v1/requests/{id}`` calls of a team in the current second (a counter)."""

@@ -20,7 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from ingress import batch_progress, batch_submission, files
 from ingress.batch_records import BatchRecord, started
 from ingress.settings import IngressSettings
+from laneway.batch import BatchClient
 from laneway.schema import BatchJob, BatchRequest, BatchResult
+from laneway.settings import CommonSettings
 from tests.stack import Ingress, LiveStack, eventually, status_before_the_body_ends
 from workers import metrics
 
@@ -321,6 +323,17 @@ async def test_cancel_answers_the_lines_not_started(stack: LiveStack) -> None:
         ):
             with pytest.raises(openai.NotFoundError):
                 await attempt
+    # The cancel is the team's: another team's job of the same id (a pipeline writing
+    # straight to Kafka may name its jobs) still runs every line.
+    lines = [_line(i, max_tokens=2).decode() for i in range(3)]
+    async with BatchClient(CommonSettings(**stack.common)) as service:
+        await service.submit(lines, team="rivals", job_id=batch.id)
+    events = await stack.read_topic(
+        stack.topics.usage,
+        count=3,
+        where=lambda e: e["job_id"] == batch.id and e["team"] == "rivals",
+    )
+    assert [e["status"] for e in events] == ["ok"] * 3
 
 
 async def test_bad_files_and_batch_requests_are_400s_naming_the_problem(

@@ -15,7 +15,7 @@ from aiokafka.errors import KafkaTimeoutError
 from prometheus_client import REGISTRY
 
 from ingress.cancels import CancelOutbox
-from laneway.constants import RedisKeys
+from laneway.constants import SESSION_RESTART_S, RedisKeys
 from laneway.errors import Cancelled, Superseded
 from laneway.schema import CancelRecord, RequestEnvelope
 from tests.stack import (
@@ -491,6 +491,30 @@ async def test_a_superseded_keystrokes_kafka_record_is_left_out_only_when_redis_
     )
 
 
+async def test_a_gone_keystroke_of_a_count_started_again_keeps_its_kafka_record(
+    stack: LiveStack,
+) -> None:
+    """A lower seq after a pause is the session's newest (the workers read it so), not an
+    old keystroke that seq 500 stands in for: its tombstone must reach the topic."""
+    outbox = CancelOutbox(
+        await stack.producer(), stack.redis, stack.topics, RedisKeys(stack.prefix), hold_s=0.2
+    )
+    outbox.start()
+    try:
+        outbox.accepted(_envelope(stack, session="doc-7", seq=500, affinity="s:doc-7"))
+        await asyncio.sleep(SESSION_RESTART_S + 0.1)
+        restarted = _envelope(stack, session="doc-7", seq=1, affinity="s:doc-7")
+        outbox.accepted(restarted)
+        outbox.add(restarted)
+        await eventually(lambda: outbox.held == 0, 10, "the hold to end")
+    finally:
+        await outbox.stop()
+    (record,) = await stack.read_topic(
+        stack.topics.cancel, count=1, where=lambda r: r["id"] == restarted.id
+    )
+    assert record["team"] == restarted.team
+
+
 async def test_tombstones_still_held_go_out_when_the_ingress_stops(stack: LiveStack) -> None:
     outbox = CancelOutbox(
         await stack.producer(), stack.redis, stack.topics, RedisKeys(stack.prefix), hold_s=60
@@ -609,3 +633,26 @@ async def test_a_request_whose_store_timed_out_is_tombstoned_and_never_runs(
     assert stored["id"] == rid  # stored all the same
     await stack.start_worker("completion")
     assert (await stack.usage_of(rid))[rid]["status"] == "cancelled"
+
+
+async def test_a_session_whose_count_starts_again_is_served_after_a_pause(
+    stack: LiveStack,
+) -> None:
+    """An editor restarted (or a document reopened) counts its keystrokes from 0 again. A
+    lower seq right behind a newer one is an old keystroke racing it, and is dropped; one
+    that comes SESSION_RESTART_S after the session's newest starts the count again, instead
+    of being superseded until the count passes the old one."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("team-r", size=100))
+    body = {"model": "laneway-code", "prompt": "def restart(", "max_tokens": 4}
+
+    async def keystroke(seq: int) -> int:
+        answer = await http.post("/v1/completions", json=body, headers=_keystroke("app.py", seq))
+        return answer.status_code
+
+    assert await keystroke(500) == 200
+    assert await keystroke(3) == 409  # within a moment of seq 500: the older keystroke
+    await asyncio.sleep(SESSION_RESTART_S + 0.2)
+    assert [await keystroke(seq) for seq in (0, 1, 2)] == [200, 200, 200]
+    assert await keystroke(1) == 409  # the new count supersedes as the old one did

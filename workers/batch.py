@@ -93,13 +93,14 @@ class BatchIntake:
             team = found
         return team
 
-    async def job_cancelled(self, job_id: str) -> bool:
+    async def job_cancelled(self, team: str, job_id: str) -> bool:
         """Whether the job was cancelled (``POST /v1/batches/{id}/cancel``); read at most
         every ``_CANCEL_CHECK_S`` per job, so a job costs Redis one read a second."""
-        cancelled = self._cancelled.get(job_id)
+        key = self.keys.batch_cancelled(team, job_id)
+        cancelled = self._cancelled.get(key)
         if cancelled is None:
-            cancelled = bool(await self.redis.exists(self.keys.batch_cancelled(job_id)))
-            self._cancelled.put(job_id, cancelled)
+            cancelled = bool(await self.redis.exists(key))
+            self._cancelled.put(key, cancelled)
         return cancelled
 
     async def envelope(
@@ -113,7 +114,7 @@ class BatchIntake:
         if line.body is None:
             raise BadRequest("batch line has no body", param="body")
         team = await self.team_of(line)
-        if await self.job_cancelled(line.job_id):
+        if await self.job_cancelled(team, line.job_id):
             raise Cancelled(f"batch {line.job_id} was cancelled before this line ran")
         body: CompletionRequest | ChatRequest
         if line.url == "/v1/completions":

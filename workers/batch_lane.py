@@ -330,7 +330,8 @@ class BatchLane:
     async def after_beat(self) -> None:
         await yield_to_interactive(self)
         # Lines of a job cancelled after they were fetched: dropped when they would start.
-        for work in {w.env.job_id: w for w in self.worker.queue if w.env.job_id}.values():
+        jobs = {(w.env.team, w.env.job_id): w for w in self.worker.queue if w.env.job_id}
+        for work in jobs.values():
             await job_cancelled(self, work.env)
         if self.budget is not None:
             await self.budget.release_cancelled()

@@ -66,7 +66,7 @@ async def job_cancelled(lane: BatchLane, env: RequestEnvelope) -> bool:
     if env.job_id is None:
         return False
     try:
-        cancelled = await lane.lines.job_cancelled(env.job_id)
+        cancelled = await lane.lines.job_cancelled(env.team, env.job_id)
     except (RedisError, OSError):
         return False
     if cancelled:

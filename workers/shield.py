@@ -2,7 +2,8 @@
 
 A request is stale when it was cancelled (a tombstone on ``laneway.cancel``), superseded
 (a newer ``seq`` for its session was fetched: one session lives on one partition, so this
-worker sees every keystroke of it in order) or expired (its deadline passed before it
+worker sees every keystroke of it in order; a lower seq accepted ``SESSION_RESTART_S`` or
+more after the newest starts the session's count again) or expired (its deadline passed before it
 started). Stale requests are dropped before execution; ones that turn stale while running
 are aborted in the engine.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from laneway.constants import SESSION_RESTART_S
 from laneway.errors import Cancelled, Dropped, Expired, Superseded
 from laneway.schema import CancelRecord, RequestEnvelope
 
@@ -112,11 +114,12 @@ class CancelShield:
         # with its expiry. Per team: another team's tombstone of the same id (honoured for
         # none of the owner's work) must not replace the owner's.
         self._cancelled: OrderedDict[str, dict[str, float]] = OrderedDict()
-        # Cancelled batch jobs: job id → its team.
-        self._cancelled_jobs: OrderedDict[str, str] = OrderedDict()
-        # Latest seq by (team, session): a session is a team's own name, so one team's
-        # counter never supersedes another team's keystrokes of a session of the same name.
-        self._latest_seq: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # Cancelled batch jobs, by (team, job id): another team's job of the same id runs on.
+        self._cancelled_jobs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # Latest seq by (team, session), with the time the ingress accepted it (Redis's
+        # clock): a session is a team's own name, so one team's counter never supersedes
+        # another team's keystrokes of a session of the same name.
+        self._latest_seq: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
         self._running: dict[str, RunningRequest] = {}
         self._finished: OrderedDict[str, float] = OrderedDict()
 
@@ -131,9 +134,14 @@ class CancelShield:
             return []
         session = (env.team, env.session)
         previous = self._latest_seq.get(session)
-        if previous is not None and previous >= env.seq:
+        if previous is not None and previous[0] >= env.seq:
+            if previous[0] > env.seq and env.accepted_ts - previous[1] >= SESSION_RESTART_S:
+                # The count started again: this keystroke is the session's newest. What ran
+                # under the old count is left alone (its clients leaving cancels it).
+                self._latest_seq[session] = (env.seq, env.accepted_ts)
+                self._latest_seq.move_to_end(session)
             return []
-        self._latest_seq[session] = env.seq
+        self._latest_seq[session] = (env.seq, env.accepted_ts)
         self._latest_seq.move_to_end(session)
         self._trim(self._latest_seq)
         to_abort = []
@@ -170,8 +178,8 @@ class CancelShield:
 
     def cancel_job(self, job_id: str, team: str) -> None:
         """A batch job of ``team`` was cancelled: its lines not started yet are dropped."""
-        self._cancelled_jobs[job_id] = team
-        self._cancelled_jobs.move_to_end(job_id)
+        self._cancelled_jobs[(team, job_id)] = None
+        self._cancelled_jobs.move_to_end((team, job_id))
         self._trim(self._cancelled_jobs)
 
     # --- decisions ----------------------------------------------------------------------
@@ -183,12 +191,12 @@ class CancelShield:
         now = time.time() if now is None else now
         if env.team in self._cancelled.get(env.id, {}):
             return Cancelled("cancelled before it started")
-        if env.job_id is not None and self._cancelled_jobs.get(env.job_id) == env.team:
+        if env.job_id is not None and (env.team, env.job_id) in self._cancelled_jobs:
             return Cancelled(f"batch {env.job_id} was cancelled before this line started")
         if env.session is not None and env.seq is not None:
             latest = self._latest_seq.get((env.team, env.session))
-            if latest is not None and latest > env.seq:
-                return Superseded(f"superseded by seq {latest} of session {env.session}")
+            if latest is not None and latest[0] > env.seq:
+                return Superseded(f"superseded by seq {latest[0]} of session {env.session}")
         if env.deadline_ts is not None and now > env.deadline_ts:
             late_ms = (now - env.deadline_ts) * 1000
             return Expired(f"deadline passed {late_ms:.0f} ms before it could start")
