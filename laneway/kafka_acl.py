@@ -43,6 +43,7 @@ __all__ = [
     "delete_acls",
     "delete_scram",
     "describe_acls",
+    "has_scram",
     "scram_salted",
     "upsert_scram",
 ]
@@ -193,6 +194,53 @@ class _AlterScram(Request[_AlterScramRequestV0]):  # type: ignore[misc]
         return request_struct_class(self.deletions, self.upsertions, {})
 
 
+class _DescribeScramResponseV0(Response):  # type: ignore[misc]
+    API_KEY = 50
+    API_VERSION = 0
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("error_code", Int16),
+        ("error_message", CompactString("utf-8")),
+        (
+            "results",
+            CompactArray(
+                ("user", CompactString("utf-8")),
+                ("error_code", Int16),
+                ("error_message", CompactString("utf-8")),
+                (
+                    "credential_infos",
+                    CompactArray(
+                        ("mechanism", Int8), ("iterations", Int32), ("tags", TaggedFields)
+                    ),
+                ),
+                ("tags", TaggedFields),
+            ),
+        ),
+        ("tags", TaggedFields),
+    )
+
+
+class _DescribeScramRequestV0(RequestStruct):  # type: ignore[misc]
+    FLEXIBLE_VERSION = True
+    API_KEY = 50
+    API_VERSION = 0
+    RESPONSE_TYPE = _DescribeScramResponseV0
+    SCHEMA = Schema(
+        ("users", CompactArray(("name", CompactString("utf-8")), ("tags", TaggedFields))),
+        ("tags", TaggedFields),
+    )
+
+
+class _DescribeScram(Request[_DescribeScramRequestV0]):  # type: ignore[misc]
+    API_KEY = 50
+
+    def __init__(self, user: str) -> None:
+        self.user = user
+
+    def build(self, request_struct_class: type[_DescribeScramRequestV0]) -> Any:
+        return request_struct_class([(self.user, {})], {})
+
+
 async def _send(admin: AIOKafkaAdminClient, request: Request[Any]) -> dict[str, Any]:
     # Any broker will do: KRaft forwards ACL and credential changes to the controller.
     response = await admin._send_request(request)  # aiokafka's one way in
@@ -260,6 +308,18 @@ async def upsert_scram(
     answer = await _send(admin, _AlterScram([], [(user, code, iterations, salt, salted, {})]))
     for result in answer["results"]:
         _raise(result["error_code"], result["error_message"], f"SCRAM credential of {user}")
+
+
+async def has_scram(admin: AIOKafkaAdminClient, user: str) -> bool:
+    """Whether ``user`` has a SCRAM credential (of any mechanism) on the broker."""
+    answer = await _send(admin, _DescribeScram(user))
+    _raise(answer["error_code"], answer["error_message"], "SCRAM credentials")
+    for result in answer["results"]:
+        if result["error_code"] == 91:  # RESOURCE_NOT_FOUND: no such credential
+            return False
+        _raise(result["error_code"], result["error_message"], f"SCRAM credential of {user}")
+        return bool(result["credential_infos"])
+    return False
 
 
 async def delete_scram(

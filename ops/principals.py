@@ -34,6 +34,7 @@ from laneway.kafka_acl import (
     delete_acls,
     delete_scram,
     describe_acls,
+    has_scram,
     upsert_scram,
 )
 from laneway.settings import CommonSettings
@@ -183,9 +184,12 @@ async def create_principal(
     partitions: int = 3,
     replication: int = 1,
     streams_app_id: str = "",
+    replace: bool = False,
 ) -> str:
     """Create (or replace) the SCRAM credential of ``name`` and add its role's ACLs; for a
     tenant, its two topics too. Runs as the settings' (admin) principal; returns the password.
+    A name holding laneway's ACLs of this role gets a new password; the admin's own name is
+    refused, and so is any other login that holds no ACLs unless ``replace``.
     """
     _check_name(name)
     password = password or secrets.token_urlsafe(24)
@@ -196,7 +200,21 @@ async def create_principal(
     try:
         # ACLs are only ever added: created again under another role (another team), the
         # principal would keep the old role's rights beside the new ones.
-        other = sorted(set(await describe_acls(admin, name)) - set(rules))
+        held = set(await describe_acls(admin, name))
+        other = sorted(held - set(rules))
+        if name == settings.kafka_username:
+            raise ConfigError(
+                f"principal {name!r} is the one this command runs as (the admin): its password "
+                "would be replaced by a tenant's or a service's; choose another name"
+            )
+        if not held and not replace and await has_scram(admin, name):
+            # A login that laneway gave no ACLs: a super user (super.users needs none) or one
+            # made outside laneway. Replacing its password would hand its rights to this role.
+            raise ConfigError(
+                f"principal {name!r} exists and holds no ACLs of laneway's (a super user, or "
+                "made outside laneway): creating it would replace its password; choose another "
+                "name, or pass --replace if that is what you mean"
+            )
         if other:
             raise ConfigError(
                 f"principal {name!r} holds {len(other)} ACLs its role {role} does not grant "

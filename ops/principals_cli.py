@@ -57,6 +57,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             partitions=args.partitions or settings.partitions,
             replication=settings.replication_factor,
             streams_app_id=args.streams_app_id or os.environ.get("LANEWAY_STREAMS_APP_ID", ""),
+            replace=args.replace,
         )
     )
     mechanism = (
@@ -112,6 +113,12 @@ def add_principal_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     )
     create.add_argument(
         "--streams-app-id", default="", help="streams: the Faust app id (LANEWAY_STREAMS_APP_ID)"
+    )
+    create.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace the password of a login that holds no ACLs of laneway's (refused "
+        "otherwise: it may be a super user)",
     )
     create.set_defaults(func=cmd_create)
     acls = principals.add_parser("acls", help="the ACLs the broker holds for a principal")

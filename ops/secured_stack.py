@@ -125,7 +125,9 @@ class StackSecrets:
 
         async def create_all() -> None:
             for principal, role, _ in _principals():
-                await create_principal(admin, principal, role, password=self.kafka[principal])
+                await create_principal(
+                    admin, principal, role, password=self.kafka[principal], replace=True
+                )
 
         # Called on the supervisor's start-up thread, where no event loop runs.
         asyncio.run(create_all())

@@ -29,14 +29,16 @@ from openai.types import Batch
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from laneway.batch import BatchClient
+from laneway.clients import make_admin
 from laneway.constants import Topics
 from laneway.errors import ConfigError, ServiceError
+from laneway.kafka_acl import has_scram, upsert_scram
 from laneway.schema import BatchRequest
 from laneway.settings import CommonSettings, load_settings
 from ops.broker_admin import BrokerAdmin
-from ops.principals import Role, acl_rules, show_acls
+from ops.principals import Role, acl_rules, create_principal, show_acls
 from tests.secured import Principals, SecuredServices
-from tests.stack import LiveStack
+from tests.stack import LiveStack, eventually
 from tests.test_streams_process import StreamsProcess, produce_usage, usage_event
 
 
@@ -309,6 +311,34 @@ async def test_a_principal_created_again_under_another_role_is_refused(
         await principals.create("moving", "tenant:beta")
     held = await show_acls(CommonSettings(**stack.common), name)
     assert held == sorted(acl_rules(name, Role.parse("tenant:alpha"), stack.topics))
+
+
+async def test_creating_a_principal_never_takes_over_the_admins_or_another_login(
+    secured: tuple[LiveStack, Principals],
+) -> None:
+    """A typo'd or careless name must not replace the password of the super user running the
+    command, nor of a login laneway did not make: its new owner would hold its rights."""
+    stack, _ = secured
+    admin = CommonSettings(**stack.common)
+    with pytest.raises(ConfigError, match="is the one this command runs as"):
+        await create_principal(admin, admin.kafka_username, Role.parse("tenant:acme"))
+    outsider = f"{stack.prefix}-outsider"  # a credential with no ACLs, as a super user has
+    client = make_admin(admin)
+    await client.start()
+    try:
+        await upsert_scram(client, outsider, "the-outsiders-password")
+        # The controller has it; the broker that answers describes it a moment later.
+        await eventually(lambda: has_scram(client, outsider), 15, "the credential to show")
+    finally:
+        await client.close()
+    with pytest.raises(ConfigError, match="exists and holds no ACLs"):
+        await create_principal(admin, outsider, Role.parse("analyst"))
+    # Refused before anything changed: the admin still logs in, the outsider's ACLs are none.
+    assert await show_acls(admin, outsider) == []
+    await create_principal(admin, outsider, Role.parse("analyst"), replace=True)
+    assert await show_acls(admin, outsider) == acl_rules(
+        outsider, Role.parse("analyst"), stack.topics
+    )
 
 
 async def test_a_batch_service_submits_a_job_in_one_transaction(
