@@ -380,6 +380,55 @@ async def test_identical_requests_in_flight_share_one_generation(
     assert sorted(u["prompt_tokens"] for u in usage.values()) == [2, 2]
 
 
+async def test_a_follower_whose_generation_never_started_keeps_its_deadline(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """Two identical requests share one generation; the upstream holds it before its first
+    byte. At their start deadline the one that runs is answered 504; the one that followed
+    it is queued to run on its own, and must still be answered 504 by its deadline, not
+    sent upstream with none to wait for as long as the upstream holds it."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    await upstream.hold("import sys")
+    body = {"model": "laneway-code", "prompt": "import sys", "max_tokens": 4}
+    deadline = {"X-Laneway-Deadline-Ms": "2000"}
+
+    async def one(after_s: float) -> int:
+        await asyncio.sleep(after_s)
+        answer = await http.post("/v1/completions", json=body, headers=deadline)
+        return answer.status_code
+
+    try:
+        # Held for good: only the deadlines can answer them before the bound.
+        answers = await asyncio.wait_for(asyncio.gather(one(0), one(0.3)), 20)
+    finally:
+        await upstream.release("import sys")
+    assert answers == [504, 504]
+
+
+async def test_a_follower_whose_budget_ends_where_its_generation_stopped_says_stop(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """The generation stopped at "gamma" (its third token, which completes the stop string,
+    sends no text). A keystroke typing its first word with a budget of two tokens ends on
+    that same token: its own run would have said ``stop`` (stops come before the length),
+    so it must not be told ``length``."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+
+    async def ask(seq: int, prompt: str, max_tokens: int) -> tuple[str, str]:
+        body = _keystroke(prompt, seq, stream=False, max_tokens=max_tokens)
+        body["json"]["stop"] = ["gamma"]
+        answer = (await http.post("/v1/completions", **body)).json()["choices"][0]
+        return answer["text"], answer["finish_reason"]
+
+    assert await ask(1, "def stop():", 4) == ("alpha beta ", "stop")
+    assert await ask(2, "def stop():alpha ", 2) == ("beta ", "stop")
+    assert [e["prompt"] for e in upstream.entries()] == ["def stop():"]  # it followed
+
+
 async def test_a_team_that_turned_type_through_off_gets_a_request_each(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:

@@ -116,10 +116,24 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         ttft_ms=ttft_ms,
         prompt_tokens=generation.prompt_tokens_of(env),
         completion_tokens=tokens,
-        finish_reason="length" if capped else generation.finish_reason,
+        finish_reason=_finish_reason(follower, capped, first_token),
         error=error,
         reused_from=generation.owner,
     )
+
+
+def _finish_reason(follower: Follower, capped: bool, first_token: int) -> str | None:
+    """Why its answer ended. Capped at its own max_tokens, that is ``length``, unless its
+    last token was the generation's last and the generation stopped there (a stop string
+    or the end of text): its own run would have stopped on it too, and an engine says
+    ``stop`` when both come at once (vLLM checks stops before the length)."""
+    generation = follower.generation
+    last = first_token + follower.env.max_tokens
+    if not capped:
+        return generation.finish_reason
+    if generation.done and generation.tokens == last and generation.finish_reason == "stop":
+        return "stop"
+    return "length"
 
 
 def _left_nothing(follower: Follower, at: int) -> bool:

@@ -196,7 +196,7 @@ class Runs:
                 self.engine_done()
                 self.room.set()
             if usage is None:
-                self._again(work)
+                self._again(work, started=True)
                 return  # its offset stays pending
             self.lane.finished(work, usage)
             await self.executor.reports.delivered(env.id)
@@ -214,15 +214,18 @@ class Runs:
             self.lane.ended(work)
         self.offsets.finish(work.tp, work.offset, work.epoch)
 
-    def _again(self, work: Work) -> None:
+    def _again(self, work: Work, *, started: bool) -> None:
         """``work`` left the engine to run again later (preempted: memory pressure, or a
         shared engine's interactive work), or its generation left a follower nothing: first
-        in line again with its offset pending, and no start deadline (it started in time;
-        that it waits again is the engine's doing, not its client's)."""
+        in line again with its offset pending. A run that ``started`` waits with no start
+        deadline (it started in time; that it waits again is the engine's doing, not its
+        client's); a follower keeps its own: nothing of it started, and its client still
+        waits for a start by then."""
         if self.unfinished.get(work.env.id) is work:
             del self.unfinished[work.env.id]  # in the queue, or gone: no run to adopt
         if self.offsets.current(work.tp, work.epoch):
-            work.env = work.env.model_copy(update={"deadline_ts": None})
+            if started:
+                work.env = work.env.model_copy(update={"deadline_ts": None})
             self.queue.push(work, front=True)
         else:  # its partition went away meanwhile: the next owner runs it
             self.lane.ended(work)
@@ -251,7 +254,7 @@ class Runs:
                 self.following.pop(work.env.id, None)
             if usage is None:
                 # Withdrawn (its partition's next owner runs it), or to run on its own.
-                self._again(work)
+                self._again(work, started=False)
                 self.wake()
                 return  # its offset stays pending
             await self.executor.reports.delivered(work.env.id)
