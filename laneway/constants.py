@@ -46,6 +46,11 @@ SCALING_DECISION_TTL_S: Final = 3 * HEARTBEAT_TTL_S
 REPLY_STREAM_TTL_S: Final = 300
 # Replies are read within milliseconds; the cap only bounds memory if an ingress dies.
 REPLY_STREAM_MAXLEN: Final = 20_000
+# A direct-Kafka tenant's topics keep at most this much a partition (Kafka deletes whole
+# segments, oldest first, so a partition holds up to one segment more): a tenant principal
+# may write its batch topic as fast as the broker takes it, and nothing else bounds its disk.
+TEAM_TOPIC_PARTITION_BYTES: Final = 1 << 30
+TEAM_TOPIC_SEGMENT_BYTES: Final = 64 << 20
 # A keystroke whose seq is below its session's newest, accepted this long after that newest
 # one, starts the session's count again (an editor restarted, a document reopened) instead of
 # being superseded by the old count. An older keystroke racing a newer one (two connections,
@@ -131,11 +136,18 @@ class Topics:
         return rf"^{re.escape(self.prefix)}\.req\.batch(\.team\.[A-Za-z0-9_-]+)?$"
 
     def team_specs(self, team: str, partitions: int) -> list[tuple[str, int, dict[str, str]]]:
-        """(name, partitions, config) of a direct-Kafka tenant's two topics."""
-        week_ms = str(7 * 24 * 3600 * 1000)
+        """(name, partitions, config) of a direct-Kafka tenant's two topics: a week, and at
+        most ``TEAM_TOPIC_PARTITION_BYTES`` a partition, so a tenant writing without end
+        fills none of the broker's disk but its own share (its oldest lines go first)."""
+        config = {
+            "retention.ms": str(7 * 24 * 3600 * 1000),
+            "retention.bytes": str(TEAM_TOPIC_PARTITION_BYTES),
+            "segment.bytes": str(TEAM_TOPIC_SEGMENT_BYTES),
+            **BROKER_TIME,
+        }
         return [
-            (self.batch_team(team), partitions, {"retention.ms": week_ms, **BROKER_TIME}),
-            (self.results_batch_team(team), partitions, {"retention.ms": week_ms, **BROKER_TIME}),
+            (self.batch_team(team), partitions, dict(config)),
+            (self.results_batch_team(team), partitions, dict(config)),
         ]
 
     def consumer_group(self, pool: RequestClass) -> str:

@@ -19,6 +19,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     GroupAuthorizationFailedError,
     KafkaError,
@@ -30,7 +31,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from laneway.batch import BatchClient
 from laneway.clients import make_admin
-from laneway.constants import Topics
+from laneway.constants import TEAM_TOPIC_PARTITION_BYTES, Topics
 from laneway.errors import ConfigError, ServiceError
 from laneway.kafka_acl import has_scram, upsert_scram
 from laneway.schema import BatchRequest
@@ -136,6 +137,28 @@ async def test_tenant_writes_its_own_batch_topic_and_nothing_internal(
     ):
         with pytest.raises(TopicAuthorizationFailedError):
             await _produce(auth, bootstrap, forbidden, b"{}")
+
+
+async def test_a_tenants_topics_hold_a_bounded_share_of_the_brokers_disk(
+    secured: tuple[LiveStack, Principals],
+) -> None:
+    """A tenant principal writes its batch topic as fast as the broker takes it: only the
+    topics' own bound keeps it from filling the disk every team's traffic needs."""
+    stack, principals = secured
+    await principals.create("flood", "tenant:flood")
+    client = make_admin(CommonSettings(**stack.common))
+    await client.start()
+    try:
+        for topic in (stack.topics.batch_team("flood"), stack.topics.results_batch_team("flood")):
+            [response] = await client.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, topic)]
+            )
+            entries = response.to_object()["resources"][0]["config_entries"]
+            config = {e["config_names"]: e["config_value"] for e in entries}
+            assert int(config["retention.bytes"]) == TEAM_TOPIC_PARTITION_BYTES, topic
+            assert int(config["segment.bytes"]) < TEAM_TOPIC_PARTITION_BYTES, topic
+    finally:
+        await client.close()
 
 
 async def test_tenant_cannot_read_requests_or_another_teams_results(
