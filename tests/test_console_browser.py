@@ -26,6 +26,7 @@ from selenium.common.exceptions import (
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.support.ui import WebDriverWait
 
+from laneway.apikeys import hash_key, key_id, list_keys
 from laneway.constants import RedisKeys
 from quota.teams import get_team
 from tests.stack import LiveStack, clear_of_the_hour_turn
@@ -183,8 +184,35 @@ async def test_an_operator_logs_in_watches_usage_changes_a_team_and_revokes_a_ke
         refused = await api.post("/v1/completions", json=body)
         assert refused.status_code == 401, refused.text
 
+        # A new key is shown once; the page's address is the team's, so a reload reads the
+        # team page (it used to post the form again: a second key) and the live sections
+        # keep refreshing (their refresh read the form's address: a 405).
+        def new_key() -> tuple[str, str]:
+            browser.find_element("id", "create-key").click()
+            shown = _wait(browser, lambda d: _cell(d, "#new-key"), 20, "the new key")
+            browser.refresh()
+            _wait(browser, lambda d: d.find_elements("id", "size"), 20, "the team page")
+            return str(shown), str(browser.current_url)
+
+        shown, address = await _in_browser(new_key)
+        assert address == f"{base}/console/teams/team-web"
+        live = await list_keys(stack.redis, RedisKeys(stack.prefix), "team-web")
+        assert [k.id for k in live] == [key_id(hash_key(shown))]
+
+        # A session that ended under an open page: the page says its numbers stopped.
+        def session_ends() -> str:
+            browser.delete_all_cookies()
+            note = _wait(browser, lambda d: _cell(d, "#stale"), 20, "the stale notice")
+            return str(note)
+
+        assert "the session ended" in await _in_browser(session_ends)
+
         # Logging out ends the page's access.
         def log_out() -> None:
+            browser.get(f"{base}/console")
+            browser.find_element("id", "admin_key").send_keys(ADMIN)
+            browser.find_element("id", "login").click()
+            _wait(browser, lambda d: _cell(d, "#teams"), 20, "the overview")
             browser.find_element("id", "logout").click()
             _wait(browser, lambda d: d.find_elements("id", "admin_key"), 20, "the login form")
 

@@ -4,17 +4,21 @@ request path (the browser tests in test_console_browser.py drive the same pages)
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from http.cookies import SimpleCookie
 
 import httpx
 import orjson
+import pytest
 
+from ingress.console.feed import ConsoleFeed
 from ingress.console.session import COOKIE, ConsoleSessions
 from laneway.constants import RedisKeys
+from laneway.settings import CommonSettings
 from quota.teams import get_team
-from tests.stack import Ingress, LiveStack, clear_of_the_hour_turn
+from tests.stack import Ingress, LiveStack, clear_of_the_hour_turn, eventually
 
 ADMIN = "console-admin-key-0123456789"
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
@@ -121,6 +125,10 @@ async def test_team_links_quote_the_name_and_a_name_no_url_can_reach_is_refused(
     assert 'href="/console/teams/old%2Fteam"' in overview
     page = await http.get("/console/teams/team%20%231%3F")
     assert 'action="/console/teams/team%20%231%3F/keys"' in page.text
+    # The old name's link leads to its page (the routes take a '/' as the admin API's do).
+    old = await http.get("/console/teams/old%2Fteam")
+    assert old.status_code == 200
+    assert 'action="/console/teams/old%2Fteam/keys"' in old.text
 
     for name in ("org/team", ".."):
         opened = await http.post("/console/team", data={"name": name, "csrf": csrf})
@@ -207,6 +215,13 @@ async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -
         "ts": now,
     }
     await producer.send_and_wait(stack.topics.control, orjson.dumps(change), key=b"x")
+    # Two replicas probe the chat pool: one failed, then the other passed. Each is shown.
+    for replica, ok in (("r-bad", False), ("r-good", True)):
+        probe = {"v": 1, "kind": "probe", "subject": "probe:chat", "pool": "chat", "ok": ok}
+        probe |= {"latency_ms": 12.0, "error": None if ok else "timed out", "ingress": replica}
+        await producer.send_and_wait(
+            stack.topics.control, orjson.dumps({**probe, "ts": now}), key=b"probe:chat"
+        )
     keys = RedisKeys(stack.prefix)
     level = {"level": 2, "rate": 0.125, "since": now, "requests": 80, "cooldown_s": 30.0}
     level |= {"route": "laneway-chat", "team": "team-p"}  # as the streams app writes it
@@ -225,6 +240,9 @@ async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -
     breaker = page[page.index('id="breakers"') :]
     assert '<tr class="level-2"><td>laneway-chat</td><td>team-p</td>' in breaker
     assert "1 → 2" in breaker
+    probes = page[page.index('id="probes"') :]
+    assert "<td>r-bad</td><td>timed out</td>" in probes
+    assert "<td>r-good</td>" in probes
 
     team_page = (await http.get("/console/teams/team-p")).text
     plots = team_page[team_page.index('id="plots"') :]
@@ -232,3 +250,38 @@ async def test_the_pages_show_what_the_topics_and_redis_hold(stack: LiveStack) -
     assert plots.count("<rect") == 4  # prompt and completion bars of two hours
     assert "chat p99" in plots
     assert "<polyline" in plots
+
+
+async def test_the_feed_read_again_after_a_failure_holds_each_change_once(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The console's reader starts again from the day before when it fails: what it read
+    the first time must not be listed twice."""
+    producer = await stack.producer()
+
+    async def change(level: int) -> None:
+        record = {"v": 1, "kind": "breaker", "subject": f"breaker:r{level}", "route": "r"}
+        record |= {"level": level, "previous": 0, "ts": time.time()}
+        await producer.send_and_wait(stack.topics.control, orjson.dumps(record), key=b"x")
+
+    await change(1)
+    feed = ConsoleFeed(CommonSettings(**stack.common))
+    await feed.ready()
+    try:
+        assert [c.data["level"] for c in feed.changes] == [1]
+        fold, failed = feed._fold, []
+
+        def fail_once(topic: str, raw: bytes | None) -> None:
+            if not failed:
+                failed.append(raw)
+                raise RuntimeError("a record the feed could not fold")
+            fold(topic, raw)
+
+        monkeypatch.setattr(feed, "_fold", fail_once)
+        await change(2)
+        await eventually(lambda: len(feed.changes) >= 2, 20, "the feed to read again")
+        await asyncio.sleep(1)  # anything read twice has come in too
+        assert failed
+        assert [c.data["level"] for c in feed.changes] == [1, 2]
+    finally:
+        await feed.stop()

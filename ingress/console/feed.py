@@ -34,6 +34,9 @@ _KEPT_HOURS = 25
 _RECENT_CHANGES = 200
 # How long the first page waits for the feed to reach the topics' ends before it renders.
 _CATCH_UP_S = 3.0
+# A replica's probe is shown this long after it was made: 12 of the default intervals, and
+# a replica gone (scaled in) leaves the table within the hour.
+_PROBE_KEPT_S = 3600.0
 
 RollupKey = tuple[str, str, str, int]  # team, class, model, hour start
 # A record of laneway.usage.hourly as docs/streams.md describes it (the JSON object).
@@ -55,7 +58,8 @@ class ConsoleFeed:
         self.topics = (settings.topics.usage_hourly, settings.topics.control)
         self.rollups: dict[RollupKey, Rollup] = {}
         self.changes: deque[ControlRecord] = deque(maxlen=_RECENT_CHANGES)
-        self.probes: dict[str, ControlRecord] = {}  # pool → latest probe of any replica
+        # (pool, replica) → that replica's latest probe of the pool
+        self.probes: dict[tuple[str, str], ControlRecord] = {}
         self.caught_up = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -77,6 +81,9 @@ class ConsoleFeed:
         await stop_task(task)
 
     async def _follow(self) -> None:
+        # Read again from the start of what is kept (a restart after a failure): the lists
+        # fill again, the keyed records are replaced.
+        self.changes.clear()
         consumer: AIOKafkaConsumer = make_consumer(self.settings, isolation_level="read_committed")
         await start_client(consumer)  # the feed's stop may come while it starts
         try:
@@ -136,12 +143,17 @@ class ConsoleFeed:
             kind, subject, float(ts) if isinstance(ts, int | float) else 0.0, data
         )
         if kind == "probe" and isinstance(data.get("pool"), str):
-            self.probes[data["pool"]] = record
+            # Per replica: one replica's failing probe stays shown beside another's success.
+            self.probes[(data["pool"], str(data.get("ingress", "")))] = record
         elif kind == "breaker":
             self.changes.append(record)
 
     def _forget_old(self) -> None:
-        oldest = (int(time.time()) // HOUR_S - _KEPT_HOURS) * HOUR_S
+        now = time.time()
+        if any(r.ts < now - _PROBE_KEPT_S for r in self.probes.values()):
+            # A replica that stopped probing (gone, scaled in) leaves the table.
+            self.probes = {k: r for k, r in self.probes.items() if r.ts >= now - _PROBE_KEPT_S}
+        oldest = (int(now) // HOUR_S - _KEPT_HOURS) * HOUR_S
         if any(key[3] < oldest for key in self.rollups):
             self.rollups = {k: v for k, v in self.rollups.items() if k[3] >= oldest}
 

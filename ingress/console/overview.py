@@ -203,9 +203,9 @@ def recent_changes(feed: ConsoleFeed, limit: int = 20) -> list[ControlRecord]:
 
 
 def probes(state: IngressState, feed: ConsoleFeed) -> list[dict[str, Any]]:
-    """The latest probe per pool from every replica (``laneway.control``), and this
+    """The latest probe of each pool by each replica (``laneway.control``), and this
     replica's own results that the feed has not brought back yet."""
-    found = [{"pool": pool, **record.data} for pool, record in sorted(feed.probes.items())]
+    found = [{**record.data, "pool": pool} for (pool, _), record in sorted(feed.probes.items())]
     seen = {p["pool"] for p in found if p.get("ingress") == state.settings.instance_id}
     for pool, result in sorted(state.prober.results.items()):
         if pool not in seen:

@@ -84,6 +84,9 @@ class Console:
         await self.feed.stop()
 
     def page(self, name: str, status_code: int = 200, **context: Any) -> Response:
+        # Whether the feed has read what the topics held: until then an empty table says
+        # "not read yet" (Kafka away), not "nothing happened".
+        context.setdefault("feed_read", self.feed.caught_up.is_set())
         html = self.templates.get_template(name).render(**context)
         return Response(html, status_code=status_code, media_type="text/html", headers=_HEADERS)
 
@@ -258,7 +261,7 @@ async def _team_page(
     )
 
 
-@console_router.get("/teams/{team}")
+@console_router.get("/teams/{team:path}")
 async def team_page(team: str, request: Request) -> Response:
     state, console = _console(request)
     session = _session(request, console)
@@ -269,7 +272,25 @@ async def team_page(team: str, request: Request) -> Response:
     return await _team_page(state, console, session, team, message=message)
 
 
-@console_router.post("/teams/{team}")
+# ``{team:path}``, as the admin API's: a team named with '/' before that was refused is still
+# reached. The keys route comes first, or the edit route would take ``<team>/keys`` as a name.
+@console_router.post("/teams/{team:path}/keys")
+async def new_key(team: str, request: Request) -> Response:
+    posted = await _posted(request)
+    created = await create_team_key(posted.state, team)
+    # Shown in this answer only; the browser's address becomes the team page's, so a reload
+    # reads that page (not a second key) and the live refresh has a page to read.
+    return await _team_page(
+        posted.state,
+        posted.console,
+        posted.session,
+        team,
+        new_key=created,
+        address=f"/console/teams/{quote(team, safe='')}",
+    )
+
+
+@console_router.post("/teams/{team:path}")
 async def edit_team(team: str, request: Request) -> Response:
     posted = await _posted(request)
     state, console, session, form = posted.state, posted.console, posted.session, posted.form
@@ -284,13 +305,6 @@ async def edit_team(team: str, request: Request) -> Response:
     except BadRequest as exc:
         return await _team_page(state, console, session, team, status_code=400, error=exc.message)
     return RedirectResponse(f"/console/teams/{quote(team, safe='')}?saved", status_code=303)
-
-
-@console_router.post("/teams/{team}/keys")
-async def new_key(team: str, request: Request) -> Response:
-    posted = await _posted(request)
-    created = await create_team_key(posted.state, team)
-    return await _team_page(posted.state, posted.console, posted.session, team, new_key=created)
 
 
 @console_router.post("/keys/{key_id}/revoke")
