@@ -429,6 +429,25 @@ async def test_a_follower_whose_budget_ends_where_its_generation_stopped_says_st
     assert [e["prompt"] for e in upstream.entries()] == ["def stop():"]  # it followed
 
 
+async def test_a_request_with_its_own_seed_never_types_through(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """A seed asks for the same answer whenever the request is sent; a continuation of the
+    previous prompt's sample is not it (sent again with nothing to follow, it would differ)."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    for seq, prompt in enumerate(("def seeded():", "def seeded():" + WORDS[0]), start=1):
+        body = _keystroke(prompt, seq, stream=False)
+        body["json"] |= {"seed": 7, "temperature": 0.8}
+        assert (await http.post("/v1/completions", **body)).status_code == 200
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    assert [e["prompt"] for e in upstream.entries()] == [
+        "def seeded():",
+        "def seeded():" + WORDS[0],
+    ]
+
+
 async def test_a_team_that_turned_type_through_off_gets_a_request_each(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:

@@ -122,6 +122,11 @@ class Generation:
         typed = prompt[self.prompt_len :]
         if not self.text.startswith(typed):
             return None
+        if typed and env.seed is not None and env.temperature > 0:
+            # A client's own seed asks for the same answer every time it sends the request:
+            # the continuation of another prompt's sample is not its seed's sample, and
+            # sent again when nothing is left to follow, it would get another answer.
+            return None
         if self.finish_reason is None and (self.done or self.stopping):
             return None  # cut short (or about to be): its text is not a whole answer
         return len(typed) if self.serves(env, len(typed)) else None
