@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
+from laneway.batch import batch_request_id
 from laneway.constants import RedisKeys
 from laneway.errors import LanewayError, QuotaExceeded
-from laneway.schema import RequestEnvelope
+from laneway.schema import BatchRequest, RequestEnvelope
 from quota import QuotaEnforcer, QuotaPolicy, Team, get_team, set_team
 from tests.stack import LiveStack, envelope, eventually
 from workers import batch_budget, batch_lane
@@ -505,3 +506,35 @@ async def test_past_its_share_a_teams_line_is_answered_and_no_one_waits(stack: L
         assert sorted(w.offset for w in wait) == [1, 2, 3, 6, 7]
     finally:
         await wait.close()
+
+
+async def test_a_rerun_line_of_a_cancelled_job_gives_back_its_earlier_runs_reservation(
+    stack: LiveStack,
+) -> None:
+    """A batch line reserved at its first run, then its worker died before the commit; the
+    job is cancelled meanwhile. The re-run answers the line 'cancelled' and the reservation
+    of the first run goes back (not held for a day against the team's batch pool)."""
+    keys = RedisKeys(stack.prefix)
+    await stack.api_key("docs", size=1)
+    line = BatchRequest(
+        job_id="job-x",
+        line_id="l-0",
+        team="docs",
+        url="/v1/completions",
+        body={"model": "laneway-code", "prompt": "def f():", "max_tokens": 8},
+    )
+    producer = await stack.producer()
+    meta = await producer.send_and_wait(stack.topics.request("batch"), line.to_json())
+    quota = QuotaEnforcer(stack.redis, keys, QuotaPolicy())
+    rid = batch_request_id("job-x", "l-0")
+    await quota.reserve(Team("docs", size=1), "batch", rid, 50, record=meta.timestamp / 1000)
+    assert await stack.redis.hlen(keys.quota_reservations("docs")) == 1
+    await stack.redis.set(keys.batch_cancelled("docs", "job-x"), b"1")
+    await stack.start_worker("batch")
+    (result,) = await stack.read_topic(stack.topics.results_batch, count=1)
+    assert result["status"] == "cancelled"
+
+    async def none_held() -> bool:
+        return await stack.redis.hlen(keys.quota_reservations("docs")) == 0
+
+    await eventually(none_held, 10, "the first run's reservation given back")

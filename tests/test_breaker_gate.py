@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import orjson
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ingress.breaker import BreakerGate
 from laneway.constants import RedisKeys
@@ -68,3 +69,26 @@ async def test_unreadable_state_fails_open(stack: LiveStack) -> None:
     await stack.redis.set(RedisKeys(stack.prefix).breaker("laneway-code"), b"{not json")
     gate = BreakerGate(stack.redis, RedisKeys(stack.prefix), SimpleNamespace(breaker_routes=ROUTES))
     assert (await gate.route_for("team-a", "laneway-code")).level == 0
+
+
+async def test_an_isolated_team_stays_isolated_while_redis_does_not_answer(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last levels read stay in force while Redis fails: an isolated team must not
+    flood its failing model again because Redis stalled."""
+    now = [100.0]
+    keys = RedisKeys(stack.prefix)
+    await stack.redis.set(
+        keys.breaker("laneway-code", "team-a"), orjson.dumps({"level": 3, "cooldown_s": 12.0})
+    )
+    gate = BreakerGate(stack.redis, keys, SimpleNamespace(breaker_routes={}), clock=lambda: now[0])
+    with pytest.raises(ServiceUnavailable):
+        await gate.route_for("team-a", "laneway-code")
+
+    async def hung(*_args: object, **_kw: object) -> object:
+        raise RedisConnectionError("Redis does not answer")
+
+    monkeypatch.setattr(stack.redis, "mget", hung)
+    now[0] += 5  # past the one-second cache: the read fails, the last level stays
+    with pytest.raises(ServiceUnavailable):
+        await gate.route_for("team-a", "laneway-code")

@@ -10,9 +10,12 @@ import subprocess
 import httpx
 import orjson
 import pytest
+from aiokafka.errors import KafkaError
 
 from ingress.admission import affinity_key
+from laneway.schema import UsageEvent
 from tests.stack import LiveStack, eventually, partition_of
+from workers.reports import Reports
 from workers.sim import SimEngine
 from workers.types import EngineRequest
 
@@ -156,3 +159,25 @@ async def test_worker_stops_when_a_loop_swallows_its_cancellation(stack: LiveSta
     worker._loops.append(asyncio.create_task(stubborn(), name="stubborn"))
     await asyncio.wait_for(worker.stop(), 20)
     assert all(loop.done() for loop in worker._loops)
+
+
+async def test_a_usage_event_the_broker_refused_is_sent_again_before_the_offset_moves() -> None:
+    """``delivered`` is what lets a request's offset move: a usage event the broker refused
+    must be stored by then, or the tokens it served go unbilled and the breaker never sees
+    the request. (The broker's refusal is the one thing faked here.)"""
+    usage = UsageEvent(id="r-1", team="t", cls="completion", model="m", route="m", status="ok")
+    sent: list[UsageEvent] = []
+
+    class _Outbox:
+        async def send_usage(self, event: UsageEvent) -> asyncio.Future[object]:
+            sent.append(event)
+            done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    reports = Reports(_Outbox(), worker_id="w", clock=lambda: 0.0)  # type: ignore[arg-type]
+    refused: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    refused.set_exception(KafkaError("broker refused it"))
+    reports.deliveries["r-1"] = (refused, usage)
+    await asyncio.wait_for(reports.delivered("r-1"), 5)
+    assert sent == [usage]

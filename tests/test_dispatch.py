@@ -7,8 +7,8 @@ import time
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 
-from laneway.constants import RedisKeys
-from laneway.errors import Dropped, Superseded
+from laneway.constants import HEARTBEAT_TTL_S, RedisKeys
+from laneway.errors import Dropped, Expired, Superseded
 from tests.stack import envelope
 from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.fleet import FleetShare, Member, allocate
@@ -296,3 +296,51 @@ def test_a_session_name_belongs_to_its_team() -> None:
     assert isinstance(
         shield.verdict(envelope(team="team-a", session="src/app.py", seq=6)), Superseded
     )
+
+
+def _member(worker: str, cls: str, running: int, ts: float) -> Member:
+    return Member(worker, cls, running, 0, capacity=8, ts=ts)
+
+
+def test_a_member_that_stopped_beating_drops_out_of_the_view() -> None:
+    """A completion worker killed -9 while it ran 8 leaves its entry in Redis: its slots must
+    not count against the shared engine for good."""
+    fleet = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "c-live", "completion")
+    fleet.connected = True
+    now = time.time()
+    fleet._mine = _member("c-live", "completion", 0, now)
+    fleet.members = {"dead": _member("dead", "completion", 8, now - HEARTBEAT_TTL_S - 5)}
+    assert fleet.room(0, 3) == 3
+
+
+def test_one_burst_larger_than_the_engine_does_not_keep_batch_out() -> None:
+    """Batch's reserve follows interactive's recent peak, but never the whole engine: one
+    burst of more than it holds must not shut batch out for the peak window."""
+    now = [1000.0]
+    fleet = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "b", "batch", clock=lambda: now[0])
+    fleet.connected = True
+    fleet._published = (0, 10, 8)  # nothing to publish (no Redis here)
+    fleet.members["c"] = Member("c", "completion", 8, 20, 8, now[0])  # 28 asked at once
+    fleet.local(0, 10, 8)
+    now[0] += 5  # the burst is over, well within the peak window
+    fleet.members = {"c": _member("c", "completion", 0, now[0])}
+    fleet.local(0, 10, 8)
+    assert fleet.reserve == 7
+    assert fleet.room(0, 10) >= 1
+
+
+def test_work_whose_deadline_passes_while_the_engine_is_full_is_answered_then() -> None:
+    """Its client gets the 504 at its deadline, not when a slot frees."""
+    queue = DispatchQueue()
+    dropped: list[tuple[Work, object]] = []
+    dispatcher = Dispatcher(
+        queue,
+        capacity=lambda: 0,  # the engine is full
+        verdict=lambda _env, _now: None,
+        start=lambda _work: None,
+        drop=lambda work, reason: dropped.append((work, reason)),
+    )
+    late = Work(TopicPartition("t", 0), 0, envelope(deadline_ts=time.time() - 0.5))
+    queue.push(late)
+    dispatcher.dispatch()
+    assert [(w, type(r)) for w, r in dropped] == [(late, Expired)]

@@ -16,12 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from laneway.constants import RedisKeys, Topics
 from laneway.errors import BadRequest, QuotaExceeded
-from laneway.schema import BatchRequest, Reply, UsageEvent
+from laneway.schema import BatchRequest, Reply, RequestEnvelope, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.redis_server import RedisServer
 from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, get_team, utilisation_sigma
@@ -733,3 +734,25 @@ async def test_owed_batch_lines_of_one_id_are_owed_apart_and_a_refused_one_holds
     assert not await redis.hlen(keys.quota_reservations("theta"))  # both settled
     used = await redis.get(keys.quota_used("theta", "batch", int(time.time() // 3600)))
     assert int(used) == 40 + 60
+
+
+async def test_a_503_from_kafka_gives_the_reservation_back(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request Kafka did not confirm storing is answered 503 and costs the team nothing: a
+    Kafka hiccup must not drain its budget while its clients retry."""
+    ingress = await stack.start_ingress(quota_units_per_member=0.1, quota_lease_share=0)
+
+    async def refused(env: RequestEnvelope) -> None:
+        raise KafkaTimeoutError()
+
+    monkeypatch.setattr(ingress.state.admission, "produce", refused)
+    http = stack.http(ingress, await stack.api_key("tiny", size=1))
+    body = {"model": "laneway-code", "prompt": "x" * 40, "max_tokens": 30}
+    for _ in range(3):
+        assert (await http.post("/v1/completions", json=body)).status_code == 503
+    snapshot = functools.partial(ingress.state.quota.enforcer.snapshot, Team("tiny", size=1))
+    pool = (await snapshot())["pools"]["interactive"]
+    # No reservation left, and the bucket (100 tokens an hour) full again.
+    assert pool["reservations"] == 0, pool
+    assert pool["remaining_tokens"] >= 99, pool
