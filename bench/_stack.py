@@ -8,6 +8,7 @@ itself, and the port then stays taken (TIME_WAIT) for a minute after.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import shutil
@@ -282,3 +283,25 @@ def until_answering(
             time.sleep(every_s)
         else:
             return
+
+
+def add_ingress_env_option(parser: argparse.ArgumentParser) -> None:
+    """``--ingress-env LANEWAY_X=VALUE`` (repeatable): a setting for the bench's ingresses."""
+    parser.add_argument(
+        "--ingress-env",
+        action="append",
+        default=[],
+        metavar="LANEWAY_X=VALUE",
+        help="a setting for the ingress (repeatable), e.g. LANEWAY_QUOTA_LEASE_SHARE=0",
+    )
+
+
+def ingress_env(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
+    """The settings ``--ingress-env`` gave, by name; a malformed one stops the bench."""
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("LANEWAY_"):
+            parser.error(f"--ingress-env {item!r}: expected LANEWAY_NAME=VALUE")
+        env[name] = value
+    return env

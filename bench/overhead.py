@@ -25,7 +25,7 @@ import uvloop
 
 from bench._open_loop import open_loop
 from bench._proc import CpuWatch, StealWatch, machine, thread_seconds
-from bench._stack import BenchStack, bench_stack
+from bench._stack import BenchStack, add_ingress_env_option, bench_stack, ingress_env
 from bench._stats import bunches, group_seconds, percentile
 from ops.drills.http_pool import HttpPool, server_timing
 
@@ -81,7 +81,7 @@ async def drive(stack: BenchStack, key: str, rate: float, seconds: float) -> Loa
 
 
 def instant_stack(
-    jvm_options: list[str] | None = None, ingress_env: dict[str, str] | None = None
+    jvm_options: list[str] | None = None, settings: dict[str, str] | None = None
 ) -> BenchStack:
     """Ingress and one completion worker whose sim engine takes no time at all."""
     worker = {
@@ -90,9 +90,7 @@ def instant_stack(
         "LANEWAY_SIM_DECODE_MS_PER_STEP": "0",
         "LANEWAY_MAX_INFLIGHT": "256",
     }
-    return BenchStack(
-        workers=[worker], jvm_options=jvm_options or [], ingress_env=ingress_env or {}
-    )
+    return BenchStack(workers=[worker], jvm_options=jvm_options or [], ingress_env=settings or {})
 
 
 def main() -> None:
@@ -109,13 +107,7 @@ def main() -> None:
         "C2 compiler takes a whole core in bursts for about two minutes, which is start-up, "
         "not steady state",
     )
-    parser.add_argument(
-        "--ingress-env",
-        action="append",
-        default=[],
-        metavar="LANEWAY_X=VALUE",
-        help="a setting for the ingress (repeatable), e.g. LANEWAY_QUOTA_LEASE_SHARE=0",
-    )
+    add_ingress_env_option(parser)
     parser.add_argument(
         "--jvm-option",
         action="append",
@@ -125,14 +117,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    ingress_env = {}
-    for item in args.ingress_env:
-        name, sep, value = item.partition("=")
-        if not sep or not name.startswith("LANEWAY_"):
-            parser.error(f"--ingress-env {item!r}: expected LANEWAY_NAME=VALUE")
-        ingress_env[name] = value
+    settings = ingress_env(parser, args.ingress_env)
 
-    stack = instant_stack(args.jvm_option, ingress_env)
+    stack = instant_stack(args.jvm_option, settings)
     with bench_stack(stack):
         key = stack.api_key("bench")
         # uvloop: the load generator shares the cores it measures, so keep it light.
@@ -140,8 +127,8 @@ def main() -> None:
         print(f"# laneway added latency (instant sim engine) — {machine()}")
         if args.jvm_option:
             print(f"# extra JVM flags for the broker: {' '.join(args.jvm_option)}")
-        if ingress_env:
-            print(f"# ingress settings: {' '.join(f'{k}={v}' for k, v in ingress_env.items())}")
+        if settings:
+            print(f"# ingress settings: {' '.join(f'{k}={v}' for k, v in settings.items())}")
         header = ["rate/s", "sent", "achieved/s", "errors", "P50 ms", "P99 ms", "max ms"]
         # P99 of each part of the time inside laneway (the Server-Timing header)
         parts = ("laneway", "admit", "enqueue", "worker")

@@ -7,7 +7,7 @@ minus the budget is the drift (the design bound: one reservation). Admitted mean
 504 (reserved, then no worker answered in time); 429 is refused; any other answer is counted
 apart, as neither, and its first body printed.
 
-    .venv/bin/python -m bench.quota [--decisions 3000] [--requests 600]
+    .venv/bin/python -m bench.quota [--decisions 3000] [--requests 600] [--ingress-env LANEWAY_X=V]
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from bench._proc import machine
-from bench._stack import BenchStack, bench_stack, sigterm_unwinds
+from bench._stack import (
+    BenchStack,
+    add_ingress_env_option,
+    bench_stack,
+    ingress_env,
+    sigterm_unwinds,
+)
 from bench._stats import percentile
 from laneway.apikeys import create_key
 from laneway.constants import RedisKeys
@@ -103,7 +109,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--budget", type=int, default=5000, help="team budget, tokens per hour")
     parser.add_argument("--rounds", type=int, default=3)
+    add_ingress_env_option(parser)
     args = parser.parse_args()
+    settings = {"LANEWAY_REPLY_TIMEOUT_S": "2", **ingress_env(parser, args.ingress_env)}
     print(f"# quota admission — {machine()}")
 
     data = Path(tempfile.mkdtemp(prefix="laneway-bench-"))
@@ -116,22 +124,19 @@ def main() -> None:
             redis.stop()
             shutil.rmtree(data, ignore_errors=True)
 
-    stack = BenchStack(ingress_env={"LANEWAY_REPLY_TIMEOUT_S": "2"})
+    stack = BenchStack(ingress_env=settings)
     with bench_stack(stack):
         ports = [stack.ingress_port] + [stack.ingress_port + i for i in (1, 2, 3)]
         for port in ports[1:]:
             stack.spawn(
                 "ingress",
-                {
-                    "LANEWAY_PORT": str(port),
-                    "LANEWAY_PROBE_INTERVAL_S": "0",
-                    "LANEWAY_REPLY_TIMEOUT_S": "2",
-                },
+                {"LANEWAY_PORT": str(port), "LANEWAY_PROBE_INTERVAL_S": "0", **settings},
             )
         time.sleep(5)
         print(
             f"# 4 ingress processes, {args.requests} requests at once, budget {args.budget} tokens, {RESERVATION} reserved each"
         )
+        print(f"# ingress settings: {' '.join(f'{k}={v}' for k, v in settings.items())}")
         print(
             f"{'round':>6} {'admitted':>9} {'429':>6} {'admitted tokens':>16} {'drift tokens':>13} {'drift reservations':>19} {'other':>6}"
         )

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from laneway.apikeys import hash_key, key_id, lookup_hash, well_formed
-from laneway.cache import TtlCache
+from laneway.cache import SharedReads, TtlCache
 from laneway.constants import API_KEY_CACHE_S, UNKNOWN_KEY_CACHE_S, RedisKeys
 from laneway.errors import ServiceUnavailable, Unauthorized
 from laneway.redis_circuit import circuit_of
@@ -49,6 +49,9 @@ class CallerResolver:
         self._teams_by_key: TtlCache[str] = TtlCache(API_KEY_CACHE_S)  # by key hash
         self._unknown: TtlCache[bool] = TtlCache(UNKNOWN_KEY_CACHE_S)
         self._teams: TtlCache[Team] = TtlCache(API_KEY_CACHE_S)
+        # A burst with one key not cached reads it (and its team) once.
+        self._key_reads: SharedReads[str | None] = SharedReads()
+        self._team_reads: SharedReads[Team] = SharedReads()
 
     async def resolve(self, authorization: str | None) -> Caller:
         if not authorization:
@@ -67,19 +70,13 @@ class CallerResolver:
         try:
             team_name = self._teams_by_key.get(digest)
             if team_name is None:
-                team_name = await self.circuit.hot(
-                    lambda: lookup_hash(self.redis, self.keys, digest)
-                )
+                team_name = await self._key_reads.read(digest, lambda: self._read_key(digest))
                 if team_name is None:
-                    self._unknown.put(digest, True)
                     raise Unauthorized(_UNKNOWN)
-                self._teams_by_key.put(digest, team_name)
             team = self._teams.get(team_name)
             if team is None:
                 named = team_name
-                changes = self._teams.changes
-                team = await self.circuit.hot(lambda: get_team(self.redis, self.keys, named))
-                self._teams.put_if(changes, team_name, team)
+                team = await self._team_reads.read(named, lambda: self._read_team(named))
         except (RedisError, OSError) as exc:
             # Redis is down or hangs: a key seen before keeps working on its last known record
             # (a revoked one does not: the check above reads Kafka's revocations, not Redis).
@@ -92,6 +89,21 @@ class CallerResolver:
                     retry_after=2,
                 ) from exc
         return Caller(team=team, key_id=key_id(digest))
+
+    async def _read_key(self, digest: str) -> str | None:
+        """The team of a key hash, from Redis (None: unknown, remembered as such)."""
+        team_name = await self.circuit.hot(lambda: lookup_hash(self.redis, self.keys, digest))
+        if team_name is None:
+            self._unknown.put(digest, True)
+        else:
+            self._teams_by_key.put(digest, team_name)
+        return team_name
+
+    async def _read_team(self, name: str) -> Team:
+        changes = self._teams.changes
+        team = await self.circuit.hot(lambda: get_team(self.redis, self.keys, name))
+        self._teams.put_if(changes, name, team)
+        return team
 
     def team_changed(self, name: str | None) -> None:
         """``name``'s record changed (None: any team's may have): read again at its next

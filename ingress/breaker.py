@@ -27,6 +27,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from laneway.cache import SharedReads
 from laneway.constants import RedisKeys
 from laneway.errors import ServiceUnavailable
 from laneway.metrics import BREAKER_LEVEL
@@ -93,6 +94,7 @@ class BreakerGate:
         self.routes = settings.breaker_routes
         self.clock = clock
         self._cache: dict[tuple[str, str], _Levels] = {}
+        self._reads: SharedReads[_Levels] = SharedReads()
 
     async def route_for(self, team: str, model: str) -> RouteDecision:
         """The route of ``team``'s request for ``model``; ``ServiceUnavailable`` at level 3."""
@@ -115,10 +117,15 @@ class BreakerGate:
         return RouteDecision(route=route, level=level, wait_in_queue=level >= 1)
 
     async def _levels(self, team: str, model: str) -> _Levels:
+        cached = self._cache.get((model, team))
+        if cached is not None and cached.expires > self.clock():
+            return cached
+        # Requests that find the levels expired at once share one read.
+        return await self._reads.read(f"{model}\0{team}", lambda: self._read(team, model))
+
+    async def _read(self, team: str, model: str) -> _Levels:
         now = self.clock()
         cached = self._cache.get((model, team))
-        if cached is not None and cached.expires > now:
-            return cached
         names = [self.keys.breaker(model), self.keys.breaker(model, team)]
         try:
             raw_route, raw_team = await self.circuit.hot(lambda: self.redis.mget(names))

@@ -17,6 +17,7 @@ from functools import partial
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
+from laneway.errors import QuotaExceeded
 from laneway.metrics import team_label
 from laneway.redis_circuit import RedisUnavailable, circuit_of
 from quota import Admitted, LocalLimiter, QuotaEnforcer, QuotaPolicy, Team
@@ -100,7 +101,8 @@ class QuotaGate:
         lease = self._leases.get(team.name)
         if lease is not None and lease.tokens >= tokens:
             return self._spend(team, lease, tokens)  # no Redis at all, even while it is down
-        chunk = int(self.policy.budget_tokens(team, "interactive") * self.lease_share)
+        capacity = self.policy.budget_tokens(team, "interactive")
+        chunk = int(capacity * self.lease_share)
         if not self.degraded:
             try:
                 if chunk >= tokens:
@@ -111,10 +113,14 @@ class QuotaGate:
                     )
             except (RedisError, OSError) as exc:
                 log.info("quota of %s admitted locally: %s", request_id, exc)
+            except QuotaExceeded:
+                self.local.note(team.name, 0.0, capacity)  # spent: not a new budget if silent
+                raise
             else:
                 QUOTA_REMAINING.labels(team_label(team.name), "interactive").set(admitted.remaining)
+                # Should Redis go silent next, the local limiter starts from what was left.
+                self.local.note(team.name, admitted.remaining, capacity)
                 return admitted
-        capacity = self.policy.budget_tokens(team, "interactive")
         remaining = self.local.reserve(team.name, tokens, capacity)
         # Charged in full by its settlement (nothing was taken from the pool for it).
         return Admitted("interactive", int(remaining), int(capacity), 0.0, local=tokens)

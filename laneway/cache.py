@@ -1,11 +1,14 @@
-"""A small in-process cache with a time to live, for records that change rarely (keys, teams)."""
+"""A small in-process cache with a time to live, for records that change rarely (keys, teams),
+and reads shared by the callers that want the same record at once."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-__all__ = ["TtlCache"]
+__all__ = ["SharedReads", "TtlCache"]
 
 V = TypeVar("V")
 
@@ -47,3 +50,34 @@ class TtlCache(Generic[V]):
         if len(self._data) >= self.max_entries:
             self._data.clear()
         self._data[key] = (time.monotonic() + self.ttl_s, value)
+
+
+class SharedReads(Generic[V]):
+    """One read of a record at a time: callers that want it while it is being read wait for
+    that read rather than making their own. A burst of requests with one key the cache does
+    not hold (an ingress just started, the entry just expired) is then one Redis read, not
+    one each: a hundred reads at once on a busy event loop outlast the hot timeout and open
+    the Redis circuit for everyone.
+
+    A caller that is cancelled (its client left) stops waiting; the read goes on for the
+    others. Its error, when it fails, is every waiter's."""
+
+    def __init__(self) -> None:
+        self._reads: dict[str, asyncio.Future[V]] = {}
+
+    async def read(self, key: str, fetch: Callable[[], Awaitable[V]]) -> V:
+        pending = self._reads.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(fetch())
+            self._reads[key] = pending
+            pending.add_done_callback(lambda done: self._done(key, done))
+        return await asyncio.shield(pending)
+
+    def _done(self, key: str, done: asyncio.Future[V]) -> None:
+        if self._reads.get(key) is done:
+            del self._reads[key]
+        if not done.cancelled():
+            done.exception()  # retrieved: no "never retrieved" warning when nobody waits
+
+    def __len__(self) -> int:
+        return len(self._reads)

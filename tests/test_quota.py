@@ -756,3 +756,41 @@ async def test_a_503_from_kafka_gives_the_reservation_back(
     # No reservation left, and the bucket (100 tokens an hour) full again.
     assert pool["reservations"] == 0, pool
     assert pool["remaining_tokens"] >= 99, pool
+
+
+@pytest.mark.slow
+async def test_a_team_that_spent_its_budget_gets_no_new_one_when_redis_goes_silent(
+    services: Services, tmp_path: Path, prefix: str
+) -> None:
+    """While Redis does not answer, each replica admits with its local limiter. It starts from
+    what Redis last said the team had left, not from a full budget: a busy ingress that takes
+    Redis for silent for a moment (a burst) must not hand every team its budget again."""
+    port = free_port()
+    server = RedisServer(port=port, data_dir=tmp_path / "redis")
+    server.start()
+    stack = LiveStack(Services(services.bootstrap, server.url), prefix)
+    try:
+        await stack.create_topics()
+        ingress = await stack.start_ingress(quota_lease_share=0, quota_units_per_member=0.1)
+        await stack.start_worker("completion")
+        http = stack.http(ingress, await stack.api_key("frugal", size=1))  # 100 tokens/h
+        other = stack.http(ingress, await stack.api_key("thrifty", size=1))
+        body = {"model": "laneway-code", "prompt": "x" * 40, "max_tokens": 30}  # ~40 each
+        answers = []
+        while 429 not in answers and len(answers) < 20:  # each settles to what it used
+            answers.append((await http.post("/v1/completions", json=body)).status_code)
+        assert answers[-1] == 429, answers
+        assert (await other.post("/v1/completions", json=body)).status_code == 200
+
+        with contextlib.suppress(RedisConnectionError):
+            await stack.redis.shutdown(nosave=True)
+        await eventually(lambda: not server.running, 10, "redis to stop")
+        server.stop()
+        refused = await http.post("/v1/completions", json=body)
+        assert refused.status_code == 429, refused.text
+        assert "local limit while Redis is down" in refused.text
+        # A team with budget left when Redis went silent is still served from it.
+        assert (await other.post("/v1/completions", json=body)).status_code == 200
+    finally:
+        await stack.stop()
+        server.stop()
