@@ -272,3 +272,20 @@ async def test_unknown_keys_are_answered_from_memory(stack: LiveStack) -> None:
         assert await _status(ingress, "not-even-a-key") == 401  # malformed: no lookup at all
     finally:
         await proxy.stop()
+
+
+async def test_a_burst_with_a_key_not_cached_reads_it_once(stack: LiveStack) -> None:
+    """An ingress that just started, or whose entry expired, gets a key's requests in a
+    burst: one Redis read for all of them. A read each is a pile of calls that outlast the
+    hot timeout on a busy host and open the Redis circuit (then the key is refused 503)."""
+    ingress = await stack.start_ingress()
+    key = await stack.api_key("bursty", size=100)
+
+    async def key_reads() -> int:
+        stats = await stack.redis.info("commandstats")
+        return int(stats.get("cmdstat_hget", {}).get("calls", 0))
+
+    before = await key_reads()
+    statuses = await asyncio.gather(*(_status(ingress, key) for _ in range(40)))
+    assert set(statuses) != {503}
+    assert await key_reads() - before <= 2  # the key's read (not one per request)
