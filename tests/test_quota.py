@@ -519,13 +519,18 @@ async def test_night_batch_never_throttles_interactive(stack: LiveStack) -> None
     assert all(r["status"] == "ok" for r in results)
 
 
+def _own_redis(tmp_path: Path, port: int = 0) -> RedisServer:
+    """A Redis server of the test's own (on ``port``: started again), to stop and start."""
+    server = RedisServer(port=port or free_port(), data_dir=tmp_path / "redis")
+    server.start()
+    return server
+
+
 @pytest.mark.slow
 async def test_redis_outage_keeps_interactive_and_pauses_batch(
     services: Services, tmp_path: Path, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = free_port()
-    server = RedisServer(port=port, data_dir=tmp_path / "redis")
-    server.start()
+    server = _own_redis(tmp_path)
     stack = LiveStack(Services(services.bootstrap, server.url), prefix)
     try:
         await stack.create_topics()
@@ -563,8 +568,7 @@ async def test_redis_outage_keeps_interactive_and_pauses_batch(
         )
         assert await stack.read_all(stack.topics.results_batch) == []
 
-        server = RedisServer(port=port, data_dir=tmp_path / "redis")
-        server.start()
+        server = _own_redis(tmp_path, server.port)
         results = await stack.read_topic(stack.topics.results_batch, count=5, within_s=30)
         assert len(results) == 5
         response = await http.post("/v1/completions", json={**body, "prompt": "after"})
@@ -765,9 +769,7 @@ async def test_a_team_that_spent_its_budget_gets_no_new_one_when_redis_goes_sile
     """While Redis does not answer, each replica admits with its local limiter. It starts from
     what Redis last said the team had left, not from a full budget: a busy ingress that takes
     Redis for silent for a moment (a burst) must not hand every team its budget again."""
-    port = free_port()
-    server = RedisServer(port=port, data_dir=tmp_path / "redis")
-    server.start()
+    server = _own_redis(tmp_path)
     stack = LiveStack(Services(services.bootstrap, server.url), prefix)
     try:
         await stack.create_topics()
