@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
@@ -298,18 +299,16 @@ def test_a_session_name_belongs_to_its_team() -> None:
     )
 
 
-def _member(worker: str, cls: str, running: int, ts: float) -> Member:
-    return Member(worker, cls, running, 0, capacity=8, ts=ts)
-
-
 def test_a_member_that_stopped_beating_drops_out_of_the_view() -> None:
     """A completion worker killed -9 while it ran 8 leaves its entry in Redis: its slots must
     not count against the shared engine for good."""
     fleet = FleetShare(aioredis.Redis(), RedisKeys("t"), "gpu", "c-live", "completion")
     fleet.connected = True
     now = time.time()
-    fleet._mine = _member("c-live", "completion", 0, now)
-    fleet.members = {"dead": _member("dead", "completion", 8, now - HEARTBEAT_TTL_S - 5)}
+    fleet._mine = replace(_member("c-live", "completion", 0), ts=now)
+    fleet.members = {
+        "dead": replace(_member("dead", "completion", 8), ts=now - HEARTBEAT_TTL_S - 5)
+    }
     assert fleet.room(0, 3) == 3
 
 
@@ -323,7 +322,7 @@ def test_one_burst_larger_than_the_engine_does_not_keep_batch_out() -> None:
     fleet.members["c"] = Member("c", "completion", 8, 20, 8, now[0])  # 28 asked at once
     fleet.local(0, 10, 8)
     now[0] += 5  # the burst is over, well within the peak window
-    fleet.members = {"c": _member("c", "completion", 0, now[0])}
+    fleet.members = {"c": replace(_member("c", "completion", 0), ts=now[0])}
     fleet.local(0, 10, 8)
     assert fleet.reserve == 7
     assert fleet.room(0, 10) >= 1
