@@ -9,6 +9,7 @@ circuit is open. What the local limiter admits meanwhile is charged when it is s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ QUOTA_LEASED = Gauge(
     ["team"],
 )
 
+# A team the local limiter knows nothing of waits this long for a silent Redis to answer
+# again before it is admitted locally (a circuit opened by a busy moment closes within a
+# probe interval, 200 ms by default).
+_UNHEARD_WAIT_S = 1.0
 # Giving idle leases back is background work: it may wait this long for Redis.
 _GIVE_BACK_TIMEOUT_S = 1.0
 
@@ -102,28 +107,45 @@ class QuotaGate:
         if lease is not None and lease.tokens >= tokens:
             return self._spend(team, lease, tokens)  # no Redis at all, even while it is down
         capacity = self.policy.budget_tokens(team, "interactive")
-        chunk = int(capacity * self.lease_share)
-        if not self.degraded:
-            try:
-                if chunk >= tokens:
-                    admitted = await self._from_lease(team, tokens, chunk)
-                else:
-                    admitted = await self.circuit.hot(
-                        lambda: self.enforcer.reserve(team, "interactive", request_id, tokens)
-                    )
-            except (RedisError, OSError) as exc:
-                log.info("quota of %s admitted locally: %s", request_id, exc)
-            except QuotaExceeded:
-                self.local.note(team.name, 0.0, capacity)  # spent: not a new budget if silent
-                raise
-            else:
-                QUOTA_REMAINING.labels(team_label(team.name), "interactive").set(admitted.remaining)
-                # Should Redis go silent next, the local limiter starts from what was left.
-                self.local.note(team.name, admitted.remaining, capacity)
+        for waited in (False, True):
+            admitted = await self._exact(team, request_id, tokens, capacity)
+            if admitted is not None:
                 return admitted
+            if waited or self.local.heard(team.name):
+                break
+            # Nothing known here of the team's pool: wait a moment for Redis first. A burst
+            # on a busy host often makes it seem silent for a probe interval or two, and the
+            # local limiter would start this team from a small share of its budget.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.circuit.wait_closed(), _UNHEARD_WAIT_S)
         remaining = self.local.reserve(team.name, tokens, capacity)
         # Charged in full by its settlement (nothing was taken from the pool for it).
         return Admitted("interactive", int(remaining), int(capacity), 0.0, local=tokens)
+
+    async def _exact(
+        self, team: Team, request_id: str, tokens: int, capacity: float
+    ) -> Admitted | None:
+        """Admission by Redis (a lease, or a reservation); None when Redis does not answer."""
+        if self.degraded:
+            return None
+        chunk = int(capacity * self.lease_share)
+        try:
+            if chunk >= tokens:
+                admitted = await self._from_lease(team, tokens, chunk)
+            else:
+                admitted = await self.circuit.hot(
+                    lambda: self.enforcer.reserve(team, "interactive", request_id, tokens)
+                )
+        except (RedisError, OSError) as exc:
+            log.info("quota of %s not admitted by Redis: %s", request_id, exc)
+            return None
+        except QuotaExceeded:
+            self.local.note(team.name, 0.0, capacity)  # spent: not a new budget if silent
+            raise
+        QUOTA_REMAINING.labels(team_label(team.name), "interactive").set(admitted.remaining)
+        # Should Redis go silent next, the local limiter starts from what was left.
+        self.local.note(team.name, admitted.remaining, capacity)
+        return admitted
 
     async def _from_lease(self, team: Team, tokens: int, chunk: int) -> Admitted:
         lease = self._leases.setdefault(team.name, _Lease())

@@ -2,10 +2,11 @@
 
 It decides admission only, and approximately: each instance grants, on its own, what the
 team's pool had left when this instance last heard from Redis (``note``: every exact
-admission and refusal says), refilling at the budget's rate; a team it never heard of gets
-its full interactive budget. N replicas may so admit up to N times that during an outage,
-but a team that had spent its budget before Redis went silent is not given a new one (as
-when a busy process takes Redis for silent for a moment).
+admission and refusal says), refilling at the budget's rate. A team it never heard of
+starts with ``UNHEARD_START_SHARE`` of its budget (at least the request at hand) and the
+same refill: most often Redis only seemed silent for a moment (a burst on a busy host, the
+first requests after a start), and a whole budget on each replica for each new team made
+that moment admit N budgets. N replicas may admit up to N times what they grant.
 What it admits is still charged: each request carries its amount (``quota_local``) and is
 charged to the team's pool when its worker settles it, once Redis answers again (a pool
 whose bucket expired meanwhile, two hours unused, is charged from a full bucket made for it).
@@ -29,6 +30,10 @@ class _Bucket:
     ts: float
 
 
+# What a team this instance never heard Redis report on starts with (see the module).
+UNHEARD_START_SHARE = 0.01
+
+
 class LocalLimiter:
     def __init__(self) -> None:
         self._buckets: dict[str, _Bucket] = {}
@@ -39,12 +44,17 @@ class LocalLimiter:
         now = time.monotonic() if now is None else now
         self._buckets[team] = _Bucket(capacity, min(capacity, max(0.0, remaining)), now)
 
+    def heard(self, team: str) -> bool:
+        """Whether this limiter holds anything of ``team``'s (a note, or a bucket in use)."""
+        return team in self._buckets
+
     def reserve(self, team: str, tokens: int, capacity: float, now: float | None = None) -> float:
         """Take ``tokens`` from the team's local bucket; returns what is left."""
         now = time.monotonic() if now is None else now
         bucket = self._buckets.get(team)
         if bucket is None or bucket.capacity != capacity:
-            bucket = self._buckets[team] = _Bucket(capacity, capacity, now)
+            start = min(capacity, max(float(tokens), capacity * UNHEARD_START_SHARE))
+            bucket = self._buckets[team] = _Bucket(capacity, start, now)
         rate = capacity / 3600
         bucket.tokens = min(capacity, bucket.tokens + (now - bucket.ts) * rate)
         bucket.ts = now

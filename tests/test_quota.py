@@ -25,7 +25,15 @@ from laneway.errors import BadRequest, QuotaExceeded
 from laneway.schema import BatchRequest, Reply, RequestEnvelope, UsageEvent
 from laneway.tokens import estimate_tokens
 from ops.redis_server import RedisServer
-from quota import QuotaEnforcer, QuotaPolicy, Team, dynamic_factor, get_team, utilisation_sigma
+from quota import (
+    LocalLimiter,
+    QuotaEnforcer,
+    QuotaPolicy,
+    Team,
+    dynamic_factor,
+    get_team,
+    utilisation_sigma,
+)
 from quota.teams import MAX_TEAM_SIZE, set_team
 from tests.stack import (
     LiveStack,
@@ -796,3 +804,19 @@ async def test_a_team_that_spent_its_budget_gets_no_new_one_when_redis_goes_sile
     finally:
         await stack.stop()
         server.stop()
+
+
+def test_the_local_limiter_starts_from_what_redis_last_said_or_a_small_share() -> None:
+    """While Redis seems silent each replica admits on its own: from the team's remaining as
+    Redis last reported it, else from 1 % of its budget (at least the request): a moment of
+    silence during a burst must not admit a whole budget per replica for each new team."""
+    limiter = LocalLimiter()
+    limiter.note("known", remaining=100, capacity=5000, now=0.0)
+    assert limiter.reserve("known", 60, 5000, now=0.0) == 40
+    with pytest.raises(QuotaExceeded):
+        limiter.reserve("known", 60, 5000, now=0.0)
+    assert limiter.reserve("new", 26, 5000, now=0.0) == 24  # 1 % of 5,000 is 50
+    with pytest.raises(QuotaExceeded):
+        limiter.reserve("new", 26, 5000, now=0.0)
+    assert limiter.reserve("new", 26, 5000, now=3600.0) >= 0  # it refills at the budget's rate
+    assert limiter.reserve("big", 300, 5000, now=0.0) == 0  # one request, however large

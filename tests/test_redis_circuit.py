@@ -148,3 +148,34 @@ async def test_a_lease_is_not_given_back_twice_when_redis_does_not_answer_its_re
     # The stored copy, dropped by its worker, is settled as a dropped request is.
     await quota.settle("alpha", "r1", 0, leased=100, accepted_ts=accepted, min_charge=0)
     assert 100 <= await in_pool() - before <= 102  # back in the pool once (and a refill)
+
+
+async def test_a_team_not_heard_of_waits_for_a_redis_silent_a_moment_rather_than_guessing(
+    paused_redis: tuple[RedisServer, aioredis.Redis],
+) -> None:
+    """Redis silent for a moment (a burst on a busy host looks like this) opens the circuit.
+    A team the ingress knows nothing of is not admitted locally from a guess: its request
+    waits for Redis to answer again (up to a second) and is admitted by Redis, exactly. One
+    the ingress heard of is admitted locally at once, from what Redis last said it had."""
+    server, client = paused_redis
+    _circuit(client)
+    policy = QuotaPolicy(unit_tokens=100, units_per_member=10, offpeak="")  # 1,000 tokens/h
+    quota = QuotaEnforcer(client, RedisKeys("unheard-test"), policy)
+    gate = QuotaGate(quota, policy)
+    known, new = Team("known", size=1), Team("new", size=1)
+    assert (await gate.admit(known, "k1", 100)) is not None  # heard: 900 left
+    await client.set("warm", "1")  # the connection is up: the pause below is all it meets
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        local = await gate.admit(known, "k2", 100)
+        assert local is not None
+        assert local.local == 100  # admitted locally, at once
+        waiting = asyncio.ensure_future(gate.admit(new, "n1", 100))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # waits for Redis instead
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    admitted = await asyncio.wait_for(waiting, 5)
+    assert admitted is not None
+    assert admitted.local == 0  # Redis admitted it: exact
