@@ -63,7 +63,7 @@ class BatchProgress:
         """Count the results written since the last count."""
         assert record.partition is not None
         assert record.scanned_to is not None
-        tp = TopicPartition(self.topics.results_batch, record.partition)
+        tp = TopicPartition(record.results_topic or self.topics.results_batch, record.partition)
         job = record.id.encode()
         completed = failed = output_bytes = error_bytes = 0
         async with self._reading:
@@ -130,6 +130,7 @@ class BatchProgress:
                 first_offset=record.header_offset,
                 last_offset=record.scanned_to - 1,
                 job_id=record.id,
+                results_topic=record.results_topic,
                 results_ok=ok,
             )
             await self.files.put(file)
@@ -167,7 +168,7 @@ class BatchProgress:
                 )
                 return await self.records.load(record.id) or record
             return record
-        tp = TopicPartition(self.topics.results_batch, record.partition)
+        tp = TopicPartition(record.results_topic or self.topics.results_batch, record.partition)
         committed: bool | None = None
         async with self._reading:
             self._reader.assign([tp])

@@ -79,8 +79,10 @@ class BatchRecord(BaseModel):
     failed: int = 0
     output_file_id: str | None = None
     error_file_id: str | None = None
-    # Where its results are: the partition of laneway.results.batch, its header's offset,
-    # and how far that partition was counted.
+    # Where its results are: the topic (None: laneway.results.batch, where a batch made
+    # before laneway.results.batch.http existed has them), the partition, its header's
+    # offset, and how far that partition was counted.
+    results_topic: str | None = None
     partition: int | None = None
     header_offset: int | None = None
     scanned_to: int | None = None

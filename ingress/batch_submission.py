@@ -179,7 +179,7 @@ class BatchSubmissions:
         batch_id = batch.id
         key = batch_id.encode()
         async with producer.transaction():
-            topic = self.topics.request("batch")
+            topic = self.topics.batch_http
             lines = 0
             for request in requests:
                 line_key = f"{batch_id}:{request.line_id}".encode()
@@ -190,11 +190,13 @@ class BatchSubmissions:
             if not lines:
                 raise BadRequest("the input file has no request lines", param="input_file_id")
             header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
-            meta = await (await producer.send(self.topics.results_batch, header.to_json(), key=key))
+            results = self.topics.results_batch_http
+            meta = await (await producer.send(results, header.to_json(), key=key))
             await self.records.update(
                 batch_id,
                 lambda current: current.model_copy(
                     update={
+                        "results_topic": results,
                         "partition": meta.partition,
                         "header_offset": meta.offset,
                         "scanned_to": meta.offset + 1,

@@ -49,8 +49,10 @@ class FileRecord(BaseModel):
     # upload: the offsets of its first and last chunk on laneway.files
     first_offset: int = 0
     last_offset: int = -1
-    # a batch's output or errors: the range of laneway.results.batch that holds them
+    # a batch's output or errors: the range of its results topic that holds them (None:
+    # laneway.results.batch, a batch made before laneway.results.batch.http existed)
     job_id: str | None = None
+    results_topic: str | None = None
     results_ok: bool = True
 
     def public(self) -> dict[str, Any]:
@@ -260,7 +262,7 @@ class FileStore:
                 if chunk_key == key:
                     yield chunk
             return
-        tp = TopicPartition(self.topics.results_batch, record.partition)
+        tp = TopicPartition(record.results_topic or self.topics.results_batch, record.partition)
         job = record.job_id.encode()
         seen: set[str] = set()
         async for _, rkey, value in read_range(

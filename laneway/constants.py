@@ -94,6 +94,11 @@ class Topics:
         self.keys = f"{prefix}.keys"
         # Bytes of files uploaded through the Files API, in chunks keyed by file id.
         self.files = f"{prefix}.files"
+        # The HTTP Batches API's lines and results: topics the ingress and the batch workers
+        # alone write, so no other principal (an operator's batch service writes req.batch
+        # and results.batch) can finish, or read, a team's HTTP batch.
+        self.batch_http = f"{prefix}.req.batch.http"
+        self.results_batch_http = f"{prefix}.results.batch.http"
 
     def request(self, cls: RequestClass, band: Band = "hi") -> str:
         """The request topic of a class; batch has a single band."""
@@ -128,12 +133,15 @@ class Topics:
 
     def batch_results_for(self, input_topic: str) -> str:
         """Where the results of lines read from ``input_topic`` go."""
+        if input_topic == self.batch_http:
+            return self.results_batch_http
         team = self.team_of_batch_topic(input_topic)
         return self.results_batch if team is None else self.results_batch_team(team)
 
     def batch_pattern(self) -> str:
-        """Regex of every topic the batch pool consumes: the lane and each tenant's topic."""
-        return rf"^{re.escape(self.prefix)}\.req\.batch(\.team\.[A-Za-z0-9_-]+)?$"
+        """Regex of every topic the batch pool consumes: the lane, the HTTP Batches API's
+        and each tenant's topic."""
+        return rf"^{re.escape(self.prefix)}\.req\.batch(\.http|\.team\.[A-Za-z0-9_-]+)?$"
 
     def team_specs(self, team: str, partitions: int) -> list[tuple[str, int, dict[str, str]]]:
         """(name, partitions, config) of a direct-Kafka tenant's two topics: a week, and at
@@ -173,6 +181,8 @@ class Topics:
             ),
             (self.usage, partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
             (self.results_batch, partitions, {"retention.ms": str(FILE_RETENTION_S * 1000)}),
+            (self.batch_http, partitions, {}),
+            (self.results_batch_http, partitions, {"retention.ms": str(FILE_RETENTION_S * 1000)}),
             (self.control, 1, {"retention.ms": day_ms}),
             (self.replies, partitions, {"retention.ms": str(10 * 60 * 1000)}),
             (self.usage_hourly, partitions, {"retention.ms": str(90 * 24 * 3600 * 1000)}),

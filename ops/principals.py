@@ -101,17 +101,20 @@ def acl_rules(
     rules: list[AclRule] = []
     if role.kind == "ingress":
         interactive = [t for pool in ("completion", "chat") for t in topics.pool_topics(pool)]
-        # The HTTP Batches API is the one door to req.batch: it writes each job's lines with
-        # the team of the caller's key and its header on results.batch, in one transaction
-        # per batch (ingress/batch_submission.py). Its files live on <prefix>.files.
+        # The HTTP Batches API writes each job's lines with the team of the caller's key to
+        # req.batch.http and its header on results.batch.http, in one transaction per batch
+        # (ingress/batch_submission.py); no other principal writes or reads those two. Its
+        # files live on <prefix>.files. req.batch and results.batch: the batch probe.
         files = topics.files
-        rules += topic([*interactive, topics.request("batch"), topics.cancel], writes)
+        http = [topics.batch_http, topics.results_batch_http]
+        rules += topic([*interactive, topics.request("batch"), topics.cancel, *http], writes)
         rules += topic([topics.control, topics.keys, files, topics.results_batch], writes)
         txn = f"{topics.prefix}.batches."
         rules += _on(principal, "transactional_id", [txn], writes, "prefixed")
         # Reply chunks while Redis is away, revocations, batch results (probe and Batches API),
         # and what the operator's console shows (rollups, breaker and probe records).
         rules += topic([topics.replies, topics.keys, topics.results_batch, files], reads)
+        rules += topic([topics.results_batch_http], reads)
         rules += topic([topics.usage_hourly, topics.control], reads)
     elif role.kind == "worker":
         pool: RequestClass = role.arg  # type: ignore[assignment]
@@ -124,7 +127,7 @@ def acl_rules(
             # under memory pressure waits in its worker, its offset uncommitted.
             lane = topics.request("batch")
             rules += topic([lane], ("read", "describe"), "prefixed")
-            rules += topic([topics.results_batch], writes)
+            rules += topic([topics.results_batch, topics.results_batch_http], writes)
             rules += topic([topics.results_batch_team("")], writes, "prefixed")
             # One transactional id per input partition (workers/batch_txn.py).
             txn = f"{topics.prefix}.batch.{group}."

@@ -133,8 +133,8 @@ async def test_sdk_batch_end_to_end_one_result_per_line(stack: LiveStack) -> Non
     listed = await client.batches.list()
     assert [b.id for b in listed.data] == [batch.id]
 
-    # The lines went on the batch lane with the team, and no key.
-    lines = await stack.read_all(stack.topics.request("batch"))
+    # The lines went on the HTTP batches' topic with the team, and no key.
+    lines = await stack.read_all(stack.topics.batch_http)
     assert len(lines) == 24
     assert {line["team"] for line in lines} == {"docs"}
     raw = orjson.dumps(lines).decode()
@@ -169,7 +169,9 @@ async def test_records_no_worker_wrote_on_the_results_topic_count_for_nothing(
     )
     producer = await stack.producer()
     for value in (b"not json", b'{"type": "result"}', forged.to_json()):
-        await producer.send_and_wait(stack.topics.results_batch, value, key=created.id.encode())
+        await producer.send_and_wait(
+            stack.topics.results_batch_http, value, key=created.id.encode()
+        )
     still = await client.batches.retrieve(created.id)  # counted past them: no error
     assert still.status == "in_progress"
     assert still.request_counts is not None
@@ -442,6 +444,8 @@ async def test_a_submission_cut_short_runs_no_line_and_fails_the_batch(stack: Li
     client = _client(stack, ingress, await stack.api_key("docs", size=100))
     uploaded = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
     settings = IngressSettings(**stack.common)
+    # Records as a replica made them before HTTP batches had topics of their own (no
+    # results_topic): read where they are, on the lane's topics.
     request_topic = stack.topics.request("batch")
     ended: dict[str, str] = {}
     # The last two were cancelled while their replica queued them: they end cancelled, not
@@ -703,7 +707,7 @@ async def test_a_batch_given_up_on_while_it_waited_its_turn_is_not_queued(
     assert (await _until_done(client, first.id)).status == "completed"
     await asyncio.sleep(1.0)  # the second's turn has come and gone
     assert (await client.batches.retrieve(second.id)).status == "failed"
-    queued = await stack.read_all(stack.topics.request("batch"))
+    queued = await stack.read_all(stack.topics.batch_http)
     assert {line["job_id"] for line in queued} == {first.id}
 
 

@@ -376,6 +376,26 @@ async def test_a_batch_service_submits_a_job_in_one_transaction(
         assert (await client.status(job)).lines == 3
 
 
+async def test_the_batch_service_cannot_read_or_finish_a_teams_http_batch(
+    secured: tuple[LiveStack, Principals],
+) -> None:
+    """An operator's pipeline writes req.batch and reads results.batch. HTTP batches have
+    topics of their own: a batch service that could read or write their results could read
+    every team's batch output, or finish a team's batch with results of its making (it
+    did, before they moved)."""
+    stack, principals = secured
+    topics, bootstrap = stack.topics, stack.services.bootstrap
+    await principals.create("svc", "batch-service")
+    producer = await stack.producer()  # the admin: something to read
+    await producer.send_and_wait(topics.results_batch_http, b"{}", key=b"batch_x")
+    auth = principals.auth("svc")
+    for topic in (topics.batch_http, topics.results_batch_http):
+        with pytest.raises(TopicAuthorizationFailedError):
+            await _produce(auth, bootstrap, topic, b"{}")
+    with pytest.raises(TopicAuthorizationFailedError):
+        await _read_one(auth, bootstrap, topics.results_batch_http)
+
+
 async def test_redis_refuses_the_default_user_and_foreign_keys(
     secured_services: SecuredServices,
 ) -> None:
