@@ -3,7 +3,9 @@ when it is not, and a local limiter while Redis does not answer.
 
 Every Redis call here is on the request path and goes through the process's Redis circuit
 (``laneway.redis_circuit``): it waits the hot timeout at most, and not at all while the
-circuit is open. What the local limiter admits meanwhile is charged when it is settled.
+circuit is open, except for a team the local limiter has heard nothing of, which waits up to
+a second for Redis first (``quota.fallback``). What the local limiter admits meanwhile is
+charged when it is settled.
 """
 
 from __future__ import annotations

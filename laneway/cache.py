@@ -56,8 +56,8 @@ class SharedReads(Generic[V]):
     """One read of a record at a time: callers that want it while it is being read wait for
     that read rather than making their own. A burst of requests with one key the cache does
     not hold (an ingress just started, the entry just expired) is then one Redis read, not
-    one each: a hundred reads at once on a busy event loop outlast the hot timeout and open
-    the Redis circuit for everyone.
+    one each: a hundred reads at once on a busy host outlast the hot timeout and open the
+    Redis circuit for everyone.
 
     A caller that is cancelled (its client left) stops waiting; the read goes on for the
     others. Its error, when it fails, is every waiter's."""
