@@ -35,6 +35,7 @@ from workers import batch_lane, batch_txn, batch_txn_failures
 from workers.batch import BatchIntake, batch_result
 from workers.batch_lane import BatchLane
 from workers.batch_yield import yield_to_interactive
+from workers.pool import PoolWorker
 
 
 def _line(i: int, **body: Any) -> str:
@@ -541,8 +542,13 @@ async def test_a_follower_fenced_on_its_partition_takes_it_back_without_the_lead
                 "batch", worker_id=worker_id, sim_decode_ms_per_step=40.0, max_inflight=4
             )
         )
+    lane_topic = stack.topics.request("batch")  # the job below goes there
+
+    def on_the_lane(worker: PoolWorker) -> list[TopicPartition]:
+        return [tp for tp in worker.consumer.assignment() if tp.topic == lane_topic]
+
     await eventually(
-        lambda: all(len(w.consumer.assignment()) == 1 for w in workers), 60, "one each"
+        lambda: all(len(on_the_lane(w)) == 1 for w in workers), 60, "one lane partition each"
     )
     # Only the leader computes assignments: it is the one that knows the group's topics.
     followers = [w for w in workers if w.consumer._coordinator._group_subscription is None]
@@ -550,7 +556,7 @@ async def test_a_follower_fenced_on_its_partition_takes_it_back_without_the_lead
     follower = followers[0]
     lane = follower.lane
     assert isinstance(lane, BatchLane)
-    (tp,) = follower.consumer.assignment()
+    (tp,) = on_the_lane(follower)
     leader = next(w for w in workers if w is not follower)
     generation = leader.consumer._coordinator.generation
     async with BatchClient(CommonSettings(**stack.common)) as client:
