@@ -19,7 +19,13 @@ from typing import Any
 
 import orjson
 
-__all__ = ["MAX_JSON_DEPTH", "MAX_SCANNED_BYTES", "json_problem", "top_level_strings"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "MAX_SCANNED_BYTES",
+    "MAX_SCAN_STEPS",
+    "json_problem",
+    "top_level_strings",
+]
 
 MAX_JSON_DEPTH = 64
 # ``top_level_strings`` reads no more (about a second of CPU for a record of nested brackets
@@ -90,20 +96,39 @@ def _too_big(number: int) -> str:
     return f"an integer {sign} the 64-bit range ({number.bit_length()} bits)"
 
 
-# One JSON token after optional whitespace: a string, a structural character, or a run of
-# anything else (a number, true, false, null; checked only by what follows it).
-_TOKEN = re.compile(rb'\s*("(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+)', re.DOTALL)
+# One JSON token after optional whitespace: a string, a run of opening or of closing brackets,
+# a colon or comma, or a run of anything else (a number, true, false, null; checked only by
+# what follows it). A string is matched without alternation inside it, so a long one (or one
+# of bytes that are not UTF-8) is read at the speed of C.
+_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+_TOKEN = re.compile(rb"\s*(" + _STRING + rb'|[{\[]+|[}\]]+|[:,]|[^\s{}\[\]:,"]+)', re.DOTALL)
+# Inside a nested value: its strings and anything but a bracket; then a run of brackets.
+_NESTED = re.compile(rb"(?:" + _STRING + rb'|[^"{}\[\]]+)*', re.DOTALL)
+_BRACKETS = re.compile(rb"[{}\[\]]+")
+# Steps (a token, or a stretch of a nested value up to its next brackets) that
+# ``top_level_strings`` takes at most: tens of milliseconds. A line has a few members at its
+# top level, and a nested value costs a step or two per bracket (a chat of a thousand
+# messages: about four thousand); a record that takes more is shaped to be costly, and is
+# not read (it cannot be answered: it is skipped). One worker reads every team's lines.
+MAX_SCAN_STEPS = 20_000
 
 
 def top_level_strings(raw: bytes) -> dict[str, str] | None:
     """The string members of the JSON object ``raw`` at its top level, however deep its
     other members nest: for a record no parser takes (orjson stops at 1024 levels) that
     still says whose it is. None when ``raw`` is not an object as far as its top level
-    shows (what nests below it is skipped, its brackets only counted). No recursion; time
-    follows the size."""
+    shows (what nests below it is skipped, its brackets only counted), or when reading it
+    takes more than ``MAX_SCAN_STEPS``. No recursion; time follows the size, and is bounded."""
     if len(raw) > MAX_SCANNED_BYTES:
         return None
     tokens = _top_level(raw)
+    try:
+        return _members(tokens)
+    except _TooCostly:
+        return None
+
+
+def _members(tokens: Iterator[bytes]) -> dict[str, str] | None:
     if next(tokens, None) != b"{":
         return None
     members: dict[str, str] = {}
@@ -127,28 +152,62 @@ def top_level_strings(raw: bytes) -> dict[str, str] | None:
 _NOT_VALUES = (None, b":", b",", b"}", b"]")
 
 
+class _TooCostly(Exception):
+    """More than ``MAX_SCAN_STEPS`` steps."""
+
+
 def _top_level(raw: bytes) -> Iterator[bytes]:
-    """The tokens of ``raw``'s top level: an array or object nested in it is one ``[``."""
-    depth, pos = 0, 0
-    while (match := _TOKEN.match(raw, pos)) is not None:
+    """The tokens of ``raw``'s top level: an array or object nested in it is one ``[``.
+
+    Inside a nested value only its brackets count: its strings and everything else between
+    two brackets are passed over in one match, and a run of brackets that cannot bring it
+    back to the top level is counted (``bytes.count``), not read one by one. A record nested
+    ten thousand deep, or a nested list of thousands of strings, is a few steps."""
+    depth, pos, steps = 0, 0, 0
+    while True:
+        steps += 1
+        if steps > MAX_SCAN_STEPS:
+            raise _TooCostly
+        if depth >= 2:
+            pos = _NESTED.match(raw, pos).end()  # type: ignore[union-attr] # it matches ""
+            brackets = _BRACKETS.match(raw, pos)
+            if brackets is None:
+                return  # the record ends inside a nested value (or in an open string)
+            run = brackets.group()
+            closing = run.count(b"]") + run.count(b"}")
+            if depth - closing >= 2:
+                depth += len(run) - 2 * closing
+                pos = brackets.end()
+                continue
+        match = _TOKEN.match(raw, pos)
+        if match is None:
+            return
         token, pos = match.group(1), match.end()
-        if token in (b"{", b"["):
-            depth += 1
-            if depth <= 2:
-                yield token if depth == 1 else b"["
-        elif token in (b"}", b"]"):
-            depth -= 1
-            if depth <= 0:
-                yield token
+        first = token[:1]
+        if first in (b"{", b"["):
+            # Only the brackets that open the top level or a member's value are seen.
+            for opened in range(depth + 1, min(depth + len(token), 2) + 1):
+                yield token[opened - depth - 1 : opened - depth] if opened == 1 else b"["
+            depth += len(token)
+        elif first in (b"}", b"]"):
+            # Those that close to the top level or below it are seen, one by one.
+            for char in range(max(0, depth - 1), len(token)):
+                yield token[char : char + 1]
+            depth -= len(token)
         elif depth <= 1:
             yield token
 
 
 def _string(token: bytes) -> str:
     """A string token's text; a bad escape or invalid UTF-8 in it (rare: a record that is
-    broken as well as deep) is replaced, never raised."""
+    broken as well as deep) is replaced, never raised, and such a string is read only as far
+    as ``_BROKEN_STRING_BYTES`` (each bad byte replaced costs a call)."""
     try:
         text = orjson.loads(token)
     except orjson.JSONDecodeError:
-        return token[1:-1].decode(errors="replace")
+        return token[1 : min(len(token) - 1, 1 + _BROKEN_STRING_BYTES)].decode(errors="replace")
     return text if isinstance(text, str) else ""
+
+
+# Far more than any id a line names (``MAX_CUSTOM_ID_CHARS``).
+_BROKEN_STRING_BYTES = 4096

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from laneway.json_shape import (
     MAX_JSON_DEPTH,
+    MAX_SCAN_STEPS,
     MAX_SCANNED_BYTES,
     json_problem,
     top_level_strings,
@@ -115,3 +116,28 @@ def test_a_repeated_member_is_read_as_a_parser_keeps_it_and_a_huge_record_not_at
     assert top_level_strings(b'{"a": 1, "a": "y"}') == {"a": "y"}
     huge = b'{"job_id": "j", "body": "' + b"x" * MAX_SCANNED_BYTES + b'"}'
     assert top_level_strings(huge) is None
+
+
+def test_what_nests_below_the_top_level_is_passed_over_however_it_is_shaped() -> None:
+    # Each of these is a megabyte or near it that no parser takes (a bad byte at its end).
+    broken = b'"\xff"'
+    deep = b"[" * 300_000 + b"]" * 300_000
+    strings = b"[" + b'"a",' * 200_000 + broken + b"]"
+    chat = b'{"messages": [' + b'{"role": "user", "content": "x"},' * 2_000 + broken + b"]}"
+    for nested in (deep, strings, chat):
+        raw = b'{"job_id": "j", "body": ' + nested + b', "line_id": "l", "x": ' + broken + b"}"
+        assert top_level_strings(raw) == {"job_id": "j", "line_id": "l", "x": "\ufffd"}
+
+
+def test_a_record_shaped_to_cost_more_than_the_scan_allows_is_not_read() -> None:
+    # Nested lists of two levels in a row: a step for each bracket that a count cannot pass.
+    costly = b"[" + b"[]," * (MAX_SCAN_STEPS // 2) + b'"\xff"]'
+    assert top_level_strings(b'{"job_id": "j", "body": ' + costly + b"}") is None
+    fits = b"[" + b"[]," * (MAX_SCAN_STEPS // 4) + b'"\xff"]'
+    assert top_level_strings(b'{"job_id": "j", "body": ' + fits + b"}") == {"job_id": "j"}
+
+
+def test_a_broken_string_is_read_only_as_far_as_an_id_could_reach() -> None:
+    raw = b'{"line_id": "' + b"\xff" * 100_000 + b'"}'
+    (line_id,) = top_level_strings(raw).values()  # type: ignore[union-attr]
+    assert line_id == "\ufffd" * 4096
