@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from ingress.responses import JSONResponse, error_body
 from laneway.errors import BadRequest, LanewayError, ServiceUnavailable
+from laneway.logs import described
 from laneway.metrics import ERRORS
 
 __all__ = ["error_response", "install_error_handlers"]
@@ -59,7 +60,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def on_backend_error(request: Request, exc: Exception) -> Response:
-        log.warning("%s %s: a backing service failed: %r", request.method, request.url.path, exc)
+        log.warning(
+            "%s %s: a backing service failed: %s", request.method, request.url.path, described(exc)
+        )
         return error_response(
             ServiceUnavailable("a backing service is unavailable; retry shortly", retry_after=2)
         )

@@ -31,6 +31,7 @@ from ingress.shadow_mirror import ShadowMirror
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
 from laneway.constants import HEARTBEAT_TTL_S, POOLS
+from laneway.logs import described
 from laneway.loops import keep_running
 from laneway.redis_circuit import circuit_of
 from laneway.schema import CancelRecord, RequestEnvelope
@@ -205,7 +206,7 @@ class IngressState:
             await asyncio.wait_for(self.producer.client.fetch_all_metadata(), 2.0)
             checks["kafka"] = {"ok": True}
         except (KafkaError, TimeoutError) as exc:
-            log.warning("readiness: Kafka does not answer: %r", exc)
+            log.warning("readiness: Kafka does not answer: %s", described(exc))
             checks["kafka"] = {"ok": False, "error": type(exc).__name__}
         try:
             # Through the circuit: a load balancer's probe must not wait on a Redis that hangs.
@@ -228,7 +229,7 @@ class IngressState:
             # Degraded, not down: keys and breaker levels come from memory, quota from the
             # local limiter, replies through Kafka.
             if not self.circuit.open:
-                log.warning("readiness: Redis does not answer: %r", exc)
+                log.warning("readiness: Redis does not answer: %s", described(exc))
             checks["redis"] = {"ok": False, "degraded": True, "error": type(exc).__name__}
         checks["replies"] = {"ok": self.replies.healthy, "degraded": not self.replies.healthy}
         for probed, probe in self.prober.results.items():

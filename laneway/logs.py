@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-__all__ = ["JsonFormatter", "TextFormatter", "setup_logging", "tune_gc"]
+__all__ = ["JsonFormatter", "TextFormatter", "described", "setup_logging", "tune_gc"]
 
 LogFormat = Literal["text", "json"]
 
@@ -23,6 +23,13 @@ _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
     "asctime",
     "taskName",
 }
+
+
+def described(exc: BaseException) -> str:
+    """An exception for a log line: its class and message. Not ``repr``: redis-py's names
+    only a category and the class (``network:TimeoutError``), not what timed out where."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def fields_of(record: logging.LogRecord) -> dict[str, Any]:

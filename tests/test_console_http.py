@@ -5,9 +5,12 @@ request path (the browser tests in test_console_browser.py drive the same pages)
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import time
 from http.cookies import SimpleCookie
+from pathlib import Path
 
 import httpx
 import orjson
@@ -17,8 +20,16 @@ from ingress.console.feed import ConsoleFeed
 from ingress.console.session import COOKIE, ConsoleSessions
 from laneway.constants import RedisKeys
 from laneway.settings import CommonSettings
+from ops.redis_server import RedisServer
 from quota.teams import get_team
-from tests.stack import Ingress, LiveStack, clear_of_the_hour_turn, eventually
+from tests.stack import (
+    Ingress,
+    LiveStack,
+    Services,
+    clear_of_the_hour_turn,
+    eventually,
+    free_port,
+)
 
 ADMIN = "console-admin-key-0123456789"
 _CSRF = re.compile(r'name="csrf" value="([^"]+)"')
@@ -285,3 +296,70 @@ async def test_the_feed_read_again_after_a_failure_holds_each_change_once(
         assert [c.data["level"] for c in feed.changes] == [1, 2]
     finally:
         await feed.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_redis_costs_the_console_the_sections_it_feeds_not_the_page(
+    services: Services, tmp_path: Path, prefix: str
+) -> None:
+    """An operator opens the console while Redis hangs: what Kafka feeds is shown, what Redis
+    holds says it is not shown, and a form says its change may not be saved (HTML, 503)."""
+    server = RedisServer(port=free_port(), data_dir=tmp_path / "redis")
+    server.start()
+    stack = LiveStack(Services(services.bootstrap, server.url), prefix)
+    assert server.pid is not None
+    try:
+        await stack.create_topics()
+        now = time.time()
+        change = {"v": 1, "kind": "breaker", "subject": "breaker:laneway-chat:team-h"}
+        change |= {"route": "laneway-chat", "team": "team-h", "level": 2, "previous": 1}
+        change |= {"rate": 0.125, "requests": 80, "since": now, "ts": now}
+        producer = await stack.producer()
+        await producer.send_and_wait(stack.topics.control, orjson.dumps(change), key=b"x")
+        ingress = await stack.start_ingress(admin_key=ADMIN)
+        await stack.api_key("team-h", size=2)
+        http, csrf = await _logged_in(stack, ingress)
+        before = (await http.get("/console")).text
+        assert 'data-team="team-h"' in before
+        assert "Redis did not answer" not in before
+
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            page = await http.get("/console")
+            assert page.status_code == 200, page.text[:300]
+            assert "Redis did not answer" in page.text
+            assert 'data-team="team-h"' not in page.text
+            teams = page.text[page.text.index('id="teams"') : page.text.index('id="usage"')]
+            assert "not shown: Redis did not answer" in teams
+            # The breaker's change came from Kafka: shown all the same.
+            assert "1 → 2" in page.text[page.text.index('id="breakers"') :]
+
+            team = await http.get("/console/teams/team-h")
+            assert team.status_code == 200, team.text[:300]
+            assert 'id="team-form"' not in team.text
+            assert 'id="create-key"' not in team.text
+            assert 'id="team-usage"' in team.text
+
+            edit = await http.post(
+                "/console/teams/team-h",
+                data={"csrf": csrf, "size": "3", "complexity": "1", "tier": "hi"}
+                | {"supersede_grace_tokens": "0"},
+            )
+            assert edit.status_code == 503
+            assert edit.headers["content-type"].startswith("text/html")
+            assert "the change may not have been saved" in edit.text
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+
+        async def answered_again() -> bool:
+            text = (await http.get("/console")).text
+            return 'data-team="team-h"' in text and "Redis did not answer" not in text
+
+        await eventually(
+            answered_again, 15, "the console showing Redis's sections again", every_s=0.5
+        )
+    finally:
+        if server.running:
+            os.kill(server.pid, signal.SIGCONT)
+        await stack.stop()
+        server.stop()

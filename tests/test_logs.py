@@ -7,8 +7,9 @@ import logging
 import orjson
 import pytest
 from aiokafka.errors import GroupAuthorizationFailedError, GroupCoordinatorNotAvailableError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from laneway.logs import JsonFormatter, TextFormatter, setup_logging
+from laneway.logs import JsonFormatter, TextFormatter, described, setup_logging
 
 
 def record(**extra: object) -> logging.LogRecord:
@@ -49,3 +50,10 @@ def test_a_coordinator_aiokafka_retries_is_a_warning_not_an_error(
         )
         coordinator.error("Group Coordinator Request failed: %s", GroupAuthorizationFailedError())
     assert [r.levelname for r in caplog.records] == ["WARNING", "ERROR"]  # given up: an error
+
+
+def test_an_exception_is_logged_with_what_went_wrong_where() -> None:
+    # redis-py's repr says only "network:TimeoutError"; the log says what timed out.
+    timeout = RedisTimeoutError("Timeout reading from 127.0.0.1:6379")
+    assert described(timeout) == "TimeoutError: Timeout reading from 127.0.0.1:6379"
+    assert described(TimeoutError()) == "TimeoutError"

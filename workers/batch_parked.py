@@ -15,6 +15,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from laneway.errors import Expired, LanewayError
+from laneway.logs import described
 from laneway.schema import BatchRequest, RequestEnvelope
 from workers.batch_budget import BudgetWait, NotReadBack
 from workers.batch_lines import answer, id_of, line_of, release, stored_at
@@ -109,7 +110,7 @@ async def _restore(lane: BatchLane, work: Work) -> Work | None:
         await _answer_parked(lane, work, exc)
         return None
     except (KafkaError, TimeoutError, RedisError, OSError) as exc:
-        log.warning("parked batch line %s not read back yet: %r", work.env.id, exc)
+        log.warning("parked batch line %s not read back yet: %s", work.env.id, described(exc))
         raise NotReadBack(str(exc)) from exc
     if not lane.worker.offsets.current(work.tp, work.epoch):
         return None

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from laneway.clients import make_consumer, make_producer, make_redis
 from laneway.clock import RedisClock
+from laneway.logs import described
 from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
 from laneway.tasks import cancel_all, kept
@@ -252,7 +253,8 @@ class PoolWorker:
                 return
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning(
-                    "prefix-cache secret not read yet (%r): salting with this worker's own", exc
+                    "prefix-cache secret not read yet (%s): salting with this worker's own",
+                    described(exc),
                 )
                 await backoff.wait()
             except Exception:

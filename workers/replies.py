@@ -19,6 +19,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from laneway.constants import REPLY_STREAM_MAXLEN, Topics
+from laneway.logs import described
 from laneway.schema import Reply
 from workers import metrics
 from workers.round_trips import Command, RoundTrips
@@ -77,7 +78,9 @@ class ReplyWriter:
                 await self.via_kafka(stream, reply)
             except KafkaError as exc:
                 log.warning(
-                    "%d replies Redis took before it stopped not sent again: %r", len(recent), exc
+                    "%d replies Redis took before it stopped not sent again: %s",
+                    len(recent),
+                    described(exc),
                 )
                 return
         log.info("%d replies Redis took before it stopped sent again through Kafka", len(recent))

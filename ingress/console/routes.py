@@ -1,17 +1,27 @@
 """The console's pages: ``/console`` (log in, then the overview) and ``/console/teams/T``
 (edit the team, its keys, its last day). Server-rendered HTML; forms post back here, carry
-the session's token and are checked against the page's own origin."""
+the session's token and are checked against the page's own origin.
+
+A Redis that does not answer costs the sections it feeds (teams, budgets, breaker levels,
+workers, keys), each saying so, not the page: what Kafka feeds (usage, breaker changes,
+probes) is what an operator looks at in such a moment. A form whose change Redis did not
+take is answered with a page that says so (503), not the API's JSON."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote, urlsplit
 
 from fastapi import APIRouter, FastAPI, Request
 from jinja2 import Environment, PackageLoader, select_autoescape
+from redis.exceptions import RedisError
 from starlette.responses import RedirectResponse, Response
 
 from ingress.admin import (
@@ -30,13 +40,20 @@ from ingress.state import IngressState
 from laneway.apikeys import check_team_name
 from laneway.errors import BadRequest, NotFound
 from laneway.openai_api import validate_body
+from laneway.redis_circuit import RedisUnavailable, circuit_of
 from quota import Team, get_team
 
 __all__ = ["Console", "ConsoleRefusal", "console_router", "install_console"]
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 console_router = APIRouter(prefix="/console", include_in_schema=False)
 
 HOUR_S = 3600
+# A section's read of Redis waits no longer (a socket's timeout is 5 s): a hung Redis costs a
+# page this, once; its sections are read side by side.
+_READ_S = 2.0
 _MAX_FORM_FIELDS = 20
 _STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
 _HEADERS = {
@@ -161,6 +178,66 @@ def _hour_now() -> int:
     return int(time.time()) // HOUR_S * HOUR_S
 
 
+class _RedisReads:
+    """A page's reads of Redis, each on its own and within ``_READ_S``: one that fails is
+    None (its section says why), and ``failure`` names the first failure for the page's
+    notice. While the process's Redis circuit is open (its request path found Redis silent)
+    none is tried: the page comes at once."""
+
+    def __init__(self, state: IngressState) -> None:
+        self.circuit = circuit_of(state.redis)
+        self.failure: str | None = None
+
+    async def __call__(self, read: Coroutine[Any, Any, T]) -> T | None:
+        try:
+            if self.circuit.open:
+                read.close()
+                raise RedisUnavailable("Redis is not answering (circuit open)")
+            async with asyncio.timeout(_READ_S):
+                return await read
+        except TimeoutError:
+            why = f"no answer within {_READ_S:.0f} s"
+        except (RedisError, OSError) as exc:
+            why = _why(exc)
+        log.warning("console: a Redis read failed: %s", why)
+        self.failure = self.failure or why
+        return None
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _html_if_redis_fails(
+    handler: Callable[..., Awaitable[Response]],
+) -> Callable[..., Awaitable[Response]]:
+    """A form's handler whose Redis failure is answered with a console page (503) that says
+    the change may not be saved, instead of the API's JSON 503."""
+
+    @functools.wraps(handler)
+    async def answered(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            log.warning("console: a form's Redis call failed: %s", _why(exc))
+            request: Request = kwargs["request"]
+            _, console = _console(request)
+            session = _session(request, console)
+            response = console.page(
+                "unavailable.html",
+                503,
+                csrf=console.sessions.csrf_token(session) if session else None,
+                error=(
+                    f"Redis did not answer ({_why(exc)}): the change may not have been saved. "
+                    "Reload the page once Redis answers, and check."
+                ),
+            )
+            response.headers["Retry-After"] = "5"
+            return response
+
+    return answered
+
+
 @console_router.get("/static/{name}")
 async def static(name: str) -> Response:
     media_type = _STATIC.get(name)
@@ -178,16 +255,23 @@ async def console_home(request: Request) -> Response:
         return console.page("login.html")
     await console.feed.ready()
     hour = _hour_now()
+    redis = _RedisReads(state)
+    teams, breakers, pools = await asyncio.gather(
+        redis(overview.teams(state)),
+        redis(overview.breaker_levels(state)),
+        redis(overview.pools(state)),
+    )
     return console.page(
         "overview.html",
         csrf=console.sessions.csrf_token(session),
-        teams=await overview.teams(state),
+        teams=teams,
         usage=overview.usage_rows(console.feed, hour),
         hour_label=_clock(hour)[:-3],
-        breakers=await overview.breaker_levels(state),
+        breakers=breakers,
         changes=overview.recent_changes(console.feed),
-        pools=await overview.pools(state),
+        pools=pools,
         probes=overview.probes(state, console.feed),
+        redis_down=redis.failure,
     )
 
 
@@ -221,6 +305,7 @@ async def logout(request: Request) -> Response:
 
 
 @console_router.post("/team")
+@_html_if_redis_fails
 async def open_team(request: Request) -> Response:
     posted = await _posted(request)
     name = posted.form.get("name", "").strip()
@@ -230,6 +315,15 @@ async def open_team(request: Request) -> Response:
     # saying why, rather than sent on to a page that is not found.
     await check_team_name(posted.state.redis, posted.state.keys, name)
     return RedirectResponse(f"/console/teams/{quote(name, safe='')}", status_code=303)
+
+
+async def _budget(state: IngressState, team: str) -> tuple[dict[str, Any], bool]:
+    """The team's record and budget, and whether it is a team yet (a new one: what its
+    budget would be)."""
+    try:
+        return await team_budget(state, team), True
+    except NotFound:
+        return await state.quota.enforcer.snapshot(Team(team)), False
 
 
 async def _team_page(
@@ -242,18 +336,18 @@ async def _team_page(
     **extra: Any,
 ) -> Response:
     await console.feed.ready()
-    try:
-        budget, known = await team_budget(state, team), True
-    except NotFound:
-        budget, known = await state.quota.enforcer.snapshot(Team(team)), False
+    redis = _RedisReads(state)
+    budget, keys = await asyncio.gather(redis(_budget(state, team)), redis(team_keys(state, team)))
     hour = _hour_now()
     return console.page(
         "team.html",
         status_code,
         csrf=console.sessions.csrf_token(session),
-        team=budget,
-        known=known,
-        keys=await team_keys(state, team),
+        team_name=team,
+        team=budget[0] if budget else None,
+        known=budget[1] if budget else True,
+        keys=keys,
+        redis_down=redis.failure,
         usage=overview.usage_rows(console.feed, hour, team),
         hour_label=_clock(hour)[:-3],
         charts=overview.team_charts(console.feed, team, hour),
@@ -275,6 +369,7 @@ async def team_page(team: str, request: Request) -> Response:
 # ``{team:path}``, as the admin API's: a team named with '/' before that was refused is still
 # reached. The keys route comes first, or the edit route would take ``<team>/keys`` as a name.
 @console_router.post("/teams/{team:path}/keys")
+@_html_if_redis_fails
 async def new_key(team: str, request: Request) -> Response:
     posted = await _posted(request)
     created = await create_team_key(posted.state, team)
@@ -291,6 +386,7 @@ async def new_key(team: str, request: Request) -> Response:
 
 
 @console_router.post("/teams/{team:path}")
+@_html_if_redis_fails
 async def edit_team(team: str, request: Request) -> Response:
     posted = await _posted(request)
     state, console, session, form = posted.state, posted.console, posted.session, posted.form
@@ -308,6 +404,7 @@ async def edit_team(team: str, request: Request) -> Response:
 
 
 @console_router.post("/keys/{key_id}/revoke")
+@_html_if_redis_fails
 async def revoke(key_id: str, request: Request) -> Response:
     revoked = await revoke_team_key((await _posted(request)).state, key_id)
     return RedirectResponse(
