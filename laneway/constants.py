@@ -258,6 +258,11 @@ class RedisKeys:
         """A pool's latest ``ScalingDecision`` (JSON), written by the pool's lead worker."""
         return f"{self.prefix}:scaling:{pool}"
 
+    def usage_held(self, request_id: str) -> str:
+        """A finished interactive request's usage event, until the broker stores it
+        (``workers.outbox``)."""
+        return f"{self.prefix}:usage-held:{request_id}"
+
     def cancels(self) -> str:
         """Pub/sub channel that carries each cancel tombstone ahead of ``laneway.cancel``."""
         return f"{self.prefix}:cancels"

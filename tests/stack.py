@@ -6,16 +6,19 @@ Each test gets its own topic and key prefix, so tests never see each other's rec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,6 +210,23 @@ async def eventually(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
         await asyncio.sleep(every_s)
+
+
+@contextlib.contextmanager
+def frozen(pid: int, *, at_most_s: float = 60.0) -> Iterator[None]:
+    """The process ``pid`` (the session's broker, say) stopped for the block; a timer thread
+    lets it go after ``at_most_s`` whatever becomes of the test (a timeout raised in the event
+    loop would leave the block's own ``finally`` unrun, and every later test on a frozen
+    broker)."""
+    thaw = threading.Timer(at_most_s, os.kill, (pid, signal.SIGCONT))
+    thaw.daemon = True
+    os.kill(pid, signal.SIGSTOP)
+    thaw.start()
+    try:
+        yield
+    finally:
+        thaw.cancel()
+        os.kill(pid, signal.SIGCONT)
 
 
 async def clear_of_the_hour_turn(needed_s: float, *, into_hour_s: float = 0.0) -> None:

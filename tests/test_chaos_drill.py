@@ -88,6 +88,23 @@ def test_each_accepted_request_is_answered_failed_or_lost() -> None:
     assert not out.target_met
 
 
+def test_an_answered_request_billed_as_a_drop_fails_the_drill() -> None:
+    # Its worker answered it and died before its usage event was stored; the request's
+    # re-run found it past its deadline: the only event says expired, no tokens.
+    requests = [
+        _request("c-1", _attempt("answered", "r1")),
+        _request("c-2", _attempt("answered", "r2")),
+    ]
+    accepted = [Accepted("r1", "c-1", "completion"), Accepted("r2", "c-2", "completion")]
+    out = tally(requests, {}, accepted, {"r1": ["ok"], "r2": ["expired", "ok"]})
+    assert out.usage_not_ok == ["r2 (c-2): answered, billed expired"]
+    assert not out.target_met
+    assert "| answered requests whose counted usage event is not ok | 1 | 0 | FAIL |" in (
+        tally_table(out)
+    )
+    assert tally(requests, {}, accepted, {"r1": ["ok"], "r2": ["ok", "expired"]}).target_met
+
+
 def test_batch_results_beyond_one_per_line_and_doubled_usage_are_counted() -> None:
     ids = {f"batch-j-l{i}": ["ok"] for i in range(3)}
     ids["batch-j-l0"] = ["ok", "ok"]  # a re-run after a crash: reported, not failed
@@ -143,7 +160,7 @@ def test_batch_tokens_charged_other_than_used_fails_the_drill() -> None:
 
 
 def test_usage_the_rollups_count_other_than_once_per_request_fails_the_drill() -> None:
-    usage = {"r1": ["ok"], "r2": ["ok", "ok"], "r3": ["error"]}
+    usage = {"r1": ["ok"], "r2": ["ok", "ok"], "r3": ["ok"]}
     accepted = [Accepted(rid, rid, "completion") for rid in usage]
     answered = [_request(rid, _attempt("answered", rid)) for rid in usage]
     records = [

@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 
 from ingress.admission import affinity_key
 from laneway.schema import UsageEvent
-from tests.stack import LiveStack, eventually, partition_of
+from tests.stack import LiveStack, eventually, frozen, partition_of
 from workers.reports import Reports
 from workers.sim import SimEngine
 from workers.types import EngineRequest
@@ -146,6 +146,82 @@ async def test_sigkill_mid_stream_loses_nothing(stack: LiveStack) -> None:
     assert request_id in {e["id"] for e in ok}
 
 
+@pytest.mark.slow
+async def test_a_worker_killed_between_its_answer_and_its_usage_event_loses_no_usage(
+    stack: LiveStack,
+) -> None:
+    """The worker answers a completion (through Redis) and is killed before the broker stores
+    its usage event (frozen meanwhile). The partition's next owner sends the event the worker
+    left in Redis, with the tokens its client got, and does not run the request again: past
+    its start deadline, a second run would have recorded a drop instead."""
+    assert stack.services.broker_pid is not None
+    ingress = await stack.start_ingress()
+    key = await stack.api_key("team-a")
+    slow = {"LANEWAY_POOL": "completion", "LANEWAY_SIM_DECODE_MS_PER_STEP": "40"}
+    victim = _spawn_worker(stack, "completion-kill", **slow)
+    replacement: subprocess.Popen[bytes] | None = None
+    try:
+        async with httpx.AsyncClient(
+            base_url=ingress.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+
+            async def served() -> bool:
+                body = {"model": "laneway-code", "prompt": "def warm():", "max_tokens": 2}
+                return (await http.post("/v1/completions", json=body)).status_code == 200
+
+            await eventually(served, 60, "the worker serving", every_s=0.5)
+            body = {"model": "laneway-code", "prompt": "def killed_after_answering():"}
+            body |= {"max_tokens": 40, "stream": True, "stream_options": {"include_usage": True}}
+            got: dict[str, int] = {}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                request_id = response.headers["x-laneway-request-id"]
+                lines = response.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break  # its first token: it runs
+                with frozen(stack.services.broker_pid):
+                    async for line in lines:
+                        if line.startswith("data: {"):
+                            got |= orjson.loads(line[6:]).get("usage") or {}
+                        if line == "data: [DONE]":
+                            break
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait(timeout=10)
+        assert got.get("completion_tokens"), got
+        replacement = _spawn_worker(stack, "completion-kill", **slow)
+        events = await stack.read_topic(
+            stack.topics.usage, count=1, within_s=60, where=lambda e: e["id"] == request_id
+        )
+    finally:
+        for proc in (victim, replacement):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=20)
+    assert events[0]["status"] == "ok", events
+    assert events[0]["completion_tokens"] == got["completion_tokens"]
+    assert (await stack.usage_counts({request_id}))[request_id] == 1  # not run again
+
+
+async def test_redis_holds_a_usage_event_only_until_the_broker_stores_it(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress()
+    worker = await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("team-a"))
+    for i in range(5):
+        body = {"model": "laneway-code", "prompt": f"def held_{i}():", "max_tokens": 4}
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+    held = f"{worker.keys.usage_held('')}*"
+    assert worker.outbox.keys is not None  # an interactive pool's outbox holds them
+
+    async def none_held() -> bool:
+        return not [key async for key in stack.redis.scan_iter(held)]
+
+    await eventually(none_held, 10, "the held usage events released")
+
+
 async def test_worker_stops_when_a_loop_swallows_its_cancellation(stack: LiveStack) -> None:
     # A library can swallow a cancellation (redis-py has turned one into a timeout error), and
     # a loop that catches the error goes on; the worker's stop (its SIGTERM) must still end.
@@ -167,6 +243,7 @@ async def test_a_usage_event_the_broker_refused_is_sent_again_before_the_offset_
     the request. (The broker's refusal is the one thing faked here.)"""
     usage = UsageEvent(id="r-1", team="t", cls="completion", model="m", route="m", status="ok")
     sent: list[UsageEvent] = []
+    released: list[str] = []
 
     class _Outbox:
         async def send_usage(self, event: UsageEvent) -> asyncio.Future[object]:
@@ -175,9 +252,13 @@ async def test_a_usage_event_the_broker_refused_is_sent_again_before_the_offset_
             done.set_result(None)
             return done
 
+        def release(self, request_id: str) -> None:
+            released.append(request_id)  # Redis need not hold the event once it is stored
+
     reports = Reports(_Outbox(), worker_id="w", clock=lambda: 0.0)  # type: ignore[arg-type]
     refused: asyncio.Future[object] = asyncio.get_running_loop().create_future()
     refused.set_exception(KafkaError("broker refused it"))
     reports.deliveries["r-1"] = (refused, usage)
     await asyncio.wait_for(reports.delivered("r-1"), 5)
     assert sent == [usage]
+    assert released == ["r-1"]

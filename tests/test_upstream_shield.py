@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from laneway.errors import Aborted
-from tests.stack import Ingress, LiveStack, eventually
+from tests.stack import Ingress, LiveStack, eventually, frozen
 from tests.upstream_process import UpstreamProcess
 from workers.pool import PoolWorker
 from workers.types import EngineRequest
@@ -174,22 +171,6 @@ async def test_superseded_keystrokes_never_reach_the_upstream(
     await _only_the_last_keystroke_ran(keystrokes, occupant, worker, upstream)
 
 
-@contextlib.contextmanager
-def _frozen(pid: int, *, at_most_s: float = 60.0) -> Iterator[None]:
-    """The session's broker stopped for the block; a timer thread lets it go after
-    ``at_most_s`` whatever becomes of the test (a timeout raised in the event loop would
-    leave the block's own ``finally`` unrun, and every later test on a frozen broker)."""
-    thaw = threading.Timer(at_most_s, os.kill, (pid, signal.SIGCONT))
-    thaw.daemon = True
-    os.kill(pid, signal.SIGSTOP)
-    thaw.start()
-    try:
-        yield
-    finally:
-        thaw.cancel()
-        os.kill(pid, signal.SIGCONT)
-
-
 async def test_keystrokes_fetched_in_one_batch_are_answered_at_once(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
@@ -228,7 +209,7 @@ async def test_keystrokes_typed_while_the_broker_is_frozen_are_shielded_once_it_
     occupant = await _occupy(http, upstream, "occupant")
     keystrokes = [_keystroke(http, 1)]
     await eventually(lambda: len(worker.queue) == 1, 10, "the first keystroke in the worker")
-    with _frozen(stack.services.broker_pid):
+    with frozen(stack.services.broker_pid):
         for seq in range(2, 6):
             keystrokes.append(_keystroke(http, seq))
             await asyncio.sleep(0.02)

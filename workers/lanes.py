@@ -133,6 +133,9 @@ class InteractiveLane:
         # The reads of newly assigned partitions' last commits, until each is done: their
         # records wait for it, and the partition is not committed before it.
         self._reading: dict[TopicPartition, asyncio.Task[None]] = {}
+        # Per partition, its end when this tenure began: a record below it may have been
+        # answered by the last owner, which stopped before its usage event was stored.
+        self._inherited_end: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, tuple[int, str]] = {}  # last commit sent
 
     def consumer_options(self) -> dict[str, Any]:
@@ -159,12 +162,37 @@ class InteractiveLane:
             skip_record(self.worker.pool, tp, record.offset, exc)
             return None
         clock = self.worker.clock
+        if record.offset < self._inherited_end.get(tp, 0) and await self._answered_before(env):
+            return None
         if env.deadline_ts is not None and clock.material:
             # The deadline is on Redis's clock and this machine's clock is off: moved onto
             # the local clock once, here, so every later check (shield, dispatch queue,
             # upstream timer) compares it with time.time() as it is.
             env = env.model_copy(update={"deadline_ts": clock.to_local(env.deadline_ts)})
         return env
+
+    async def _answered_before(self, env: RequestEnvelope) -> bool:
+        """Whether the partition's last owner answered ``env`` and stopped before the broker
+        stored its usage event (``workers.outbox``): the event it left in Redis is sent
+        now, and the request is not run a second time (its client has its answer; a run
+        now would find it stale, and record a drop instead of what it used)."""
+        outbox = self.worker.outbox
+        usage = await outbox.held_usage(env.id)
+        if usage is None:
+            return False
+        try:
+            await (await outbox.send_usage(usage))
+        except KafkaError as exc:
+            log.warning("held usage event of %s not sent (%s): it runs again", env.id, exc)
+            return False
+        outbox.release_held(env.id)
+        metrics.USAGE_RESENT.labels(self.worker.pool).inc()
+        log.info(
+            "%s was answered before its last worker stopped: its usage event sent again",
+            env.id,
+            extra={"request_id": env.id, "team": env.team},
+        )
+        return True
 
     async def before_queue(self, work: Work) -> bool:
         return True
@@ -222,9 +250,11 @@ class InteractiveLane:
 
     async def _inherit(self, tenure: dict[TopicPartition, int]) -> None:
         partitions = set(tenure)
+        ends: dict[TopicPartition, int] = {}
         try:
             async with asyncio.timeout(_READ_COMMITS_S):
                 answered = await read_commits(self.worker.consumer, partitions)
+                ends = await self.worker.consumer.end_offsets(list(partitions))
         except (KafkaError, TimeoutError) as exc:
             log.warning(
                 "last commits of %s not read (%r): requests answered above them run again",
@@ -241,6 +271,9 @@ class InteractiveLane:
             if named.high > named.low and self.worker.offsets.current(tp, tenure[tp]):
                 self._answered[tp] = named
                 self.worker.offsets.inherit(tp, named.high, named.pending)
+        for tp, end in ends.items():
+            if self.worker.offsets.current(tp, tenure[tp]):
+                self._inherited_end[tp] = end
 
     async def revoked(self, partitions: set[TopicPartition]) -> None:
         try:
@@ -254,6 +287,7 @@ class InteractiveLane:
     def forgot(self, partitions: set[TopicPartition], gone: list[Work]) -> None:
         for tp in partitions:
             self._answered.pop(tp, None)
+            self._inherited_end.pop(tp, None)
             self._committed.pop(tp, None)
             reading = self._reading.pop(tp, None)
             if reading is not None:

@@ -24,12 +24,19 @@ __all__ = [
     "REUSED",
     "REUSE_SAVED_MS",
     "STALE_ENGINE_MS",
+    "USAGE_RESENT",
 ]
 
 MALFORMED = Counter(
     "laneway_worker_malformed_records_total",
     "Kafka records (and Redis cancel messages) skipped because they did not decode",
     ["pool", "topic"],
+)
+USAGE_RESENT = Counter(
+    "laneway_worker_usage_resent_total",
+    "Requests answered by a worker that stopped before the broker stored their usage "
+    "events: the events Redis held, sent again by the partition's next owner (not run again)",
+    ["pool"],
 )
 OUTCOMES = Counter(
     "laneway_requests_total",

@@ -99,7 +99,12 @@ class PoolWorker:
         self.consumer = make_pool_consumer(settings, self.lane)
         # Batch keeps its final replies for the transaction that writes its results.
         self.outbox = Outbox(
-            self.redis, self.producer, self.topics, self.quota, capture=settings.pool == "batch"
+            self.redis,
+            self.producer,
+            self.topics,
+            self.quota,
+            capture=settings.pool == "batch",
+            keys=self.keys,
         )
         # The dispatcher and the runs, and the memory guard, call each other: the first
         # calls reach the others once all are built.

@@ -66,8 +66,10 @@ class Reports:
     async def delivered(self, request_id: str) -> None:
         """Wait until the usage event of a finished request is stored by the broker: sent
         again for as long as the broker refuses it, since its offset may not move before
-        (billing, quotas and the breaker count it). A stop meanwhile leaves the offset
-        pending: the request runs again, and its usage event is counted once by id."""
+        (billing, quotas and the breaker count it); then Redis need not hold it. A stop
+        meanwhile leaves the offset pending: the partition's next owner sends the event
+        Redis holds (``Outbox.held_usage``), or runs the request again without one, and
+        the event is counted once by id."""
         pending = self.deliveries.pop(request_id, None)
         if pending is None:
             return
@@ -88,6 +90,7 @@ class Reports:
                 await asyncio.sleep(wait)
                 delivery = await self.outbox.send_usage(usage)
             else:
+                self.outbox.release(request_id)
                 return
 
     async def report(

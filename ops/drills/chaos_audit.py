@@ -58,6 +58,9 @@ class ChaosTally:
     usage_twice: list[str] = field(default_factory=list)  # ids with more than one event
     usage_extra: int = 0  # events beyond one per id
     usage_conflicting: list[str] = field(default_factory=list)  # two different outcomes
+    # Answered requests whose usage event (the first, the one the rollups count) is not ok:
+    # billed as a drop, not the tokens their clients got.
+    usage_not_ok: list[str] = field(default_factory=list)
     # Per class: request ids with a usage event, and requests the streams app counted.
     usage_ids: Counter[str] = field(default_factory=Counter)
     usage_counted: Counter[str] | None = None  # None: not read
@@ -89,6 +92,7 @@ class ChaosTally:
             or self.batch_missing
             or self.batch_duplicates
             or self.usage_missing
+            or self.usage_not_ok
             or self.usage_counted_twice
             or self.usage_uncounted
             or self.batch_charge_off
@@ -299,6 +303,9 @@ def _judge(
         return
     if attempt.outcome == "answered":
         out.answered += 1
+        statuses = usage.get(item.id, [])
+        if statuses and statuses[0] != "ok":
+            out.usage_not_ok.append(f"{item.id} ({item.tag}): answered, billed {statuses[0]}")
         return
     if attempt.outcome == "failed":
         out.failed[f"{attempt.status} {attempt.detail}".strip()] += 1

@@ -101,6 +101,12 @@ def tally_table(t: ChaosTally) -> str:
             *(("equal", "PASS" if t.batch_charge_off == 0 else "FAIL")),
         ),
         (
+            "answered requests whose counted usage event is not ok",
+            str(len(t.usage_not_ok)),
+            "0",
+            "PASS" if not t.usage_not_ok else "FAIL",
+        ),
+        (
             "second usage events on the topic (a re-run's; the streams app skips them)",
             f"{len(t.usage_twice)} ids, {t.usage_extra} extra events",
             "reported",
@@ -131,6 +137,7 @@ def details(t: ChaosTally) -> str:
         ("lost", t.lost),
         ("batch lines without a result", t.batch_missing),
         ("usage events missing", t.usage_missing),
+        ("answered, usage not ok", t.usage_not_ok),
         ("ids whose usage events differ in outcome", t.usage_conflicting),
     ):
         if items:
