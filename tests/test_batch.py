@@ -26,7 +26,7 @@ from laneway.batch import BatchClient, JobStatus, batch_request_id
 from laneway.clients import make_consumer
 from laneway.constants import RedisKeys
 from laneway.errors import BadRequest
-from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope
+from laneway.schema import BatchRequest, BatchResult, Reply, RequestEnvelope, UsageEvent
 from laneway.settings import CommonSettings
 from ops.kafka_topics import create_topics
 from quota import QuotaEnforcer, QuotaPolicy, Team
@@ -35,6 +35,7 @@ from workers import batch_lane, batch_txn, batch_txn_failures
 from workers.batch import BatchIntake, batch_result
 from workers.batch_lane import BatchLane
 from workers.batch_yield import yield_to_interactive
+from workers.dispatch import Work
 from workers.pool import PoolWorker
 
 
@@ -1162,3 +1163,30 @@ def test_an_engines_refusal_of_a_line_is_a_400_naming_the_field(status: str) -> 
         "suffix",
         said,
     )
+
+
+async def test_a_line_that_ends_after_its_partition_went_away_leaves_no_result(
+    stack: LiveStack,
+) -> None:
+    """A run that ends after a rebalance took its partition (the next owner runs the line
+    again) adds nothing to the ledger: its records would go out a second time if the
+    partition came back to this worker. The same run within its tenure is kept."""
+    worker = await stack.start_worker("batch")
+    lane = worker.lane
+    assert isinstance(lane, BatchLane)
+    tp = min(worker.consumer.assignment())
+    env = envelope(id="batch-j-l1", cls="batch", job_id="j", line_id="l1")
+    usage = UsageEvent(
+        id=env.id, team=env.team, cls="batch", model=env.model, route=env.route, status="ok"
+    )
+
+    def ended(offset: int, epoch: int) -> None:
+        worker.outbox.captured[env.id] = Reply(id=env.id, n=2, at=0, text="ok", done=True)
+        lane.finished(Work(tp, offset, env, epoch), usage)
+
+    tenure = worker.offsets.epoch(tp)
+    worker.runs.forget({tp})  # the rebalance took it away
+    ended(7, tenure)
+    assert not lane.ledger.holds(tp)
+    ended(8, worker.offsets.epoch(tp))  # a run of the tenure now
+    assert lane.ledger.holds(tp)
