@@ -50,6 +50,8 @@ FINAL_REPLY_PATIENCE_S = 30.0
 # stored it (the usual) is gone within ``_RELEASE_EVERY_S``.
 USAGE_HELD_MS = 15 * 60 * 1000
 _RELEASE_EVERY_S = 0.5
+# Held events this worker keeps track of at most: far more than its requests in flight.
+_MAX_HELD = 100_000
 
 
 class Outbox:
@@ -72,7 +74,9 @@ class Outbox:
         self.captured: dict[str, Reply] = {}
         # Where usage events are held until stored (None: not held; batch needs not).
         self.keys = None if capture else keys
-        self._held: set[str] = set()  # request ids whose event Redis holds
+        # Request ids whose event Redis holds, oldest first (bounded: one never released
+        # expires in Redis all the same).
+        self._held: dict[str, None] = {}
         self._releasing: list[str] = []
         self._releaser: asyncio.Task[None] | None = None
 
@@ -153,14 +157,16 @@ class Outbox:
         if isinstance(result, Exception):  # full (noeviction), say: a crash then re-runs it
             log.info("usage event of %s not held in Redis: %s", request_id, described(result))
         else:
-            self._held.add(request_id)
+            self._held[request_id] = None
+            if len(self._held) > _MAX_HELD:
+                del self._held[next(iter(self._held))]
 
     def release(self, request_id: str) -> None:
         """The broker stored ``request_id``'s usage event: Redis need not hold it (its keys
         go in one UNLINK every ``_RELEASE_EVERY_S``)."""
         if request_id not in self._held:
             return
-        self._held.discard(request_id)
+        del self._held[request_id]
         self._releasing.append(request_id)
         if self._releaser is None or self._releaser.done():
             self._releaser = asyncio.create_task(self._release_soon(), name="usage-release")
@@ -181,7 +187,7 @@ class Outbox:
 
     def release_held(self, request_id: str) -> None:
         """A held event found and sent again (``held_usage``): Redis need not hold it."""
-        self._held.add(request_id)
+        self._held[request_id] = None
         self.release(request_id)
 
     async def held_usage(self, request_id: str) -> UsageEvent | None:
