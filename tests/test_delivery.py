@@ -161,9 +161,7 @@ async def test_a_worker_killed_between_its_answer_and_its_usage_event_loses_no_u
     victim = _spawn_worker(stack, "completion-kill", **slow)
     replacement: subprocess.Popen[bytes] | None = None
     try:
-        async with httpx.AsyncClient(
-            base_url=ingress.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"}
-        ) as http:
+        async with stack.http(ingress, key) as http:
 
             async def served() -> bool:
                 body = {"model": "laneway-code", "prompt": "def warm():", "max_tokens": 2}
