@@ -85,6 +85,10 @@ def test_each_accepted_request_is_answered_failed_or_lost() -> None:
     assert out.usage_missing == ["r4"]
     assert out.clients_retried == 1
     assert out.clients_without_answer == 4
+    assert out.unanswered == {"504 x": 1, "transport": 2, "timeout": 1}
+    assert "never answered | 6 / 1 / 4 (transport × 2, 504 x × 1, timeout × 1)" in (
+        tally_table(out)
+    )
     assert not out.target_met
 
 

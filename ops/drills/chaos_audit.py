@@ -71,6 +71,9 @@ class ChaosTally:
     clients_sent: int = 0
     clients_retried: int = 0
     clients_without_answer: int = 0
+    # What the clients never answered saw last: an HTTP status and error code, or the
+    # transport's failure (a refusal before acceptance, a shed, an ingress killed under it).
+    unanswered: Counter[str] = field(default_factory=Counter)
 
     @property
     def usage_counted_twice(self) -> int:
@@ -254,9 +257,9 @@ def tally(
         _judge(out, item, attempt, ingress_killed=ingress_killed, usage=usage)
     out.clients_sent = len(requests)
     out.clients_retried = sum(len(r.attempts) > 1 for r in requests)
-    out.clients_without_answer = sum(
-        not any(a.outcome == "answered" for a in r.attempts) for r in requests
-    )
+    never = [r for r in requests if not any(a.outcome == "answered" for a in r.attempts)]
+    out.clients_without_answer = len(never)
+    out.unanswered = Counter(_last_seen(r) for r in never)
     out.batch_lines = len(lines)
     per_line = Counter(results)
     out.batch_results = len(results)
@@ -277,6 +280,15 @@ def tally(
     out.usage_counted = rollups
     out.batch_tokens_used = dict(batch_tokens or {})
     return out
+
+
+def _last_seen(request: ClientRequest) -> str:
+    if not request.attempts:
+        return "no replica up"
+    last = request.attempts[-1]
+    if last.outcome == "failed":
+        return f"{last.status} {last.detail}".strip()
+    return f"{last.outcome} {last.detail}".strip()
 
 
 def _blind_attempt(request: ClientRequest | None) -> Attempt | None:

@@ -120,7 +120,8 @@ def tally_table(t: ChaosTally) -> str:
         ),
         (
             "clients: requests sent / retried at the other ingress / never answered",
-            f"{t.clients_sent} / {t.clients_retried} / {t.clients_without_answer}",
+            f"{t.clients_sent} / {t.clients_retried} / {t.clients_without_answer}"
+            + (f" ({_by_kind(t.unanswered)})" if t.unanswered else ""),
             "",
             "",
         ),
