@@ -7,7 +7,6 @@ validating by a replica that stopped is recovered from what its transaction did.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -87,7 +86,7 @@ class BatchProgress:
                         failed, error_bytes = failed + 1, error_bytes + size
         if end <= record.scanned_to:
             return record
-        now = int(time.time())
+        now = int(self.records.clock())
 
         def counted(current: BatchRecord) -> BatchRecord | None:
             if current.scanned_to != record.scanned_to or current.status not in _COUNTING:
@@ -124,7 +123,7 @@ class BatchProgress:
                 purpose="batch_output",
                 filename=f"{record.id}_{kind}.jsonl",
                 bytes=size,
-                created_at=record.finalizing_at or int(time.time()),
+                created_at=record.finalizing_at or int(self.records.clock()),
                 expires_at=record.created_at + FILE_RETENTION_S,
                 partition=record.partition,
                 first_offset=record.header_offset,
@@ -135,7 +134,7 @@ class BatchProgress:
             )
             await self.files.put(file)
             made[kind] = file.id
-        now = int(time.time())
+        now = int(self.records.clock())
 
         def finished(current: BatchRecord) -> BatchRecord | None:
             if current.status != "finalizing":
@@ -155,7 +154,7 @@ class BatchProgress:
     async def _recover(self, record: BatchRecord) -> BatchRecord:
         """A batch left validating by a replica that stopped: its transaction either
         committed (the lines run: in progress) or not (nothing runs: failed)."""
-        age = time.time() - record.created_at
+        age = self.records.clock() - record.created_at
         if age < _VALIDATING_OWNED_S:
             return record
         if record.header_offset is None or record.partition is None:
@@ -187,7 +186,8 @@ class BatchProgress:
                 record.id,
                 "not_queued",
                 "the batch's submission was cut short; create the batch again",
+                aborted_header=record.header_offset,
             )
             return await self.records.load(record.id) or record
-        now = int(time.time())
+        now = int(self.records.clock())
         return await self.records.update(record.id, lambda current: started(current, now))

@@ -121,15 +121,20 @@ class BatchRecord(BaseModel):
 class BatchRecords:
     """The batch records of one Redis, with each team's index of them."""
 
-    def __init__(self, redis: aioredis.Redis, keys: RedisKeys) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, keys: RedisKeys, clock: Callable[[], float] = time.time
+    ) -> None:
         self.redis = redis
         self.keys = keys
+        # Redis's clock (``laneway.clock``): every replica stamps and ages batches on it, so
+        # one whose own clock is off neither gives up on another's batch early nor late.
+        self.clock = clock
 
     async def insert(self, record: BatchRecord) -> None:
         index = self.keys.team_batches(record.team)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.batch(record.id), record.model_dump_json(), ex=FILE_RETENTION_S)
-            pipe.zadd(index, {record.id: time.time()})
+            pipe.zadd(index, {record.id: self.clock()})
             pipe.zremrangebyscore(index, "-inf", record.created_at - FILE_RETENTION_S)
             pipe.expire(index, FILE_RETENTION_S)
             await pipe.execute()
@@ -137,7 +142,7 @@ class BatchRecords:
     async def count(self, team: str) -> int:
         """How many batches the team has within their life (``FILE_RETENTION_S``)."""
         index = self.keys.team_batches(team)
-        await self.redis.zremrangebyscore(index, "-inf", time.time() - FILE_RETENTION_S)
+        await self.redis.zremrangebyscore(index, "-inf", self.clock() - FILE_RETENTION_S)
         return int(await self.redis.zcard(index))
 
     async def team_ids(self, team: str) -> list[str]:
@@ -173,13 +178,20 @@ class BatchRecords:
                 return changed
             # Another replica changed it since: decide again on what it stored.
 
-    async def fail(self, batch_id: str, code: str, message: str) -> None:
+    async def fail(
+        self, batch_id: str, code: str, message: str, *, aborted_header: int | None = None
+    ) -> None:
         """The batch's lines were not queued: failed, saying why (cancelled, if it was being
-        cancelled); a batch that moved on already is left as it is."""
-        now = int(time.time())
+        cancelled); a batch that moved on already is left as it is, and so is one whose
+        header's offset is stored unless ``aborted_header`` is that offset (recovery read
+        from Kafka that its transaction was aborted). Whether a stored header's lines run is
+        read, never guessed: its submitter may have got as far as the commit."""
+        now = int(self.clock())
 
         def failed(current: BatchRecord) -> BatchRecord | None:
             if current.status not in ("validating", "cancelling"):
+                return None
+            if current.header_offset not in (None, aborted_header):
                 return None
             error = {"code": code, "message": message, "param": "input_file_id", "line": None}
             if current.status == "cancelling":

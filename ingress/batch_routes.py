@@ -6,7 +6,7 @@ found", exactly like one that does not exist.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
@@ -50,6 +50,7 @@ async def create_file(request: Request) -> Response:
         async with request.form(max_files=1, max_fields=8) as form:
             purpose = form.get("purpose")
             upload = form.get("file")
+            _known_fields_only(form.keys())
             if purpose != "batch":
                 shown = purpose if isinstance(purpose, str) else None
                 raise BadRequest(
@@ -65,6 +66,25 @@ async def create_file(request: Request) -> Response:
     finally:
         state.files.transfers.give_back(team.name)
     return JSONResponse(record.public())
+
+
+def _known_fields_only(fields: Iterable[str]) -> None:
+    """A form field laneway does not read is refused, never dropped: the SDK's
+    ``expires_after`` (``expires_after[anchor]``, ``expires_after[seconds]``) asks for a
+    retention laneway does not keep (a file's bytes live on Kafka for its 7 days)."""
+    for name in fields:
+        if name in ("purpose", "file"):
+            continue
+        if name.startswith("expires_after"):
+            raise BadRequest(
+                "expires_after is not supported: laneway keeps an uploaded file for 7 days "
+                "(its bytes on Kafka as long); leave it out",
+                param="expires_after",
+            )
+        raise BadRequest(
+            f"{name[:100]}: laneway does not know this field (fields 'file' and 'purpose')",
+            param=name[:100],
+        )
 
 
 @batch_router.get("/files/{file_id}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Iterable
 
 from aiokafka import AIOKafkaProducer
@@ -144,6 +143,9 @@ class BatchSubmissions:
                 await self._write(producer, record, file.id, requests)
             finally:
                 await producer.stop()
+        except _GivenUp as exc:
+            log.warning("%s", exc)
+            await self.uncount(record, file)  # its transaction was aborted
         except LanewayError as exc:
             await self.records.fail(record.id, "invalid_file", str(exc))
             await self.uncount(record, file)  # its transaction wrote nothing
@@ -192,9 +194,11 @@ class BatchSubmissions:
             header = BatchJob(job_id=batch_id, team=batch.team, lines=lines, source=source)
             results = self.topics.results_batch_http
             meta = await (await producer.send(results, header.to_json(), key=key))
-            await self.records.update(
-                batch_id,
-                lambda current: current.model_copy(
+
+            def queued(current: BatchRecord) -> BatchRecord | None:
+                if current.status not in ("validating", "cancelling"):
+                    return None  # given up on meanwhile (taken for lost): not committed
+                return current.model_copy(
                     update={
                         "results_topic": results,
                         "partition": meta.partition,
@@ -202,10 +206,20 @@ class BatchSubmissions:
                         "scanned_to": meta.offset + 1,
                         "total": lines,
                     }
-                ),
-            )
-        now = int(time.time())
+                )
+
+            stored = await self.records.update(batch_id, queued)
+            if stored.header_offset != meta.offset:
+                # Raised inside the transaction, which is aborted: none of its lines runs
+                # under a batch its client was told had failed.
+                raise _GivenUp(f"batch {batch_id} is {stored.status}: its lines are not queued")
+        now = int(self.records.clock())
         await self.records.update(batch_id, lambda current: started(current, now))
+
+
+class _GivenUp(Exception):
+    """The batch was given up on while its lines were being written (another replica took
+    its submission for lost): the transaction is aborted."""
 
 
 async def _claimed_ids_in_turns(lines: list[str]) -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -34,12 +35,13 @@ class BatchBook:
         settings: IngressSettings,
         redis: aioredis.Redis,
         files: FileStore,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.files = files
         self.keys = settings.keys
-        self.records = BatchRecords(redis, settings.keys)
+        self.records = BatchRecords(redis, settings.keys, clock)
         self.submissions = BatchSubmissions(settings, self.records, files)
         self.progress = BatchProgress(settings, self.records, files)
 
@@ -84,7 +86,7 @@ class BatchBook:
         # Its lines are the file's bytes written once more (a file may be used again and
         # again): counted again.
         await self.files.stored.take(team, f"batch:{batch_id}", file.bytes)
-        now = int(time.time())
+        now = int(self.records.clock())
         record = BatchRecord(
             id=batch_id,
             team=team,
@@ -142,7 +144,7 @@ class BatchBook:
             )
         # Workers answer the lines they have not started yet with a "cancelled" result.
         await self.redis.set(self.keys.batch_cancelled(team, batch_id), b"1", ex=FILE_RETENTION_S)
-        now = int(time.time())
+        now = int(self.records.clock())
 
         def cancelling(current: BatchRecord) -> BatchRecord | None:
             if current.status not in ("validating", "in_progress"):

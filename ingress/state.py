@@ -91,7 +91,7 @@ class IngressState:
         )
         self.prober = Prober(self)
         self.files = FileStore(settings, self.redis, self.producer)
-        self.batches = BatchBook(settings, self.redis, self.files)
+        self.batches = BatchBook(settings, self.redis, self.files, self.clock.now)
         policy = QuotaPolicy.from_settings(settings)
         self.quota = QuotaGate(
             QuotaEnforcer(self.redis, self.keys, policy, clock=self.clock.now),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,12 +20,18 @@ from openai.types import Batch
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ingress import batch_progress, batch_submission, files
-from ingress.batch_records import BatchRecord, started
+from ingress.batch_records import BatchRecord, BatchRecords, started
 from ingress.settings import IngressSettings
 from laneway.batch import BatchClient
 from laneway.schema import BatchJob, BatchRequest, BatchResult
 from laneway.settings import CommonSettings
-from tests.stack import Ingress, LiveStack, eventually, status_before_the_body_ends
+from tests.stack import (
+    Ingress,
+    LiveStack,
+    eventually,
+    free_port,
+    status_before_the_body_ends,
+)
 from workers import metrics
 
 
@@ -810,3 +818,134 @@ async def test_a_line_no_budget_can_ever_hold_is_answered_at_once_and_stalls_no_
     assert "can never fit" in orjson.dumps(refused).decode()
     (served,) = await _lines(tiny, tiny_done.output_file_id)
     assert served["custom_id"] == "doc-1"
+
+
+async def test_a_batch_given_up_on_while_its_lines_were_written_runs_none_of_them(
+    stack: LiveStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another replica takes a batch for lost (failed, "create it again") while its submitter
+    writes its lines, their transaction not committed yet: the transaction is aborted, so no
+    line runs, charged and uncounted, under a batch its client was told had failed."""
+    gate = asyncio.Event()
+    lines_of = files.FileStore.lines
+
+    async def held(self: files.FileStore, record: files.FileRecord) -> list[str]:
+        await gate.wait()
+        return await lines_of(self, record)
+
+    given_up: list[str] = []
+    update = BatchRecords.update
+
+    async def raced(
+        self: BatchRecords, batch_id: str, change: Callable[[BatchRecord], BatchRecord | None]
+    ) -> BatchRecord:
+        if batch_id in given_up and gate.is_set():  # the first update after the lines: theirs
+            given_up.remove(batch_id)
+            await update(self, batch_id, lambda r: r.model_copy(update={"status": "failed"}))
+        return await update(self, batch_id, change)
+
+    monkeypatch.setattr(files.FileStore, "lines", held)
+    monkeypatch.setattr(BatchRecords, "update", raced)
+    ingress = await stack.start_ingress()
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    uploaded = await client.files.create(file=("a.jsonl", _line(0) + _line(1)), purpose="batch")
+    batch = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    given_up.append(batch.id)
+    gate.set()
+    await eventually(lambda: not given_up, 30, "the batch given up on during its submission")
+    await asyncio.sleep(1.0)  # its submission ends
+    stored = await client.batches.retrieve(batch.id)
+    assert stored.status == "failed"
+    assert stored.request_counts is not None
+    assert stored.request_counts.total == 0
+    queued = await stack.read_all(stack.topics.batch_http)  # read committed
+    assert batch.id not in {line["job_id"] for line in queued}
+
+
+async def test_a_batch_whose_header_is_stored_is_never_failed_blindly(stack: LiveStack) -> None:
+    """Its submitter got as far as the commit: whether its lines run is read from Kafka by
+    recovery, not guessed by a failure that says "create it again"."""
+    records = BatchRecords(stack.redis, IngressSettings(**stack.common).keys)
+    record = BatchRecord(
+        id=f"batch_header_{stack.prefix}",
+        team="docs",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-x",
+        created_at=int(time.time()),
+        expires_at=int(time.time()) + 3600,
+        partition=0,
+        header_offset=5,
+    )
+    await records.insert(record)
+    await records.fail(record.id, "not_queued", "lost")
+    stored = await records.load(record.id)
+    assert stored is not None
+    assert stored.status == "validating"
+
+
+async def test_a_replica_whose_clock_runs_ahead_gives_up_on_no_batch_early(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """Batches are aged on Redis's clock: a replica whose own clock is 700 s ahead does not
+    take a batch created a moment ago by another replica for lost (failed after 600 s)."""
+    ahead = tmp_path / "ahead"
+    ahead.mkdir()
+    (ahead / "sitecustomize.py").write_text(
+        "import time\n_real = time.time\ntime.time = lambda: _real() + 700.0\n"
+    )
+    key = await stack.api_key("docs", size=100)
+    records = BatchRecords(stack.redis, IngressSettings(**stack.common).keys)
+    now = time.time()  # this process's clock is Redis's here (one machine)
+    waiting = BatchRecord(
+        id=f"batch_waiting_{stack.prefix}",
+        team="docs",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-x",
+        created_at=int(now),
+        expires_at=int(now) + 24 * 3600,
+    )
+    await records.insert(waiting)  # a batch another replica is about to queue
+    port = free_port()
+    replica = stack.spawn(
+        "ingress",
+        LANEWAY_PORT=str(port),
+        PYTHONPATH=f"{ahead}{os.pathsep}{stack.process_env()['PYTHONPATH']}",
+        LANEWAY_LOG_LEVEL="WARNING",
+    )
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+
+            async def answered() -> httpx.Response | None:
+                with contextlib.suppress(httpx.TransportError):
+                    return await http.get(f"/v1/batches/{waiting.id}")
+                return None
+
+            response = await eventually(answered, 60, "the replica answering", every_s=0.5)
+        assert response.status_code == 200, response.text
+        assert response.json()["status"] == "validating"
+        assert response.json()["created_at"] == waiting.created_at
+    finally:
+        replica.terminate()
+        await asyncio.to_thread(replica.wait, 30)
+
+
+async def test_a_file_field_laneway_does_not_keep_is_refused_not_dropped(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress()
+    client = _client(stack, ingress, await stack.api_key("docs", size=100))
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.files.create(
+            file=("a.jsonl", _line(0)),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 3600},
+        )
+    assert refused.value.body is not None
+    assert refused.value.body["param"] == "expires_after"  # type: ignore[index]
+    assert "7 days" in str(refused.value)
+    stored = await client.files.create(file=("a.jsonl", _line(0)), purpose="batch")
+    assert stored.expires_at == stored.created_at + 7 * 24 * 3600
