@@ -374,12 +374,13 @@ class MemoryPressure(_Wire):
     ts: float = Field(default_factory=time.time)
 
 
-def decode(model: type[M], raw: bytes | str | None) -> M:
-    """Validate one record; ``MalformedMessage`` names the first bad field."""
+def decode(model: type[M], raw: bytes | str | None, *, strict: bool = False) -> M:
+    """Validate one record; ``MalformedMessage`` names the first bad field. ``strict``: each
+    field of the JSON type it is written as (no ``"100"`` or ``true`` for a count)."""
     if raw is None:
         raise MalformedMessage(f"empty {model.__name__} record")
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, strict=strict)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "<record>"

@@ -66,6 +66,20 @@ _COUNTED_STATUSES = ("ok", "error", "rejected")
 _GATED_CLASSES = ("completion", "chat")
 
 
+def _billable(event: UsageEvent) -> UsageEvent:
+    """``event`` if it can be billed as it says: its ``ts`` written (a default would be the
+    time it is read, another hour on a re-read after a restart: counted twice), and no more
+    cached tokens than prompt tokens."""
+    if "ts" not in event.model_fields_set:
+        raise MalformedMessage("bad UsageEvent record: ts: missing")
+    if event.cached_tokens > event.prompt_tokens:
+        raise MalformedMessage(
+            f"bad UsageEvent record: cached_tokens: {event.cached_tokens} is more than "
+            f"prompt_tokens ({event.prompt_tokens})"
+        )
+    return event
+
+
 @dataclass
 class ProcessorCounters:
     events: int = 0
@@ -141,7 +155,7 @@ class UsageProcessor:
         ``stored_at``: when the broker stored it (its topics keep the broker's time)."""
         now = self.clock()
         try:
-            event = decode(UsageEvent, raw)
+            event = _billable(decode(UsageEvent, raw, strict=True))
         except MalformedMessage as exc:
             self.counters.malformed += 1
             EVENTS.labels("malformed").inc()

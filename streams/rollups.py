@@ -128,9 +128,12 @@ def percentile(histogram: Mapping[str, int], q: float) -> float | None:
 
 
 def to_record(rollup: Rollup, *, now: float, final: bool = True) -> HourlyRollup:
-    """The rollup as published: ``final`` once its hour has closed (its revision then counts
-    one more than its events, so a final record outranks a provisional one of the same
-    events)."""
+    """The rollup as published: ``final`` once its hour has closed. Its revision is twice its
+    events, plus one when final: a final record outranks a provisional one of the same
+    events, one of more events outranks both, and two records of one revision say the same.
+    (Events plus one, as before, let a provisional record tie with a final one of an event
+    fewer: the app killed before its changelog kept that it had closed the hour, a late
+    event re-opened it.)"""
     statuses: dict[str, int] = rollup["statuses"]
     latency: dict[str, int] = rollup["latency"]
     start = int(rollup["hour"]) * HOUR_S
@@ -156,7 +159,7 @@ def to_record(rollup: Rollup, *, now: float, final: bool = True) -> HourlyRollup
             p999=percentile(latency, 0.999),
         ),
         cost=round(_sum(rollup, "cost"), 6),
-        revision=rollup["rev"] + (1 if final else 0),
+        revision=2 * rollup["rev"] + (1 if final else 0),
         final=final,
         ts=now,
     )

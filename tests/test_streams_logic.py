@@ -207,10 +207,10 @@ async def test_events_folded_while_an_hour_is_on_its_way_out_are_published_next(
     now[0] += 2
     assert await processor.publish_rollups() == 1
     assert await processor.publish_rollups() == 0
-    # Both final (the hour had closed): a revision counts the events, plus one for the close.
+    # Both final (the hour had closed): a revision is twice the events, plus one for the close.
     assert [(r["requests"], r["revision"], r["final"]) for r in sent] == [
-        (5, 6, True),
-        (8, 9, True),
+        (5, 11, True),
+        (8, 17, True),
     ]
     (rollup,) = rollups.values()
     assert rollup["emitted"] == rollup["rev"] == 8
@@ -279,10 +279,10 @@ async def test_the_open_hour_goes_out_provisional_while_it_changes_then_final() 
     assert await processor.publish_rollups() == 1
     this_hour = [r for r in sent if r["hour_start"] == hour_start]
     assert [(r["requests"], r["revision"], r["final"]) for r in this_hour] == [
-        (3, 3, False),
-        (5, 5, False),
-        (5, 6, True),
-        (6, 7, True),
+        (3, 6, False),
+        (5, 10, False),
+        (5, 11, True),
+        (6, 13, True),
     ]
     (following,) = [r for r in sent if r["hour_start"] != hour_start]
     assert (following["requests"], following["final"]) == (1, False)
@@ -550,3 +550,42 @@ async def test_a_usage_record_no_clock_or_request_could_make_is_not_folded_as_it
         processor.handle(orjson.dumps({**fields, "id": f"bad-{offset}", **bad}), 0, offset)
     assert processor.counters.malformed == 4
     assert rollup["requests"] == 1
+
+
+async def test_a_count_without_its_time_or_of_the_wrong_type_is_not_billed() -> None:
+    """A record without ``ts`` would count in the hour it is read, and in another when read
+    again after a restart; ``"100"`` or ``true`` for a count, or more cached tokens than the
+    prompt has, is not what any worker writes. Each is a bad record, counted and skipped."""
+    now = float(int(time.time()) // 3600 * 3600 + 600)
+    rollups = _Table()
+    processor = offline_processor(rollups=rollups, clock=lambda: now)
+    fields = orjson.loads(usage_event(ts=now).to_json())
+    processor.handle(orjson.dumps(fields), 0, 0)
+    without_ts = {k: v for k, v in fields.items() if k != "ts"}
+    for offset, bad in enumerate(
+        [
+            without_ts,
+            {**fields, "prompt_tokens": "100"},
+            {**fields, "prompt_tokens": True},
+            {**fields, "ts": str(now)},
+            {**fields, "prompt_tokens": 10, "cached_tokens": 11},
+        ],
+        start=1,
+    ):
+        processor.handle(orjson.dumps({**bad, "id": f"bad-{offset}"}), 0, offset)
+    assert processor.counters.malformed == 5
+    (rollup,) = rollups.values()
+    assert rollup["requests"] == 1
+
+
+def test_a_final_record_never_ties_with_a_provisional_one_that_says_otherwise() -> None:
+    """Killed before its changelog kept that it had closed an hour, the app publishes that
+    hour again as open when a late event comes: that record (one event more) must outrank
+    the final one, not share its revision."""
+    rollup = new_rollup("t", "completion", "m", 500_000, 0)
+    add_event(rollup, usage_event(ts=500_000 * 3600.0 + 1), Price())
+    final_one = to_record(rollup, now=0.0, final=True)
+    add_event(rollup, usage_event(ts=500_000 * 3600.0 + 2), Price())
+    open_two = to_record(rollup, now=0.0, final=False)
+    final_two = to_record(rollup, now=0.0, final=True)
+    assert final_one.revision < open_two.revision < final_two.revision

@@ -124,7 +124,8 @@ class Reports:
             route=env.route,
             status=status,
             prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
+            # An upstream's count, kept within the prompt's (the streams app refuses more).
+            cached_tokens=min(cached_tokens, prompt_tokens),
             completion_tokens=completion_tokens,
             engine_ms=_duration(engine_ms),
             stale_engine_ms=_duration(stale_engine_ms),
