@@ -116,8 +116,10 @@ class BatchSubmissions:
                 current = None  # as if still validating: the submission says what fails
             if current is not None and current.status not in ("validating", "cancelling"):
                 # Given up on while it waited its turn (another replica took it for lost):
-                # its lines must not run now, uncounted.
+                # its lines must not run now, uncounted; what it took of its team's stored
+                # bytes is given back (nothing of it is written).
                 log.warning("batch %s is %s: not queued", record.id, current.status)
+                await self.uncount(record, file)
                 return
             await self._submit_now(record, file)
 

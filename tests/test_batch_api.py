@@ -717,6 +717,12 @@ async def test_a_batch_given_up_on_while_it_waited_its_turn_is_not_queued(
     assert (await client.batches.retrieve(second.id)).status == "failed"
     queued = await stack.read_all(stack.topics.batch_http)
     assert {line["job_id"] for line in queued} == {first.id}
+    # What it took of the team's stored bytes is back: its lines were never written.
+    counted = await stack.redis.zrange(
+        IngressSettings(**stack.common).keys.team_stored("docs"), 0, -1
+    )
+    assert not [c for c in counted if c.decode().startswith(f"batch:{second.id}:")]
+    assert [c for c in counted if c.decode().startswith(f"batch:{first.id}:")]
 
 
 async def test_a_chunked_upload_is_answered_as_it_comes_not_held_first(
