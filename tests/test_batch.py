@@ -261,7 +261,7 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
     lane = batch.lane
     assert isinstance(lane, BatchLane)
-    await eventually(lambda: lane.yielding, 10, "batch to yield to the interactive backlog")
+    await eventually(lambda: lane.yielding, 30, "batch to yield to the interactive backlog")
     assert set(batch.consumer.paused()) == batch.consumer.assignment()
     responses = await asyncio.gather(*burst)
     assert {r.status_code for r in responses} == {200}

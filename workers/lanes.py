@@ -162,7 +162,13 @@ class InteractiveLane:
             skip_record(self.worker.pool, tp, record.offset, exc)
             return None
         clock = self.worker.clock
-        if record.offset < self._inherited_end.get(tp, 0) and await self._answered_before(env):
+        if (
+            record.offset < self._inherited_end.get(tp, 0)
+            # Not one this worker still has in hand (its partition came back while its
+            # outcome was reported): that run finishes it (``Runs.adopt``), sending its own.
+            and env.id not in self.worker.runs.unfinished
+            and await self._answered_before(env)
+        ):
             return None
         if env.deadline_ts is not None and clock.material:
             # The deadline is on Redis's clock and this machine's clock is off: moved onto
@@ -250,27 +256,36 @@ class InteractiveLane:
 
     async def _inherit(self, tenure: dict[TopicPartition, int]) -> None:
         partitions = set(tenure)
+        named = sorted(f"{tp.topic}:{tp.partition}" for tp in partitions)
+        answered: dict[TopicPartition, Answered] | None = None
         ends: dict[TopicPartition, int] = {}
         try:
             async with asyncio.timeout(_READ_COMMITS_S):
                 answered = await read_commits(self.worker.consumer, partitions)
                 ends = await self.worker.consumer.end_offsets(list(partitions))
         except (KafkaError, TimeoutError) as exc:
-            log.warning(
-                "last commits of %s not read (%r): requests answered above them run again",
-                sorted(f"{tp.topic}:{tp.partition}" for tp in partitions),
-                exc,
-            )
-            answered = {}
+            if answered is None:
+                log.warning(
+                    "last commits of %s not read (%r): requests answered above them run again",
+                    named,
+                    exc,
+                )
+            else:  # the commits were read: what they name is skipped all the same
+                log.warning(
+                    "end offsets of %s not read (%r): a request answered by a worker that "
+                    "stopped before its usage event was stored runs again",
+                    named,
+                    exc,
+                )
         finally:
             for tp in partitions:
                 if self._reading.get(tp) is asyncio.current_task():
                     del self._reading[tp]
-        for tp, named in answered.items():
+        for tp, commit in (answered or {}).items():
             # Not a partition taken away meanwhile (its next tenure reads its own commit).
-            if named.high > named.low and self.worker.offsets.current(tp, tenure[tp]):
-                self._answered[tp] = named
-                self.worker.offsets.inherit(tp, named.high, named.pending)
+            if commit.high > commit.low and self.worker.offsets.current(tp, tenure[tp]):
+                self._answered[tp] = commit
+                self.worker.offsets.inherit(tp, commit.high, commit.pending)
         for tp, end in ends.items():
             if self.worker.offsets.current(tp, tenure[tp]):
                 self._inherited_end[tp] = end
