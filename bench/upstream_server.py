@@ -57,6 +57,7 @@ class Upstream:
     prefill_ms: float = 0.0
     log: TextIO | None = None
     max_model_len: int = 0  # 0: no limit
+    end_ms: float = 0.0  # between a stream's last token and its last chunk (usage, finish)
     running: int = 0
     waiting: int = 0
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
@@ -198,6 +199,8 @@ async def _stream(
             choice["text"] = word
         chunk = {"id": rid, "object": "chunk", "choices": [choice]}
         await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    if upstream.end_ms:
+        await asyncio.sleep(upstream.end_ms / 1000)
     last = {
         "id": rid,
         "object": "chunk",
@@ -307,7 +310,9 @@ def make_app(upstream: Upstream, *, metrics: bool) -> web.Application:
 async def serve(args: argparse.Namespace) -> None:
     # A line per request, flushed as it ends: blocking writes are the log's whole point.
     log = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115, ASYNC230
-    upstream = Upstream(args.slots, args.token_ms, args.prefill_ms, log, args.max_model_len)
+    upstream = Upstream(
+        args.slots, args.token_ms, args.prefill_ms, log, args.max_model_len, args.end_ms
+    )
     # handler_cancellation: a client that goes away cancels its handler, queued or running,
     # as vLLM's server aborts a request whose connection closed.
     runner = web.AppRunner(
@@ -336,6 +341,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", action="store_true", help="serve vLLM-style /metrics")
     parser.add_argument(
         "--max-model-len", type=int, default=0, help="refuse longer requests with 400 (0: none)"
+    )
+    parser.add_argument(
+        "--end-ms",
+        type=float,
+        default=0.0,
+        help="a stream's last chunk (finish reason, usage) this long after its last token",
     )
     args = parser.parse_args(argv)
     if args.slots < 1:

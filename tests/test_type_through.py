@@ -4,7 +4,7 @@ separate upstream process's own log of what it ran."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -363,8 +363,11 @@ async def test_a_finished_suggestion_stays_reusable_and_a_restart_forgets_it(
 
 
 async def test_identical_requests_in_flight_share_one_generation(
-    stack: LiveStack, upstream: UpstreamProcess
+    stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
+    # The engine's count of the prompt comes in its last message, a moment after the last
+    # token (as vLLM's usage does): the one that followed waits for it to be billed alike.
+    upstream = await upstreams(slots=4, token_ms=60, end_ms=300)
     ingress = await stack.start_ingress()
     await _worker(stack, upstream)
     http = stack.http(ingress, await stack.api_key())

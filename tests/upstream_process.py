@@ -29,6 +29,7 @@ class UpstreamProcess:
         token_ms: float,
         metrics: bool = False,
         max_model_len: int = 0,
+        end_ms: float = 0.0,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -41,6 +42,7 @@ class UpstreamProcess:
             f"--token-ms={token_ms}",
             f"--log={log}",
             f"--max-model-len={max_model_len}",
+            f"--end-ms={end_ms}",
         ]
         if metrics:
             argv.append("--metrics")

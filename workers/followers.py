@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -11,9 +13,13 @@ from workers.replies import ChunkStream
 
 if TYPE_CHECKING:
     from workers.execution import RequestExecutor
-    from workers.reuse import Follower
+    from workers.reuse import Follower, Generation
 
 __all__ = ["serve_follower"]
+
+# How long a follower that took its generation's last token waits for the generation's end
+# (the engine's last message, a few milliseconds after that token).
+_GENERATION_END_WAIT_S = 1.0
 
 
 async def _deliver(
@@ -85,6 +91,10 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         raise
     finally:
         await executor.leave(env.id)
+    if capped and generation.max_tokens and generation.tokens >= generation.max_tokens:
+        # It took the generation's last token, whose end (with the engine's count of the
+        # prompt, and why it stopped) comes right after it: billed and told as the run is.
+        await _ended(generation, _GENERATION_END_WAIT_S)
     stale = shield.stale_reason(env.id)
     if follower.withdrawn or (stale is None and _left_nothing(follower, at)):
         if chunks is not None:
@@ -120,6 +130,15 @@ async def serve_follower(executor: RequestExecutor, follower: Follower) -> Usage
         error=error,
         reused_from=generation.owner,
     )
+
+
+async def _ended(generation: Generation, within_s: float) -> None:
+    """Until ``generation`` ends, ``within_s`` at most."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + within_s
+    while not generation.done and (left := give_up_at - loop.time()) > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(generation.changed.wait(), left)
 
 
 def _finish_reason(follower: Follower, capped: bool, first_token: int) -> str | None:
