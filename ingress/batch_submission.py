@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from ingress.batch_records import BatchRecord, BatchRecords, started
+from ingress.batch_records import BatchRecord, BatchRecords, started, unsettled
 from ingress.files import FileRecord, FileStore
 from ingress.settings import IngressSettings
 from laneway.batch import claimed_ids, parse_input
@@ -198,7 +198,7 @@ class BatchSubmissions:
             meta = await (await producer.send(results, header.to_json(), key=key))
 
             def queued(current: BatchRecord) -> BatchRecord | None:
-                if current.status not in ("validating", "cancelling"):
+                if not unsettled(current):
                     return None  # given up on meanwhile (taken for lost): not committed
                 return current.model_copy(
                     update={

@@ -28,8 +28,7 @@ __all__ = [
 ]
 
 MAX_JSON_DEPTH = 64
-# ``top_level_strings`` reads no more (about a second of CPU for a record of nested brackets
-# alone); Kafka's default largest record is 1 MiB.
+# ``top_level_strings`` reads no more: Kafka's default largest record is 1 MiB.
 MAX_SCANNED_BYTES = 1 << 20
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson writes: i64 and u64
 

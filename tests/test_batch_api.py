@@ -870,20 +870,25 @@ async def test_a_batch_given_up_on_while_its_lines_were_written_runs_none_of_the
     assert batch.id not in {line["job_id"] for line in queued}
 
 
+def _validating(batch_id: str, **fields: Any) -> BatchRecord:
+    """A record of team docs's batch ``batch_id``, created now, still validating."""
+    now = int(time.time())
+    return BatchRecord(
+        id=batch_id,
+        team="docs",
+        endpoint="/v1/chat/completions",
+        input_file_id="file-x",
+        created_at=now,
+        expires_at=now + 24 * 3600,
+        **fields,
+    )
+
+
 async def test_a_batch_whose_header_is_stored_is_never_failed_blindly(stack: LiveStack) -> None:
     """Its submitter got as far as the commit: whether its lines run is read from Kafka by
     recovery, not guessed by a failure that says "create it again"."""
     records = BatchRecords(stack.redis, IngressSettings(**stack.common).keys)
-    record = BatchRecord(
-        id=f"batch_header_{stack.prefix}",
-        team="docs",
-        endpoint="/v1/chat/completions",
-        input_file_id="file-x",
-        created_at=int(time.time()),
-        expires_at=int(time.time()) + 3600,
-        partition=0,
-        header_offset=5,
-    )
+    record = _validating(f"batch_header_{stack.prefix}", partition=0, header_offset=5)
     await records.insert(record)
     await records.fail(record.id, "not_queued", "lost")
     stored = await records.load(record.id)
@@ -903,15 +908,8 @@ async def test_a_replica_whose_clock_runs_ahead_gives_up_on_no_batch_early(
     )
     key = await stack.api_key("docs", size=100)
     records = BatchRecords(stack.redis, IngressSettings(**stack.common).keys)
-    now = time.time()  # this process's clock is Redis's here (one machine)
-    waiting = BatchRecord(
-        id=f"batch_waiting_{stack.prefix}",
-        team="docs",
-        endpoint="/v1/chat/completions",
-        input_file_id="file-x",
-        created_at=int(now),
-        expires_at=int(now) + 24 * 3600,
-    )
+    # Created now on this process's clock, which is Redis's here (one machine).
+    waiting = _validating(f"batch_waiting_{stack.prefix}")
     await records.insert(waiting)  # a batch another replica is about to queue
     port = free_port()
     replica = stack.spawn(

@@ -164,9 +164,11 @@ class Outbox:
     def release(self, request_id: str) -> None:
         """The broker stored ``request_id``'s usage event: Redis need not hold it (its keys
         go in one UNLINK every ``_RELEASE_EVERY_S``)."""
-        if request_id not in self._held:
-            return
-        del self._held[request_id]
+        if request_id in self._held:
+            del self._held[request_id]
+            self._unlink_soon(request_id)
+
+    def _unlink_soon(self, request_id: str) -> None:
         self._releasing.append(request_id)
         if self._releaser is None or self._releaser.done():
             self._releaser = asyncio.create_task(self._release_soon(), name="usage-release")
@@ -187,8 +189,7 @@ class Outbox:
 
     def release_held(self, request_id: str) -> None:
         """A held event found and sent again (``held_usage``): Redis need not hold it."""
-        self._held[request_id] = None
-        self.release(request_id)
+        self._unlink_soon(request_id)
 
     async def held_usage(self, request_id: str) -> UsageEvent | None:
         """The usage event Redis holds for ``request_id`` (a worker answered it and stopped

@@ -39,6 +39,7 @@ from ingress.settings import IngressSettings
 from ingress.state import IngressState
 from laneway.apikeys import check_team_name
 from laneway.errors import BadRequest, NotFound
+from laneway.logs import described
 from laneway.openai_api import validate_body
 from laneway.redis_circuit import RedisUnavailable, circuit_of
 from quota import Team, get_team
@@ -198,14 +199,10 @@ class _RedisReads:
         except TimeoutError:
             why = f"no answer within {_READ_S:.0f} s"
         except (RedisError, OSError) as exc:
-            why = _why(exc)
+            why = described(exc)
         log.warning("console: a Redis read failed: %s", why)
         self.failure = self.failure or why
         return None
-
-
-def _why(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 def _html_if_redis_fails(
@@ -219,7 +216,7 @@ def _html_if_redis_fails(
         try:
             return await handler(*args, **kwargs)
         except (RedisError, OSError) as exc:
-            log.warning("console: a form's Redis call failed: %s", _why(exc))
+            log.warning("console: a form's Redis call failed: %s", described(exc))
             request: Request = kwargs["request"]
             _, console = _console(request)
             session = _session(request, console)
@@ -228,7 +225,7 @@ def _html_if_redis_fails(
                 503,
                 csrf=console.sessions.csrf_token(session) if session else None,
                 error=(
-                    f"Redis did not answer ({_why(exc)}): the change may not have been saved. "
+                    f"Redis did not answer ({described(exc)}): the change may not have been saved. "
                     "Reload the page once Redis answers, and check."
                 ),
             )
