@@ -37,6 +37,11 @@ QUOTA_REMAINING = Gauge(
     "Tokens left in a team's pool at its last admission",
     ["team", "pool"],
 )
+QUOTA_REPLICAS = Gauge(
+    "laneway_quota_fallback_replicas",
+    "Ingress replicas that last said they run (this one included), as Redis last told: "
+    "while Redis is silent, each admits this share of a team's pool",
+)
 QUOTA_LEASED = Gauge(
     "laneway_quota_leased_tokens",
     "Interactive tokens this ingress holds as a lease and has not admitted yet",
@@ -49,6 +54,8 @@ QUOTA_LEASED = Gauge(
 _UNHEARD_WAIT_S = 1.0
 # Giving idle leases back is background work: it may wait this long for Redis.
 _GIVE_BACK_TIMEOUT_S = 1.0
+# A replica that has not said it runs for this long (3 roll calls missed) is not counted.
+REPLICA_GONE_S = 35.0
 
 
 @dataclass(slots=True)
@@ -100,6 +107,28 @@ class QuotaGate:
             log.warning("Redis does not answer: admitting interactive traffic locally")
         else:
             log.warning("Redis answers again: quota admission is exact again")
+
+    async def roll_call(self, instance: str, now: float) -> None:
+        """Say that this replica runs (at ``now``, Redis's clock) and learn how many do: while
+        Redis is silent, each admits its share of a team's pool. Raises Redis's errors (the
+        last count stays)."""
+        key = self.enforcer.keys.ingresses()
+        pipe = self.enforcer.redis.pipeline(transaction=True)
+        pipe.zadd(key, {instance: now})
+        pipe.zremrangebyscore(key, "-inf", now - REPLICA_GONE_S)
+        pipe.zcard(key)
+        pipe.expire(key, int(REPLICA_GONE_S) * 2)  # no replica left: nothing left behind
+        *_, count, _ = await self.circuit.background(pipe.execute, timeout_s=_GIVE_BACK_TIMEOUT_S)
+        self.local.replicas = max(1, int(count))
+        QUOTA_REPLICAS.set(self.local.replicas)
+
+    async def leave_roll(self, instance: str) -> None:
+        """This replica stops: not counted any more (else it is, until ``REPLICA_GONE_S``)."""
+        with contextlib.suppress(RedisError, OSError):
+            await self.circuit.background(
+                partial(self.enforcer.redis.zrem, self.enforcer.keys.ingresses(), instance),
+                timeout_s=_GIVE_BACK_TIMEOUT_S,
+            )
 
     async def admit(self, team: Team, request_id: str, tokens: int) -> Admitted | None:
         """Reserve interactive budget; raises ``QuotaExceeded`` when the team is over it."""

@@ -123,6 +123,7 @@ class IngressState:
         self.cancels.start()
         with contextlib.suppress(RedisError, OSError):  # down: the sync task tries again
             await self.clock.sync(self.redis, samples=3)
+            await self.quota.roll_call(self.settings.instance_id, self.clock.now())
         await self.revoked.start()
         await self.replies.start()
         await self._reply_fallback.start()
@@ -158,6 +159,7 @@ class IngressState:
         await self._reply_fallback.stop()
         await self.replies.stop()
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
+        await self.quota.leave_roll(self.settings.instance_id)
         try:
             await self.producer.stop()
         finally:
@@ -166,12 +168,14 @@ class IngressState:
         await self.redis.aclose()
 
     async def _sync_clock(self) -> None:
-        """Keep the replica's view of Redis's clock, which deadlines are stamped on."""
+        """Keep the replica's view of Redis's clock, which deadlines are stamped on, and of
+        how many replicas run (``QuotaGate.roll_call``)."""
         while True:
             try:
                 await self.clock.sync(self.redis)
+                await self.quota.roll_call(self.settings.instance_id, self.clock.now())
             except (RedisError, OSError) as exc:
-                log.debug("clock not synced with Redis (the last offset stays): %s", exc)
+                log.debug("clock or replicas not synced with Redis (the last stay): %s", exc)
             await asyncio.sleep(_CLOCK_SYNC_S)
 
     async def send_cancel(self, request_id: str, team: str) -> None:

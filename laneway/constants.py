@@ -242,6 +242,11 @@ class RedisKeys:
         """Sorted set of worker ids scored by the time of their last heartbeat."""
         return f"{self.prefix}:workers:{pool}"
 
+    def ingresses(self) -> str:
+        """Sorted set of ingress replica ids scored by when each last said it runs
+        (``ingress.quota_gate.QuotaGate.roll_call``)."""
+        return f"{self.prefix}:ingresses"
+
     def worker_info(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 

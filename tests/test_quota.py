@@ -42,6 +42,7 @@ from tests.stack import (
     envelope,
     eventually,
     free_port,
+    frozen,
     redis_client,
 )
 from workers import metrics
@@ -471,6 +472,60 @@ async def test_two_ingress_processes_never_overspend(
     assert admitted * reservation > 1000 - unused * reservation
 
 
+@pytest.mark.slow
+async def test_replicas_that_lose_redis_admit_together_what_the_pool_had_left(
+    services: Services, tmp_path: Path, prefix: str
+) -> None:
+    """While Redis is silent each replica admits on its own, and the load balancer may send
+    a team's requests to any of them: together they grant no more than the pool had left
+    (each its share, counted by the replicas' roll call), not that much each."""
+    server = _own_redis(tmp_path)
+    stack = LiveStack(Services(services.bootstrap, server.url), prefix)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        await stack.create_topics()
+        key = await stack.api_key("shared", size=1, complexity=0.02)  # 1,000 tokens an hour
+        ports = [free_port(), free_port()]
+        # Per-request reservations (the fallback starts from what each last heard exactly);
+        # no worker, so each admitted request stays reserved and is answered 504.
+        procs = [
+            _spawn_ingress(stack, port, LANEWAY_REPLY_TIMEOUT_S="3", LANEWAY_QUOTA_LEASE_SHARE="0")
+            for port in ports
+        ]
+        async with httpx.AsyncClient(
+            timeout=30, headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+            for port in ports:
+                await wait_for_http(http, f"http://127.0.0.1:{port}/healthz")
+
+            async def counted(port: int) -> bool:  # each has heard of the other (10 s at most)
+                scrape = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                return "laneway_quota_fallback_replicas 2.0" in scrape
+
+            for port in ports:
+                await eventually(functools.partial(counted, port), 30, "the roll call")
+            body = {"model": "laneway-code", "prompt": "y" * 40, "max_tokens": 16}  # 26 each
+            url = "http://127.0.0.1:{}/v1/completions"
+            # Each replica hears of the team from Redis (an exact admission).
+            heard = [await http.post(url.format(port), json=body) for port in ports]
+            pid = server.pid
+            assert pid is not None
+            with frozen(pid, at_most_s=60):
+                calls = [http.post(url.format(ports[i % 2]), json=body) for i in range(100)]
+                responses = heard + list(await asyncio.gather(*calls))
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+        await stack.stop()
+        server.stop()
+    codes = [r.status_code for r in responses]
+    admitted = codes.count(504)  # admitted, then no worker answered within the reply timeout
+    assert admitted + codes.count(429) == 102, codes
+    assert admitted * 26 <= 1000 + 26, codes  # overshoot ≤ one reservation
+    assert any("local limit while Redis does not answer in time" in r.text for r in responses)
+
+
 async def wait_for_http(http: httpx.AsyncClient, url: str) -> None:
     async def answers() -> bool:
         try:
@@ -798,7 +853,7 @@ async def test_a_team_that_spent_its_budget_gets_no_new_one_when_redis_goes_sile
         server.stop()
         refused = await http.post("/v1/completions", json=body)
         assert refused.status_code == 429, refused.text
-        assert "local limit while Redis is down" in refused.text
+        assert "local limit while Redis does not answer in time" in refused.text
         # A team with budget left when Redis went silent is still served from it.
         assert (await other.post("/v1/completions", json=body)).status_code == 200
     finally:
@@ -820,3 +875,13 @@ def test_the_local_limiter_starts_from_what_redis_last_said_or_a_small_share() -
         limiter.reserve("new", 26, 5000, now=0.0)
     assert limiter.reserve("new", 26, 5000, now=3600.0) >= 0  # it refills at the budget's rate
     assert limiter.reserve("big", 300, 5000, now=0.0) == 0  # one request, however large
+    # Two replicas run: each grants half of what the pool had left, refilling at half the
+    # budget's rate (7,200 tokens an hour is 2 a second, 1 each).
+    shared = LocalLimiter()
+    shared.replicas = 2
+    shared.note("known", remaining=100, capacity=7200, now=0.0)
+    assert shared.reserve("known", 50, 7200, now=0.0) == 0
+    with pytest.raises(QuotaExceeded):
+        shared.reserve("known", 1, 7200, now=0.0)
+    assert shared.reserve("known", 1, 7200, now=1.0) == pytest.approx(0)
+    assert shared.reserve("big", 300, 5000, now=0.0) == 0  # still one request, however large
