@@ -135,6 +135,15 @@ class _Body(_Strict):
     def _stop_as_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        # An empty stop string would stop nowhere on one engine and refuse the request on
+        # another (vLLM): refused here, before anything is charged.
+        if "" in value:
+            raise ValueError("a stop string must not be empty")
+        return value
+
     @field_validator("stream_options", mode="before")
     @classmethod
     def _options_of_a_stream(cls, value: object, info: ValidationInfo) -> object:

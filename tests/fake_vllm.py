@@ -25,6 +25,19 @@ from tests.vllm_fixtures import recorded_engine_arg_fields
 BLOCK_TOKENS = 4
 
 
+class VLLMError(Exception):
+    """vLLM 0.32's ``vllm.exceptions`` family: a request's refusal is a ``VLLMClientError``,
+    which is not a ``ValueError``."""
+
+
+class VLLMClientError(VLLMError):
+    pass
+
+
+class VLLMValidationError(VLLMClientError):
+    pass
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
@@ -232,6 +245,11 @@ def install(monkeypatch: pytest.MonkeyPatch, platform: FakePlatform | None = Non
         "vllm": {"SamplingParams": SamplingParams},
         "vllm.sampling_params": {"RequestOutputKind": RequestOutputKind},
         "vllm.engine": {},
+        "vllm.exceptions": {
+            "VLLMError": VLLMError,
+            "VLLMClientError": VLLMClientError,
+            "VLLMValidationError": VLLMValidationError,
+        },
         "vllm.engine.arg_utils": {"AsyncEngineArgs": AsyncEngineArgs},
         "vllm.v1": {},
         "vllm.v1.engine": {},

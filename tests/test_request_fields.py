@@ -196,7 +196,14 @@ async def test_over_http_refusals_name_the_field_and_an_answer_can_be_sent_back(
     client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
     stack._clients.append(client)
     messages: list[Any] = [{"role": "user", "content": "explain this diff"}]
-    for option, value in (("n", 2), ("tools", [TOOL]), ("top_logprobs", 1)):
+    refusals = (
+        ("n", 2),
+        ("tools", [TOOL]),
+        ("top_logprobs", 1),
+        ("stop", ""),
+        ("stop", ["\n", ""]),
+    )
+    for option, value in refusals:
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(
                 model="laneway-chat", messages=messages, max_tokens=8, **{option: value}

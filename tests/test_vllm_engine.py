@@ -351,11 +351,16 @@ async def test_vllm_errors_fail_the_request(
     fake_engine: VllmEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     request = EngineRequest(id="e", route="m", prompt="x", max_tokens=2)
-    # vLLM's ValueError is about the request (prompt over max_model_len, bad parameters):
-    # refused for what it asks, which the breaker counts against its team only.
-    monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", ValueError("prompt too long"))
-    with pytest.raises(EngineRejected, match="prompt too long"):
-        await _run(fake_engine, request)
+    # vLLM's ValueError (older releases) or VLLMClientError (0.32: not a ValueError) is about
+    # the request (prompt over max_model_len, bad parameters): refused for what it asks,
+    # which the breaker counts against its team only.
+    for refusal in (
+        ValueError("prompt too long"),
+        fake_vllm.VLLMValidationError("stop cannot contain an empty string."),
+    ):
+        monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", refusal)
+        with pytest.raises(EngineRejected, match=str(refusal)):
+            await _run(fake_engine, request)
     monkeypatch.setattr(fake_vllm.FakeAsyncLLM, "fail_with", RuntimeError("engine dead"))
     with pytest.raises(EngineError, match="engine dead") as failed:
         await _run(fake_engine, request)
@@ -528,6 +533,16 @@ async def test_real_vllm_completion_and_prefix_cache(
         model="laneway-code", prompt=shared + "\n# two", max_tokens=4
     )
     assert (await _usage(stack, theirs.id))[theirs.id]["cached_tokens"] == 0
+
+    # A prompt over the model's 2,048 tokens: vLLM 0.32 refuses it with a VLLMValidationError
+    # (not a ValueError), which is OpenAI's 400, not an engine failure.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(
+            model="laneway-code", prompt="def f(x):\n    return x\n" * 400, max_tokens=4
+        )
+    assert refused.value.code == "context_length_exceeded", refused.value.body
+    request_id = refused.value.response.headers["x-laneway-request-id"]
+    assert (await _usage(stack, request_id))[request_id]["status"] == "rejected"
 
     beat = await _heartbeat(stack, served, lambda i: i["prefix_cache_hits"] >= cached)
     print("heartbeat", beat)

@@ -47,6 +47,19 @@ def _vllm(module: str) -> Any:
         ) from exc
 
 
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What vLLM raises when it refuses a request for what it asks (a prompt over
+    max_model_len, a bad sampling parameter): ``ValueError`` in older releases, a
+    ``VLLMClientError`` (its 4xx family, not a ``ValueError``) since."""
+    try:
+        client_error = getattr(importlib.import_module("vllm.exceptions"), "VLLMClientError", None)
+    except ImportError:
+        client_error = None
+    if isinstance(client_error, type) and issubclass(client_error, BaseException):
+        return (ValueError, client_error)
+    return (ValueError,)
+
+
 class _SchedulerStatsRecorder:
     """A vLLM stat logger (duck-typed ``StatLoggerBase``) keeping the latest scheduler stats.
 
@@ -145,6 +158,7 @@ class VllmEngine:
         self._running: dict[str, _Running] = {}
         self._chat_template = False
         self._max_num_seqs = _VLLM_DEFAULT_MAX_NUM_SEQS
+        self._refusals: tuple[type[BaseException], ...] = (ValueError,)
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -158,6 +172,7 @@ class VllmEngine:
             )
         )
         platform = platforms.current_platform
+        self._refusals = _refusals()
         if self.profile is None:
             self.profile = build_profile(
                 self.settings,
@@ -300,11 +315,11 @@ class VllmEngine:
                 priority=request.priority,
             ):
                 yield output
-        except ValueError as exc:
-            # vLLM refuses a prompt longer than max_model_len and bad sampling parameters
-            # with a ValueError: the request's doing, not a fault of the engine.
-            raise EngineRejected(f"the engine refused the request: {exc}") from exc
         except Exception as exc:
+            if isinstance(exc, self._refusals):
+                # A prompt longer than max_model_len, a bad sampling parameter: the
+                # request's doing, not a fault of the engine.
+                raise EngineRejected(f"the engine refused the request: {exc}") from exc
             # Engine dead, or anything else: it fails this one request.
             raise EngineError(f"vLLM on request {request.id}: {exc!r}") from exc
 
