@@ -23,7 +23,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from laneway.errors import BadRequest
-from laneway.json_shape import json_problem
+from laneway.json_shape import MAX_JSON_VALUES, json_problem, too_many_values
 from laneway.schema import ChatMessage
 
 __all__ = [
@@ -216,6 +216,12 @@ B = TypeVar("B", bound=BaseModel)
 
 def parse_body(model: type[B], raw: bytes) -> B:
     """Decode and validate a JSON body; ``BadRequest`` names the field at fault."""
+    if too_many_values(raw):
+        # Refused before it is decoded: decoding is what it costs (``laneway.json_shape``).
+        raise BadRequest(
+            f"request body holds more than {MAX_JSON_VALUES:,} JSON values (arrays, objects "
+            "and their items); no request needs that many"
+        )
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -87,6 +87,15 @@ def _error(response: object) -> dict[str, object]:
             "tools",
             "nested more than 64 levels deep",
         ),
+        # Costly to decode (100,000 lists): refused before it is decoded, whatever its field.
+        (
+            b'{"model": "laneway-code", "prompt": "x", "junk": ['
+            + b",".join([b"[]"] * 100_000)
+            + b"]}",
+            400,
+            None,
+            "more than 20,000 JSON values",
+        ),
         (
             b'{"model": "laneway-code", "prompt": "' + b"x" * 8000 + b'"}',
             400,

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from laneway.json_shape import (
     MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
     MAX_SCAN_STEPS,
     MAX_SCANNED_BYTES,
     json_problem,
+    too_many_values,
     top_level_strings,
 )
 
@@ -23,6 +25,23 @@ def _nested(levels: int) -> Any:
     for _ in range(levels):
         value = [value]
     return value
+
+
+def test_a_body_is_costly_by_its_values_outside_strings_not_by_its_text() -> None:
+    """What a body costs to decode is what it holds outside strings: a prompt of code full
+    of brackets and commas, quotes and backslashes is cheap; 100,000 empty lists are not,
+    and neither are as many empty strings."""
+    code = 'def f(a, b):\n    return {\'x\': [a, b], "y": (a, b)}  # \\ "[\n' * 20_000
+    assert not too_many_values(orjson.dumps({"model": "m", "prompt": code}))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x, [y]"}] * 5_000}
+    assert not too_many_values(orjson.dumps(chat))
+    assert too_many_values(b'{"junk": [' + b",".join([b"[]"] * 100_000) + b"]}")
+    assert too_many_values(b'{"junk": [' + b",".join([b'""'] * 100_000) + b"]}")
+    assert too_many_values(b'{"junk": [' + b",".join([b'"\\\\"'] * 100_000) + b"]}")
+    # Just at the limit and just past it: each mark outside strings counts one.
+    at = b'{"junk": [' + b",".join([b"0"] * (MAX_JSON_VALUES - 1)) + b"]}"
+    assert not too_many_values(at)
+    assert too_many_values(at.replace(b"[0,", b"[0,0,"))
 
 
 def test_nesting_up_to_the_limit_passes_and_past_it_is_named() -> None:
