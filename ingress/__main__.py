@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     return 0
 

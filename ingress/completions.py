@@ -92,6 +92,20 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
     except ClientGone:
         state.client_gone(env)
         return Response(status_code=499)
+    except asyncio.CancelledError:
+        # The server stops past its grace (LANEWAY_SHUTDOWN_GRACE_S) before the answer (it
+        # cancels nothing else): its worker is told to stop, as for a client that left, or
+        # the client's retry elsewhere would run and be charged beside it. The client is
+        # told to send it again, rather than a bare 500.
+        state.cancels.add(env)
+        log.warning(
+            "stopping: %s dropped unanswered; its worker is told to stop it",
+            env.id,
+            extra={"request_id": env.id, "team": env.team, "cls": env.cls},
+        )
+        dropped = ServiceUnavailable("this ingress is stopping: send the request again")
+        dropped.request_id = env.id
+        raise dropped from None
     except LanewayError as exc:
         if isinstance(exc, Expired):
             state.cancels.add(env)

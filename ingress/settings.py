@@ -44,6 +44,14 @@ class IngressSettings(CommonSettings):
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    shutdown_grace_s: int = Field(
+        10,
+        ge=0,
+        le=3600,
+        description="on SIGTERM, how long open requests may still finish; each one still open "
+        "then is dropped, and its worker told to stop it (a client's retry elsewhere does not "
+        "run beside it)",
+    )
     max_body_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,

@@ -14,7 +14,7 @@ from aiokafka.errors import KafkaError
 
 from ingress.admission import affinity_key
 from laneway.schema import UsageEvent
-from tests.stack import LiveStack, eventually, frozen, partition_of
+from tests.stack import LiveStack, eventually, free_port, frozen, partition_of
 from workers.reports import Reports
 from workers.sim import SimEngine
 from workers.types import EngineRequest
@@ -260,3 +260,48 @@ async def test_a_usage_event_the_broker_refused_is_sent_again_before_the_offset_
     await asyncio.wait_for(reports.delivered("r-1"), 5)
     assert sent == [usage]
     assert released == ["r-1"]
+
+
+async def test_an_ingress_stopped_past_its_grace_tells_the_worker_to_stop_what_it_dropped(
+    stack: LiveStack,
+) -> None:
+    """A rolling update stops an ingress while a long chat is still running: past the grace
+    its client's connection closes and the client (the SDK) retries elsewhere. The dropped
+    request must stop, not run on to its end and be charged beside the retry."""
+    await stack.start_worker("chat", sim_decode_ms_per_step=20.0)  # 1,000 tokens: 20 s
+    key = await stack.api_key("rolling")
+    port = free_port()
+    proc = stack.spawn("ingress", LANEWAY_PORT=str(port), LANEWAY_SHUTDOWN_GRACE_S="1")
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "laneway-chat", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with httpx.AsyncClient(
+            base_url=base, timeout=60, headers={"Authorization": f"Bearer {key}"}
+        ) as http:
+
+            async def answers() -> bool:
+                try:
+                    return (await http.get("/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await eventually(answers, 30, "the ingress to answer")
+            chat = asyncio.create_task(
+                http.post("/v1/chat/completions", json={**body, "max_tokens": 1000})
+            )
+            await eventually(
+                lambda: bool(stack.workers[0].runs.tasks), 20, "the chat to start running"
+            )
+            proc.send_signal(signal.SIGTERM)
+            dropped = await chat
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    # Told to send it again (the SDK does), not a bare 500.
+    assert dropped.status_code == 503, dropped.text
+    assert dropped.headers["retry-after"] == "1"
+    [event] = await stack.read_topic(
+        stack.topics.usage, count=1, within_s=15, where=lambda e: e["team"] == "rolling"
+    )
+    assert event["status"] != "ok", event
+    assert event["completion_tokens"] < 1000, event
