@@ -9,6 +9,7 @@ import uvicorn
 from aiokafka.errors import KafkaError
 
 from ingress.app import create_app
+from ingress.connections import server_config
 from ingress.settings import IngressSettings
 from laneway.clients import make_admin
 from laneway.errors import ConfigError
@@ -43,14 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"laneway ingress: {problem}", file=sys.stderr)  # noqa: T201
         return 1
     tune_gc()
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
+    server = uvicorn.Server(server_config(create_app(settings), settings))
+    server.run()
+    if not server.started:  # as uvicorn.run says a start that failed (a port in use, say)
+        return 3
     return 0
 
 

@@ -27,7 +27,13 @@ from ingress.reply_delivery import (
 )
 from ingress.server_timing import ServerTiming
 from ingress.state import IngressState
-from laneway.errors import BodyTooLarge, Expired, LanewayError, ServiceUnavailable
+from laneway.errors import (
+    BodyTooLarge,
+    BodyTooSlow,
+    Expired,
+    LanewayError,
+    ServiceUnavailable,
+)
 from laneway.openai_api import ChatRequest, CompletionRequest, parse_body
 from laneway.schema import RequestEnvelope
 from quota import Admitted
@@ -46,16 +52,28 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _serve(request: Request, model: type[B], cls: str) -> Response:
-    state: IngressState = request.app.state.laneway
-    caller = await state.callers.resolve(authorization(request.headers))
+async def _body(request: Request, timeout_s: float, cls: str) -> bytes | None:
+    """The request's body, within ``timeout_s``; None when its client left before its end."""
     try:
-        raw = await request.body()
+        async with asyncio.timeout(timeout_s):
+            return await request.body()
+    except TimeoutError:
+        raise BodyTooSlow(
+            f"request body not complete within {timeout_s:g} s (LANEWAY_READ_TIMEOUT_S)"
+        ) from None
     except ClientDisconnect:
         if request.scope.get(OVER_LIMIT):
             raise BodyTooLarge("request body over the limit (LANEWAY_MAX_BODY_BYTES)") from None
         metrics.CLIENT_GONE.labels(cls).inc()
         metrics.RESPONSES.labels(cls, "499").inc()
+        return None
+
+
+async def _serve(request: Request, model: type[B], cls: str) -> Response:
+    state: IngressState = request.app.state.laneway
+    caller = await state.callers.resolve(authorization(request.headers))
+    raw = await _body(request, state.settings.read_timeout_s, cls)
+    if raw is None:
         return Response(status_code=499)
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)

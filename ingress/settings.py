@@ -44,6 +44,14 @@ class IngressSettings(CommonSettings):
     completion_deadline_ms: int = Field(2000, gt=0, description="default completion deadline")
     chat_deadline_ms: int = Field(30_000, gt=0, description="default chat deadline")
     reply_timeout_s: float = Field(300.0, gt=0, description="longest wait for a reply")
+    read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="how long a client may take to send a request's headers (from its "
+        "connection, or the request's first byte) and a completion's or chat's body: past "
+        "it the connection is closed, or the body answered 408",
+    )
     shutdown_grace_s: int = Field(
         10,
         ge=0,

@@ -19,6 +19,7 @@ __all__ = [
     "Aborted",
     "BadRequest",
     "BodyTooLarge",
+    "BodyTooSlow",
     "Cancelled",
     "ConfigError",
     "Conflict",
@@ -134,6 +135,13 @@ _CONTEXT_REFUSALS = (
 class BodyTooLarge(BadRequest):
     status_code = 413
     code = "request_too_large"
+
+
+class BodyTooSlow(BadRequest):
+    """A request body not complete within ``LANEWAY_READ_TIMEOUT_S``."""
+
+    status_code = 408
+    code = "request_timeout"
 
 
 class ModelNotFound(BadRequest):

@@ -32,6 +32,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
 from ingress import create_app
+from ingress.connections import server_config
 from ingress.settings import IngressSettings
 from laneway.apikeys import create_key
 from laneway.redis_circuit import DEFAULT_FAILURES, DEFAULT_PROBE_INTERVAL_MS, attach_circuit
@@ -248,8 +249,9 @@ class Ingress:
     def __init__(self, settings: IngressSettings) -> None:
         self.settings = settings
         self.app = create_app(settings)
-        config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
+        # The server as ``python -m ingress`` runs it (its protocol, its grace).
+        config = server_config(
+            self.app, settings, host="127.0.0.1", port=0, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
