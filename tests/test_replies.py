@@ -18,12 +18,12 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import ResponseError
 
 from ingress.replies import ReplyChannel, ReplyRouter
-from laneway.constants import Topics
+from laneway.constants import REPLY_STREAM_TTL_S, RedisKeys, Topics
 from laneway.redis_circuit import attach_circuit
 from laneway.schema import Reply, UsageEvent, decode
 from ops.kafka_topics import create_topics
 from ops.redis_server import RedisServer
-from tests.stack import Services, envelope, eventually, free_port, redis_client
+from tests.stack import LiveStack, Services, envelope, eventually, free_port, redis_client
 from workers.outbox import Outbox
 from workers.replies import ChunkStream
 from workers.round_trips import RoundTrips
@@ -428,3 +428,16 @@ async def _values(services: Services, topic: str) -> list[bytes]:
         return [r.value for records in batches.values() for r in records if r.value]
     finally:
         await consumer.stop()
+
+
+async def test_a_reply_to_an_ingress_gone_for_good_leaves_a_stream_that_expires(
+    stack: LiveStack,
+) -> None:
+    """An ingress's stream outlives it by its TTL. A worker's reply that comes later (a
+    backlog, a worker that was away) makes the stream again: it must expire too, not stay in
+    Redis for ever, one more for every replica that ever went away."""
+    await stack.start_worker("completion")
+    stream = RedisKeys(stack.prefix).reply_stream("ingress-gone")
+    await stack.send_records(envelope(reply_to=stream))
+    await eventually(lambda: stack.redis.exists(stream), 20, "the worker's reply")
+    assert 0 < await stack.redis.ttl(stream) <= REPLY_STREAM_TTL_S

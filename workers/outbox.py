@@ -35,7 +35,7 @@ from laneway.retry import Backoff
 from laneway.schema import Reply, RequestEnvelope, UsageEvent, decode
 from quota import QuotaEnforcer
 from workers.accounting import Accounting
-from workers.replies import ReplyWriter, reply_command
+from workers.replies import ReplyWriter, reply_commands
 from workers.round_trips import RoundTrips
 
 __all__ = ["FINAL_REPLY_PATIENCE_S", "Outbox"]
@@ -107,7 +107,7 @@ class Outbox:
 
     async def _final_writes(self, env: RequestEnvelope, final: Reply, usage: UsageEvent) -> None:
         owed = self.accounting.settlement(env, usage)
-        reply = [reply_command(env.reply_to, final)] if env.reply_to is not None else []
+        reply = reply_commands(env.reply_to, final) if env.reply_to is not None else []
         settle = self.accounting.commands(owed)
         commands = reply + settle
         if not commands:

@@ -18,13 +18,13 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
-from laneway.constants import REPLY_STREAM_MAXLEN, Topics
+from laneway.constants import REPLY_STREAM_MAXLEN, REPLY_STREAM_TTL_S, Topics
 from laneway.logs import described
 from laneway.schema import Reply
 from workers import metrics
 from workers.round_trips import Command, RoundTrips
 
-__all__ = ["ChunkStream", "ReplyWriter", "reply_command"]
+__all__ = ["ChunkStream", "ReplyWriter", "reply_commands"]
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,14 @@ REPLAY_S = 1.0
 _REPLAY_MAX = 4096
 
 
-def reply_command(stream: str, reply: Reply) -> Command:
-    """The XADD of one reply to an ingress's stream (trimmed, approximately)."""
-    return ("XADD", stream, "MAXLEN", "~", str(REPLY_STREAM_MAXLEN), "*", "d", reply.to_json())
+def reply_commands(stream: str, reply: Reply) -> list[Command]:
+    """The XADD of one reply to an ingress's stream (trimmed, approximately), first, and an
+    EXPIRE of a stream that has none: an XADD to the stream of an ingress gone for longer
+    than its TTL makes the stream again, and nothing else would ever expire it."""
+    return [
+        ("XADD", stream, "MAXLEN", "~", str(REPLY_STREAM_MAXLEN), "*", "d", reply.to_json()),
+        ("EXPIRE", stream, str(REPLY_STREAM_TTL_S), "NX"),
+    ]
 
 
 class ReplyWriter:
@@ -93,7 +98,7 @@ class ReplyWriter:
 
     async def reply(self, stream: str, reply: Reply) -> None:
         """A chunk for the ingress that holds the connection."""
-        results = await self.round_trips.send([reply_command(stream, reply)])
+        results = await self.round_trips.send(reply_commands(stream, reply))
         if results is not None:
             if not isinstance(results[0], Exception):
                 self.taken(stream, reply)
