@@ -50,7 +50,15 @@ __all__ = [
 
 ResourceType = Literal["topic", "group", "cluster", "transactional_id"]
 Operation = Literal[
-    "all", "read", "write", "create", "delete", "alter", "describe", "describe_configs"
+    "all",
+    "read",
+    "write",
+    "create",
+    "delete",
+    "alter",
+    "describe",
+    "describe_configs",
+    "alter_configs",
 ]
 Pattern = Literal["literal", "prefixed"]
 
@@ -66,6 +74,7 @@ _OPERATION = {
     "alter": 7,
     "describe": 8,
     "describe_configs": 10,
+    "alter_configs": 11,
 }
 _ANY = 1
 _ALLOW = 3

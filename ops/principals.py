@@ -139,10 +139,11 @@ def acl_rules(
         rules += _on(principal, "group", [app_id], _GROUP)
         rules += topic([topics.usage], reads)
         rules += topic([topics.control, topics.usage_hourly], writes)
-        # Faust's table changelogs and its assignor topic, which it creates itself.
+        # Faust's table changelogs and its assignor topic, which it creates itself (and
+        # keeps compact: ``streams.__main__.CHANGELOG_CONFIGS``).
         rules += topic(
             [f"{app_id}-"],
-            ("create", "read", "write", "describe", "describe_configs"),
+            ("create", "read", "write", "describe", "describe_configs", "alter_configs"),
             "prefixed",
         )
     elif role.kind == "tenant":

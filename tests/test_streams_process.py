@@ -16,9 +16,15 @@ import httpx
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from prometheus_client.parser import text_string_to_metric_families
 
+from laneway.clients import make_admin
 from laneway.schema import UsageEvent
+from laneway.settings import CommonSettings
+from streams.__main__ import CHANGELOG_CONFIGS
+from streams.app import TABLES
 from tests.stack import PARTITIONS, LiveStack, eventually, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -316,3 +322,35 @@ async def test_usage_rolls_up_while_redis_does_not_answer(stack: LiveStack, tmp_
         code = await streams.stop()
     assert code == 0, streams.log()
     assert records[0]["completion_tokens"] == 33, records
+
+
+async def test_the_changelogs_are_kept_compact_made_now_or_before(
+    stack: LiveStack, tmp_path: Path
+) -> None:
+    """A start replays the changelogs whole before it folds anything: with Kafka's defaults
+    (1 GiB segments, tombstones kept a day) every write of days stayed and was read first.
+    A changelog made by an older laneway (compaction alone) is set as a new one is."""
+    app_id = f"{stack.prefix}-streams"
+    old = f"{app_id}-{TABLES[0]}-changelog"
+    admin = make_admin(CommonSettings(**stack.common))
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(old, PARTITIONS, 1, topic_configs={"cleanup.policy": "compact"})])
+        streams = StreamsProcess(stack, tmp_path)
+        await streams.start()
+        try:
+            await eventually(lambda: "partitions assigned" in streams.log(), 60, "a start")
+        finally:
+            assert await streams.stop() == 0, streams.log()
+        names = [f"{app_id}-{table}-changelog" for table in TABLES]
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+        )
+    finally:
+        await admin.close()
+    resources = [r for response in described for r in response.to_object()["resources"]]
+    assert sorted(r["resource_name"] for r in resources) == sorted(names)
+    for resource in resources:
+        config = {e["config_names"]: e["config_value"] for e in resource["config_entries"]}
+        kept = {name: config[name] for name in CHANGELOG_CONFIGS}
+        assert kept == CHANGELOG_CONFIGS, resource["resource_name"]
