@@ -335,7 +335,9 @@ async def test_the_changelogs_are_kept_compact_made_now_or_before(
     admin = make_admin(CommonSettings(**stack.common))
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(old, PARTITIONS, 1, topic_configs={"cleanup.policy": "compact"})])
+        await admin.create_topics(
+            [NewTopic(old, PARTITIONS, 1, topic_configs={"cleanup.policy": "compact"})]
+        )
         streams = StreamsProcess(stack, tmp_path)
         await streams.start()
         try:

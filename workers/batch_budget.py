@@ -37,6 +37,7 @@ from aiokafka import TopicPartition
 from redis.exceptions import RedisError
 
 from laneway.errors import Cancelled, LanewayError, QuotaExceeded
+from laneway.metrics import team_label
 from laneway.retry import Backoff
 from laneway.schema import RequestEnvelope
 from laneway.tasks import cancel_all, kept
@@ -174,7 +175,7 @@ class BudgetWait:
             work = replace(work, env=without_body(work.env))
             self._light.add(_place(work))
         self._lines.setdefault(work.env.team, deque()).append(work)
-        metrics.QUOTA_WAITS.labels(work.env.team).inc()
+        metrics.QUOTA_WAITS.labels(team_label(work.env.team)).inc()
         self._changed()
         self._parked.set()
         if self._task is None:
