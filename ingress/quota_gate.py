@@ -25,7 +25,7 @@ from laneway.metrics import team_label
 from laneway.redis_circuit import RedisUnavailable, circuit_of
 from quota import Admitted, LocalLimiter, QuotaEnforcer, QuotaPolicy, Team
 
-__all__ = ["QUOTA_FALLBACK", "QuotaGate"]
+__all__ = ["QUOTA_FALLBACK", "ROLL_CALL_S", "QuotaGate"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,10 @@ QUOTA_LEASED = Gauge(
 _UNHEARD_WAIT_S = 1.0
 # Giving idle leases back is background work: it may wait this long for Redis.
 _GIVE_BACK_TIMEOUT_S = 1.0
-# A replica that has not said it runs for this long (3 roll calls missed) is not counted.
-REPLICA_GONE_S = 35.0
+# Each replica says it runs this often; one that has not for REPLICA_GONE_S (3 roll calls
+# missed) is not counted.
+ROLL_CALL_S = 2.0
+REPLICA_GONE_S = 7.0
 
 
 @dataclass(slots=True)
@@ -117,7 +119,7 @@ class QuotaGate:
         pipe.zadd(key, {instance: now})
         pipe.zremrangebyscore(key, "-inf", now - REPLICA_GONE_S)
         pipe.zcard(key)
-        pipe.expire(key, int(REPLICA_GONE_S) * 2)  # no replica left: nothing left behind
+        pipe.expire(key, 60)  # no replica left: nothing left behind
         *_, count, _ = await self.circuit.background(pipe.execute, timeout_s=_GIVE_BACK_TIMEOUT_S)
         self.local.replicas = max(1, int(count))
         QUOTA_REPLICAS.set(self.local.replicas)

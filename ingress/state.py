@@ -23,7 +23,7 @@ from ingress.canary_gate import CanaryGate
 from ingress.cancels import CancelOutbox
 from ingress.files import FileStore
 from ingress.prober import Prober
-from ingress.quota_gate import QuotaGate
+from ingress.quota_gate import ROLL_CALL_S, QuotaGate
 from ingress.replies import ReplyRouter
 from ingress.revocations import RevokedKeys
 from ingress.settings import IngressSettings
@@ -169,14 +169,18 @@ class IngressState:
 
     async def _sync_clock(self) -> None:
         """Keep the replica's view of Redis's clock, which deadlines are stamped on, and of
-        how many replicas run (``QuotaGate.roll_call``)."""
+        how many replicas run (``QuotaGate.roll_call``, more often: a replica just started is
+        counted by the others, and counts them, within seconds)."""
+        synced = 0.0
         while True:
             try:
-                await self.clock.sync(self.redis)
+                if time.monotonic() - synced >= _CLOCK_SYNC_S:
+                    await self.clock.sync(self.redis)
+                    synced = time.monotonic()
                 await self.quota.roll_call(self.settings.instance_id, self.clock.now())
             except (RedisError, OSError) as exc:
                 log.debug("clock or replicas not synced with Redis (the last stay): %s", exc)
-            await asyncio.sleep(_CLOCK_SYNC_S)
+            await asyncio.sleep(ROLL_CALL_S)
 
     async def send_cancel(self, request_id: str, team: str) -> None:
         """``DELETE``: publish a tombstone and wait until the broker stored it."""

@@ -498,7 +498,7 @@ async def test_replicas_that_lose_redis_admit_together_what_the_pool_had_left(
             for port in ports:
                 await wait_for_http(http, f"http://127.0.0.1:{port}/healthz")
 
-            async def counted(port: int) -> bool:  # each has heard of the other (10 s at most)
+            async def counted(port: int) -> bool:  # each has heard of the other (seconds)
                 scrape = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
                 return "laneway_quota_fallback_replicas 2.0" in scrape
 
