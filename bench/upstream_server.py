@@ -17,6 +17,8 @@ message) and ``cache_salt`` (vLLM's prefix-cache salt as sent, or null), with ti
 ``sampling`` (the fields that steer the text, as received: ``max_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``suffix``, those sent) and ``finish`` (``length``, or ``stop``:
 the text reached one of ``stop``'s strings and ends before it, as vLLM's does).
+``--prefill-ms`` is the time before a request's first token; ``--cold-prefill-ms`` that of a
+prompt with ``cold`` in it (a prefix-cache miss, for first bytes that vary with no queue).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -56,6 +58,7 @@ class Upstream:
     token_ms: float
     prefill_ms: float = 0.0
     log: TextIO | None = None
+    cold_prefill_ms: float = 0.0  # a prompt with "cold" in it: a prefix-cache miss
     max_model_len: int = 0  # 0: no limit
     end_ms: float = 0.0  # between a stream's last token and its last chunk (usage, finish)
     running: int = 0
@@ -100,8 +103,9 @@ class Upstream:
         released = self.held.get(entry["prompt"])
         if released is not None:
             await released.wait()
-        if self.prefill_ms:
-            await asyncio.sleep(self.prefill_ms / 1000)
+        prefill_ms = self.cold_prefill_ms if "cold" in entry["prompt"] else self.prefill_ms
+        if prefill_ms:
+            await asyncio.sleep(prefill_ms / 1000)
         stop = entry["sampling"].get("stop") or []
         stops = [stop] if isinstance(stop, str) else [str(s) for s in stop if s]
         text = ""
@@ -311,7 +315,13 @@ async def serve(args: argparse.Namespace) -> None:
     # A line per request, flushed as it ends: blocking writes are the log's whole point.
     log = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115, ASYNC230
     upstream = Upstream(
-        args.slots, args.token_ms, args.prefill_ms, log, args.max_model_len, args.end_ms
+        args.slots,
+        args.token_ms,
+        args.prefill_ms,
+        log,
+        args.cold_prefill_ms,
+        args.max_model_len,
+        args.end_ms,
     )
     # handler_cancellation: a client that goes away cancels its handler, queued or running,
     # as vLLM's server aborts a request whose connection closed.
@@ -337,6 +347,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=8, help="requests decoded at once")
     parser.add_argument("--token-ms", type=float, default=15.0, help="time per token")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="time before the first")
+    parser.add_argument(
+        "--cold-prefill-ms",
+        type=float,
+        default=0.0,
+        help='time before the first token of a prompt with "cold" in it (a prefix-cache miss)',
+    )
     parser.add_argument("--log", default="", help="JSON lines, one per request, when it ends")
     parser.add_argument("--metrics", action="store_true", help="serve vLLM-style /metrics")
     parser.add_argument(

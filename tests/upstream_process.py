@@ -30,6 +30,8 @@ class UpstreamProcess:
         metrics: bool = False,
         max_model_len: int = 0,
         end_ms: float = 0.0,
+        prefill_ms: float = 0.0,
+        cold_prefill_ms: float = 0.0,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -43,6 +45,8 @@ class UpstreamProcess:
             f"--log={log}",
             f"--max-model-len={max_model_len}",
             f"--end-ms={end_ms}",
+            f"--prefill-ms={prefill_ms}",
+            f"--cold-prefill-ms={cold_prefill_ms}",
         ]
         if metrics:
             argv.append("--metrics")
