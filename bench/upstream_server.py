@@ -24,7 +24,8 @@ prompt with ``cold`` in it (a prefix-cache miss, for first bytes that vary with 
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (modelled as the share of its slots in use) on ``/metrics`` (as
 vLLM does; without it, it is a server that publishes no queue length); ``/stats`` has the
-two counts as JSON, always.
+two counts as JSON, always. ``POST /metrics_text`` with ``{"text": "..."}`` serves that text as
+``/metrics`` instead (another server's gauges, a bad value), ``{"text": null}`` its own again.
 
 For tests that need one request to keep its slot until they say so (instead of a race against
 the clock): ``POST /hold`` with ``{"prompts": [...]}`` makes a request with one of those prompts
@@ -64,6 +65,7 @@ class Upstream:
     running: int = 0
     waiting: int = 0
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
+    metrics_text: str | None = None  # set by POST /metrics_text: served as /metrics instead
     _slots: asyncio.Semaphore = field(init=False)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -242,6 +244,8 @@ def _dumps(value: Any) -> str:
 
 async def _metrics(request: web.Request) -> web.Response:
     upstream: Upstream = request.app["upstream"]
+    if upstream.metrics_text is not None:
+        return web.Response(text=upstream.metrics_text)
     text = (
         "# TYPE vllm:num_requests_running gauge\n"
         f'vllm:num_requests_running{{model_name="up"}} {upstream.running}.0\n'
@@ -293,6 +297,15 @@ def _prompts(raw: bytes) -> list[str]:
     return prompts
 
 
+async def _set_metrics_text(request: web.Request) -> web.Response:
+    upstream: Upstream = request.app["upstream"]
+    text = orjson.loads(await request.read()).get("text")
+    if text is not None and not isinstance(text, str):
+        raise web.HTTPBadRequest(text='expected {"text": "..."} or {"text": null}')
+    upstream.metrics_text = text
+    return web.json_response({"text": text})
+
+
 async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": "up", "object": "model"}]})
 
@@ -308,6 +321,7 @@ def make_app(upstream: Upstream, *, metrics: bool) -> web.Application:
     app.router.add_post("/release", _release)
     if metrics:
         app.router.add_get("/metrics", _metrics)
+        app.router.add_post("/metrics_text", _set_metrics_text)
     return app
 
 

@@ -85,6 +85,10 @@ class UpstreamProcess:
                 raise TimeoutError(f"timed out after {within_s}s waiting for {what}")
             await asyncio.sleep(0.02)
 
+    async def metrics_text(self, text: str | None) -> None:
+        """Serve ``text`` as ``/metrics`` (needs ``metrics=True``); None: its own again."""
+        (await self.control("metrics_text", {"text": text})).raise_for_status()
+
     async def hold(self, *prompts: str) -> None:
         """Requests with these prompts keep their slot, before any token, until released."""
         await self._control("hold", prompts)
@@ -100,7 +104,7 @@ class UpstreamProcess:
         (await self.control(what, {"prompts": list(prompts)})).raise_for_status()
 
     async def control(self, what: str, body: object) -> httpx.Response:
-        """``POST /hold`` or ``/release`` with ``body`` as it is, bad or not."""
+        """``POST /hold``, ``/release`` or ``/metrics_text`` with ``body`` as it is, bad or not."""
         async with httpx.AsyncClient() as client:
             return await client.post(f"http://127.0.0.1:{self.port}/{what}", json=body)
 

@@ -1,6 +1,7 @@
 """The upstream's own queue length and KV-cache usage, read from its ``/metrics``.
 
-Where a server publishes them (vLLM, SGLang), its queue helps learn its capacity
+Where a server publishes them (vLLM, SGLang; llama.cpp and TGI their queue only), its queue
+helps learn its capacity
 (``workers.learned_slots``) and its KV-cache usage is its memory pressure (``workers.memory``).
 """
 
@@ -20,9 +21,12 @@ __all__ = ["UpstreamMetrics"]
 
 log = logging.getLogger(__name__)
 
-# The queue length that vLLM and SGLang publish on /metrics.
+# The queue length that vLLM, SGLang, llama.cpp (requests deferred for want of a free slot)
+# and TGI publish on /metrics.
 _WAITING = re.compile(
-    rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs)(?:\{[^}]*\})? (\S+)", re.M
+    rb"^(?:vllm:num_requests_waiting|sglang:num_queue_reqs|llamacpp:requests_deferred"
+    rb"|tgi_queue_size)(?:\{[^}]*\})? (\S+)",
+    re.M,
 )
 # Their KV-cache usage, a share 0..1 (vLLM's V1 and V0 names, SGLang's), for memory pressure.
 _KV_USAGE = re.compile(
@@ -48,6 +52,25 @@ class UpstreamMetrics:
         # A reading older than this says nothing: kept, a queue or a pressure seen once
         # would hold work back for good.
         self.stale_after_s = _STALE_READINGS * interval_s
+        self._odd_logged = False  # a non-finite or negative gauge was logged
+
+    def _value(self, found: re.Match[bytes] | None) -> float | None:
+        """A gauge's value; None for one not there, or not a finite number (``+Inf``,
+        ``NaN``: nothing to go by, and the rest of the reading still counts)."""
+        if found is None:
+            return None
+        value = float(found.group(1))  # ValueError for one that is no number: unreadable
+        if math.isfinite(value) and value >= 0:
+            return value
+        if not self._odd_logged:
+            self._odd_logged = True
+            log.warning(
+                "upstream metrics at %s say %s, which is no count or share: that reading is "
+                "ignored until it is one (logged once)",
+                self.url,
+                found.group(0)[:120].decode(errors="replace"),
+            )
+        return None
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """Read them every ``interval_s``; return when the upstream publishes neither."""
@@ -66,12 +89,14 @@ class UpstreamMetrics:
                         self.url,
                     )
                     return
-                if waiting is not None:
-                    self.waiting = int(float(waiting.group(1)))
+                queue = self._value(waiting)
+                if queue is not None:
+                    self.waiting = int(queue)
                     self.learned.upstream_load(self.waiting, fresh_s=3 * self.interval_s)
-                if kv_usage is not None:
-                    self.kv_usage = min(1.0, max(0.0, float(kv_usage.group(1))))
-                if waiting is not None or kv_usage is not None:
+                usage = self._value(kv_usage)
+                if usage is not None:
+                    self.kv_usage = min(1.0, max(0.0, usage))
+                if queue is not None or usage is not None:
                     self.at = time.monotonic()
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.debug("upstream metrics at %s unreadable: %s", self.url, exc)
