@@ -19,6 +19,9 @@ message) and ``cache_salt`` (vLLM's prefix-cache salt as sent, or null), with ti
 the text reached one of ``stop``'s strings and ends before it, as vLLM's does).
 ``--prefill-ms`` is the time before a request's first token; ``--cold-prefill-ms`` that of a
 prompt with ``cold`` in it (a prefix-cache miss, for first bytes that vary with no queue).
+``--when-full 429`` (or ``503``) answers a request that finds no free slot with that status
+(and ``--retry-after``'s value as its Retry-After), as TGI past ``--max-concurrent-requests``
+or an overloaded server does, instead of queueing it (outcome ``full``).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -65,6 +68,8 @@ class Upstream:
     running: int = 0
     waiting: int = 0
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
+    when_full: int = 0  # answer this status (429, 503) when no slot is free; 0: queue
+    retry_after: str = ""  # the Retry-After header of that answer ("": none)
     metrics_text: str | None = None  # set by POST /metrics_text: served as /metrics instead
     _slots: asyncio.Semaphore = field(init=False)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
@@ -176,6 +181,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if refused is not None:
         upstream.record({**entry, "outcome": "refused", "end": time.time()})
         return refused
+    if upstream.when_full and upstream._slots.locked():
+        # As TGI past --max-concurrent-requests (429), or a server overloaded (503).
+        upstream.record({**entry, "outcome": "full", "end": time.time()})
+        headers = {"Retry-After": upstream.retry_after} if upstream.retry_after else {}
+        error = {"error": "Model is overloaded", "error_type": "overloaded"}
+        return web.json_response(error, status=upstream.when_full, headers=headers)
     try:
         async with upstream.slot(entry):
             if stream:
@@ -339,6 +350,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     # handler_cancellation: a client that goes away cancels its handler, queued or running,
     # as vLLM's server aborts a request whose connection closed.
+    upstream.when_full, upstream.retry_after = args.when_full, args.retry_after
     runner = web.AppRunner(
         make_app(upstream, metrics=args.metrics), handler_cancellation=True, access_log=None
     )
@@ -367,6 +379,14 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help='time before the first token of a prompt with "cold" in it (a prefix-cache miss)',
     )
+    parser.add_argument(
+        "--when-full",
+        type=int,
+        choices=(0, 429, 503),
+        default=0,
+        help="answer this status when no slot is free (0: queue the request)",
+    )
+    parser.add_argument("--retry-after", default="", help="the Retry-After of that answer")
     parser.add_argument("--log", default="", help="JSON lines, one per request, when it ends")
     parser.add_argument("--metrics", action="store_true", help="serve vLLM-style /metrics")
     parser.add_argument(

@@ -27,6 +27,7 @@ __all__ = [
     "DroppedStatus",
     "DuplicateLine",
     "EngineError",
+    "EngineFull",
     "EngineRejected",
     "EngineUnsupported",
     "Expired",
@@ -241,6 +242,16 @@ class EngineError(LanewayError):
     error_type = "engine_error"
     code = "engine_error"
     kind = "engine"
+
+
+class EngineFull(EngineError):
+    """The engine had no room for the request (an upstream's 429 or 503): it never started,
+    and the worker queues it again, to send no more for ``retry_after`` seconds. Only a
+    worker that does not know it treats it as the engine error it also is."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineRejected(EngineError):

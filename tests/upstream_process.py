@@ -32,6 +32,8 @@ class UpstreamProcess:
         end_ms: float = 0.0,
         prefill_ms: float = 0.0,
         cold_prefill_ms: float = 0.0,
+        when_full: int = 0,
+        retry_after: str = "",
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -47,6 +49,8 @@ class UpstreamProcess:
             f"--end-ms={end_ms}",
             f"--prefill-ms={prefill_ms}",
             f"--cold-prefill-ms={cold_prefill_ms}",
+            f"--when-full={when_full}",
+            f"--retry-after={retry_after}",
         ]
         if metrics:
             argv.append("--metrics")

@@ -8,7 +8,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from laneway.errors import Cancelled, Dropped, EngineError, EngineRejected, Expired
+from laneway.errors import (
+    Cancelled,
+    Dropped,
+    EngineError,
+    EngineFull,
+    EngineRejected,
+    Expired,
+)
 from laneway.schema import Outcome, RequestEnvelope, UsageEvent
 from laneway.settings import Price
 from workers import aborts
@@ -92,6 +99,9 @@ class RequestExecutor:
         self.on_preempted: dict[str, Callable[[RequestEnvelope], None]] = {}
         # Requests whose engine generation is under way (not yet reporting their outcome).
         self.live: set[str] = set()
+        # Requests the engine had no room for (``EngineFull``), to queue again: how long it
+        # asked the worker to send nothing more, by id.
+        self.no_room: dict[str, float] = {}
 
     @classmethod
     def of_pool(
@@ -134,7 +144,8 @@ class RequestExecutor:
     async def run(self, env: RequestEnvelope) -> UsageEvent | None:
         """Run ``env`` on the engine now (the worker dispatches it when the engine has room);
         ``queue_ms`` is its wait from acceptance to this moment. None: it was preempted
-        (aborted to run again later) and reported nothing."""
+        (aborted to run again later), or the engine had no room for it (``no_room``), and
+        it reported nothing."""
         queue_ms = max(0.0, (self.clock() - env.accepted_ts) * 1000)
         stale = self.shield.verdict(env, time.time())  # the deadline is on this clock
         if stale is not None and not self._starts_for_followers(env, stale):
@@ -185,6 +196,20 @@ class RequestExecutor:
                 preempted_run(self, env, got, dropped, chunks)
                 return None
             status, error = dropped_outcome(self, env, got, dropped)
+        except EngineFull as exc:
+            # It never started: it waits in the worker's queue again, where the shield still
+            # reaches it and its deadline still holds; no outcome, no usage event now.
+            log.info(
+                "engine had no room for %s, queued again: %s",
+                env.id,
+                exc,
+                extra={"request_id": env.id, "team": env.team},
+            )
+            requeued = True
+            if chunks is not None:
+                chunks.cancel()
+            self.no_room[env.id] = exc.retry_after
+            return None
         except EngineError as exc:
             log.warning(
                 "engine error on %s: %s",

@@ -18,6 +18,8 @@ learns it, as TCP learns a path's capacity:
 - Until a first cut shows the capacity, the limit grows by one with each quick first byte
   that came while the limit was in use (slow start). After that it probes one more only
   every ``probe_s``, so a server that grew is found, at the price of two short waits.
+- A 429 or 503 (``no_room``) says the upstream is full now: the limit becomes what of ours
+  streams.
 - Where the upstream publishes its queue (vLLM's ``vllm:num_requests_waiting``), a waiting
   count above zero cuts the limit too, seen by everyone who shares the server. And while
   its count is fresh, it is the only word on the queue: no late first byte votes.
@@ -125,6 +127,11 @@ class LearnedSlots:
         self._votes.append(max(ran, run.streaming))
         if len(self._votes) >= _VOTES_TO_CUT:
             self._cut(self._votes[-1])
+
+    def no_room(self) -> None:
+        """The upstream refused a request for want of room (a 429 or 503): it is full with
+        what of ours streams now, and the limit becomes that (not below 1)."""
+        self._cut(self.streaming, halve_at_most=False)
 
     def _sample(self, waited_ms: float, prompt_tokens: int) -> None:
         """A quick first byte: what an unqueued one takes, and room to grow (slow start)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from functools import partial
 
 from aiokafka import AIOKafkaConsumer
@@ -320,7 +321,10 @@ class PoolWorker:
 
     def _capacity(self) -> int:
         """Requests to have on the engine now: the engine's own capacity, or on a shared
-        engine what this worker runs plus the room its class has (``workers.fleet``)."""
+        engine what this worker runs plus the room its class has (``workers.fleet``). Just
+        after the engine said it had no room, what runs now and no more."""
+        if time.monotonic() < self.runs.no_room_until:
+            return self.dispatcher.running
         if self.fleet is not None:
             running = self.dispatcher.running
             return running + self.fleet.room(running, len(self.queue))

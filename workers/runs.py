@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -52,6 +53,9 @@ class Runs:
         self.wake = wake  # the dispatcher's: look at the queue again
         self.room = room  # set when the worker may fetch again
         self.running: dict[str, Work] = {}  # on the engine, oldest first
+        # The engine had no room (an upstream's 429 or 503): nothing more starts until then
+        # (monotonic), whatever its capacity says.
+        self.no_room_until = float("-inf")
         self.following: dict[str, Work] = {}  # served from another request's generation
         # Everything started, followed or dropped, from then until its offset is finished
         # (its usage event stored): a record of it fetched again is adopted, not run again.
@@ -196,7 +200,10 @@ class Runs:
                 self.engine_done()
                 self.room.set()
             if usage is None:
-                self._again(work, started=True)
+                wait = self.executor.no_room.pop(env.id, None)
+                if wait is not None:  # it never started: it keeps its start deadline
+                    self.no_room_until = max(self.no_room_until, time.monotonic() + wait)
+                self._again(work, started=wait is None)
                 return  # its offset stays pending
             self.lane.finished(work, usage)
             await self.executor.reports.delivered(env.id)
@@ -216,8 +223,9 @@ class Runs:
 
     def _again(self, work: Work, *, started: bool) -> None:
         """``work`` left the engine to run again later (preempted: memory pressure, or a
-        shared engine's interactive work), or its generation left a follower nothing: first
-        in line again with its offset pending. A run that ``started`` waits with no start
+        shared engine's interactive work), the engine had no room for it (an upstream's 429
+        or 503: it never started), or its generation left a follower nothing: first in line
+        again with its offset pending. A run that ``started`` waits with no start
         deadline (it started in time; that it waits again is the engine's doing, not its
         client's); a follower keeps its own: nothing of it started, and its client still
         waits for a start by then."""

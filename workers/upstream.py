@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from laneway.errors import Aborted, EngineError
+from laneway.errors import Aborted, EngineError, EngineFull
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
 from workers.learned_slots import LearnedSlots
@@ -74,6 +75,8 @@ class OpenAICompatibleEngine:
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
         self._finishes = FinishReasons(self.base_url)
+        # Requests the upstream refused for want of room, by id: since when (monotonic).
+        self._refused_since: dict[str, float] = {}
 
     async def start(self) -> None:
         if self._session is not None:
@@ -263,6 +266,19 @@ class OpenAICompatibleEngine:
             # whole prefill of a request no one wants.
             response.close()
             raise call.dropped(request_id, 0.0)
+        if response.status in _NO_ROOM:
+            # Full (TGI past --max-concurrent-requests, a server overloaded or still
+            # loading): the request never started. The worker queues it again, where the
+            # shield still reaches it, and sends no more for a while; the upstream is full
+            # with what of ours streams, and the limit becomes that.
+            response.close()
+            self.learned.no_room()
+            self._no_room_for(request_id, response.status, path)
+            raise EngineFull(
+                f"upstream {self.base_url}{path}: {response.status}, no room",
+                retry_after=_retry_after(response.headers.get("Retry-After")),
+            )
+        self._refused_since.pop(request_id, None)
         if response.status != 200:
             detail = (await response.read())[:300].decode(errors="replace")
             if response.status in REQUEST_REFUSED:
@@ -273,11 +289,47 @@ class OpenAICompatibleEngine:
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
         return response
 
+    def _no_room_for(self, request_id: str, status: int, path: str) -> None:
+        """A request refused for room this long (the read timeout) fails: a server that
+        says it is full for good is down, and a request with no deadline (a batch line)
+        would wait for it forever."""
+        now = time.monotonic()
+        for rid, since in list(self._refused_since.items()):
+            if now - since > 2 * self._read_timeout_s:
+                del self._refused_since[rid]  # it expired or went elsewhere meanwhile
+        since = self._refused_since.setdefault(request_id, now)
+        if now - since > self._read_timeout_s:
+            del self._refused_since[request_id]
+            raise EngineError(
+                f"upstream {self.base_url}{path}: {status}, no room for "
+                f"{now - since:.0f} s (LANEWAY_UPSTREAM_READ_TIMEOUT_S is "
+                f"{self._read_timeout_s:.0f} s)"
+            )
+
     def _room(self) -> None:
         if self._on_room is not None:
             self._on_room()
 
 
+def _retry_after(header: str | None) -> float:
+    """The wait an upstream's Retry-After asks for, in seconds (capped; its HTTP-date form
+    and a missing one: the default)."""
+    try:
+        wait = float(header) if header is not None else _NO_ROOM_WAIT_S
+    except ValueError:
+        wait = _NO_ROOM_WAIT_S
+    if not math.isfinite(wait):
+        wait = _NO_ROOM_WAIT_S
+    return min(_NO_ROOM_MAX_S, max(0.0, wait))
+
+
 _JSON = {"content-type": "application/json"}
+# What an upstream says when it has no room for a request: it never started.
+_NO_ROOM = frozenset({429, 503})
+# After a no-room answer, no more is sent for its Retry-After, at most _NO_ROOM_MAX_S (a
+# server asking for minutes must not hold interactive work past its deadline unseen), or
+# _NO_ROOM_WAIT_S without one.
+_NO_ROOM_MAX_S = 5.0
+_NO_ROOM_WAIT_S = 0.5
 # An abort waits at most this long for its request's generate to begin.
 _EARLY_ABORT_S = 5.0

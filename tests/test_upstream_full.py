@@ -1,0 +1,88 @@
+"""An upstream with no room for a request (a 429 or 503: TGI past its
+--max-concurrent-requests, a server overloaded or still loading), judged by the client's
+answer, the usage event and a separate upstream process's own log: the request never
+started, so it waits in the worker's queue and runs once there is room, and it is no engine
+failure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.stack import LiveStack, eventually
+from tests.upstream_process import UpstreamProcess
+from workers.upstream import OpenAICompatibleEngine
+
+pytestmark = pytest.mark.slow
+
+
+def _completion(prompt: str) -> dict[str, Any]:
+    return {"model": "laneway-code", "prompt": prompt, "max_tokens": 4}
+
+
+async def _full_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any], status: int
+) -> tuple[UpstreamProcess, OpenAICompatibleEngine, httpx.AsyncClient, asyncio.Task[Any]]:
+    """An upstream of one slot that answers ``status`` when full, that slot held by a
+    request (``release("holder")`` ends the hold); the worker learns its capacity."""
+    upstream: UpstreamProcess = await upstreams(
+        slots=1, token_ms=5, when_full=status, retry_after="0.2"
+    )
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
+    worker = await stack.start_worker(
+        "completion",
+        engine="openai",
+        upstream_url=upstream.url,
+        upstream_model="up",
+        upstream_metrics_url="",
+    )
+    assert isinstance(worker.engine, OpenAICompatibleEngine)
+    http = stack.http(ingress, await stack.api_key())
+    await upstream.hold("holder")
+    holder = asyncio.create_task(http.post("/v1/completions", json=_completion("holder")))
+    await upstream.until(lambda running, _: running == 1, "the holder on the upstream's slot")
+    return upstream, worker.engine, http, holder
+
+
+def _refused(upstream: UpstreamProcess, prompt: str) -> int:
+    return sum(1 for e in upstream.entries() if e["prompt"] == prompt and e["outcome"] == "full")
+
+
+async def test_a_request_the_upstream_has_no_room_for_runs_once_there_is_room(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream, engine, http, holder = await _full_upstream(stack, upstreams, 429)
+    second = asyncio.create_task(http.post("/v1/completions", json=_completion("second")))
+    await eventually(lambda: _refused(upstream, "second") >= 1, 20, "second refused for room")
+    # The upstream is full with what of ours it runs: the limit is that, no more.
+    assert engine.learned.limit == 1
+    await upstream.release("holder")
+    answers = [await holder, await second]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    ran = upstream.entry("second")
+    assert ran is not None
+    assert ran["outcome"] == "done"
+    assert ran["tokens"] == 4
+    events = await stack.usage_of(*(a.headers["x-laneway-request-id"] for a in answers))
+    assert {e["status"] for e in events.values()} == {"ok"}
+
+
+async def test_a_request_with_no_room_until_its_deadline_expires_and_is_no_engine_error(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream, _, http, holder = await _full_upstream(stack, upstreams, 503)
+    late = await http.post(
+        "/v1/completions", json=_completion("late"), headers={"X-Laneway-Deadline-Ms": "1500"}
+    )
+    assert late.status_code == 504, late.text
+    assert _refused(upstream, "late") >= 1
+    events = await stack.usage_of(late.headers["x-laneway-request-id"])
+    (event,) = events.values()
+    # What a deadline is, which the breaker does not count: not an engine error.
+    assert event["status"] == "expired", event
+    await upstream.release("holder")
+    assert (await holder).status_code == 200
