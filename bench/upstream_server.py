@@ -22,6 +22,8 @@ prompt with ``cold`` in it (a prefix-cache miss, for first bytes that vary with 
 ``--when-full 429`` (or ``503``) answers a request that finds no free slot with that status
 (and ``--retry-after``'s value as its Retry-After), as TGI past ``--max-concurrent-requests``
 or an overloaded server does, instead of queueing it (outcome ``full``).
+``--keepalive-ms N`` begins a streamed answer at once and sends it a ``: PROCESSING`` comment
+line every N ms while it waits for a slot and its first token (as OpenRouter-style servers do).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -68,6 +70,7 @@ class Upstream:
     running: int = 0
     waiting: int = 0
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
+    keepalive_ms: float = 0.0  # a streamed request's ": PROCESSING" comments until its first token
     when_full: int = 0  # answer this status (429, 503) when no slot is free; 0: queue
     retry_after: str = ""  # the Retry-After header of that answer ("": none)
     metrics_text: str | None = None  # set by POST /metrics_text: served as /metrics instead
@@ -187,15 +190,36 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         headers = {"Retry-After": upstream.retry_after} if upstream.retry_after else {}
         error = {"error": "Model is overloaded", "error_type": "overloaded"}
         return web.json_response(error, status=upstream.when_full, headers=headers)
+    response: web.StreamResponse | None = None
+    pings: asyncio.Task[None] | None = None
+    if stream and upstream.keepalive_ms:
+        # As OpenRouter-style servers do: the stream begins at once, and comment lines keep
+        # it alive while the request waits for a slot and its first token.
+        response = await _event_stream(request)
+        pings = asyncio.create_task(_ping(response, upstream.keepalive_ms))
     try:
         async with upstream.slot(entry):
             if stream:
-                return await _stream(request, upstream, rid, chat, count, entry)
+                return await _stream(request, upstream, rid, chat, count, entry, response, pings)
             text = "".join([word async for word in upstream.tokens(count, entry)])
             return web.json_response(_body(rid, chat, text, entry), dumps=_dumps)
     finally:
+        if pings is not None:
+            pings.cancel()
         entry["end"] = time.time()
         upstream.record(entry)
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    return response
+
+
+async def _ping(response: web.StreamResponse, every_ms: float) -> None:
+    while True:
+        await response.write(b": PROCESSING\n\n")
+        await asyncio.sleep(every_ms / 1000)
 
 
 async def _stream(
@@ -205,10 +229,15 @@ async def _stream(
     chat: bool,
     count: int,
     entry: dict[str, Any],
+    response: web.StreamResponse | None = None,
+    pings: asyncio.Task[None] | None = None,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-    await response.prepare(request)
+    if response is None:
+        response = await _event_stream(request)
     async for word in upstream.tokens(count, entry):
+        if pings is not None:
+            pings.cancel()
+            pings = None
         choice: dict[str, Any] = {"index": 0, "finish_reason": None}
         if chat:
             choice["delta"] = {"content": word}
@@ -351,6 +380,7 @@ async def serve(args: argparse.Namespace) -> None:
     # handler_cancellation: a client that goes away cancels its handler, queued or running,
     # as vLLM's server aborts a request whose connection closed.
     upstream.when_full, upstream.retry_after = args.when_full, args.retry_after
+    upstream.keepalive_ms = args.keepalive_ms
     runner = web.AppRunner(
         make_app(upstream, metrics=args.metrics), handler_cancellation=True, access_log=None
     )
@@ -385,6 +415,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=(0, 429, 503),
         default=0,
         help="answer this status when no slot is free (0: queue the request)",
+    )
+    parser.add_argument(
+        "--keepalive-ms",
+        type=float,
+        default=0.0,
+        help='a streamed request gets ": PROCESSING" comments this often until its first token',
     )
     parser.add_argument("--retry-after", default="", help="the Retry-After of that answer")
     parser.add_argument("--log", default="", help="JSON lines, one per request, when it ends")

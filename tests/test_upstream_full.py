@@ -1,8 +1,8 @@
-"""An upstream with no room for a request (a 429 or 503: TGI past its
---max-concurrent-requests, a server overloaded or still loading), judged by the client's
-answer, the usage event and a separate upstream process's own log: the request never
-started, so it waits in the worker's queue and runs once there is room, and it is no engine
-failure."""
+"""An upstream that is full, judged by the client's answer, the usage event and a separate
+upstream process's own log. With no room for a request (a 429 or 503: TGI past its
+--max-concurrent-requests, a server overloaded or still loading), the request never started:
+it waits in the worker's queue, runs once there is room, and is no engine failure. Queued
+upstream behind keep-alive comments, it has not started either: its deadline holds."""
 
 from __future__ import annotations
 
@@ -84,5 +84,42 @@ async def test_a_request_with_no_room_until_its_deadline_expires_and_is_no_engin
     (event,) = events.values()
     # What a deadline is, which the breaker does not count: not an engine error.
     assert event["status"] == "expired", event
+    await upstream.release("holder")
+    assert (await holder).status_code == 200
+
+
+async def test_keep_alive_comments_while_queued_upstream_are_not_its_start(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    # The upstream queues (one slot, held) and keeps a queued request's stream alive with
+    # ": PROCESSING" comments: the request has not started, and its deadline still holds.
+    upstream: UpstreamProcess = await upstreams(slots=1, token_ms=5, keepalive_ms=50)
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
+    await stack.start_worker(
+        "completion",
+        engine="openai",
+        upstream_url=upstream.url,
+        upstream_model="up",
+        upstream_metrics_url="",
+    )
+    http = stack.http(ingress, await stack.api_key())
+    await upstream.hold("holder")
+    holder = asyncio.create_task(http.post("/v1/completions", json=_completion("holder")))
+    await upstream.until(lambda running, _: running == 1, "the holder on the upstream's slot")
+    queued = asyncio.create_task(
+        http.post(
+            "/v1/completions",
+            json={**_completion("queued"), "stream": True},
+            headers={"X-Laneway-Deadline-Ms": "1500"},
+        )
+    )
+    # Closed at its deadline, still in the upstream's queue (its own log says so).
+    closed = await eventually(lambda: upstream.entry("queued"), 20, "the queued request closed")
+    assert closed["outcome"] == "gone_queued", closed
+    answer = await queued
+    events = await stack.usage_of(answer.headers["x-laneway-request-id"])
+    (event,) = events.values()
+    assert event["status"] == "expired", event
+    assert event["engine_ms"] == 0, event
     await upstream.release("holder")
     assert (await holder).status_code == 200

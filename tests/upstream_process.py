@@ -34,6 +34,7 @@ class UpstreamProcess:
         cold_prefill_ms: float = 0.0,
         when_full: int = 0,
         retry_after: str = "",
+        keepalive_ms: float = 0.0,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -51,6 +52,7 @@ class UpstreamProcess:
             f"--cold-prefill-ms={cold_prefill_ms}",
             f"--when-full={when_full}",
             f"--retry-after={retry_after}",
+            f"--keepalive-ms={keepalive_ms}",
         ]
         if metrics:
             argv.append("--metrics")

@@ -187,7 +187,10 @@ class OpenAICompatibleEngine:
                 if call.aborted:  # between two lines: its close closed the response
                     response.close()
                     break
-                if reading.started is None:
+                if reading.started is None and line.startswith(b"data:"):
+                    # Its first event, not a comment (": PROCESSING", which servers send to
+                    # keep a queued request's stream alive) nor a blank line: the request
+                    # started upstream.
                     self._began(request.id, call, reading)
                 delta = reading.line(line)
                 if delta is not None:
