@@ -24,6 +24,9 @@ prompt with ``cold`` in it (a prefix-cache miss, for first bytes that vary with 
 or an overloaded server does, instead of queueing it (outcome ``full``).
 ``--keepalive-ms N`` begins a streamed answer at once and sends it a ``: PROCESSING`` comment
 line every N ms while it waits for a slot and its first token (as OpenRouter-style servers do).
+``--tokens-always N`` generates N tokens whatever ``max_tokens`` asks (a server that ignores
+it); ``--silent-after-finish`` sends a stream's last chunk (finish reason, usage) and then
+neither ``[DONE]`` nor the stream's end until the client leaves.
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -71,6 +74,8 @@ class Upstream:
     waiting: int = 0
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
     keepalive_ms: float = 0.0  # a streamed request's ": PROCESSING" comments until its first token
+    tokens_always: int = 0  # generate this many tokens whatever max_tokens says; 0: max_tokens
+    silent_after_finish: bool = False  # after the last chunk, no [DONE] and no end
     when_full: int = 0  # answer this status (429, 503) when no slot is free; 0: queue
     retry_after: str = ""  # the Retry-After header of that answer ("": none)
     metrics_text: str | None = None  # set by POST /metrics_text: served as /metrics instead
@@ -164,7 +169,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     body = orjson.loads(await request.read())
     chat = request.path.endswith("/chat/completions")
     stream = bool(body.get("stream"))
-    count = int(body.get("max_tokens") or 16)
+    count = upstream.tokens_always or int(body.get("max_tokens") or 16)
     rid = f"up-{next(upstream._ids)}"
     entry: dict[str, Any] = {
         "id": rid,
@@ -253,6 +258,10 @@ async def _stream(
         "choices": [{"index": 0, "finish_reason": entry["finish"], "delta": {}, "text": ""}],
         "usage": reported_usage(entry),
     }
+    if upstream.silent_after_finish:
+        # Its last chunk, then neither [DONE] nor the stream's end, until the client leaves.
+        await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
+        await asyncio.Event().wait()
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -381,6 +390,8 @@ async def serve(args: argparse.Namespace) -> None:
     # as vLLM's server aborts a request whose connection closed.
     upstream.when_full, upstream.retry_after = args.when_full, args.retry_after
     upstream.keepalive_ms = args.keepalive_ms
+    upstream.tokens_always = args.tokens_always
+    upstream.silent_after_finish = args.silent_after_finish
     runner = web.AppRunner(
         make_app(upstream, metrics=args.metrics), handler_cancellation=True, access_log=None
     )
@@ -415,6 +426,17 @@ def main(argv: list[str] | None = None) -> None:
         choices=(0, 429, 503),
         default=0,
         help="answer this status when no slot is free (0: queue the request)",
+    )
+    parser.add_argument(
+        "--tokens-always",
+        type=int,
+        default=0,
+        help="generate this many tokens whatever max_tokens asks (0: as max_tokens asks)",
+    )
+    parser.add_argument(
+        "--silent-after-finish",
+        action="store_true",
+        help="after a stream's last chunk send neither [DONE] nor its end, until the client leaves",
     )
     parser.add_argument(
         "--keepalive-ms",

@@ -35,6 +35,8 @@ class UpstreamProcess:
         when_full: int = 0,
         retry_after: str = "",
         keepalive_ms: float = 0.0,
+        tokens_always: int = 0,
+        silent_after_finish: bool = False,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -53,9 +55,12 @@ class UpstreamProcess:
             f"--when-full={when_full}",
             f"--retry-after={retry_after}",
             f"--keepalive-ms={keepalive_ms}",
+            f"--tokens-always={tokens_always}",
         ]
         if metrics:
             argv.append("--metrics")
+        if silent_after_finish:
+            argv.append("--silent-after-finish")
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
 
     @property

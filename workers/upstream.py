@@ -173,7 +173,7 @@ class OpenAICompatibleEngine:
         # framing included; the text's own estimate is for requests that carry none.
         estimate = request.prompt_estimate or estimate_tokens(request.prompt)
         call = self._open(request, estimate)
-        reading = StreamReading(estimate)
+        reading = StreamReading(estimate, request.max_tokens)
         try:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
@@ -187,15 +187,14 @@ class OpenAICompatibleEngine:
                 if call.aborted:  # between two lines: its close closed the response
                     response.close()
                     break
-                if reading.started is None and line.startswith(b"data:"):
-                    # Its first event, not a comment (": PROCESSING", which servers send to
-                    # keep a queued request's stream alive) nor a blank line: the request
-                    # started upstream.
-                    self._began(request.id, call, reading)
+                if reading.started is None:
+                    self._began(request.id, call, reading, line)
                 delta = reading.line(line)
                 if delta is not None:
                     yield delta
-                elif reading.done:
+                elif reading.done or reading.over:
+                    # Over max_tokens, not read to its end: its release closes it, and the
+                    # upstream stops the request there too.
                     break
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
@@ -222,8 +221,14 @@ class OpenAICompatibleEngine:
             )
         return call
 
-    def _began(self, request_id: str, call: UpstreamCall, reading: StreamReading) -> None:
-        """The upstream's first byte: the request started there."""
+    def _began(
+        self, request_id: str, call: UpstreamCall, reading: StreamReading, line: bytes
+    ) -> None:
+        """The upstream's first byte, if ``line`` is its first event: the request started
+        there. A comment (": PROCESSING", which servers send to keep a queued request's
+        stream alive) or a blank line is not."""
+        if not line.startswith(b"data:"):
+            return
         reading.started = time.perf_counter()
         if call.timer is not None:
             call.timer.cancel()

@@ -100,13 +100,17 @@ class StreamReading:
         "completion_tokens",
         "done",
         "finish",
+        "max_tokens",
+        "over",
         "prompt_tokens",
         "started",
         "text_sent",
     )
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int = 0) -> None:
         self.done = False  # [DONE] was read
+        self.max_tokens = max_tokens  # 0: no limit of laneway's own
+        self.over = False  # text came past max_tokens: the upstream ignores it
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached = 0
@@ -149,10 +153,18 @@ class StreamReading:
             self.cached = min(cached, self.prompt_tokens)
             self.completion_tokens = _count(usage, "completion_tokens", self.completion_tokens)
         text = ""
+        finish = self.finish
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta")
             text += (delta.get("content") if delta else choice.get("text")) or ""
-            self.finish = choice.get("finish_reason") or self.finish
+            finish = choice.get("finish_reason") or finish
+        if text and not usage and 0 < self.max_tokens <= self.completion_tokens:
+            # More text than max_tokens: the upstream ignores it. The client gets (and pays
+            # for) what it asked for, no more, and the request ends there, by its length.
+            self.over = True
+            self.finish = "length"
+            return None
+        self.finish = finish
         if text and not usage:
             self.completion_tokens += 1
         self.text_sent = self.text_sent or bool(text)
@@ -170,15 +182,18 @@ class StreamReading:
         """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
         saying it was done ([DONE], or a finish_reason), as a connection the upstream dropped
         or a body cut short does; the text so far is not a whole answer then."""
-        if not self.done and self.finish is None:
+        if not self.done and self.finish is None and not self.over:
             raise EngineError(
                 "the upstream's stream ended before its end (no finish_reason, no [DONE])"
             )
+        completion = self.completion_tokens
+        if self.max_tokens:
+            completion = min(completion, self.max_tokens)  # never billed past what was asked
         return EngineDelta(
             text="",
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached,
-            completion_tokens=self.completion_tokens,
+            completion_tokens=completion,
             engine_ms=self.ms(),
             finish_reason=finish_reason,
         )
