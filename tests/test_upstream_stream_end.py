@@ -54,3 +54,16 @@ async def test_an_upstream_that_honours_max_tokens_is_billed_its_own_usage(
     # laneway's estimate.
     assert deltas[-1].prompt_tokens == len("honoured " * 40) // 4
     assert deltas[-1].completion_tokens == 16
+
+
+async def test_a_stream_that_stays_open_after_its_last_chunk_ends_as_finished(
+    upstreams: Callable[..., Any],
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=5, silent_after_finish=True)
+    deltas = await _run(upstream, "silent", max_tokens=8)
+    assert "".join(d.text for d in deltas).split() != []
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].completion_tokens == 8
+    assert deltas[-1].prompt_tokens == 1  # the upstream's usage chunk was read
+    # Its connection closed: the upstream's handler ended.
+    await eventually(lambda: upstream.entry("silent"), 20, "the upstream's entry")

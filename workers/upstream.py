@@ -183,7 +183,7 @@ class OpenAICompatibleEngine:
                     f"upstream {self.base_url}{path} answered {response.content_type or 'a body'}"
                     ", not the event stream it was asked for"
                 )
-            async for line in response.content:
+            while line := await _next_line(response, finished=reading.finish is not None):
                 if call.aborted:  # between two lines: its close closed the response
                     response.close()
                     break
@@ -319,6 +319,21 @@ class OpenAICompatibleEngine:
             self._on_room()
 
 
+async def _next_line(response: aiohttp.ClientResponse, *, finished: bool) -> bytes:
+    """The stream's next line; b"" at its end. Once the upstream said the request finished
+    (a finish_reason), only the usage chunk and [DONE] may follow: an upstream that sends
+    neither, nor ends the stream, would hold the request (and its slot) for the read
+    timeout, so after _AFTER_FINISH_S of silence it is taken as ended, and closed."""
+    if not finished:
+        return await response.content.readline()
+    try:
+        async with asyncio.timeout(_AFTER_FINISH_S):
+            return await response.content.readline()
+    except TimeoutError:
+        response.close()
+        return b""
+
+
 def _retry_after(header: str | None) -> float:
     """The wait an upstream's Retry-After asks for, in seconds (capped; its HTTP-date form
     and a missing one: the default)."""
@@ -332,6 +347,9 @@ def _retry_after(header: str | None) -> float:
 
 
 _JSON = {"content-type": "application/json"}
+# After a finish_reason, the usage chunk and [DONE] come at once from every server seen; a
+# stream silent this long after it is over.
+_AFTER_FINISH_S = 2.0
 # What an upstream says when it has no room for a request: it never started.
 _NO_ROOM = frozenset({429, 503})
 # After a no-room answer, no more is sent for its Retry-After, at most _NO_ROOM_MAX_S (a
