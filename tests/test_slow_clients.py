@@ -4,6 +4,7 @@ clients cannot hold the ingress's connections (its file descriptors) for ever.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from tests.stack import LiveStack
 
@@ -29,6 +30,25 @@ async def test_a_connection_whose_headers_do_not_come_is_closed(stack: LiveStack
     for reader, writer in (silent, half, kept):
         assert await _closed_by_the_server(reader) == b""
         writer.close()
+
+
+async def test_a_request_answered_before_its_body_came_closes_its_connection(
+    stack: LiveStack,
+) -> None:
+    """No key: 401 before the body is read. The rest of the body, a byte now and then, must
+    not hold the connection open with no request left to bound it."""
+    ingress = await stack.start_ingress(read_timeout_s=1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", ingress.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: laneway\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+    )
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+    writer.write(b" ")
+    with contextlib.suppress(ConnectionError):
+        await _closed_by_the_server(reader)  # the 401's body, then the end
+    writer.close()
 
 
 async def test_a_body_that_does_not_come_is_answered_408(stack: LiveStack) -> None:
