@@ -62,8 +62,10 @@ class LocalLimiter:
             start = min(capacity, max(float(tokens), capacity * UNHEARD_START_SHARE))
             bucket = self._buckets[team] = _Bucket(capacity, start, now)
         rate = capacity / 3600 / self.replicas
-        # Refilled up to its share of the budget (a start above it, one large request, stays).
-        full = max(bucket.tokens, capacity / self.replicas)
+        # Refilled up to its share of the budget, or to the request at hand if that is more
+        # (a request larger than a replica's share is admitted when the share has refilled
+        # to it, as its Retry-After says; a start above the share, one request, stays).
+        full = max(bucket.tokens, min(capacity, max(capacity / self.replicas, float(tokens))))
         bucket.tokens = min(full, bucket.tokens + (now - bucket.ts) * rate)
         bucket.ts = now
         if bucket.tokens < tokens:

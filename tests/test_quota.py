@@ -885,3 +885,12 @@ def test_the_local_limiter_starts_from_what_redis_last_said_or_a_small_share() -
         shared.reserve("known", 1, 7200, now=0.0)
     assert shared.reserve("known", 1, 7200, now=1.0) == pytest.approx(0)
     assert shared.reserve("big", 300, 5000, now=0.0) == 0  # still one request, however large
+    # A request larger than a replica's share (3,000 of 10,000 among 4 replicas) is admitted
+    # once the bucket has refilled to it, as its Retry-After says, not refused for good.
+    quarter = LocalLimiter()
+    quarter.replicas = 4
+    quarter.note("wide", remaining=10_000, capacity=10_000, now=0.0)
+    with pytest.raises(QuotaExceeded) as refused:
+        quarter.reserve("wide", 3000, 10_000, now=0.0)
+    retry = refused.value.retry_after
+    assert quarter.reserve("wide", 3000, 10_000, now=retry + 1) >= 0
