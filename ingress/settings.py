@@ -58,7 +58,7 @@ class IngressSettings(CommonSettings):
         le=3600,
         description="on SIGTERM, how long open requests may still finish; each one still open "
         "then is dropped, and its worker told to stop it (a client's retry elsewhere does not "
-        "run beside it)",
+        "run beside it); keep the platform's stop period a few seconds longer",
     )
     max_body_bytes: int = Field(
         2 * 1024 * 1024,

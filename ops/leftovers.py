@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ingress.settings import IngressSettings
 from laneway.settings import load_settings
 from ops.supervised import Supervised, stray_services
 from workers.settings import WorkerSettings
@@ -64,9 +65,11 @@ def stop_leftovers(
 
 def stop_grace_s() -> float:
     """How long a stopping process gets after its SIGTERM before it is killed: enough for a
-    worker's drain (LANEWAY_DRAIN_GRACE_S) and what follows it, and at least 15 s."""
+    worker's drain (LANEWAY_DRAIN_GRACE_S) or the ingress's grace (LANEWAY_SHUTDOWN_GRACE_S)
+    and what follows it, and at least 15 s."""
     drain = load_settings(WorkerSettings).drain_grace_s
-    return max(_SHORTEST_STOP_GRACE_S, drain + _AFTER_DRAIN_S)
+    ingress = load_settings(IngressSettings).shutdown_grace_s
+    return max(_SHORTEST_STOP_GRACE_S, drain + _AFTER_DRAIN_S, ingress + _AFTER_DRAIN_S)
 
 
 def process_runs(pid: int) -> bool:
