@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
@@ -54,7 +55,10 @@ CHANGELOG_CONFIGS: dict[str, str] = {
     "segment.ms": str(10 * 60 * 1000),
     "segment.bytes": str(64 * 1024 * 1024),
     "min.cleanable.dirty.ratio": "0.1",
-    "delete.retention.ms": str(10 * 60 * 1000),
+    # Longer than a recovery from nothing takes: one that read a key's value but not yet its
+    # tombstone when the tombstone went would keep the key (the tables delete such keys
+    # again as they go, but not at once).
+    "delete.retention.ms": str(60 * 60 * 1000),
 }
 
 
@@ -79,10 +83,10 @@ async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
         ]
         with contextlib.suppress(TopicAlreadyExistsError):
             await admin.create_topics(new)
-        await _configure(admin, names)
         for _ in range(100):
             described = await admin.describe_topics(names)
             if all(not t["error_code"] and len(t["partitions"]) == partitions for t in described):
+                await _configure(admin, names)
                 return
             await asyncio.sleep(0.1)
     except KafkaError as exc:
@@ -95,12 +99,31 @@ async def ensure_changelogs(settings: StreamsSettings, partitions: int) -> None:
 
 
 async def _configure(admin: AIOKafkaAdminClient, names: list[str]) -> None:
-    """``CHANGELOG_CONFIGS`` on the changelogs ``names`` (set whole: they are laneway's).
+    """``CHANGELOG_CONFIGS`` on the changelogs ``names`` where they are not set yet, beside
+    what an operator set on them (Kafka's AlterConfigs replaces a topic's settings whole).
     Refused (a principal without the right), each is named in a warning and the app runs."""
-    resources = [
-        ConfigResource(ConfigResourceType.TOPIC, name, CHANGELOG_CONFIGS) for name in names
-    ]
-    for response in await admin.alter_configs(resources):
+    described = await admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+    )
+    changes = []
+    for response in described:
+        for resource in response.to_object()["resources"]:
+            own = {
+                entry["config_names"]: entry["config_value"]
+                for entry in resource["config_entries"]
+                if _set_on_topic(entry) and not entry["is_sensitive"]
+            }
+            if any(own.get(name) != value for name, value in CHANGELOG_CONFIGS.items()):
+                changes.append(
+                    ConfigResource(
+                        ConfigResourceType.TOPIC,
+                        resource["resource_name"],
+                        {**own, **CHANGELOG_CONFIGS},
+                    )
+                )
+    if not changes:
+        return
+    for response in await admin.alter_configs(changes):
         for code, message, _, name in response.resources:
             if code:
                 log.warning(
@@ -111,6 +134,16 @@ async def _configure(admin: AIOKafkaAdminClient, names: list[str]) -> None:
                     message or "",
                     ", ".join(f"{k}={v}" for k, v in CHANGELOG_CONFIGS.items()),
                 )
+
+
+def _set_on_topic(entry: dict[str, Any]) -> bool:
+    """Whether a described config entry was set on the topic itself (not a default)."""
+    if "config_source" in entry:  # DescribeConfigs v1 on
+        return bool(entry["config_source"] == _DYNAMIC_TOPIC_CONFIG)
+    return not entry["is_default"]
+
+
+_DYNAMIC_TOPIC_CONFIG = 1  # Kafka's ConfigSource: set on the topic
 
 
 async def serve(settings: StreamsSettings) -> int:

@@ -329,15 +329,16 @@ async def test_the_changelogs_are_kept_compact_made_now_or_before(
 ) -> None:
     """A start replays the changelogs whole before it folds anything: with Kafka's defaults
     (1 GiB segments, tombstones kept a day) every write of days stayed and was read first.
-    A changelog made by an older laneway (compaction alone) is set as a new one is."""
+    A changelog made by an older laneway is set as a new one is, keeping what an operator
+    set on it."""
     app_id = f"{stack.prefix}-streams"
     old = f"{app_id}-{TABLES[0]}-changelog"
     admin = make_admin(CommonSettings(**stack.common))
     await admin.start()
     try:
-        await admin.create_topics(
-            [NewTopic(old, PARTITIONS, 1, topic_configs={"cleanup.policy": "compact"})]
-        )
+        # An older laneway's changelog, with a setting an operator made on it.
+        operators = {"cleanup.policy": "compact", "max.message.bytes": "2000000"}
+        await admin.create_topics([NewTopic(old, PARTITIONS, 1, topic_configs=operators)])
         streams = StreamsProcess(stack, tmp_path)
         await streams.start()
         try:
@@ -356,3 +357,5 @@ async def test_the_changelogs_are_kept_compact_made_now_or_before(
         config = {e["config_names"]: e["config_value"] for e in resource["config_entries"]}
         kept = {name: config[name] for name in CHANGELOG_CONFIGS}
         assert kept == CHANGELOG_CONFIGS, resource["resource_name"]
+        if resource["resource_name"] == old:  # what the operator set stays
+            assert config["max.message.bytes"] == "2000000"
