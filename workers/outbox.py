@@ -35,7 +35,7 @@ from laneway.retry import Backoff
 from laneway.schema import Reply, RequestEnvelope, UsageEvent, decode
 from quota import QuotaEnforcer
 from workers.accounting import Accounting
-from workers.replies import ReplyWriter, reply_commands
+from workers.replies import ReplyWriter, final_reply_commands
 from workers.round_trips import RoundTrips
 
 __all__ = ["FINAL_REPLY_PATIENCE_S", "Outbox"]
@@ -107,7 +107,7 @@ class Outbox:
 
     async def _final_writes(self, env: RequestEnvelope, final: Reply, usage: UsageEvent) -> None:
         owed = self.accounting.settlement(env, usage)
-        reply = reply_commands(env.reply_to, final) if env.reply_to is not None else []
+        reply = final_reply_commands(env.reply_to, final) if env.reply_to is not None else []
         settle = self.accounting.commands(owed)
         commands = reply + settle
         if not commands:
@@ -119,6 +119,8 @@ class Outbox:
         if results is not None:  # None: Redis not reached
             if self.keys is not None:
                 self._note_held(env.id, results[-1])
+            if reply and isinstance(results[1], Exception):
+                _expire_refused(results[1])
             try:
                 await self.accounting.settled(owed, results[len(reply) : len(reply) + len(settle)])
                 if reply and isinstance(results[0], Exception):
@@ -221,3 +223,18 @@ class Outbox:
             await self._release_now()
         await self.replies.stop()
         await self.accounting.close()
+
+
+_EXPIRE_REFUSALS: list[str] = []
+
+
+def _expire_refused(exc: Exception) -> None:
+    """Redis refused a reply stream's EXPIRE NX (Redis before 7.0): said once, for a stream
+    of a gone ingress then stays for ever."""
+    if not _EXPIRE_REFUSALS:
+        _EXPIRE_REFUSALS.append(str(exc))
+        log.warning(
+            "Redis refused EXPIRE … NX on a reply stream (%s): laneway needs Redis 7.0 or newer, "
+            "or the streams of ingress replicas that went away are never reclaimed",
+            exc,
+        )

@@ -24,7 +24,7 @@ from laneway.schema import Reply
 from workers import metrics
 from workers.round_trips import Command, RoundTrips
 
-__all__ = ["ChunkStream", "ReplyWriter", "reply_commands"]
+__all__ = ["ChunkStream", "ReplyWriter", "final_reply_commands", "reply_command"]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,17 @@ REPLAY_S = 1.0
 _REPLAY_MAX = 4096
 
 
-def reply_commands(stream: str, reply: Reply) -> list[Command]:
-    """The XADD of one reply to an ingress's stream (trimmed, approximately), first, and an
-    EXPIRE of a stream that has none: an XADD to the stream of an ingress gone for longer
-    than its TTL makes the stream again, and nothing else would ever expire it."""
-    return [
-        ("XADD", stream, "MAXLEN", "~", str(REPLY_STREAM_MAXLEN), "*", "d", reply.to_json()),
-        ("EXPIRE", stream, str(REPLY_STREAM_TTL_S), "NX"),
-    ]
+def reply_command(stream: str, reply: Reply) -> Command:
+    """The XADD of one reply to an ingress's stream (trimmed, approximately)."""
+    return ("XADD", stream, "MAXLEN", "~", str(REPLY_STREAM_MAXLEN), "*", "d", reply.to_json())
+
+
+def final_reply_commands(stream: str, reply: Reply) -> list[Command]:
+    """A request's final reply: its XADD, then an EXPIRE of a stream that has none. An XADD
+    to the stream of an ingress gone for longer than its TTL makes the stream again, and
+    nothing else would ever expire it; a request's last write is enough to give it one (its
+    chunks go without: one command each, not two)."""
+    return [reply_command(stream, reply), ("EXPIRE", stream, str(REPLY_STREAM_TTL_S), "NX")]
 
 
 class ReplyWriter:
@@ -98,7 +101,7 @@ class ReplyWriter:
 
     async def reply(self, stream: str, reply: Reply) -> None:
         """A chunk for the ingress that holds the connection."""
-        results = await self.round_trips.send(reply_commands(stream, reply))
+        results = await self.round_trips.send([reply_command(stream, reply)])
         if results is not None:
             if not isinstance(results[0], Exception):
                 self.taken(stream, reply)
