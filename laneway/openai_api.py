@@ -138,11 +138,9 @@ class _Body(_Strict):
     @field_validator("stop")
     @classmethod
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
-        # An empty stop string would stop nowhere on one engine and refuse the request on
-        # another (vLLM): refused here, before anything is charged.
-        if "" in value:
-            raise ValueError("a stop string must not be empty")
-        return value
+        # An empty stop string stops nowhere (accepted with no effect, as it was on laneway's
+        # own engine); vLLM refuses a request that carries one, so it is never passed on.
+        return [stop for stop in value if stop]
 
     @field_validator("stream_options", mode="before")
     @classmethod
