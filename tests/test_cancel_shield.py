@@ -336,6 +336,19 @@ def test_a_tombstone_that_came_before_the_start_is_not_lost() -> None:
     assert shield.stale_reason(other.id) is None
 
 
+def test_a_tombstone_that_came_while_it_ran_holds_when_it_is_queued_again() -> None:
+    # Running for the followers it started for, a request is cancelled; then the engine has
+    # no room for it after all (an upstream's 429) and it is queued again: it must not run
+    # at its next start.
+    shield = CancelShield()
+    env = envelope()
+    shield.started(env)
+    shield.cancel(CancelRecord(id=env.id, team=env.team))
+    assert isinstance(shield.stale_reason(env.id), Cancelled)
+    shield.requeued(env.id)
+    assert isinstance(shield.verdict(env), Cancelled)
+
+
 def test_stale_time_counts_only_the_part_of_a_step_after_the_news() -> None:
     """Of the step under way when the news arrives, only the part after it is waste."""
     now = [100.0]

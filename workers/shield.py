@@ -250,10 +250,15 @@ class CancelShield:
         return max(0.0, (self._wall() - sent_ts) * 1000)
 
     def requeued(self, request_id: str) -> None:
-        """Its run stopped to start again later (preempted): it is not running, and it is
-        not finished either, so a tombstone that comes while it waits is kept for its next
-        start."""
-        self._running.pop(request_id, None)
+        """Its run stopped to start again later (preempted, or the engine had no room): it is
+        not running, and it is not finished either, so a tombstone that comes while it waits
+        is kept for its next start, and so is one that came while it ran (kept running for
+        the followers it started for, it is about to be queued again)."""
+        run = self._running.pop(request_id, None)
+        if run is not None and isinstance(run.stale, Cancelled):
+            self._cancelled.setdefault(request_id, {})[run.team] = self._wall() + self.ttl_s
+            self._cancelled.move_to_end(request_id)
+            self._trim(self._cancelled)
 
     def finished(self, request_id: str, now: float | None = None) -> None:
         now = self._wall() if now is None else now

@@ -75,6 +75,9 @@ class OpenAICompatibleEngine:
         self._poller: asyncio.Task[None] | None = None
         self._on_room: Callable[[], None] | None = None
         self._finishes = FinishReasons(self.base_url)
+        # The upstream sends its usage in a chunk of its own after the finish_reason (vLLM
+        # does, late under load): a stream is then read on after its finish to its end.
+        self._usage_follows = False
         # Requests the upstream refused for want of room, by id: since when (monotonic).
         self._refused_since: dict[str, float] = {}
 
@@ -183,7 +186,9 @@ class OpenAICompatibleEngine:
                     f"upstream {self.base_url}{path} answered {response.content_type or 'a body'}"
                     ", not the event stream it was asked for"
                 )
-            while line := await _next_line(response, finished=reading.finish is not None):
+            while line := await _next_line(
+                response, finished=reading.finish is not None and not self._usage_follows
+            ):
                 if call.aborted:  # between two lines: its close closed the response
                     response.close()
                     break
@@ -196,6 +201,7 @@ class OpenAICompatibleEngine:
                     # Over max_tokens, not read to its end: its release closes it, and the
                     # upstream stops the request there too.
                     break
+            self._usage_follows = self._usage_follows or reading.usage_after_finish
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
             chat = request.messages is not None
@@ -323,7 +329,9 @@ async def _next_line(response: aiohttp.ClientResponse, *, finished: bool) -> byt
     """The stream's next line; b"" at its end. Once the upstream said the request finished
     (a finish_reason), only the usage chunk and [DONE] may follow: an upstream that sends
     neither, nor ends the stream, would hold the request (and its slot) for the read
-    timeout, so after _AFTER_FINISH_S of silence it is taken as ended, and closed."""
+    timeout, so after _AFTER_FINISH_S of silence it is taken as ended, and closed. Not from
+    an upstream seen to send its usage after the finish (``finished`` is False then): that
+    usage may come late (vLLM's, under load), and it is the request's true count."""
     if not finished:
         return await response.content.readline()
     try:

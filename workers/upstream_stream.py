@@ -105,12 +105,14 @@ class StreamReading:
         "prompt_tokens",
         "started",
         "text_sent",
+        "usage_after_finish",
     )
 
     def __init__(self, prompt_tokens: int, max_tokens: int = 0) -> None:
         self.done = False  # [DONE] was read
         self.max_tokens = max_tokens  # 0: no limit of laneway's own
         self.over = False  # text came past max_tokens: the upstream ignores it
+        self.usage_after_finish = False  # its usage came in a chunk after its finish_reason
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached = 0
@@ -147,6 +149,7 @@ class StreamReading:
     def chunk(self, chunk: dict[str, Any]) -> EngineDelta | None:
         usage = chunk.get("usage")
         if usage:
+            self.usage_after_finish = self.usage_after_finish or self.finish is not None
             self.prompt_tokens = _count(usage, "prompt_tokens", self.prompt_tokens)
             details = usage.get("prompt_tokens_details") or {}
             cached = _count(details, "cached_tokens", 0) if "cached_tokens" in details else 0
