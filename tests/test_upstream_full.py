@@ -123,3 +123,35 @@ async def test_keep_alive_comments_while_queued_upstream_are_not_its_start(
     assert event["engine_ms"] == 0, event
     await upstream.release("holder")
     assert (await holder).status_code == 200
+
+
+async def test_no_room_with_nothing_of_ours_on_a_silent_upstream_is_taken_for_down(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """A 503 while nothing of ours is on the upstream and none of ours has had a first byte
+    for 10 s (a proxy's "no healthy upstream", a server that never came up) is no full
+    server to wait for: an engine error, which the breaker counts and a fallback answers."""
+    upstream: UpstreamProcess = await upstreams(slots=1, token_ms=5, when_full=503)
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
+    await stack.start_worker(
+        "completion",
+        engine="openai",
+        upstream_url=upstream.url,
+        upstream_model="up",
+        upstream_metrics_url="",
+    )
+    http = stack.http(ingress, await stack.api_key())
+    # Another client of the server holds its one slot: every request of ours gets 503.
+    await upstream.hold("theirs")
+    async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as direct:
+        theirs = asyncio.create_task(
+            direct.post("/completions", json={"model": "up", "prompt": "theirs"})
+        )
+        await upstream.until(lambda running, _: running == 1, "their request on the slot")
+        refused = await http.post("/v1/completions", json=_completion("ours"))
+        await upstream.release("theirs")
+        await theirs
+    assert refused.status_code == 502, refused.text
+    events = await stack.usage_of(refused.headers["x-laneway-request-id"])
+    (event,) = events.values()
+    assert event["status"] == "error", event

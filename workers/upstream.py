@@ -78,6 +78,8 @@ class OpenAICompatibleEngine:
         # The upstream sends its usage in a chunk of its own after the finish_reason (vLLM
         # does, late under load): a stream is then read on after its finish to its end.
         self._usage_follows = False
+        # When a request of ours last had its first byte (monotonic; from the start).
+        self._answered_at = time.monotonic()
         # Requests the upstream refused for want of room, by id: since when (monotonic).
         self._refused_since: dict[str, float] = {}
 
@@ -236,6 +238,7 @@ class OpenAICompatibleEngine:
         if not line.startswith(b"data:"):
             return
         reading.started = time.perf_counter()
+        self._answered_at = time.monotonic()
         if call.timer is not None:
             call.timer.cancel()
         self.learned.first_byte(request_id)
@@ -280,11 +283,20 @@ class OpenAICompatibleEngine:
             # whole prefill of a request no one wants.
             response.close()
             raise call.dropped(request_id, 0.0)
+        if response.status in _NO_ROOM and self._down(request_id):
+            # No room, with none of ours on it and no first byte for a while: not full but
+            # down (a proxy's "no healthy upstream", a server that never came up). An engine
+            # error, which the breaker counts and a fallback route answers.
+            response.close()
+            raise EngineError(
+                f"upstream {self.base_url}{path}: {response.status} with nothing of ours on it "
+                f"and no first byte for {_DOWN_AFTER_S:.0f} s: taken for down, not full"
+            )
         if response.status in _NO_ROOM:
             # Full (TGI past --max-concurrent-requests, a server overloaded or still
             # loading): the request never started. The worker queues it again, where the
             # shield still reaches it, and sends no more for a while; the upstream is full
-            # with what of ours streams, and the limit becomes that.
+            # with what of ours it took, and the limit becomes that.
             response.close()
             self.learned.no_room()
             self._no_room_for(request_id, response.status, path)
@@ -302,6 +314,12 @@ class OpenAICompatibleEngine:
                 raise refusal(error_reason(detail))
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
         return response
+
+    def _down(self, request_id: str) -> bool:
+        """Whether a no-room answer to ``request_id`` says the upstream is down: none of ours
+        is on it but this one, and none has had a first byte for ``_DOWN_AFTER_S``."""
+        others = len(self._calls) - (request_id in self._calls)
+        return others == 0 and time.monotonic() - self._answered_at > _DOWN_AFTER_S
 
     def _no_room_for(self, request_id: str, status: int, path: str) -> None:
         """A request refused for room this long (the read timeout) fails: a server that
@@ -364,6 +382,8 @@ _NO_ROOM = frozenset({429, 503})
 # server asking for minutes must not hold interactive work past its deadline unseen), or
 # _NO_ROOM_WAIT_S without one.
 _NO_ROOM_MAX_S = 5.0
+# A no-room answer with none of ours on the upstream and no first byte for this long: down.
+_DOWN_AFTER_S = 10.0
 _NO_ROOM_WAIT_S = 0.5
 # An abort waits at most this long for its request's generate to begin.
 _EARLY_ABORT_S = 5.0
