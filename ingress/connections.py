@@ -7,8 +7,8 @@ thousands such connections and hold them, until the ingress had no file descript
 anyone. Here a connection whose request's headers are not complete within
 ``LANEWAY_READ_TIMEOUT_S`` of its opening (or of the request's first byte, after a
 keep-alive) is closed; the completion and chat routes bound their bodies the same way
-(``ingress.completions``: 408), and a request answered before its body came whole (a 401
-before the body is read) closes its connection. A load balancer's own limits per client
+(``ingress.completions``: 408), and so is the rest of the body of a request answered
+before its body came whole (a 401 before the body is read). A load balancer's own limits per client
 still belong in front (docs/security.md).
 """
 
@@ -47,12 +47,13 @@ class _DeadlinedHttp(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
-            # Answered before its body came whole (401 before the body is read, 413, 408):
-            # the rest would keep the connection for as long as it trickles in, one byte
-            # at a time, with no request left to bound it.
-            self.transport.close()
         super().on_response_complete()
+        if self.cycle is not None and self.cycle.more_body:
+            # Answered before its body came whole (401 before the body is read, 413, 408):
+            # the rest is read and dropped, within the same bound, else the connection is
+            # closed (at once would reset it under the client still sending, before it
+            # read the answer).
+            self._expect_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_came()

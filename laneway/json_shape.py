@@ -35,9 +35,11 @@ __all__ = [
 ]
 
 MAX_JSON_DEPTH = 64
-# Arrays, objects and their items outside strings in one body: a chat of 5,000 messages
-# holds about 15,000; no request field needs more.
-MAX_JSON_VALUES = 20_000
+# Arrays, objects and their items outside strings in one body. A chat message is about
+# three (its object, the comma between its fields, the one after it) and costs four tokens
+# of framing at least, so a chat at the 32,768-token prompt limit holds about 25,000; one
+# of 16,000 messages is still read, and refused for its length, naming the limit.
+MAX_JSON_VALUES = 50_000
 # ``top_level_strings`` reads no more: Kafka's default largest record is 1 MiB.
 MAX_SCANNED_BYTES = 1 << 20
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson writes: i64 and u64

@@ -25,6 +25,9 @@ _SHORTEST_STOP_GRACE_S = 15.0
 # What a stopping worker does after its drain (LANEWAY_DRAIN_GRACE_S): its last commit
 # (bounded at 10 s), then it closes its Kafka and Redis clients and its engine.
 _AFTER_DRAIN_S = 15.0
+# What a stopping ingress does after its grace (LANEWAY_SHUTDOWN_GRACE_S): the tombstones of
+# what it dropped (5 s at most), then it closes its clients.
+_AFTER_INGRESS_GRACE_S = 5.0
 
 
 def stop_leftovers(
@@ -69,7 +72,7 @@ def stop_grace_s() -> float:
     and what follows it, and at least 15 s."""
     drain = load_settings(WorkerSettings).drain_grace_s
     ingress = load_settings(IngressSettings).shutdown_grace_s
-    return max(_SHORTEST_STOP_GRACE_S, drain + _AFTER_DRAIN_S, ingress + _AFTER_DRAIN_S)
+    return max(_SHORTEST_STOP_GRACE_S, drain + _AFTER_DRAIN_S, ingress + _AFTER_INGRESS_GRACE_S)
 
 
 def process_runs(pid: int) -> bool:

@@ -94,7 +94,7 @@ def _error(response: object) -> dict[str, object]:
             + b"]}",
             400,
             None,
-            "more than 20,000 JSON values",
+            "more than 50,000 JSON values",
         ),
         (
             b'{"model": "laneway-code", "prompt": "' + b"x" * 8000 + b'"}',

@@ -24,14 +24,11 @@ def _completion(prompt: str) -> dict[str, Any]:
     return {"model": "laneway-code", "prompt": prompt, "max_tokens": 4}
 
 
-async def _full_upstream(
-    stack: LiveStack, upstreams: Callable[..., Any], status: int
-) -> tuple[UpstreamProcess, OpenAICompatibleEngine, httpx.AsyncClient, asyncio.Task[Any]]:
-    """An upstream of one slot that answers ``status`` when full, that slot held by a
-    request (``release("holder")`` ends the hold); the worker learns its capacity."""
-    upstream: UpstreamProcess = await upstreams(
-        slots=1, token_ms=5, when_full=status, retry_after="0.2"
-    )
+async def _through_laneway(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> tuple[OpenAICompatibleEngine, httpx.AsyncClient]:
+    """An ingress (completions may wait a minute) and a completion worker in front of
+    ``upstream``, which publishes no queue; the worker's engine and a client with a key."""
     ingress = await stack.start_ingress(completion_deadline_ms=60_000)
     worker = await stack.start_worker(
         "completion",
@@ -41,11 +38,22 @@ async def _full_upstream(
         upstream_metrics_url="",
     )
     assert isinstance(worker.engine, OpenAICompatibleEngine)
-    http = stack.http(ingress, await stack.api_key())
+    return worker.engine, stack.http(ingress, await stack.api_key())
+
+
+async def _full_upstream(
+    stack: LiveStack, upstreams: Callable[..., Any], status: int
+) -> tuple[UpstreamProcess, OpenAICompatibleEngine, httpx.AsyncClient, asyncio.Task[Any]]:
+    """An upstream of one slot that answers ``status`` when full, that slot held by a
+    request (``release("holder")`` ends the hold); the worker learns its capacity."""
+    upstream: UpstreamProcess = await upstreams(
+        slots=1, token_ms=5, when_full=status, retry_after="0.2"
+    )
+    engine, http = await _through_laneway(stack, upstream)
     await upstream.hold("holder")
     holder = asyncio.create_task(http.post("/v1/completions", json=_completion("holder")))
     await upstream.until(lambda running, _: running == 1, "the holder on the upstream's slot")
-    return upstream, worker.engine, http, holder
+    return upstream, engine, http, holder
 
 
 def _refused(upstream: UpstreamProcess, prompt: str) -> int:
@@ -94,15 +102,7 @@ async def test_keep_alive_comments_while_queued_upstream_are_not_its_start(
     # The upstream queues (one slot, held) and keeps a queued request's stream alive with
     # ": PROCESSING" comments: the request has not started, and its deadline still holds.
     upstream: UpstreamProcess = await upstreams(slots=1, token_ms=5, keepalive_ms=50)
-    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
-    await stack.start_worker(
-        "completion",
-        engine="openai",
-        upstream_url=upstream.url,
-        upstream_model="up",
-        upstream_metrics_url="",
-    )
-    http = stack.http(ingress, await stack.api_key())
+    _, http = await _through_laneway(stack, upstream)
     await upstream.hold("holder")
     holder = asyncio.create_task(http.post("/v1/completions", json=_completion("holder")))
     await upstream.until(lambda running, _: running == 1, "the holder on the upstream's slot")
@@ -132,15 +132,7 @@ async def test_no_room_with_nothing_of_ours_on_a_silent_upstream_is_taken_for_do
     for 10 s (a proxy's "no healthy upstream", a server that never came up) is no full
     server to wait for: an engine error, which the breaker counts and a fallback answers."""
     upstream: UpstreamProcess = await upstreams(slots=1, token_ms=5, when_full=503)
-    ingress = await stack.start_ingress(completion_deadline_ms=60_000)
-    await stack.start_worker(
-        "completion",
-        engine="openai",
-        upstream_url=upstream.url,
-        upstream_model="up",
-        upstream_metrics_url="",
-    )
-    http = stack.http(ingress, await stack.api_key())
+    _, http = await _through_laneway(stack, upstream)
     # Another client of the server holds its one slot: every request of ours gets 503.
     await upstream.hold("theirs")
     async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as direct:
