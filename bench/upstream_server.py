@@ -26,7 +26,9 @@ or an overloaded server does, instead of queueing it (outcome ``full``).
 line every N ms while it waits for a slot and its first token (as OpenRouter-style servers do).
 ``--tokens-always N`` generates N tokens whatever ``max_tokens`` asks (a server that ignores
 it); ``--silent-after-finish`` sends a stream's last chunk (finish reason, usage) and then
-neither ``[DONE]`` nor the stream's end until the client leaves.
+neither ``[DONE]`` nor the stream's end until the client leaves; ``--usage-apart-ms N`` sends
+usage in a chunk of its own after the finish (as vLLM does), N ms later for a prompt that
+starts with "late".
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
@@ -76,6 +78,9 @@ class Upstream:
     keepalive_ms: float = 0.0  # a streamed request's ": PROCESSING" comments until its first token
     tokens_always: int = 0  # generate this many tokens whatever max_tokens says; 0: max_tokens
     silent_after_finish: bool = False  # after the last chunk, no [DONE] and no end
+    # Usage in a chunk of its own after the finish, as vLLM sends it: at once, or this long
+    # after it for a prompt that starts with "late" (None: in the finish chunk).
+    usage_apart_ms: float | None = None
     when_full: int = 0  # answer this status (429, 503) when no slot is free; 0: queue
     retry_after: str = ""  # the Retry-After header of that answer ("": none)
     metrics_text: str | None = None  # set by POST /metrics_text: served as /metrics instead
@@ -258,6 +263,12 @@ async def _stream(
         "choices": [{"index": 0, "finish_reason": entry["finish"], "delta": {}, "text": ""}],
         "usage": reported_usage(entry),
     }
+    if upstream.usage_apart_ms is not None:
+        usage = {"id": rid, "object": "chunk", "choices": [], "usage": last.pop("usage")}
+        await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
+        if entry["prompt"].startswith("late"):
+            await asyncio.sleep(upstream.usage_apart_ms / 1000)
+        last = usage
     if upstream.silent_after_finish:
         # Its last chunk, then neither [DONE] nor the stream's end, until the client leaves.
         await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
@@ -392,6 +403,7 @@ async def serve(args: argparse.Namespace) -> None:
     upstream.keepalive_ms = args.keepalive_ms
     upstream.tokens_always = args.tokens_always
     upstream.silent_after_finish = args.silent_after_finish
+    upstream.usage_apart_ms = args.usage_apart_ms
     runner = web.AppRunner(
         make_app(upstream, metrics=args.metrics), handler_cancellation=True, access_log=None
     )
@@ -437,6 +449,13 @@ def main(argv: list[str] | None = None) -> None:
         "--silent-after-finish",
         action="store_true",
         help="after a stream's last chunk send neither [DONE] nor its end, until the client leaves",
+    )
+    parser.add_argument(
+        "--usage-apart-ms",
+        type=float,
+        default=None,
+        help="send usage in a chunk of its own after the finish (as vLLM), this long after it "
+        "for a prompt that starts with 'late', at once for others",
     )
     parser.add_argument(
         "--keepalive-ms",

@@ -3,8 +3,9 @@
 It decides admission only, and approximately: each of the N ingress replicas that last said
 they run (``replicas``) grants, on its own, its share (1/N) of what the team's pool had left
 when this instance last heard from Redis (``note``: every exact admission and refusal says),
-refilling at its share of the budget's rate, so that together they grant what the pool had
-left, however the load balancer spreads the team. A team it never heard of starts with
+refilling at its share of the budget's rate, so that together they grant no more than the
+pool had left, however the load balancer spreads the team (a team whose requests all reach
+one replica gets that replica's share). A team it never heard of starts with
 ``UNHEARD_START_SHARE`` of its budget (at least the request at hand) and the same refill:
 most often Redis only seemed silent for a moment (a burst on a busy host, the first requests
 after a start), and a whole budget on each replica for each new team made that moment admit

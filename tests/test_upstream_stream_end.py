@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from laneway.tokens import estimate_tokens
 from tests.stack import eventually
 from tests.upstream_process import UpstreamProcess
 from workers.types import EngineDelta, EngineRequest
@@ -67,3 +68,26 @@ async def test_a_stream_that_stays_open_after_its_last_chunk_ends_as_finished(
     assert deltas[-1].prompt_tokens == 1  # the upstream's usage chunk was read
     # Its connection closed: the upstream's handler ended.
     await eventually(lambda: upstream.entry("silent"), 20, "the upstream's entry")
+
+
+async def test_usage_an_upstream_sends_late_after_its_finish_is_still_read(
+    upstreams: Callable[..., Any],
+) -> None:
+    """vLLM sends a request's usage in a chunk of its own after the finish, later under
+    load. Once the engine has seen an upstream do so, it reads a stream on past its finish
+    to its end: the late usage is the request's true count, not laneway's estimate."""
+    upstream = await upstreams(slots=2, token_ms=5, usage_apart_ms=2500)
+    engine = OpenAICompatibleEngine(upstream.url, model="up")
+    await engine.start()
+    try:
+        answers = []
+        code = ": def f(a, b): return a + b\n" * 10  # estimated otherwise than the server counts
+        for prompt in ("warm" + code, "late" + code):  # its usage 2.5 s after the finish
+            request = EngineRequest(id=prompt[:4], route="up", prompt=prompt, max_tokens=8)
+            deltas = [delta async for delta in engine.generate(request)]
+            answers.append(deltas[-1])
+    finally:
+        await engine.stop()
+    late = "late" + code
+    assert estimate_tokens(late) != len(late) // 4  # the estimate would not pass for it
+    assert [a.prompt_tokens for a in answers] == [len(late) // 4] * 2

@@ -37,6 +37,7 @@ class UpstreamProcess:
         keepalive_ms: float = 0.0,
         tokens_always: int = 0,
         silent_after_finish: bool = False,
+        usage_apart_ms: float | None = None,
     ) -> None:
         self.log = log
         self.port = free_port()
@@ -61,6 +62,8 @@ class UpstreamProcess:
             argv.append("--metrics")
         if silent_after_finish:
             argv.append("--silent-after-finish")
+        if usage_apart_ms is not None:
+            argv.append(f"--usage-apart-ms={usage_apart_ms}")
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
 
     @property
