@@ -68,6 +68,7 @@ class Outbox:
         self.round_trips = RoundTrips(redis)
         self.replies = ReplyWriter(self.round_trips, producer, topics)
         self.accounting = Accounting(quota, producer, topics, self.round_trips)
+        self._expire_refused = False  # Redis refused a reply stream's EXPIRE NX (before 7.0)
         # Batch: final replies are kept for the lane, which writes them transactionally
         # with their usage events.
         self.capture = capture
@@ -119,8 +120,13 @@ class Outbox:
         if results is not None:  # None: Redis not reached
             if self.keys is not None:
                 self._note_held(env.id, results[-1])
-            if reply and isinstance(results[1], Exception):
-                _expire_refused(results[1])
+            if reply and isinstance(results[1], Exception) and not self._expire_refused:
+                self._expire_refused = True  # said once
+                log.warning(
+                    "Redis refused EXPIRE … NX on a reply stream (%s): laneway needs Redis 7.0 "
+                    "or newer, or the streams of ingress replicas that went away stay",
+                    results[1],
+                )
             try:
                 await self.accounting.settled(owed, results[len(reply) : len(reply) + len(settle)])
                 if reply and isinstance(results[0], Exception):
@@ -223,18 +229,3 @@ class Outbox:
             await self._release_now()
         await self.replies.stop()
         await self.accounting.close()
-
-
-_EXPIRE_REFUSALS: list[str] = []
-
-
-def _expire_refused(exc: Exception) -> None:
-    """Redis refused a reply stream's EXPIRE NX (Redis before 7.0): said once, for a stream
-    of a gone ingress then stays for ever."""
-    if not _EXPIRE_REFUSALS:
-        _EXPIRE_REFUSALS.append(str(exc))
-        log.warning(
-            "Redis refused EXPIRE … NX on a reply stream (%s): laneway needs Redis 7.0 or newer, "
-            "or the streams of ingress replicas that went away are never reclaimed",
-            exc,
-        )

@@ -171,10 +171,14 @@ class CancelShield:
             reason = Cancelled(f"cancelled ({record.reason}) while running")
             run.mark_stale(reason, self._clock(), self._news_ms(record.ts))
             return record.id if self.enabled else None
-        self._cancelled.setdefault(record.id, {})[record.team] = record.ts + self.ttl_s
-        self._cancelled.move_to_end(record.id)
-        self._trim(self._cancelled)
+        self._keep_tombstone(record.id, record.team, record.ts + self.ttl_s)
         return None
+
+    def _keep_tombstone(self, request_id: str, team: str, until: float) -> None:
+        """A tombstone of ``team``'s for a request not running here, kept until ``until``."""
+        self._cancelled.setdefault(request_id, {})[team] = until
+        self._cancelled.move_to_end(request_id)
+        self._trim(self._cancelled)
 
     def cancel_job(self, job_id: str, team: str) -> None:
         """A batch job of ``team`` was cancelled: its lines not started yet are dropped."""
@@ -256,9 +260,7 @@ class CancelShield:
         the followers it started for, it is about to be queued again)."""
         run = self._running.pop(request_id, None)
         if run is not None and isinstance(run.stale, Cancelled):
-            self._cancelled.setdefault(request_id, {})[run.team] = self._wall() + self.ttl_s
-            self._cancelled.move_to_end(request_id)
-            self._trim(self._cancelled)
+            self._keep_tombstone(request_id, run.team, self._wall() + self.ttl_s)
 
     def finished(self, request_id: str, now: float | None = None) -> None:
         now = self._wall() if now is None else now

@@ -283,21 +283,20 @@ class OpenAICompatibleEngine:
             # whole prefill of a request no one wants.
             response.close()
             raise call.dropped(request_id, 0.0)
-        if response.status in _NO_ROOM and self._down(request_id):
-            # No room, with none of ours on it and no first byte for a while: not full but
-            # down (a proxy's "no healthy upstream", a server that never came up). An engine
-            # error, which the breaker counts and a fallback route answers.
-            response.close()
-            raise EngineError(
-                f"upstream {self.base_url}{path}: {response.status} with nothing of ours on it "
-                f"and no first byte for {_DOWN_AFTER_S:.0f} s: taken for down, not full"
-            )
         if response.status in _NO_ROOM:
+            response.close()
+            if self._down(request_id):
+                # With none of ours on it and no first byte for a while: not full but down
+                # (a proxy's "no healthy upstream", a server that never came up). An engine
+                # error, which the breaker counts and a fallback route answers.
+                raise EngineError(
+                    f"upstream {self.base_url}{path}: {response.status} with nothing of ours "
+                    f"on it and no first byte for {_DOWN_AFTER_S:.0f} s: taken for down"
+                )
             # Full (TGI past --max-concurrent-requests, a server overloaded or still
             # loading): the request never started. The worker queues it again, where the
             # shield still reaches it, and sends no more for a while; the upstream is full
             # with what of ours it took, and the limit becomes that.
-            response.close()
             self.learned.no_room()
             self._no_room_for(request_id, response.status, path)
             raise EngineFull(
@@ -382,8 +381,8 @@ _NO_ROOM = frozenset({429, 503})
 # server asking for minutes must not hold interactive work past its deadline unseen), or
 # _NO_ROOM_WAIT_S without one.
 _NO_ROOM_MAX_S = 5.0
+_NO_ROOM_WAIT_S = 0.5
 # A no-room answer with none of ours on the upstream and no first byte for this long: down.
 _DOWN_AFTER_S = 10.0
-_NO_ROOM_WAIT_S = 0.5
 # An abort waits at most this long for its request's generate to begin.
 _EARLY_ABORT_S = 5.0
