@@ -361,7 +361,8 @@ class LiveStack:
 
     def http(self, ingress: Ingress, key: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        client = httpx.AsyncClient(base_url=ingress.base_url, headers=headers, timeout=30, **kwargs)
+        kwargs.setdefault("timeout", 30)
+        client = httpx.AsyncClient(base_url=ingress.base_url, headers=headers, **kwargs)
         self._clients.append(client)
         return client
 

@@ -212,6 +212,43 @@ def test_no_more_is_sent_while_a_request_stalls_upstream() -> None:
     assert slots.capacity() == slots.limit
 
 
+def test_a_request_the_upstream_never_answers_holds_the_rest_back_for_one_probe_interval() -> None:
+    # No queue count from the server. One request of ours gets no first byte, ever: it is
+    # taken for a stall and holds the rest back, but only until a probe goes out and the
+    # server starts it at once, overtaking the stuck one.
+    clock = _Clock()
+    slots = _warmed(clock)
+    slots.sent("stuck", 100)
+    clock.advance(200)
+    assert slots.capacity() == 1  # what is out already: nothing more
+    clock.advance(slots.probe_s * 1000 / 2)
+    assert slots.capacity() == 1
+    clock.advance(slots.probe_s * 1000 / 2)
+    assert slots.capacity() == 2  # held for probe_s: one more goes out
+    slots.sent("probe", 100)
+    assert slots.capacity() == 2  # and only one
+    clock.advance(5)
+    slots.first_byte("probe")
+    assert slots.capacity() == 4  # the stuck one waits in no queue: the cut is undone
+    slots.done("probe")
+    clock.advance(60_000)
+    assert slots.capacity() == 4  # and it holds nothing back while it stays stuck
+
+
+def test_a_long_prefill_that_a_later_request_overtakes_is_no_stall() -> None:
+    clock = _Clock()
+    slots = _warmed(clock)
+    slots.sent("cold-prefix", 100)
+    clock.advance(25)
+    slots.sent("warm", 100)
+    clock.advance(5)
+    slots.first_byte("warm")  # started before the earlier one: that one is no queue
+    clock.advance(500)
+    assert slots.capacity() == 4
+    slots.first_byte("cold-prefix")
+    assert (slots.limit, slots.stalls) == (4, 0)
+
+
 def test_upstream_metrics_showing_a_queue_cut_the_limit() -> None:
     slots = LearnedSlots(initial=8, clock=_Clock())
     for i in range(8):

@@ -371,3 +371,33 @@ async def test_an_abort_as_the_headers_arrive_closes_the_request_before_its_firs
 async def _drain(stream: AsyncIterator[Any]) -> None:
     async for _delta in stream:
         pass
+
+
+async def test_a_request_the_upstream_never_starts_holds_the_pool_one_probe_interval_at_most(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """No slots configured and no metrics: a request the upstream keeps without a first byte
+    (stuck on its own, with slots to spare) is taken for a stall and holds the rest back,
+    but only until a probe shows that the upstream starts other requests at once."""
+    upstream = await upstreams(slots=4, token_ms=5)
+    ingress = await _ingress_with_room(stack)  # the stuck one's deadline is a minute away
+    worker = await _serving(stack, upstream, upstream_metrics_url="")
+    key = await stack.api_key(size=100)
+    http = stack.http(ingress, key)
+    # Its client waits longer than the test: a client leaving would end the hold by itself.
+    stuck = await _occupy(stack.http(ingress, key, timeout=120), upstream, "stuck")
+    engine = worker.engine
+    assert isinstance(engine, OpenAICompatibleEngine)
+    await asyncio.sleep(1)  # past what a first byte may take before any was seen (0.5 s)
+    behind = [
+        asyncio.create_task(http.post("/v1/completions", json=_completion(f"behind-{i}", 4)))
+        for i in range(3)
+    ]
+    await eventually(lambda: engine.learned.stalls > 0, 20, "the stuck request judged a stall")
+    # Before, they waited for the stuck one's deadline (a minute); now for one probe
+    # interval (10 s).
+    codes = [r.status_code for r in await asyncio.wait_for(asyncio.gather(*behind), 30)]
+    assert codes == [200] * 3
+    assert not stuck.done()
+    await upstream.release("stuck")
+    assert (await stuck).status_code == 200

@@ -7,6 +7,12 @@ learns it, as TCP learns a path's capacity:
 - A request that waits far longer for its first byte than recent ones did (a *stall*) sat
   in the upstream's queue: the upstream was full with the requests streaming then. The limit
   becomes that number, and nothing more is sent while a request stalls.
+- A request the upstream starts before an earlier one of ours (it *overtakes* it) shows
+  that the earlier one does not wait in a queue: servers start waiting requests in the
+  order they came, so it is a long prefill or a request stuck on its own. It is no stall:
+  it holds nothing back, and a cut its wait already made is undone. While a stall holds
+  the rest back for ``probe_s``, one more request goes out to see whether the upstream
+  starts it, so a request the upstream never answers holds the pool that long at most.
 - Until a first stall shows the capacity, the limit grows by one with each quick first byte
   that came while the limit was in use (slow start). After that it probes one more only
   every ``probe_s``, so a server that grew is found, at the price of one short wait.
@@ -40,6 +46,9 @@ _MIN_SAMPLES = 8
 # Prefill is taken as a fixed cost plus one growing with the prompt, the fixed part worth
 # this many prompt tokens: first-byte times are compared per such unit.
 _PROMPT_UNIT = 1024
+# A request overtakes an earlier one only if it was sent this much later: requests sent
+# together may reach the server in either order.
+_OVERTAKE_MARGIN_S = 0.02
 
 
 @dataclass(slots=True)
@@ -49,6 +58,8 @@ class _InFlight:
     peak: int  # most requests seen streaming at once while this one waited for its first byte
     first_byte: float | None = None
     stalled: bool = False
+    overtaken: bool = False  # a later one started first: this one waits in no queue
+    cut: tuple[int, int] | None = None  # the limit before and after its stall cut it
 
 
 class LearnedSlots:
@@ -98,6 +109,10 @@ class LearnedSlots:
         for other in self._inflight.values():
             if other.first_byte is None:
                 other.peak = max(other.peak, self.streaming)
+                if not other.overtaken and other.sent < run.sent - _OVERTAKE_MARGIN_S:
+                    self._overtaken(other)
+        if run.overtaken:
+            return  # a long prefill or a request stuck on its own: no measure of a queue
         waited_ms = (now - run.sent) * 1000
         if self._queue_known(now) and not run.stalled:
             if waited_ms <= self._threshold_ms(run.prompt_tokens):
@@ -107,7 +122,7 @@ class LearnedSlots:
             if not run.stalled:
                 # It started when a slot freed: the upstream was full with as many as it
                 # found streaming, itself included.
-                self._stalled(max(run.peak, self.streaming))
+                self._judge(run, max(run.peak, self.streaming))
             return
         self._sample(waited_ms, run.prompt_tokens)
 
@@ -116,6 +131,11 @@ class LearnedSlots:
         taken = len(self._inflight) - 1  # the refused one is still counted in flight
         if taken > 0:
             self._stalled(taken)
+
+    def _overtaken(self, run: _InFlight) -> None:
+        run.overtaken = True
+        if run.cut is not None and self.limit == run.cut[1]:
+            self.limit = max(self.limit, run.cut[0])  # nothing cut it since: undone
 
     def _sample(self, waited_ms: float, prompt_tokens: int) -> None:
         """A quick first byte: what an unqueued one takes, and room to grow (slow start)."""
@@ -146,7 +166,12 @@ class LearnedSlots:
         """Requests to have on the upstream now: no more than are there while one stalls."""
         now = self._clock()
         if self._stalling(now):
-            return len(self._inflight)
+            if now < self._next_probe:
+                return len(self._inflight)
+            # Held back for probe_s: one more, which the upstream starts at once if the
+            # stalled one is stuck on its own rather than queued (it overtakes it then).
+            self._next_probe = now + self.probe_s
+            return len(self._inflight) + 1
         if self.learned and now >= self._next_probe and len(self._inflight) >= self.limit:
             # Asked with work waiting and the limit in use: try one more.
             self.limit = min(self.maximum, self.limit + 1)
@@ -173,13 +198,21 @@ class LearnedSlots:
             return False
         stalling = False
         for run in self._inflight.values():
-            if run.first_byte is not None:
+            if run.first_byte is not None or run.overtaken:
                 continue
             if not run.stalled and (now - run.sent) * 1000 > self._threshold_ms(run.prompt_tokens):
-                run.stalled = True
-                self._stalled(max(run.peak, self.streaming))
+                self._judge(run, max(run.peak, self.streaming))
             stalling = stalling or run.stalled
         return stalling
+
+    def _judge(self, run: _InFlight, capacity: int) -> None:
+        """``run`` stalls: the limit is cut, and the cut remembered in case a later request
+        overtakes it (it was no queue then)."""
+        run.stalled = True
+        before = self.limit
+        self._stalled(capacity)
+        if self.limit < before:
+            run.cut = (before, self.limit)
 
     def _stalled(self, capacity: int) -> None:
         """The upstream was full with ``capacity`` requests of ours. Once learned, a stall
