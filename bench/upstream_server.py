@@ -25,7 +25,8 @@ or an overloaded server does, instead of queueing it (outcome ``full``).
 ``--keepalive-ms N`` begins a streamed answer at once and sends it a ``: PROCESSING`` comment
 line every N ms while it waits for a slot and its first token (as OpenRouter-style servers do).
 ``--tokens-always N`` generates N tokens whatever ``max_tokens`` asks (a server that ignores
-it); ``--silent-after-finish`` sends a stream's last chunk (finish reason, usage) and then
+it); ``--tokens-per-chunk N`` streams N tokens in each chunk (as a server with speculative
+decoding, or vLLM's ``--stream-interval``, does); ``--silent-after-finish`` sends a stream's last chunk (finish reason, usage) and then
 neither ``[DONE]`` nor the stream's end until the client leaves; ``--usage-apart-ms N`` sends
 usage in a chunk of its own after the finish (as vLLM does), N ms later for a prompt that
 starts with "late".
@@ -77,6 +78,7 @@ class Upstream:
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # prompt -> released
     keepalive_ms: float = 0.0  # a streamed request's ": PROCESSING" comments until its first token
     tokens_always: int = 0  # generate this many tokens whatever max_tokens says; 0: max_tokens
+    tokens_per_chunk: int = 1  # tokens streamed in one chunk (the last may have fewer)
     silent_after_finish: bool = False  # after the last chunk, no [DONE] and no end
     # Usage in a chunk of its own after the finish, as vLLM sends it: at once, or this long
     # after it for a prompt that starts with "late" (None: in the finish chunk).
@@ -244,17 +246,17 @@ async def _stream(
 ) -> web.StreamResponse:
     if response is None:
         response = await _event_stream(request)
+    words: list[str] = []
     async for word in upstream.tokens(count, entry):
         if pings is not None:
             pings.cancel()
             pings = None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": None}
-        if chat:
-            choice["delta"] = {"content": word}
-        else:
-            choice["text"] = word
-        chunk = {"id": rid, "object": "chunk", "choices": [choice]}
-        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        words.append(word)
+        if len(words) >= upstream.tokens_per_chunk:
+            await response.write(_text_chunk(rid, chat, "".join(words)))
+            words.clear()
+    if words:
+        await response.write(_text_chunk(rid, chat, "".join(words)))
     if upstream.end_ms:
         await asyncio.sleep(upstream.end_ms / 1000)
     last = {
@@ -276,6 +278,16 @@ async def _stream(
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _text_chunk(rid: str, chat: bool, text: str) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    chunk = {"id": rid, "object": "chunk", "choices": [choice]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def reported_usage(entry: dict[str, Any]) -> dict[str, int]:
@@ -402,6 +414,7 @@ async def serve(args: argparse.Namespace) -> None:
     upstream.when_full, upstream.retry_after = args.when_full, args.retry_after
     upstream.keepalive_ms = args.keepalive_ms
     upstream.tokens_always = args.tokens_always
+    upstream.tokens_per_chunk = args.tokens_per_chunk
     upstream.silent_after_finish = args.silent_after_finish
     upstream.usage_apart_ms = args.usage_apart_ms
     runner = web.AppRunner(
@@ -446,6 +459,12 @@ def main(argv: list[str] | None = None) -> None:
         help="generate this many tokens whatever max_tokens asks (0: as max_tokens asks)",
     )
     parser.add_argument(
+        "--tokens-per-chunk",
+        type=int,
+        default=1,
+        help="tokens streamed in each chunk (as speculative decoding or vLLM's --stream-interval)",
+    )
+    parser.add_argument(
         "--silent-after-finish",
         action="store_true",
         help="after a stream's last chunk send neither [DONE] nor its end, until the client leaves",
@@ -478,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.slots < 1:
         parser.error(f"--slots must be at least 1, got {args.slots}")
+    if args.tokens_per_chunk < 1:
+        parser.error(f"--tokens-per-chunk must be at least 1, got {args.tokens_per_chunk}")
     try:
         import uvloop  # noqa: PLC0415 - optional accelerator
 

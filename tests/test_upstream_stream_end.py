@@ -1,7 +1,7 @@
 """Where the openai engine ends an upstream's stream, against a separate upstream process
 (``bench.upstream_server``) that misbehaves as told and logs what it ran: at ``max_tokens``
 when the upstream ignores it, and soon after the last chunk when the upstream never ends
-the stream."""
+the stream. What such an upstream's client got is what its team is billed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+import pytest
+
 from laneway.tokens import estimate_tokens
-from tests.stack import eventually
+from tests.stack import LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.types import EngineDelta, EngineRequest
 from workers.upstream import OpenAICompatibleEngine
@@ -38,7 +41,8 @@ async def test_an_upstream_that_ignores_max_tokens_is_stopped_there(
     deltas = await _run(upstream, "ignored", max_tokens=16)
     assert len([d for d in deltas if d.text]) == 16
     assert deltas[-1].finish_reason == "length"
-    assert deltas[-1].completion_tokens == 16  # billed what the client asked for at most
+    # Billed the text it forwarded (no usage came): one token a chunk at least.
+    assert deltas[-1].completion_tokens >= 16
     # The upstream stopped too: laneway closed the request there.
     ran = await eventually(lambda: upstream.entry("ignored"), 20, "the upstream's entry")
     assert ran["outcome"] == "gone_running", ran
@@ -91,3 +95,65 @@ async def test_usage_an_upstream_sends_late_after_its_finish_is_still_read(
     late = "late" + code
     assert estimate_tokens(late) != len(late) // 4  # the estimate would not pass for it
     assert [a.prompt_tokens for a in answers] == [len(late) // 4] * 2
+
+
+async def _streamed_through_laneway(
+    stack: LiveStack, upstream: UpstreamProcess, prompt: str, max_tokens: int
+) -> tuple[str, str, dict[str, Any]]:
+    """A streamed completion through an ingress and a worker in front of ``upstream``: the
+    text its client got, its finish_reason and its usage event."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker(
+        "completion",
+        engine="openai",
+        upstream_url=upstream.url,
+        upstream_model="up",
+        upstream_metrics_url="",
+    )
+    http = stack.http(ingress, await stack.api_key())
+    body = {"model": "laneway-code", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    text, finish = "", ""
+    async with http.stream("POST", "/v1/completions", json=body) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        request_id = answer.headers["x-laneway-request-id"]
+        async for line in answer.aiter_lines():
+            if line.startswith("data: {"):
+                choice = orjson.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice.get("finish_reason") or finish
+    (event,) = (await stack.usage_of(request_id)).values()
+    return text, finish, event
+
+
+@pytest.mark.slow
+async def test_an_upstream_that_ignores_max_tokens_in_chunks_of_several_tokens_is_billed_them(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """Four tokens a chunk, max_tokens ignored, and its usage in its last chunk: the client
+    got 48 tokens where it asked for 16 (laneway counts a chunk as one token, and 12 chunks
+    are not past 16). Its team is billed the upstream's own count of them, not 16."""
+    upstream = await upstreams(slots=2, token_ms=5, tokens_always=48, tokens_per_chunk=4)
+    text, finish, event = await _streamed_through_laneway(stack, upstream, "chunky", 16)
+    assert len(text.split()) == 48  # one word a token, as the upstream counts them
+    assert finish == "length"
+    assert event["status"] == "ok", event
+    assert event["completion_tokens"] == 48, event
+
+
+@pytest.mark.slow
+async def test_an_upstream_cut_at_max_tokens_is_billed_all_the_text_its_client_got(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """Four tokens a chunk, and no end: laneway cuts the stream at the first chunk past 16
+    and forwards no more of it, but the 16 before held 64 tokens, which the client got. With
+    no usage from the upstream, they are billed as laneway estimates their text, never as
+    the 16 chunks alone."""
+    upstream = await upstreams(slots=2, token_ms=5, tokens_always=300, tokens_per_chunk=4)
+    text, finish, event = await _streamed_through_laneway(stack, upstream, "cut", 16)
+    assert len(text.split()) == 16 * 4  # 16 chunks, none after the one past the limit
+    assert finish == "length"
+    assert event["status"] == "ok", event
+    assert event["completion_tokens"] >= len(text.split()), event
+    assert event["completion_tokens"] == estimate_tokens(text), event
+    ran = await eventually(lambda: upstream.entry("cut"), 20, "the upstream's entry")
+    assert ran["outcome"] == "gone_running", ran  # the upstream stopped there too

@@ -36,6 +36,7 @@ class UpstreamProcess:
         retry_after: str = "",
         keepalive_ms: float = 0.0,
         tokens_always: int = 0,
+        tokens_per_chunk: int = 1,
         silent_after_finish: bool = False,
         usage_apart_ms: float | None = None,
     ) -> None:
@@ -57,6 +58,7 @@ class UpstreamProcess:
             f"--retry-after={retry_after}",
             f"--keepalive-ms={keepalive_ms}",
             f"--tokens-always={tokens_always}",
+            f"--tokens-per-chunk={tokens_per_chunk}",
         ]
         if metrics:
             argv.append("--metrics")

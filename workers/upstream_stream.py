@@ -14,6 +14,7 @@ import orjson
 
 from laneway.errors import EngineError
 from laneway.schema import MAX_USAGE_TOKENS
+from laneway.tokens import estimate_tokens
 from workers.types import EngineDelta
 from workers.upstream_refusals import stream_error
 
@@ -100,6 +101,7 @@ class StreamReading:
         "completion_tokens",
         "done",
         "finish",
+        "forwarded",
         "max_tokens",
         "over",
         "prompt_tokens",
@@ -119,6 +121,9 @@ class StreamReading:
         self.finish: object = None  # the server's own value, until FinishReasons reads it
         self.started: float | None = None  # perf_counter at the first byte
         self.text_sent = False  # some text came (and went on to the client)
+        # The text of the chunks counted one token each (those without usage), kept while
+        # max_tokens can cut the stream: what the client got when the usage never comes.
+        self.forwarded: list[str] = []
 
     def ms(self) -> float:
         return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
@@ -162,14 +167,17 @@ class StreamReading:
             text += (delta.get("content") if delta else choice.get("text")) or ""
             finish = choice.get("finish_reason") or finish
         if text and not usage and 0 < self.max_tokens <= self.completion_tokens:
-            # More text than max_tokens: the upstream ignores it. The client gets (and pays
-            # for) what it asked for, no more, and the request ends there, by its length.
+            # More text than max_tokens chunks: the upstream ignores max_tokens (a chunk holds
+            # one token at least, so one that honours it never gets here). No more goes on to
+            # the client, and the request ends there, by its length.
             self.over = True
             self.finish = "length"
             return None
         self.finish = finish
         if text and not usage:
             self.completion_tokens += 1
+            if self.max_tokens:
+                self.forwarded.append(text)
         self.text_sent = self.text_sent or bool(text)
         if not (text or usage):
             return None
@@ -190,8 +198,13 @@ class StreamReading:
                 "the upstream's stream ended before its end (no finish_reason, no [DONE])"
             )
         completion = self.completion_tokens
-        if self.max_tokens:
-            completion = min(completion, self.max_tokens)  # never billed past what was asked
+        if self.over:
+            # Cut where it ignored max_tokens, before its usage: the client has what was
+            # forwarded, and a chunk may have held several tokens (speculative decoding,
+            # vLLM's --stream-interval). It is billed laneway's estimate of that text, as a
+            # prompt with no count is, and one token a chunk at least. Otherwise the
+            # upstream's own count stands, past max_tokens too: the client got that text.
+            completion = max(completion, estimate_tokens("".join(self.forwarded)))
         return EngineDelta(
             text="",
             prompt_tokens=self.prompt_tokens,
