@@ -53,6 +53,7 @@ class UpstreamMetrics:
         # would hold work back for good.
         self.stale_after_s = _STALE_READINGS * interval_s
         self._odd_logged = False  # a non-finite or negative gauge was logged
+        self._counted = False  # the last reading had a waiting count
 
     def _value(self, found: re.Match[bytes] | None) -> float | None:
         """A gauge's value; None for one not there, or not a finite number (``+Inf``,
@@ -72,6 +73,20 @@ class UpstreamMetrics:
             )
         return None
 
+    def _queue(self, queue: float | None) -> None:
+        """The upstream's queue as this reading says it. A reading with no count of it (no
+        gauge, or one that is no count) is read as a server's that publishes none: the last
+        count, kept, would pass for fresh while the KV gauge still reads, and stay the only
+        word on the queue, so that a queue grown since would never show as stalls."""
+        if queue is None:
+            if self._counted:
+                # No longer fresh from now on: the first-byte stall rule is the word again.
+                self.learned.upstream_load(0, fresh_s=0.0)
+            self.waiting, self._counted = 0, False
+            return
+        self.waiting, self._counted = int(queue), True
+        self.learned.upstream_load(self.waiting, fresh_s=3 * self.interval_s)
+
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """Read them every ``interval_s``; return when the upstream publishes neither."""
         while True:
@@ -90,9 +105,7 @@ class UpstreamMetrics:
                     )
                     return
                 queue = self._value(waiting)
-                if queue is not None:
-                    self.waiting = int(queue)
-                    self.learned.upstream_load(self.waiting, fresh_s=3 * self.interval_s)
+                self._queue(queue)
                 usage = self._value(kv_usage)
                 if usage is not None:
                     self.kv_usage = min(1.0, max(0.0, usage))
