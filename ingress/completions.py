@@ -71,24 +71,26 @@ async def _body(request: Request, timeout_s: float, cls: str) -> bytes | None:
 
 async def _serve(request: Request, model: type[B], cls: str) -> Response:
     state: IngressState = request.app.state.laneway
-    caller = await state.callers.resolve(authorization(request.headers))
-    raw = await _body(request, state.settings.read_timeout_s, cls)
+    try:
+        caller = await state.callers.resolve(authorization(request.headers))
+        raw = await _body(request, state.settings.read_timeout_s, cls)
+    except asyncio.CancelledError:
+        raise _stopping(None, "before it was read") from None
     if raw is None:
         return Response(status_code=499)
     body = parse_body(model, raw)
     env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
     clock = ServerTiming(state.clock)
-    route, breaker_level = await _route(state, env, body.model)
-    admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
-    env = _admitted_envelope(env, route, admitted)
+    env, breaker_level, admitted = await _admit(state, caller, env, body.model)
     clock.stage("admit")
     # x-request-id is what the OpenAI SDKs read as a response's request_id.
     headers = {"x-request-id": env.id, "x-laneway-request-id": env.id, **_budget_headers(admitted)}
     channel = state.replies.open(env.id, env.team)
     disconnect = asyncio.ensure_future(_wait_disconnect(request))
-    handed_over = False
+    handed_over = stored = False
     try:
         await _store(state, env, caller, admitted)
+        stored = True
         clock.stage("enqueue")
         state.shadows.offer(env, breaker_level=breaker_level)
         first = await next_reply(state, channel, disconnect)
@@ -113,17 +115,15 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
     except asyncio.CancelledError:
         # The server stops past its grace (LANEWAY_SHUTDOWN_GRACE_S) before the answer (it
         # cancels nothing else): its worker is told to stop, as for a client that left, or
-        # the client's retry elsewhere would run and be charged beside it. The client is
-        # told to send it again, rather than a bare 500.
+        # the client's retry elsewhere would run and be charged beside it. The tombstone
+        # goes first, while the ingress's Kafka and Redis clients still run.
         state.cancels.add(env)
-        log.warning(
-            "stopping: %s dropped unanswered; its worker is told to stop it",
-            env.id,
-            extra={"request_id": env.id, "team": env.team, "cls": env.cls},
-        )
-        dropped = ServiceUnavailable("this ingress is stopping: send the request again")
-        dropped.request_id = env.id
-        raise dropped from None
+        if not stored:
+            # Cut short in its produce, it may be stored all the same: its budget goes back
+            # as for a produce that failed (the worker's settle of a stored copy, dropped on
+            # its tombstone, is then a no-op).
+            await state.quota.release(caller.team, env.id, admitted, accepted_ts=env.accepted_ts)
+        raise _stopping(env, "unanswered; its worker is told to stop it") from None
     except LanewayError as exc:
         if isinstance(exc, Expired):
             state.cancels.add(env)
@@ -133,6 +133,40 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
         if not handed_over:
             disconnect.cancel()
             state.replies.close(env.id)
+
+
+def _stopping(env: RequestEnvelope | None, how: str) -> ServiceUnavailable:
+    """The 503 of a request that a stopping ingress cancels past its grace
+    (LANEWAY_SHUTDOWN_GRACE_S), wherever it was: the client (the OpenAI SDK does) sends it
+    again to another replica, rather than reading a bare 500 or a dropped connection."""
+    request_id = None if env is None else env.id
+    log.warning(
+        "stopping: request %s dropped %s",
+        request_id or "(not read yet)",
+        how,
+        extra={} if env is None else {"request_id": env.id, "team": env.team, "cls": env.cls},
+    )
+    dropped = ServiceUnavailable("this ingress is stopping: send the request again")
+    dropped.request_id = request_id
+    return dropped
+
+
+async def _admit(
+    state: IngressState, caller: Caller, env: RequestEnvelope, model: str
+) -> tuple[RequestEnvelope, int, Admitted | None]:
+    """``env`` routed and admitted by its quota, with the breaker's level and the admission.
+    Cut short by a stopping ingress, nothing of it was stored and whatever its admission may
+    have reserved goes back (``QuotaGate.give_back_cut_short``)."""
+    try:
+        route, breaker_level = await _route(state, env, model)
+    except asyncio.CancelledError:
+        raise _stopping(env, "before it was admitted") from None
+    try:
+        admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
+    except asyncio.CancelledError:
+        await state.quota.give_back_cut_short(caller.team, env.id, accepted_ts=env.accepted_ts)
+        raise _stopping(env, "while its quota was admitted; its reservation goes back") from None
+    return _admitted_envelope(env, route, admitted), breaker_level, admitted
 
 
 def _admitted_envelope(

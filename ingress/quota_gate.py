@@ -240,6 +240,19 @@ class QuotaGate:
             except (RedisError, OSError) as exc:
                 log.info("budget of %s not given back in Redis: %s", request_id, exc)
 
+    async def give_back_cut_short(self, team: Team, request_id: str, *, accepted_ts: float) -> None:
+        """Give back what an ``admit`` cancelled before its answer (a stopping ingress) may
+        have reserved in Redis: the script may have run though its answer was never read.
+
+        Settled as a reservation of nothing: one that was made goes back whole, and where
+        none was made the settle changes nothing. A lease refill cut short is not given back
+        (whether its script ran is unknown: lost rather than counted twice, as in
+        ``release``), and nothing of a lease or of the local limiter was spent on the request.
+        """
+        await self.release(
+            team, request_id, Admitted("interactive", 0, 0, 0.0), accepted_ts=accepted_ts
+        )
+
     async def return_idle(self, *, idle_s: float | None = None) -> int:
         """Give unused leases idle for ``idle_s`` (default: ``lease_idle_s``) back to their
         pools; returns the tokens given back."""

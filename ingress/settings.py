@@ -57,8 +57,9 @@ class IngressSettings(CommonSettings):
         ge=0,
         le=3600,
         description="on SIGTERM, how long open requests may still finish; each one still open "
-        "then is dropped, and its worker told to stop it (a client's retry elsewhere does not "
-        "run beside it); keep the platform's stop period a few seconds longer",
+        "then is answered 503 (send it again), its budget given back or its worker told to "
+        "stop it (a client's retry elsewhere does not run beside it); keep the platform's "
+        "stop period a few seconds longer",
     )
     max_body_bytes: int = Field(
         2 * 1024 * 1024,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import orjson
@@ -14,7 +15,15 @@ from aiokafka.errors import KafkaError
 
 from ingress.admission import affinity_key
 from laneway.schema import UsageEvent
-from tests.stack import LiveStack, eventually, free_port, frozen, partition_of
+from ops.redis_server import RedisServer
+from tests.stack import (
+    LiveStack,
+    Services,
+    eventually,
+    free_port,
+    frozen,
+    partition_of,
+)
 from workers.reports import Reports
 from workers.sim import SimEngine
 from workers.types import EngineRequest
@@ -305,3 +314,59 @@ async def test_an_ingress_stopped_past_its_grace_tells_the_worker_to_stop_what_i
     )
     assert event["status"] != "ok", event
     assert event["completion_tokens"] < 1000, event
+
+
+async def test_an_ingress_stopped_past_its_grace_before_admitting_a_request_says_send_it_again(
+    services: Services, tmp_path: Path, prefix: str
+) -> None:
+    """A rolling update stops an ingress while a request still waits for its quota (Redis
+    hangs). Past the grace it is told to send it again (a 503 the OpenAI SDK retries), as a
+    request dropped later is, not a bare 500; and the reservation its admission made in Redis
+    goes back to the team, as for any request that was never run."""
+    redis = RedisServer(port=free_port(), data_dir=tmp_path / "redis")
+    redis.start()
+    stack = LiveStack(Services(services.bootstrap, redis.url), prefix)
+    try:
+        await stack.create_topics()
+        await stack.start_worker("completion")
+        key = await stack.api_key("rolling")
+        # No grace; a request waits for a hung Redis longer than that, and takes its quota
+        # by a reservation of its own (no lease).
+        ingress = await stack.start_ingress(
+            shutdown_grace_s=0, redis_hot_timeout_ms=10_000, quota_lease_share=0
+        )
+        http = stack.http(ingress, key)
+        body = {"model": "laneway-code", "prompt": "def f(", "max_tokens": 8}
+        # Served once: its key, breaker level and canary are cached for a second, so the
+        # next request waits on Redis in its quota admission.
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        pid = redis.pid
+        assert pid is not None
+        with frozen(pid):
+            waiting = asyncio.create_task(http.post("/v1/completions", json=body))
+            [request] = await eventually(
+                lambda: [t for t in ingress.server.server_state.tasks if not t.done()],
+                5,
+                "the request to be open",
+            )
+            stopping = asyncio.create_task(ingress.stop())
+            await eventually(
+                lambda: request.cancelling() or request.done(),
+                10,
+                "the stopping ingress to cancel the open request",
+            )
+        dropped = await waiting
+        await stopping
+        assert dropped.status_code == 503, dropped.text
+        assert dropped.headers["retry-after"] == "1"
+        assert dropped.json()["error"]["message"] == (
+            "this ingress is stopping: send the request again"
+        )
+        request_id = dropped.headers["x-request-id"]
+        reservations = await stack.redis.hgetall(
+            ingress.settings.keys.quota_reservations("rolling")
+        )
+        assert request_id.encode() not in reservations, reservations
+    finally:
+        await stack.stop()
+        redis.stop()
