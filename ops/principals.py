@@ -140,7 +140,7 @@ def acl_rules(
         rules += topic([topics.usage], reads)
         rules += topic([topics.control, topics.usage_hourly], writes)
         # Faust's table changelogs and its assignor topic, which it creates itself (and
-        # keeps compact: ``streams.__main__.CHANGELOG_CONFIGS``).
+        # keeps compact: ``streams.changelogs.CHANGELOG_CONFIGS``).
         rules += topic(
             [f"{app_id}-"],
             ("create", "read", "write", "describe", "describe_configs", "alter_configs"),

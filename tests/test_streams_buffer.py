@@ -14,8 +14,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from faust.transport.producer import ProducerBuffer
 
-from streams.__main__ import ensure_changelogs
 from streams.app import StreamsApp
+from streams.changelogs import ensure_changelogs
 from streams.settings import StreamsSettings
 from tests.stack import PARTITIONS, LiveStack, eventually
 from tests.test_streams_process import FAST, produce_usage, usage_event

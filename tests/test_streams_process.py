@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from laneway.clients import make_admin
 from laneway.schema import UsageEvent
 from laneway.settings import CommonSettings
-from streams.__main__ import CHANGELOG_CONFIGS
 from streams.app import TABLES
+from streams.changelogs import CHANGELOG_CONFIGS
 from tests.stack import PARTITIONS, LiveStack, eventually, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,6 +167,45 @@ async def test_a_sigterm_while_the_tables_recover_stops_the_process_cleanly(
     assert code == 0, streams.log()
     for said in ("Traceback", "never retrieved", "was never awaited"):
         assert said not in streams.log(), streams.log()
+
+
+@pytest.mark.parametrize("after_s", [0.2, 0.8])
+async def test_a_sigterm_in_the_first_second_stops_the_process_cleanly(
+    stack: LiveStack, tmp_path: Path, after_s: float
+) -> None:
+    """``laneway up`` and operators stop the app with SIGTERM whenever they need to: one that
+    comes while it still imports Faust, reads the topics or makes its changelogs stops it
+    cleanly too (exit 0, as once it runs), not killed by the signal (-15); and its changelogs
+    are made whole or not at all."""
+    streams = StreamsProcess(stack, tmp_path)
+    await streams.start()
+    assert streams.proc is not None
+    # Counted from the interpreter's own start: no handler can come before it (some 50 ms,
+    # more on a busy machine), and Faust's imports take about a second after it.
+    await eventually(lambda: _python_started(streams), 30, "the interpreter to start")
+    assert await _exits(streams, within_s=after_s) is None, streams.log()  # still starting
+    code = await streams.stop(within_s=30)
+    assert code == 0, streams.log()
+    for said in ("Traceback", "never retrieved", "was never awaited"):
+        assert said not in streams.log(), streams.log()
+    names = [f"{stack.prefix}-streams-{table}-changelog" for table in TABLES]
+    admin = make_admin(CommonSettings(**stack.common))
+    await admin.start()
+    try:
+        made = [t for t in await admin.describe_topics(names) if not t["error_code"]]
+    finally:
+        await admin.close()
+    assert {t["topic"] for t in made} in (set(), set(names)), made
+    assert all(len(t["partitions"]) == PARTITIONS for t in made), made
+
+
+def _python_started(streams: StreamsProcess) -> bool:
+    """Whether the child's interpreter has started: it ignores SIGPIPE from its start on, and
+    its parent (``subprocess``) had it default at the exec."""
+    assert streams.proc is not None
+    status = Path(f"/proc/{streams.proc.pid}/status").read_text()
+    ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+    return bool(ignored & (1 << (signal.SIGPIPE - 1)))
 
 
 async def _exits(streams: StreamsProcess, within_s: float) -> int | None:
