@@ -156,16 +156,23 @@ async def _admit(
 ) -> tuple[RequestEnvelope, int, Admitted | None]:
     """``env`` routed and admitted by its quota, with the breaker's level and the admission.
     Cut short by a stopping ingress, nothing of it was stored and whatever its admission may
-    have reserved goes back (``QuotaGate.give_back_cut_short``)."""
+    have reserved goes back (``QuotaGate.give_back_cut_short``). A refusal (an unknown model,
+    a breaker, the quota's 429) names the request's id, as its answer would."""
     try:
         route, breaker_level = await _route(state, env, model)
     except asyncio.CancelledError:
         raise _stopping(env, "before it was admitted") from None
+    except LanewayError as exc:
+        exc.request_id = exc.request_id or env.id
+        raise
     try:
         admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     except asyncio.CancelledError:
         await state.quota.give_back_cut_short(caller.team, env.id, accepted_ts=env.accepted_ts)
         raise _stopping(env, "while its quota was admitted; its reservation goes back") from None
+    except LanewayError as exc:
+        exc.request_id = exc.request_id or env.id
+        raise
     return _admitted_envelope(env, route, admitted), breaker_level, admitted
 
 

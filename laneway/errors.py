@@ -202,11 +202,14 @@ class QuotaExceeded(LanewayError):
         self.never = never  # more than the whole budget: no wait makes it fit
 
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "Retry-After": str(max(1, math.ceil(self.retry_after))),
             "x-ratelimit-limit-tokens": str(self.limit),
             "x-ratelimit-remaining-tokens": "0",
         }
+        if self.never:
+            headers.update(_NOT_AGAIN)  # the SDKs retry a 429; this one no wait makes fit
+        return headers
 
 
 class RateLimited(QuotaExceeded):

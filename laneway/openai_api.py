@@ -7,6 +7,8 @@ the text generated), or refused with a 400 naming it: none is silently dropped. 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -119,7 +121,7 @@ class _Body(_Strict):
     stream_options: _StreamOptions | None = None
     # Honoured where the engine samples by seed (vLLM, and upstreams that pass it on; the sim
     # engine is deterministic anyway). Without one, each request gets a seed of its own.
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's (and vLLM's) int64
     # Inert: they steer OpenAI's bookkeeping (abuse tracking, its cache, stored metadata), not
     # the text; laneway's prefix cache needs no key (a session already lands on one worker).
     user: str | None = None
@@ -223,8 +225,39 @@ def parse_body(model: type[B], raw: bytes) -> B:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        data = _with_lone_surrogates(raw) if "surrogate" in str(exc) else None
+        if data is None:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
     return validate_body(model, data)
+
+
+def _with_lone_surrogates(raw: bytes) -> object | None:
+    """JSON whose only fault is a lone UTF-16 surrogate escape (``"\\ud83d"``), read with
+    each such half as U+FFFD; None if it has another fault. An editor plugin in JavaScript
+    that cuts a prompt in the middle of an emoji sends one (``JSON.stringify`` escapes it),
+    and refusing it would fail every keystroke until the cut moved on."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+        return _replace_surrogates(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _replace_surrogates(value: object) -> object:
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_replace_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def validate_body(model: type[B], data: object, *, prefix: str = "") -> B:

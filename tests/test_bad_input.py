@@ -17,6 +17,7 @@ import pytest
 
 from ingress.settings import IngressSettings
 from laneway.errors import ConfigError
+from laneway.openai_api import CompletionRequest, parse_body
 from laneway.settings import CommonSettings, load_settings
 from ops.cli import main as cli_main
 from ops.drills.topology import TopologyPlan
@@ -116,6 +117,34 @@ async def test_bad_completion_bodies(
     error = _error(response)
     assert error["param"] == param
     assert words in str(error["message"])
+
+
+async def test_a_prompt_cut_in_the_middle_of_an_emoji_is_served(
+    ingress_and_key: tuple[LiveStack, str],
+) -> None:
+    """JavaScript's JSON.stringify writes half a surrogate pair as an escape (a plugin that
+    cuts its prompt inside an emoji sends one): the half is read as U+FFFD, not refused."""
+    stack, key = ingress_and_key
+    http = stack.http(stack.ingresses[0], key)
+    raw = b'{"model": "laneway-code", "prompt": "# ok \\ud83d", "max_tokens": 4, "seed": -1}'
+    response = await http.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    # Anything else that is not JSON is still refused as such.
+    for bad in (raw.replace(b"4,", b"NaN,"), raw[:-1]):
+        refused = await http.post(
+            "/v1/completions", content=bad, headers={"content-type": "application/json"}
+        )
+        assert refused.status_code == 400, bad
+        assert "not valid JSON" in str(_error(refused)["message"])
+
+
+def test_half_a_surrogate_pair_is_read_as_a_replacement_character() -> None:
+    body = parse_body(
+        CompletionRequest, b'{"model": "m", "prompt": "a\\ud83d b \\ud83d\\ude00 \\udc00"}'
+    )
+    assert body.prompt == "a\ufffd b \U0001f600 \ufffd"
 
 
 async def test_bad_chat_message_names_the_field(ingress_and_key: tuple[LiveStack, str]) -> None:

@@ -385,6 +385,14 @@ async def test_headers_and_429(stack: LiveStack) -> None:
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"
+    # Named by its id, as an answer would be (the OpenAI SDKs read it as request_id); one that
+    # fits once the hour moves on is for the SDK to send again, one larger than the whole
+    # hour's budget is not.
+    assert refused.headers["x-request-id"]
+    assert "x-should-retry" not in refused.headers
+    whole = await http.post("/v1/completions", json={**body, "prompt": "x" * 400})
+    assert whole.status_code == 429, whole.text
+    assert whole.headers["x-should-retry"] == "false"
 
 
 async def test_ingress_admits_from_a_lease_and_gives_back_the_rest(stack: LiveStack) -> None:
