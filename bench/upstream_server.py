@@ -215,6 +215,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 return await _stream(request, upstream, rid, chat, count, entry, response, pings)
             text = "".join([word async for word in upstream.tokens(count, entry)])
             return web.json_response(_body(rid, chat, text, entry), dumps=_dumps)
+    except ConnectionError:
+        # The client left as its stream began (logged as gone_running): no one to answer.
+        return web.Response(status=499)
     finally:
         if pings is not None:
             pings.cancel()
