@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -17,6 +18,7 @@ from tests.stack import LiveStack, eventually
 from tests.upstream_process import UpstreamProcess
 from workers.types import EngineDelta, EngineRequest
 from workers.upstream import OpenAICompatibleEngine
+from workers.upstream_stream import StreamReading, TokensPerChunk
 
 
 async def _run(upstream: UpstreamProcess, prompt: str, max_tokens: int) -> list[EngineDelta]:
@@ -41,8 +43,7 @@ async def test_an_upstream_that_ignores_max_tokens_is_stopped_there(
     deltas = await _run(upstream, "ignored", max_tokens=16)
     assert len([d for d in deltas if d.text]) == 16
     assert deltas[-1].finish_reason == "length"
-    # Billed the text it forwarded (no usage came): one token a chunk at least.
-    assert deltas[-1].completion_tokens >= 16
+    assert deltas[-1].completion_tokens == 16  # a token a chunk: billed what it forwarded
     # The upstream stopped too: laneway closed the request there.
     ran = await eventually(lambda: upstream.entry("ignored"), 20, "the upstream's entry")
     assert ran["outcome"] == "gone_running", ran
@@ -97,11 +98,8 @@ async def test_usage_an_upstream_sends_late_after_its_finish_is_still_read(
     assert [a.prompt_tokens for a in answers] == [len(late) // 4] * 2
 
 
-async def _streamed_through_laneway(
-    stack: LiveStack, upstream: UpstreamProcess, prompt: str, max_tokens: int
-) -> tuple[str, str, dict[str, Any]]:
-    """A streamed completion through an ingress and a worker in front of ``upstream``: the
-    text its client got, its finish_reason and its usage event."""
+async def _through_laneway(stack: LiveStack, upstream: UpstreamProcess) -> httpx.AsyncClient:
+    """A client of an ingress and a worker in front of ``upstream``."""
     ingress = await stack.start_ingress()
     await stack.start_worker(
         "completion",
@@ -110,9 +108,16 @@ async def _streamed_through_laneway(
         upstream_model="up",
         upstream_metrics_url="",
     )
-    http = stack.http(ingress, await stack.api_key())
+    return stack.http(ingress, await stack.api_key())
+
+
+async def _streamed(
+    stack: LiveStack, http: httpx.AsyncClient, prompt: str, max_tokens: int, chunks: int = 0
+) -> tuple[str, str, dict[str, Any]]:
+    """A streamed completion: the text its client got (its first ``chunks`` chunks, then it
+    leaves; 0: all), its finish_reason and its usage event."""
     body = {"model": "laneway-code", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    text, finish = "", ""
+    text, finish, read = "", "", 0
     async with http.stream("POST", "/v1/completions", json=body) as answer:
         assert answer.status_code == 200, await answer.aread()
         request_id = answer.headers["x-laneway-request-id"]
@@ -121,6 +126,9 @@ async def _streamed_through_laneway(
                 choice = orjson.loads(line[6:])["choices"][0]
                 text += choice["text"]
                 finish = choice.get("finish_reason") or finish
+                read += 1
+                if read == chunks:
+                    break
     (event,) = (await stack.usage_of(request_id)).values()
     return text, finish, event
 
@@ -133,7 +141,8 @@ async def test_an_upstream_that_ignores_max_tokens_in_chunks_of_several_tokens_i
     got 48 tokens where it asked for 16 (laneway counts a chunk as one token, and 12 chunks
     are not past 16). Its team is billed the upstream's own count of them, not 16."""
     upstream = await upstreams(slots=2, token_ms=5, tokens_always=48, tokens_per_chunk=4)
-    text, finish, event = await _streamed_through_laneway(stack, upstream, "chunky", 16)
+    http = await _through_laneway(stack, upstream)
+    text, finish, event = await _streamed(stack, http, "chunky", 16)
     assert len(text.split()) == 48  # one word a token, as the upstream counts them
     assert finish == "length"
     assert event["status"] == "ok", event
@@ -141,19 +150,66 @@ async def test_an_upstream_that_ignores_max_tokens_in_chunks_of_several_tokens_i
 
 
 @pytest.mark.slow
-async def test_an_upstream_cut_at_max_tokens_is_billed_all_the_text_its_client_got(
+async def test_a_stream_ended_before_its_usage_is_billed_the_tokens_its_chunks_held(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
-    """Four tokens a chunk, and no end: laneway cuts the stream at the first chunk past 16
-    and forwards no more of it, but the 16 before held 64 tokens, which the client got. With
-    no usage from the upstream, they are billed as laneway estimates their text, never as
-    the 16 chunks alone."""
-    upstream = await upstreams(slots=2, token_ms=5, tokens_always=300, tokens_per_chunk=4)
-    text, finish, event = await _streamed_through_laneway(stack, upstream, "cut", 16)
+    """Four tokens a chunk (speculative decoding, vLLM's --stream-interval). Once a stream
+    with the upstream's usage has shown it, a stream whose client leaves before its usage is
+    billed four tokens a chunk, judged by the upstream's own log."""
+    upstream = await upstreams(slots=2, token_ms=20, tokens_per_chunk=4)
+    http = await _through_laneway(stack, upstream)
+    _, _, learned = await _streamed(stack, http, "whole", 40)
+    assert (learned["status"], learned["completion_tokens"]) == ("ok", 40), learned
+    text, _, left = await _streamed(stack, http, "left midway", 120, chunks=5)
+    assert len(text.split()) == 20
+    ran = await eventually(lambda: upstream.entry("left midway"), 20, "the upstream's entry")
+    assert ran["outcome"] == "gone_running", ran
+    assert left["status"] == "cancelled", left
+    # What the upstream made, give or take the chunk in flight when the client left.
+    assert ran["tokens"] - 8 <= left["completion_tokens"] <= ran["tokens"], (ran, left)
+
+
+@pytest.mark.slow
+async def test_a_stream_cut_at_max_tokens_is_billed_the_tokens_its_chunks_held(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """The same where the upstream ignores max_tokens (and sends 300 tokens whatever it is
+    asked): laneway cuts the stream at the first chunk past 16 and forwards no more, but the
+    16 before held 64 tokens, which the client got."""
+    ignoring = await upstreams(slots=2, token_ms=5, tokens_always=300, tokens_per_chunk=4)
+    http = await _through_laneway(stack, ignoring)
+    await _streamed(stack, http, "whole", 128)  # 75 chunks, its usage says 300
+    text, finish, cut = await _streamed(stack, http, "cut", 16)
     assert len(text.split()) == 16 * 4  # 16 chunks, none after the one past the limit
     assert finish == "length"
-    assert event["status"] == "ok", event
-    assert event["completion_tokens"] >= len(text.split()), event
-    assert event["completion_tokens"] == estimate_tokens(text), event
-    ran = await eventually(lambda: upstream.entry("cut"), 20, "the upstream's entry")
+    assert cut["status"] == "ok", cut
+    assert 16 * 4 - 2 <= cut["completion_tokens"] <= 16 * 4, cut
+    ran = await eventually(lambda: ignoring.entry("cut"), 20, "the upstream's entry")
     assert ran["outcome"] == "gone_running", ran  # the upstream stopped there too
+
+
+def _reading_of(chunks: list[str], usage: int | None, per_chunk: float = 1.0) -> StreamReading:
+    reading = StreamReading(5, 0, per_chunk)
+    for text in chunks:
+        reading.chunk({"choices": [{"text": text, "finish_reason": None}]})
+    reading.chunk({"choices": [{"text": "", "finish_reason": "stop"}]})
+    if usage is not None:
+        reading.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": usage}})
+    return reading
+
+
+def test_a_server_that_sends_a_token_a_chunk_is_billed_a_token_a_chunk() -> None:
+    """Its usage counts one more token than its text chunks (an end-of-sequence with no
+    text) or one fewer (a last chunk holding its final token): neither makes a chunk count
+    for more than one token in a stream ended before its usage."""
+    learned = TokensPerChunk()
+    for _ in range(20):
+        learned.learn(_reading_of(["a"] * 10, usage=11))
+        learned.learn(_reading_of(["a"] * 10, usage=10))
+    assert learned.value == 1.0
+    assert _reading_of(["a"] * 7, usage=None, per_chunk=learned.value).billed() == 7
+    # Four a chunk: a stream left after 7 chunks is billed 7 × 4 less a token at most, from
+    # the first stream that showed it on.
+    four = TokensPerChunk()
+    four.learn(_reading_of(["a b c d"] * 10, usage=41))
+    assert 27 <= _reading_of(["a"] * 7, usage=None, per_chunk=four.value).billed() <= 28

@@ -34,7 +34,7 @@ from workers.types import EngineDelta, EngineRequest, EngineStats
 from workers.upstream_calls import UpstreamCall
 from workers.upstream_metrics import UpstreamMetrics
 from workers.upstream_refusals import REQUEST_REFUSED, error_reason, refusal
-from workers.upstream_stream import FinishReasons, StreamReading
+from workers.upstream_stream import FinishReasons, StreamReading, TokensPerChunk
 
 __all__ = ["OpenAICompatibleEngine"]
 
@@ -78,6 +78,7 @@ class OpenAICompatibleEngine:
         # The upstream sends its usage in a chunk of its own after the finish_reason (vLLM
         # does, late under load): a stream is then read on after its finish to its end.
         self._usage_follows = False
+        self._per_chunk = TokensPerChunk()  # what a stream ended before its usage is billed
         # When a request of ours last had its first byte (monotonic; from the start).
         self._answered_at = time.monotonic()
         # Requests the upstream refused for want of room, by id: since when (monotonic).
@@ -178,7 +179,7 @@ class OpenAICompatibleEngine:
         # framing included; the text's own estimate is for requests that carry none.
         estimate = request.prompt_estimate or estimate_tokens(request.prompt)
         call = self._open(request, estimate)
-        reading = StreamReading(estimate, request.max_tokens)
+        reading = StreamReading(estimate, request.max_tokens, self._per_chunk.value)
         try:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
@@ -207,7 +208,9 @@ class OpenAICompatibleEngine:
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
             chat = request.messages is not None
-            yield reading.final(self._finishes.openai(reading.finish, chat=chat))
+            final = reading.final(self._finishes.openai(reading.finish, chat=chat))
+            self._per_chunk.learn(reading)
+            yield final
         except (aiohttp.ClientError, TimeoutError) as exc:
             if call.aborted:
                 raise call.dropped(request.id, reading.ms()) from None

@@ -14,11 +14,10 @@ import orjson
 
 from laneway.errors import EngineError
 from laneway.schema import MAX_USAGE_TOKENS
-from laneway.tokens import estimate_tokens
 from workers.types import EngineDelta
 from workers.upstream_refusals import stream_error
 
-__all__ = ["FinishReasons", "StreamReading"]
+__all__ = ["FinishReasons", "StreamReading", "TokensPerChunk"]
 
 log = logging.getLogger(__name__)
 
@@ -98,32 +97,36 @@ class StreamReading:
 
     __slots__ = (
         "cached",
+        "chunks",
         "completion_tokens",
+        "counted",
         "done",
         "finish",
-        "forwarded",
         "max_tokens",
         "over",
+        "per_chunk",
         "prompt_tokens",
         "started",
         "text_sent",
         "usage_after_finish",
     )
 
-    def __init__(self, prompt_tokens: int, max_tokens: int = 0) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int = 0, per_chunk: float = 1.0) -> None:
         self.done = False  # [DONE] was read
         self.max_tokens = max_tokens  # 0: no limit of laneway's own
         self.over = False  # text came past max_tokens: the upstream ignores it
         self.usage_after_finish = False  # its usage came in a chunk after its finish_reason
         self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # the server's own count, one a text chunk after it
+        self.counted = False  # the server's usage came: its count stands
+        self.chunks = 0  # text chunks read
+        # Tokens a text chunk holds on this server (``TokensPerChunk``): what a stream that
+        # ends before its usage (a cancel, a cut) is billed per chunk.
+        self.per_chunk = per_chunk
         self.cached = 0
         self.finish: object = None  # the server's own value, until FinishReasons reads it
         self.started: float | None = None  # perf_counter at the first byte
         self.text_sent = False  # some text came (and went on to the client)
-        # The text of the chunks counted one token each (those without usage), kept while
-        # max_tokens can cut the stream: what the client got when the usage never comes.
-        self.forwarded: list[str] = []
 
     def ms(self) -> float:
         return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
@@ -160,6 +163,7 @@ class StreamReading:
             cached = _count(details, "cached_tokens", 0) if "cached_tokens" in details else 0
             self.cached = min(cached, self.prompt_tokens)
             self.completion_tokens = _count(usage, "completion_tokens", self.completion_tokens)
+            self.counted = True
         text = ""
         finish = self.finish
         for choice in chunk.get("choices") or ():
@@ -174,10 +178,10 @@ class StreamReading:
             self.finish = "length"
             return None
         self.finish = finish
-        if text and not usage:
-            self.completion_tokens += 1
-            if self.max_tokens:
-                self.forwarded.append(text)
+        if text:
+            self.chunks += 1
+            if not usage:
+                self.completion_tokens += 1
         self.text_sent = self.text_sent or bool(text)
         if not (text or usage):
             return None
@@ -185,9 +189,18 @@ class StreamReading:
             text=text,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached,
-            completion_tokens=self.completion_tokens,
+            completion_tokens=self.billed(),
             engine_ms=self.ms(),
         )
+
+    def billed(self) -> int:
+        """Completion tokens so far: the server's own count once its usage came, else one a
+        chunk times what a chunk holds on this server (a chunk may hold several tokens:
+        speculative decoding, vLLM's --stream-interval). A stream that ends before its
+        usage (its client left, or cut at max_tokens) is billed so."""
+        if self.counted or self.per_chunk == 1.0:
+            return self.completion_tokens
+        return max(self.completion_tokens, int(self.completion_tokens * self.per_chunk))
 
     def final(self, finish_reason: str) -> EngineDelta:
         """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
@@ -197,19 +210,41 @@ class StreamReading:
             raise EngineError(
                 "the upstream's stream ended before its end (no finish_reason, no [DONE])"
             )
-        completion = self.completion_tokens
-        if self.over:
-            # Cut where it ignored max_tokens, before its usage: the client has what was
-            # forwarded, and a chunk may have held several tokens (speculative decoding,
-            # vLLM's --stream-interval). It is billed laneway's estimate of that text, as a
-            # prompt with no count is, and one token a chunk at least. Otherwise the
-            # upstream's own count stands, past max_tokens too: the client got that text.
-            completion = max(completion, estimate_tokens("".join(self.forwarded)))
         return EngineDelta(
             text="",
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached,
-            completion_tokens=completion,
+            completion_tokens=self.billed(),
             engine_ms=self.ms(),
             finish_reason=finish_reason,
         )
+
+
+class TokensPerChunk:
+    """How many tokens a text chunk holds on one server, learned from the streams that
+    ended with its usage: the server's count, less the last token (often one with no text:
+    an end-of-sequence), over the text chunks. 1 on a server that sends a token a chunk (the
+    default of vLLM, SGLang, llama.cpp and TGI), more with speculative decoding or vLLM's
+    --stream-interval; one that never reports usage stays at 1."""
+
+    __slots__ = ("learned", "value")
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        self.learned = 0  # streams learned from
+
+    def learn(self, reading: StreamReading) -> None:
+        if not reading.counted or reading.chunks < _CHUNKS_TO_LEARN:
+            return
+        seen = min(_MOST_PER_CHUNK, max(1.0, (reading.completion_tokens - 1) / reading.chunks))
+        self.learned += 1
+        # The mean of the first few, then a moving average that follows a server changed.
+        self.value += max(_LEARN_WEIGHT, 1 / self.learned) * (seen - self.value)
+        if self.value < _ONE_TOKEN_BELOW:
+            self.value = 1.0  # a token a chunk: billed exactly, as the chunks count
+
+
+_CHUNKS_TO_LEARN = 4  # fewer text chunks say little of a server's chunking
+_LEARN_WEIGHT = 0.2
+_MOST_PER_CHUNK = 64.0
+_ONE_TOKEN_BELOW = 1.05
