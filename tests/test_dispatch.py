@@ -235,6 +235,68 @@ def test_a_request_the_upstream_never_answers_holds_the_rest_back_for_one_probe_
     assert slots.capacity() == 4  # and it holds nothing back while it stays stuck
 
 
+def _full_with_four(clock: _Clock, limit: int) -> LearnedSlots:
+    """A limit of ``limit``, 4 requests of ours streaming (the server's every slot)."""
+    slots = _warmed(clock)
+    slots.limit = limit
+    for i in range(4):
+        slots.sent(f"r{i}", 100)
+    clock.advance(5)
+    for i in range(4):
+        slots.first_byte(f"r{i}")
+    return slots
+
+
+def test_a_request_that_waited_in_the_queue_itself_overtakes_nothing() -> None:
+    # A, then B 25 ms later, queue on a full server; B reaches its queue first (a new
+    # connection for A, or A's long prompt tokenized longer). B starting first shows no
+    # stuck A: it waited a whole second itself.
+    clock = _Clock()
+    slots = _full_with_four(clock, limit=6)
+    slots.sent("A", 100)
+    clock.advance(25)
+    slots.sent("B", 100)
+    clock.advance(50)
+    assert (slots.capacity(), slots.limit) == (6, 4)  # both stall: held, cut to 4
+    clock.advance(1000)
+    slots.done("r0")
+    slots.first_byte("B")
+    assert (slots.capacity(), slots.limit) == (5, 4)  # A still queued: held, still 4
+
+
+def test_one_probe_at_a_time_goes_into_a_long_queue() -> None:
+    # Every slot on a minute-long chat, and A queued behind them: a real queue. The hold
+    # lets one probe out after 10 s; it queues behind A, which shows the queue, and no
+    # other goes out while it waits.
+    clock = _Clock()
+    slots = _full_with_four(clock, limit=5)
+    slots.sent("A", 100)
+    sent = ["A"]
+    for _ in range(600):  # a minute, the dispatcher asking every 100 ms
+        clock.advance(100)
+        while slots.in_flight < slots.capacity():
+            sent.append(f"P{len(sent)}")
+            slots.sent(sent[-1], 100)
+    assert sent == ["A", "P1"]
+
+
+def test_a_probe_waits_for_a_request_to_take_it() -> None:
+    # Asked for room with nothing to send (another pool's turn on a shared engine): the
+    # probe's room stays until a request takes it.
+    clock = _Clock()
+    slots = _warmed(clock)
+    slots.sent("stuck", 100)
+    clock.advance(200)
+    assert slots.capacity() == 1
+    clock.advance(slots.probe_s * 1000)
+    assert slots.capacity() == 2
+    clock.advance(1)
+    assert slots.capacity() == 2  # not used up by being asked
+    slots.sent("probe", 100)
+    clock.advance(1)
+    assert slots.capacity() == 2  # taken: no more until it starts
+
+
 def test_a_long_prefill_that_a_later_request_overtakes_is_no_stall() -> None:
     clock = _Clock()
     slots = _warmed(clock)

@@ -59,7 +59,7 @@ class _InFlight:
     first_byte: float | None = None
     stalled: bool = False
     overtaken: bool = False  # a later one started first: this one waits in no queue
-    cut: tuple[int, int] | None = None  # the limit before and after its stall cut it
+    cut: tuple[int, int] | None = None  # the limit before its cut, and the cut's number
 
 
 class LearnedSlots:
@@ -89,6 +89,9 @@ class LearnedSlots:
         self._base_ms: float | None = None  # an unqueued first byte, per unit
         self._next_probe = 0.0
         self._queue_known_until = float("-inf")  # the upstream's own count is fresh till then
+        self._cuts = 0
+        self._probe_run: _InFlight | None = None
+        self._probe_pending = False
 
     @property
     def in_flight(self) -> int:
@@ -97,7 +100,9 @@ class LearnedSlots:
     # --- what the engine reports ----------------------------------------------------------
 
     def sent(self, request_id: str, prompt_tokens: int) -> None:
-        self._inflight[request_id] = _InFlight(self._clock(), prompt_tokens, self.streaming)
+        run = self._inflight[request_id] = _InFlight(self._clock(), prompt_tokens, self.streaming)
+        if self._probe_pending:
+            self._probe_pending, self._probe_run = False, run
 
     def first_byte(self, request_id: str) -> None:
         run = self._inflight.get(request_id)
@@ -106,10 +111,13 @@ class LearnedSlots:
         now = self._clock()
         run.first_byte = now
         self.streaming += 1
+        quick = not run.stalled and (now - run.sent) * 1000 <= self._threshold_ms(run.prompt_tokens)
+        if run is self._probe_run:
+            self._probe_run = None
         for other in self._inflight.values():
             if other.first_byte is None:
                 other.peak = max(other.peak, self.streaming)
-                if not other.overtaken and other.sent < run.sent - _OVERTAKE_MARGIN_S:
+                if quick and not other.overtaken and other.sent < run.sent - _OVERTAKE_MARGIN_S:
                     self._overtaken(other)
         if run.overtaken:
             return  # a long prefill or a request stuck on its own: no measure of a queue
@@ -134,7 +142,7 @@ class LearnedSlots:
 
     def _overtaken(self, run: _InFlight) -> None:
         run.overtaken = True
-        if run.cut is not None and self.limit == run.cut[1]:
+        if run.cut is not None and self._cuts == run.cut[1]:
             self.limit = max(self.limit, run.cut[0])  # nothing cut it since: undone
 
     def _sample(self, waited_ms: float, prompt_tokens: int) -> None:
@@ -150,6 +158,8 @@ class LearnedSlots:
 
     def done(self, request_id: str) -> None:
         run = self._inflight.pop(request_id, None)
+        if run is not None and run is self._probe_run:
+            self._probe_run = None
         if run is not None and run.first_byte is not None:
             self.streaming -= 1
 
@@ -166,12 +176,17 @@ class LearnedSlots:
         """Requests to have on the upstream now: no more than are there while one stalls."""
         now = self._clock()
         if self._stalling(now):
-            if now < self._next_probe:
+            if self._probe_pending:
+                return len(self._inflight) + 1  # until a request goes out as the probe
+            if now < self._next_probe or self._probe_run is not None:
                 return len(self._inflight)
             # Held back for probe_s: one more, which the upstream starts at once if the
             # stalled one is stuck on its own rather than queued (it overtakes it then).
+            # One at a time: a probe still waiting behind it shows a queue.
+            self._probe_pending = True
             self._next_probe = now + self.probe_s
             return len(self._inflight) + 1
+        self._probe_pending = False
         if self.learned and now >= self._next_probe and len(self._inflight) >= self.limit:
             # Asked with work waiting and the limit in use: try one more.
             self.limit = min(self.maximum, self.limit + 1)
@@ -212,13 +227,14 @@ class LearnedSlots:
         before = self.limit
         self._stalled(capacity)
         if self.limit < before:
-            run.cut = (before, self.limit)
+            run.cut = (before, self._cuts)
 
     def _stalled(self, capacity: int) -> None:
         """The upstream was full with ``capacity`` requests of ours. Once learned, a stall
         halves the limit at most: one slow first byte (a cold prefix, a neighbour's burst)
         must not cut it to the few requests streaming just then, to climb back one probe
         at a time."""
+        self._cuts += 1  # any word of a full upstream, a cut or not
         capacity = max(1, min(capacity, self.maximum))
         if self.learned:
             capacity = max(capacity, self.limit // 2)
