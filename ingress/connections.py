@@ -82,6 +82,7 @@ def server_config(app: Any, settings: IngressSettings, **overrides: Any) -> uvic
         "port": settings.port,
         "log_level": settings.log_level.lower(),
         "access_log": False,
+        "server_header": False,  # no "server: uvicorn" to tell a prober what to aim at
         "timeout_graceful_shutdown": settings.shutdown_grace_s,
         "http": protocol,
         **overrides,

@@ -15,6 +15,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from ingress import metrics
+from ingress.admin_guesses import AdminGuesses
 from ingress.admission import Admission
 from ingress.auth import CallerResolver
 from ingress.batches import BatchBook
@@ -75,6 +76,7 @@ class IngressState:
             clock=self.clock.now,
         )
         self.replies = ReplyRouter(self.redis, self.reply_stream)
+        self.admin_guesses = AdminGuesses()  # wrong admin keys: past a burst, a pause
         self.revoked = RevokedKeys(settings, self.redis)
         self.callers = CallerResolver(self.redis, self.keys, self.revoked)
         self.admission = Admission(settings, self.producer, self.clock)

@@ -86,10 +86,11 @@ MAX_TEAM_NAME_CHARS = 200
 
 async def check_team_name(redis: aioredis.Redis, keys: RedisKeys, team: str) -> None:
     """A new team's name as it is shown, logged, used as a label and as one path segment of
-    the admin API and the console: not blank, without spaces around it or control characters
-    (a name only those tell apart from another is a second team nobody can tell from the
-    first), no '/' and not '.' or '..' (no URL reaches those), at most 200 characters. A team
-    that has keys already keeps its name, whatever it is."""
+    the admin API and the console: not blank, without spaces around it, control or invisible
+    characters or spaces other than the plain one (a name only those tell apart from another
+    is a second team nobody can tell from the first), no '/' and not '.' or '..' (no URL
+    reaches those), at most 200 characters. A team that has keys already keeps its name,
+    whatever it is."""
     if not team.strip():
         raise BadRequest("team name is empty", param="team")
     shown = repr(team[:MAX_TEAM_NAME_CHARS])
@@ -100,19 +101,23 @@ async def check_team_name(redis: aioredis.Redis, keys: RedisKeys, team: str) -> 
         )
     elif team in (".", ".."):
         problem = f"team name {shown} is a dot segment, which URLs resolve away"
-    elif (
-        team != team.strip()
-        or len(team) > MAX_TEAM_NAME_CHARS
-        or any(unicodedata.category(c) == "Cc" for c in team)
-    ):
+    elif team != team.strip() or len(team) > MAX_TEAM_NAME_CHARS or any(_unseen(c) for c in team):
         problem = (
-            f"team name {shown} must have no spaces around it and no control characters, "
-            f"and at most {MAX_TEAM_NAME_CHARS} characters"
+            f"team name {shown} must have no spaces around it, no control or invisible "
+            "characters (a zero-width space, a right-to-left mark) and no spaces but the "
+            f"plain one, and at most {MAX_TEAM_NAME_CHARS} characters"
         )
     else:
         return
     if not await redis.sismember(keys.teams(), team):
         raise BadRequest(problem, param="team")
+
+
+def _unseen(char: str) -> bool:
+    """A control or format character (a zero-width space, a bidirectional mark), or a space
+    or line break other than the plain space: shown as nothing, or as a plain space."""
+    category = unicodedata.category(char)
+    return category in ("Cc", "Cf", "Zl", "Zp") or (category == "Zs" and char != " ")
 
 
 async def create_key(

@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 
 __all__ = [
     "Aborted",
+    "AdminKeyGuesses",
     "BadRequest",
     "BodyTooLarge",
     "BodyTooSlow",
@@ -218,6 +219,12 @@ class RateLimited(QuotaExceeded):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+
+
+class AdminKeyGuesses(RateLimited):
+    """Too many wrong admin keys on this replica (``ingress.admin_guesses``)."""
+
+    kind = "admin_guesses"
 
 
 class ServiceUnavailable(LanewayError):

@@ -118,6 +118,16 @@ def _rollup(raw: bytes | None) -> HourlyRollup | None:
         return None
 
 
+def _cell(value: object) -> object:
+    """A text cell a spreadsheet would read as a formula (a team named ``=1+2``), quoted."""
+    if isinstance(value, str) and value[:1] in _FORMULA_STARTS:
+        return "'" + value
+    return value
+
+
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def render(rows: list[CostRow], fmt: str) -> str:
     names = [f.name for f in fields(CostRow)]
     if fmt == "csv":
@@ -125,7 +135,7 @@ def render(rows: list[CostRow], fmt: str) -> str:
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(names)
         for row in rows:
-            writer.writerow([getattr(row, n) for n in names])
+            writer.writerow([_cell(getattr(row, n)) for n in names])
         return out.getvalue()
     table = [names] + [
         [f"{getattr(r, n):.4f}" if n == "cost" else str(getattr(r, n)) for n in names] for r in rows

@@ -88,6 +88,47 @@ async def test_login_sets_a_strict_http_only_session_and_a_wrong_key_gets_none(
     assert ConsoleSessions(ADMIN, 60).verify("9999999999.a.\xe9") is None
 
 
+async def test_wrong_admin_keys_past_a_burst_are_not_judged_for_a_while(
+    stack: LiveStack,
+) -> None:
+    """Guessing the admin key at the console, the admin API and /readyz: past 20 wrong
+    ones every key is answered 429, the right one too (judging it would tell the guesser),
+    until a try is due (one a second)."""
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    http = stack.http(ingress, follow_redirects=False)
+    for i in range(20):
+        if i % 2:
+            wrong = await http.post("/console/login", data={"admin_key": f"guess-{i}"})
+        else:
+            wrong = await http.get("/admin/keys", headers={"Authorization": f"Bearer g-{i}"})
+        assert wrong.status_code == 401, (i, wrong.text)
+    refused = await http.post("/console/login", data={"admin_key": ADMIN})
+    assert refused.status_code == 429
+    assert "too many wrong admin keys" in refused.text
+    api = await http.get("/admin/keys", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert api.status_code == 429
+    assert int(api.headers["retry-after"]) >= 1
+    ready = await http.get("/readyz", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert "checks" not in ready.json()  # what anyone gets
+    assert "server" not in ready.headers  # and no banner naming the server
+    await asyncio.sleep(1.1)
+    assert (await http.post("/console/login", data={"admin_key": ADMIN})).status_code == 303
+
+
+async def test_a_team_name_told_apart_only_by_invisible_characters_is_refused(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    http, csrf = await _logged_in(stack, ingress)
+    for name in ("team-a\u200b", "\u202eevil", "team\u00a0a", "team\u2028a"):
+        opened = await http.post("/console/team", data={"name": name, "csrf": csrf})
+        assert opened.status_code == 400, (name, opened.text)
+        assert "invisible" in opened.text
+    assert (
+        await http.post("/console/team", data={"name": "team a", "csrf": csrf})
+    ).status_code == 303
+
+
 async def test_forms_need_the_sessions_token_and_the_consoles_own_origin(
     stack: LiveStack,
 ) -> None:

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from laneway import metrics as shared_metrics
 from laneway.settings import CommonSettings
 from streams.records import HourlyRollup, LatencySummary
-from streams.report import cost_report, render
+from streams.report import CostRow, cost_report, render
 from tests.stack import LiveStack, eventually, free_port
 
 
@@ -239,3 +239,10 @@ async def test_cost_report_matches_a_known_history(stack: LiveStack) -> None:
         ("alpha", "completion"): (13, 2.2),
         ("beta", "chat"): (8, 1.25),
     }
+
+
+def test_a_team_name_a_spreadsheet_would_run_as_a_formula_is_quoted_in_the_csv() -> None:
+    rows = [CostRow(name, "chat", "laneway-chat", 1, 2, 0, 3, 0.5) for name in ("=1+2", "@SUM(1)")]
+    lines = render(rows, "csv").splitlines()[1:]
+    assert [line.split(",")[0] for line in lines] == ["'=1+2", "'@SUM(1)"]
+    assert lines[0].endswith(",1,2,0,3,0.5")  # numbers stay numbers

@@ -38,7 +38,7 @@ from ingress.console.session import COOKIE, ConsoleSession, ConsoleSessions
 from ingress.settings import IngressSettings
 from ingress.state import IngressState
 from laneway.apikeys import check_team_name
-from laneway.errors import BadRequest, NotFound
+from laneway.errors import AdminKeyGuesses, BadRequest, NotFound
 from laneway.logs import described
 from laneway.openai_api import validate_body
 from laneway.redis_circuit import RedisUnavailable, circuit_of
@@ -278,7 +278,14 @@ async def login(request: Request) -> Response:
     form = await _form(request)
     if not _same_origin(request):
         return console.page("login.html", 403, error="this form came from another site")
-    if not console.sessions.admin_key_matches(form.get("admin_key", "")):
+    state = request.app.state.laneway
+    try:
+        matches = state.admin_guesses.matches(
+            form.get("admin_key", ""), state.settings.admin_key.get_secret_value()
+        )
+    except AdminKeyGuesses as exc:
+        return console.page("login.html", 429, error=str(exc))
+    if not matches:
         return console.page("login.html", 401, error="wrong admin key")
     response = RedirectResponse("/console", status_code=303, headers=_HEADERS)
     response.set_cookie(

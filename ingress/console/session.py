@@ -41,11 +41,6 @@ class ConsoleSessions:
         self.ttl_s = ttl_s
         self.clock = clock
 
-    def admin_key_matches(self, given: str) -> bool:
-        return bool(self._admin_key) and hmac.compare_digest(
-            given.encode(errors="surrogatepass"), self._admin_key
-        )
-
     def _sign(self, payload: str) -> str:
         return _b64(hmac.new(self._secret, payload.encode(), hashlib.sha256).digest())
 
