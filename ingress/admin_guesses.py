@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 
+from laneway.apikeys import KEY_PREFIX
 from laneway.errors import AdminKeyGuesses
 
 __all__ = ["AdminGuesses"]
@@ -37,8 +38,10 @@ class AdminGuesses:
 
     def matches(self, given: str, expected: str) -> bool:
         """Whether ``given`` is ``expected`` (the admin key); ``AdminKeyGuesses`` while
-        wrong keys have used up the tries. An empty one is no try."""
-        if not given or not expected:
+        wrong keys have used up the tries. An empty one is no try, and neither is a team's
+        API key (``lw-``, which no admin key starts with): a tenant whose monitor sends its
+        key to /readyz must not keep the admin out."""
+        if not given or not expected or given.removeprefix("Bearer ").startswith(KEY_PREFIX):
             return False
         now = self._clock()
         self._tries = min(self.burst, self._tries + (now - self._at) / self.refill_s)

@@ -163,7 +163,7 @@ async def _admit(
     except asyncio.CancelledError:
         raise _stopping(env, "before it was admitted") from None
     except LanewayError as exc:
-        exc.request_id = exc.request_id or env.id
+        exc.request_id = env.id
         raise
     try:
         admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
@@ -171,7 +171,7 @@ async def _admit(
         await state.quota.give_back_cut_short(caller.team, env.id, accepted_ts=env.accepted_ts)
         raise _stopping(env, "while its quota was admitted; its reservation goes back") from None
     except LanewayError as exc:
-        exc.request_id = exc.request_id or env.id
+        exc.request_id = env.id
         raise
     return _admitted_envelope(env, route, admitted), breaker_level, admitted
 

@@ -10,6 +10,7 @@ from pydantic import (
     field_validator,
 )
 
+from laneway.apikeys import KEY_PREFIX
 from laneway.settings import CommonSettings
 
 __all__ = ["MIN_ADMIN_KEY_CHARS", "IngressSettings"]
@@ -144,6 +145,11 @@ class IngressSettings(CommonSettings):
                 "(it is tried against the admin API, the console and /readyz by whoever "
                 "reaches a replica); make one with `openssl rand -hex 24`, or leave it empty "
                 "to turn the admin API off"
+            )
+        if key.get_secret_value().startswith(KEY_PREFIX):
+            raise ValueError(
+                f"starts with {KEY_PREFIX!r}, as a team's API key does (such a key is never "
+                "taken for the admin key); make one with `openssl rand -hex 24`"
             )
         return key
 

@@ -114,10 +114,20 @@ async def check_team_name(redis: aioredis.Redis, keys: RedisKeys, team: str) -> 
 
 
 def _unseen(char: str) -> bool:
-    """A control or format character (a zero-width space, a bidirectional mark), or a space
-    or line break other than the plain space: shown as nothing, or as a plain space."""
+    """A control or format character (a zero-width space, a bidirectional mark), a space or
+    line break other than the plain space, a private or unassigned code point, or one of the
+    letters and marks that show as nothing (Hangul fillers, a blank braille cell, variation
+    selectors): shown as nothing, or as a plain space."""
     category = unicodedata.category(char)
-    return category in ("Cc", "Cf", "Zl", "Zp") or (category == "Zs" and char != " ")
+    return (
+        category in ("Cc", "Cf", "Co", "Cn", "Zl", "Zp")
+        or (category == "Zs" and char != " ")
+        or char in _BLANK
+        or "\ufe00" <= char <= "\ufe0f"
+    )
+
+
+_BLANK = frozenset("\u034f\u115f\u1160\u3164\uffa0\u2800")
 
 
 async def create_key(

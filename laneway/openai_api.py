@@ -8,6 +8,7 @@ the text generated), or refused with a 400 naming it: none is silently dropped. 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
@@ -121,7 +122,9 @@ class _Body(_Strict):
     stream_options: _StreamOptions | None = None
     # Honoured where the engine samples by seed (vLLM, and upstreams that pass it on; the sim
     # engine is deterministic anyway). Without one, each request gets a seed of its own.
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # OpenAI's (and vLLM's) int64
+    # -1 is llama.cpp's "a random one" (its clients send it): no seed. Other negatives are
+    # refused: TGI takes none, and vLLM would read -1 as a fixed seed.
+    seed: int | None = Field(None, ge=-1, lt=2**63)
     # Inert: they steer OpenAI's bookkeeping (abuse tracking, its cache, stored metadata), not
     # the text; laneway's prefix cache needs no key (a session already lands on one worker).
     user: str | None = None
@@ -143,6 +146,11 @@ class _Body(_Strict):
         # An empty stop string stops nowhere (accepted with no effect, as it was on laneway's
         # own engine); vLLM refuses a request that carries one, so it is never passed on.
         return [stop for stop in value if stop]
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value
 
     @field_validator("stream_options", mode="before")
     @classmethod
@@ -225,7 +233,8 @@ def parse_body(model: type[B], raw: bytes) -> B:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        data = _with_lone_surrogates(raw) if "surrogate" in str(exc) else None
+        lone = any(m in str(exc) for m in _LONE_SURROGATE_ERRORS)
+        data = _with_lone_surrogates(raw) if lone else None
         if data is None:
             raise BadRequest(f"request body is not valid JSON: {exc}") from None
     return validate_body(model, data)
@@ -237,14 +246,33 @@ def _with_lone_surrogates(raw: bytes) -> object | None:
     that cuts a prompt in the middle of an emoji sends one (``JSON.stringify`` escapes it),
     and refusing it would fail every keystroke until the cut moved on."""
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
+        # UTF-8 only, as orjson reads it (the standard library would guess UTF-16 from a
+        # body's first bytes, and take encoded surrogates), and finite numbers only.
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
         return _replace_surrogates(data)
     except (ValueError, RecursionError):
         return None
 
 
+# What orjson says of an escaped surrogate with no partner (and only of that: its message
+# for a body that is no UTF-8 names surrogates too).
+_LONE_SURROGATE_ERRORS = (
+    "no low surrogate in string",
+    "invalid low surrogate in string",
+    "invalid high surrogate in string",
+)
+
+
 def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is beyond a double")
+    return value
 
 
 def _replace_surrogates(value: object) -> object:

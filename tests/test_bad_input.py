@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from ingress.settings import IngressSettings
-from laneway.errors import ConfigError
+from laneway.errors import BadRequest, ConfigError
 from laneway.openai_api import CompletionRequest, parse_body
 from laneway.settings import CommonSettings, load_settings
 from ops.cli import main as cli_main
@@ -145,6 +145,17 @@ def test_half_a_surrogate_pair_is_read_as_a_replacement_character() -> None:
         CompletionRequest, b'{"model": "m", "prompt": "a\\ud83d b \\ud83d\\ude00 \\udc00"}'
     )
     assert body.prompt == "a\ufffd b \U0001f600 \ufffd"
+    # Only that fault: a body in UTF-16, surrogates written as bytes, a number beyond a
+    # double or a seed below -1 is refused as it was.
+    for raw in (
+        '{"model": "m", "prompt": "\\ud83d"}'.encode("utf-16"),
+        b'{"model": "m", "prompt": "a\xed\xa0\x80 \\ud83d"}',
+        b'{"model": "m", "prompt": "\\ud83d", "prompt_cache_options": {"x": 1e400}}',
+        b'{"model": "m", "prompt": "\\ud83d", "seed": -2}',
+    ):
+        with pytest.raises(BadRequest):
+            parse_body(CompletionRequest, raw)
+    assert parse_body(CompletionRequest, b'{"model": "m", "prompt": "", "seed": -1}').seed is None
 
 
 async def test_bad_chat_message_names_the_field(ingress_and_key: tuple[LiveStack, str]) -> None:
@@ -269,6 +280,10 @@ def test_a_guessable_admin_key_is_refused_and_the_value_not_echoed(
     assert not load_settings(IngressSettings).admin_key.get_secret_value()  # off
     monkeypatch.setenv("LANEWAY_ADMIN_KEY", "x" * 16)
     assert load_settings(IngressSettings).admin_key.get_secret_value() == "x" * 16
+    # A team's key's prefix: never judged as the admin key, so it could never be used.
+    monkeypatch.setenv("LANEWAY_ADMIN_KEY", "lw-" + "x" * 30)
+    with pytest.raises(ConfigError, match=r"LANEWAY_ADMIN_KEY.*starts with 'lw-'"):
+        load_settings(IngressSettings)
 
 
 def test_a_shared_upstream_without_its_slots_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -264,20 +264,42 @@ def test_a_request_that_waited_in_the_queue_itself_overtakes_nothing() -> None:
     assert (slots.capacity(), slots.limit) == (5, 4)  # A still queued: held, still 4
 
 
-def test_one_probe_at_a_time_goes_into_a_long_queue() -> None:
+def test_probes_into_a_long_queue_come_ever_further_apart() -> None:
     # Every slot on a minute-long chat, and A queued behind them: a real queue. The hold
-    # lets one probe out after 10 s; it queues behind A, which shows the queue, and no
-    # other goes out while it waits.
+    # lets a probe out after 10 s; it queues behind A, which shows the queue, and the next
+    # comes 20 s after it, then 40 s.
     clock = _Clock()
     slots = _full_with_four(clock, limit=5)
     slots.sent("A", 100)
-    sent = ["A"]
+    sent = {"A": clock.now}
     for _ in range(600):  # a minute, the dispatcher asking every 100 ms
         clock.advance(100)
         while slots.in_flight < slots.capacity():
-            sent.append(f"P{len(sent)}")
-            slots.sent(sent[-1], 100)
-    assert sent == ["A", "P1"]
+            sent[f"P{len(sent)}"] = clock.now
+            slots.sent(f"P{len(sent) - 1}", 100)
+    assert list(sent) == ["A", "P1", "P2"]
+    assert round(sent["P2"] - sent["P1"]) == 20
+
+
+def test_a_probe_stuck_too_does_not_hold_the_pool_for_good() -> None:
+    clock = _Clock()
+    slots = _warmed(clock)
+    slots.sent("stuck", 100)
+    clock.advance(200)
+    assert slots.capacity() == 1
+    clock.advance(slots.probe_s * 1000)
+    assert slots.capacity() == 2
+    slots.sent("stuck too", 100)
+    clock.advance(200)
+    assert slots.capacity() == 2  # the probe stalls too: held
+    clock.advance(2 * slots.probe_s * 1000 - 201)
+    assert slots.capacity() == 2  # the next probe is due 20 s after the last
+    clock.advance(1)
+    assert slots.capacity() == 3
+    slots.sent("probe", 100)
+    clock.advance(5)
+    slots.first_byte("probe")  # started at once: the two before it wait in no queue
+    assert slots.capacity() == 4
 
 
 def test_a_probe_waits_for_a_request_to_take_it() -> None:

@@ -213,3 +213,12 @@ def test_a_server_that_sends_a_token_a_chunk_is_billed_a_token_a_chunk() -> None
     four = TokensPerChunk()
     four.learn(_reading_of(["a b c d"] * 10, usage=41))
     assert 27 <= _reading_of(["a"] * 7, usage=None, per_chunk=four.value).billed() <= 28
+
+
+def test_a_stream_kept_within_max_tokens_is_never_billed_past_it() -> None:
+    """Learned at 2.5 tokens a chunk, a stream of 8 chunks of 2 within max_tokens 16, its
+    client gone before the usage: billed 16 at most, not 8 × 2.5."""
+    reading = StreamReading(5, 16, 2.5)
+    for _ in range(8):
+        reading.chunk({"choices": [{"text": "ab", "finish_reason": None}]})
+    assert reading.billed() == 16

@@ -49,6 +49,8 @@ _PROMPT_UNIT = 1024
 # A request overtakes an earlier one only if it was sent this much later: requests sent
 # together may reach the server in either order.
 _OVERTAKE_MARGIN_S = 0.02
+# The longest wait between hold probes (from probe_s, doubling while each still waits).
+_LONGEST_HOLD_PROBE_S = 80.0
 
 
 @dataclass(slots=True)
@@ -59,7 +61,6 @@ class _InFlight:
     first_byte: float | None = None
     stalled: bool = False
     overtaken: bool = False  # a later one started first: this one waits in no queue
-    cut: tuple[int, int] | None = None  # the limit before its cut, and the cut's number
 
 
 class LearnedSlots:
@@ -89,9 +90,12 @@ class LearnedSlots:
         self._base_ms: float | None = None  # an unqueued first byte, per unit
         self._next_probe = 0.0
         self._queue_known_until = float("-inf")  # the upstream's own count is fresh till then
-        self._cuts = 0
-        self._probe_run: _InFlight | None = None
-        self._probe_pending = False
+        # Each word of a full upstream, latest last: the request whose stall it was (None:
+        # a refusal, the server's own count) and the limit before it.
+        self._judged: deque[tuple[_InFlight | None, int]] = deque(maxlen=_SAMPLES)
+        self._probe_run: _InFlight | None = None  # the last hold probe, till it starts or ends
+        self._probe_pending = False  # a hold probe's room, till a request takes it
+        self._hold_probe_s = probe_s  # till the next hold probe: doubles till one starts
 
     @property
     def in_flight(self) -> int:
@@ -113,7 +117,7 @@ class LearnedSlots:
         self.streaming += 1
         quick = not run.stalled and (now - run.sent) * 1000 <= self._threshold_ms(run.prompt_tokens)
         if run is self._probe_run:
-            self._probe_run = None
+            self._probe_run, self._hold_probe_s = None, self.probe_s
         for other in self._inflight.values():
             if other.first_byte is None:
                 other.peak = max(other.peak, self.streaming)
@@ -142,8 +146,13 @@ class LearnedSlots:
 
     def _overtaken(self, run: _InFlight) -> None:
         run.overtaken = True
-        if run.cut is not None and self._cuts == run.cut[1]:
-            self.limit = max(self.limit, run.cut[0])  # nothing cut it since: undone
+        # The latest words of a full upstream, while each was a stall of a request now seen
+        # to wait in no queue, are undone: the limit goes back to what it was before them.
+        before = None
+        while self._judged and (by := self._judged[-1][0]) is not None and by.overtaken:
+            before = self._judged.pop()[1]
+        if before is not None:
+            self.limit = max(self.limit, before)
 
     def _sample(self, waited_ms: float, prompt_tokens: int) -> None:
         """A quick first byte: what an unqueued one takes, and room to grow (slow start)."""
@@ -178,15 +187,18 @@ class LearnedSlots:
         if self._stalling(now):
             if self._probe_pending:
                 return len(self._inflight) + 1  # until a request goes out as the probe
-            if now < self._next_probe or self._probe_run is not None:
+            if now < self._next_probe:
                 return len(self._inflight)
             # Held back for probe_s: one more, which the upstream starts at once if the
             # stalled one is stuck on its own rather than queued (it overtakes it then).
-            # One at a time: a probe still waiting behind it shows a queue.
+            # Until one starts, each comes twice as long after the one before (a probe that
+            # waits shows a queue, or is stuck too): a long queue gets few, and two stuck
+            # requests do not hold the pool for good.
+            self._hold_probe_s = min(self._hold_probe_s * 2, _LONGEST_HOLD_PROBE_S)
             self._probe_pending = True
-            self._next_probe = now + self.probe_s
+            self._next_probe = now + self._hold_probe_s
             return len(self._inflight) + 1
-        self._probe_pending = False
+        self._probe_pending, self._hold_probe_s = False, self.probe_s
         if self.learned and now >= self._next_probe and len(self._inflight) >= self.limit:
             # Asked with work waiting and the limit in use: try one more.
             self.limit = min(self.maximum, self.limit + 1)
@@ -224,17 +236,14 @@ class LearnedSlots:
         """``run`` stalls: the limit is cut, and the cut remembered in case a later request
         overtakes it (it was no queue then)."""
         run.stalled = True
-        before = self.limit
-        self._stalled(capacity)
-        if self.limit < before:
-            run.cut = (before, self._cuts)
+        self._stalled(capacity, run)
 
-    def _stalled(self, capacity: int) -> None:
+    def _stalled(self, capacity: int, run: _InFlight | None = None) -> None:
         """The upstream was full with ``capacity`` requests of ours. Once learned, a stall
         halves the limit at most: one slow first byte (a cold prefix, a neighbour's burst)
         must not cut it to the few requests streaming just then, to climb back one probe
         at a time."""
-        self._cuts += 1  # any word of a full upstream, a cut or not
+        self._judged.append((run, self.limit))
         capacity = max(1, min(capacity, self.maximum))
         if self.learned:
             capacity = max(capacity, self.limit // 2)
@@ -242,7 +251,8 @@ class LearnedSlots:
             self.stalls += 1
             self.limit = capacity
         self.learned = True
-        self._next_probe = self._clock() + self.probe_s
+        # No probe for probe_s, nor before a hold probe already due later.
+        self._next_probe = max(self._next_probe, self._clock() + self.probe_s)
 
 
 def _units(prompt_tokens: int) -> float:

@@ -197,10 +197,12 @@ class StreamReading:
         """Completion tokens so far: the server's own count once its usage came, else one a
         chunk times what a chunk holds on this server (a chunk may hold several tokens:
         speculative decoding, vLLM's --stream-interval). A stream that ends before its
-        usage (its client left, or cut at max_tokens) is billed so."""
+        usage (its client left, or cut at max_tokens) is billed so, never past max_tokens
+        unless the server went past it (``over``: what its client got)."""
         if self.counted or self.per_chunk == 1.0:
             return self.completion_tokens
-        return max(self.completion_tokens, int(self.completion_tokens * self.per_chunk))
+        tokens = max(self.completion_tokens, int(self.completion_tokens * self.per_chunk))
+        return tokens if self.over or not self.max_tokens else min(tokens, self.max_tokens)
 
     def final(self, finish_reason: str) -> EngineDelta:
         """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before

@@ -284,7 +284,9 @@ async def login(request: Request) -> Response:
             form.get("admin_key", ""), state.settings.admin_key.get_secret_value()
         )
     except AdminKeyGuesses as exc:
-        return console.page("login.html", 429, error=str(exc))
+        refused = console.page("login.html", 429, error=str(exc))
+        refused.headers.update(exc.headers())
+        return refused
     if not matches:
         return console.page("login.html", 401, error="wrong admin key")
     response = RedirectResponse("/console", status_code=303, headers=_HEADERS)
