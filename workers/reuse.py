@@ -150,7 +150,7 @@ class Generation:
         # Not longer than it may make: stopping at its owner's smaller max_tokens, it would
         # cut the follower short with a 'length' it did not ask for. Not shorter either: an
         # engine may hand several tokens in one delta (vLLM merges outputs, an upstream's
-        # chunk counts as one), and where in one the follower's own max_tokens would end is
+        # chunk may hold several), and where in one the follower's own max_tokens would end is
         # unknown, so its budget must reach the generation's end. With the owner's budget and
         # k tokens typed, it gets up to max_tokens - k: the suggestion as it was asked for.
         return self.max_tokens - typed_tokens <= env.max_tokens <= self.max_tokens
