@@ -235,6 +235,10 @@ class RedisKeys:
         lines use the new record at once)."""
         return f"{self.prefix}:team-changes"
 
+    def console_ended(self, nonce: str) -> str:
+        """A console session logged out (by its nonce), kept until its cookie expires."""
+        return f"{self.prefix}:console-ended:{nonce}"
+
     def reply_stream(self, instance: str) -> str:
         return f"{self.prefix}:reply:{instance}"
 

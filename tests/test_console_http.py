@@ -134,6 +134,23 @@ async def test_a_team_name_told_apart_only_by_invisible_characters_is_refused(
     ).status_code == 303
 
 
+async def test_a_session_logged_out_ends_for_a_copy_of_its_cookie_on_every_replica(
+    stack: LiveStack,
+) -> None:
+    ingress = await stack.start_ingress(admin_key=ADMIN)
+    other = await stack.start_ingress(admin_key=ADMIN)
+    http, csrf = await _logged_in(stack, ingress)
+    cookie = http.cookies[COOKIE]
+    copies = [stack.http(replica, follow_redirects=False) for replica in (ingress, other)]
+    for copy in copies:
+        copy.cookies.set(COOKIE, cookie, path="/console")
+        assert 'id="teams"' in (await copy.get("/console")).text  # the session, copied
+    out = await http.post("/console/logout", data={"csrf": csrf})
+    assert out.status_code == 303
+    for copy in copies:
+        assert 'name="admin_key"' in (await copy.get("/console")).text  # ended everywhere
+
+
 async def test_forms_need_the_sessions_token_and_the_consoles_own_origin(
     stack: LiveStack,
 ) -> None:

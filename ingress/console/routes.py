@@ -10,6 +10,7 @@ take is answered with a page that says so (503), not the API's JSON."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -90,6 +91,9 @@ class Console:
             settings.admin_key.get_secret_value(), settings.console_session_s
         )
         self.feed = ConsoleFeed(settings)
+        # Sessions logged out on this replica (nonce: when its cookie expires), known here
+        # while Redis, which every replica asks, does not answer.
+        self.ended: dict[str, int] = {}
         self.templates = Environment(
             loader=PackageLoader("ingress.console", "templates"),
             autoescape=select_autoescape(default=True),
@@ -117,8 +121,20 @@ def _console(request: Request) -> tuple[IngressState, Console]:
     return state, console
 
 
-def _session(request: Request, console: Console) -> ConsoleSession | None:
-    return console.sessions.verify(request.cookies.get(COOKIE))
+async def _session(request: Request, console: Console) -> ConsoleSession | None:
+    """The session of the request's cookie: well signed, not expired, not logged out (on
+    any replica: Redis keeps what logged out until its cookie expires; while Redis does
+    not answer, only this replica's own logouts are known)."""
+    session = console.sessions.verify(request.cookies.get(COOKIE))
+    if session is None or session.nonce in console.ended:
+        return None
+    state: IngressState = request.app.state.laneway
+    ended = await _RedisReads(state)(_logged_out(state, session.nonce))
+    return None if ended else session
+
+
+async def _logged_out(state: IngressState, nonce: str) -> bool:
+    return bool(await state.redis.exists(state.keys.console_ended(nonce)))
 
 
 def _to_login() -> Response:
@@ -162,7 +178,7 @@ class ConsoleRefusal(Exception):
 async def _posted(request: Request) -> _Posted:
     """A form posted by a logged-in page of this console; ``ConsoleRefusal`` otherwise."""
     state, console = _console(request)
-    session = _session(request, console)
+    session = await _session(request, console)
     if session is None:
         raise ConsoleRefusal(_to_login())
     form = await _form(request)
@@ -219,7 +235,7 @@ def _html_if_redis_fails(
             log.warning("console: a form's Redis call failed: %s", described(exc))
             request: Request = kwargs["request"]
             _, console = _console(request)
-            session = _session(request, console)
+            session = await _session(request, console)
             response = console.page(
                 "unavailable.html",
                 503,
@@ -247,7 +263,7 @@ async def static(name: str) -> Response:
 @console_router.get("")
 async def console_home(request: Request) -> Response:
     state, console = _console(request)
-    session = _session(request, console)
+    session = await _session(request, console)
     if session is None:
         return console.page("login.html")
     await console.feed.ready()
@@ -304,7 +320,18 @@ async def login(request: Request) -> Response:
 
 @console_router.post("/logout")
 async def logout(request: Request) -> Response:
-    await _posted(request)
+    posted = await _posted(request)
+    # Ended for good, not only in this browser: a copy of the cookie stops working too.
+    nonce, expires = posted.session.nonce, posted.session.expires
+    ended = posted.console.ended
+    for gone in [n for n, until in ended.items() if until <= time.time()]:
+        del ended[gone]
+    ended[nonce] = expires
+    with contextlib.suppress(RedisError, OSError, TimeoutError):
+        async with asyncio.timeout(_READ_S):
+            await posted.state.redis.set(
+                posted.state.keys.console_ended(nonce), 1, exat=max(expires, int(time.time()) + 1)
+            )
     response = _to_login()
     response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
     return response
@@ -364,7 +391,7 @@ async def _team_page(
 @console_router.get("/teams/{team:path}")
 async def team_page(team: str, request: Request) -> Response:
     state, console = _console(request)
-    session = _session(request, console)
+    session = await _session(request, console)
     if session is None:
         return _to_login()
     notes = {"saved": "Saved.", "revoked": "Key revoked: every replica refuses it."}
