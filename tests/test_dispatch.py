@@ -281,14 +281,20 @@ def test_probes_into_a_long_queue_come_ever_further_apart() -> None:
     assert round(sent["P2"] - sent["P1"]) == 20
 
 
-def test_a_probe_stuck_too_does_not_hold_the_pool_for_good() -> None:
-    clock = _Clock()
+def _due_a_probe(clock: _Clock) -> LearnedSlots:
+    """One request stuck with no first byte, held back on for probe_s: a probe is due."""
     slots = _warmed(clock)
     slots.sent("stuck", 100)
     clock.advance(200)
     assert slots.capacity() == 1
     clock.advance(slots.probe_s * 1000)
     assert slots.capacity() == 2
+    return slots
+
+
+def test_a_probe_stuck_too_does_not_hold_the_pool_for_good() -> None:
+    clock = _Clock()
+    slots = _due_a_probe(clock)
     slots.sent("stuck too", 100)
     clock.advance(200)
     assert slots.capacity() == 2  # the probe stalls too: held
@@ -306,12 +312,7 @@ def test_a_probe_waits_for_a_request_to_take_it() -> None:
     # Asked for room with nothing to send (another pool's turn on a shared engine): the
     # probe's room stays until a request takes it.
     clock = _Clock()
-    slots = _warmed(clock)
-    slots.sent("stuck", 100)
-    clock.advance(200)
-    assert slots.capacity() == 1
-    clock.advance(slots.probe_s * 1000)
-    assert slots.capacity() == 2
+    slots = _due_a_probe(clock)
     clock.advance(1)
     assert slots.capacity() == 2  # not used up by being asked
     slots.sent("probe", 100)
