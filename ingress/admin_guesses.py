@@ -1,12 +1,12 @@
 """Wrong admin keys, counted: past a burst of them, no admin key is judged for a while.
 
 The admin key opens the admin API and the web console, and `/readyz` shows its checks to
-it: whoever reaches a replica could try keys as fast as it answers (a few hundred a second
-on one core). Each replica lets ``burst`` wrong keys through at once and one more every
-``refill_s`` after that. Past them every admin key, the right one too, is answered 429 until
-a try is due: judging it would tell a guesser. Per replica and in memory, so N replicas let
-N times as many through, which at one a second each is still nothing against a key made
-as the README says (`openssl rand -hex 24`).
+it: whoever reaches a replica could try keys as fast as it answers. Each replica lets
+``burst`` wrong keys through at once and one more every ``refill_s`` after that. Past them
+every admin key, the right one too, is answered 429 until a try is due: judging it would
+tell a guesser. Per replica and in memory, so N replicas let N times as many through, which
+at one a second each is still nothing against a key made as the README says (`openssl rand
+-hex 24`).
 """
 
 from __future__ import annotations

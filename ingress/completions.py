@@ -160,16 +160,12 @@ async def _admit(
     a breaker, the quota's 429) names the request's id, as its answer would."""
     try:
         route, breaker_level = await _route(state, env, model)
-    except asyncio.CancelledError:
-        raise _stopping(env, "before it was admitted") from None
-    except LanewayError as exc:
-        exc.request_id = env.id
-        raise
-    try:
         admitted = await state.quota.admit(caller.team, env.id, env.prompt_tokens + env.max_tokens)
     except asyncio.CancelledError:
+        # Cut short while routed (nothing reserved: the give-back changes nothing) or while
+        # its quota was admitted (the script may have run).
         await state.quota.give_back_cut_short(caller.team, env.id, accepted_ts=env.accepted_ts)
-        raise _stopping(env, "while its quota was admitted; its reservation goes back") from None
+        raise _stopping(env, "before it was admitted; any reservation goes back") from None
     except LanewayError as exc:
         exc.request_id = env.id
         raise

@@ -10,9 +10,10 @@ learns it, as TCP learns a path's capacity:
 - A request the upstream starts before an earlier one of ours (it *overtakes* it) shows
   that the earlier one does not wait in a queue: servers start waiting requests in the
   order they came, so it is a long prefill or a request stuck on its own. It is no stall:
-  it holds nothing back, and a cut its wait already made is undone. While a stall holds
+  it holds nothing back, and a cut its wait already made is undone. After a stall has held
   the rest back for ``probe_s``, one more request goes out to see whether the upstream
-  starts it, so a request the upstream never answers holds the pool that long at most.
+  starts it, so a request the upstream never answers holds the pool that long; until one
+  starts, each next such probe waits twice as long (a long queue gets few).
 - Until a first stall shows the capacity, the limit grows by one with each quick first byte
   that came while the limit was in use (slow start). After that it probes one more only
   every ``probe_s``, so a server that grew is found, at the price of one short wait.

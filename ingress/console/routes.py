@@ -235,7 +235,8 @@ def _html_if_redis_fails(
             log.warning("console: a form's Redis call failed: %s", described(exc))
             request: Request = kwargs["request"]
             _, console = _console(request)
-            session = await _session(request, console)
+            # Signed and unexpired is enough for the page's token: Redis just failed.
+            session = console.sessions.verify(request.cookies.get(COOKIE))
             response = console.page(
                 "unavailable.html",
                 503,

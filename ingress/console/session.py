@@ -36,8 +36,7 @@ class ConsoleSessions:
     def __init__(
         self, admin_key: str, ttl_s: float, *, clock: Callable[[], float] = time.time
     ) -> None:
-        self._admin_key = admin_key.encode()
-        self._secret = hmac.new(self._admin_key, _SALT, hashlib.sha256).digest()
+        self._secret = hmac.new(admin_key.encode(), _SALT, hashlib.sha256).digest()
         self.ttl_s = ttl_s
         self.clock = clock
 
