@@ -31,7 +31,8 @@ neither ``[DONE]`` nor the stream's end until the client leaves; ``--usage-apart
 usage in a chunk of its own after the finish (as vLLM does), N ms later for a prompt that
 starts with "late".
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
-``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``).
+``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``); a chat with
+no ``max_tokens`` then gets what the context leaves, as from vLLM (else 16 tokens).
 ``--metrics`` serves vLLM's ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc`` (modelled as the share of its slots in use) on ``/metrics`` (as
 vLLM does; without it, it is a server that publishes no queue length); ``/stats`` has the
@@ -150,9 +151,7 @@ def _too_long(upstream: Upstream, body: dict[str, Any], count: int) -> web.Respo
     """vLLM's answer to a request longer than its context, or None."""
     if not upstream.max_model_len:
         return None
-    messages = body.get("messages")
-    text = "".join(str(m.get("content", "")) for m in messages) if messages else _prompt(body)
-    prompt = (len(text) + 3) // 4
+    prompt = _prompt_tokens(body)
     if prompt + count <= upstream.max_model_len:
         return None
     message = (
@@ -162,6 +161,24 @@ def _too_long(upstream: Upstream, body: dict[str, Any], count: int) -> web.Respo
     )
     error = {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
     return web.json_response(error, status=400)
+
+
+def _count(upstream: Upstream, body: dict[str, Any], *, chat: bool) -> int:
+    """The tokens a request asks for: its ``max_tokens``; a chat that sets none, what the
+    context leaves (vLLM's default) where ``--max-model-len`` says, else 16 (a completion's
+    default too)."""
+    if body.get("max_tokens"):
+        return int(body["max_tokens"])
+    if chat and upstream.max_model_len:
+        return max(1, upstream.max_model_len - _prompt_tokens(body))
+    return 16
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's length in tokens: four characters a token, of every message."""
+    messages = body.get("messages")
+    text = "".join(str(m.get("content", "")) for m in messages) if messages else _prompt(body)
+    return (len(text) + 3) // 4
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -176,7 +193,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     body = orjson.loads(await request.read())
     chat = request.path.endswith("/chat/completions")
     stream = bool(body.get("stream"))
-    count = upstream.tokens_always or int(body.get("max_tokens") or 16)
+    count = upstream.tokens_always or _count(upstream, body, chat=chat)
     rid = f"up-{next(upstream._ids)}"
     entry: dict[str, Any] = {
         "id": rid,

@@ -181,6 +181,11 @@ class CompletionRequest(_Body):
         return value
 
 
+# `cache_control` is a prompt-caching hint (Anthropic's, which some clients send to every
+# server): inert, as laneway's prefix cache needs none.
+_TEXT_PART_FIELDS = frozenset({"type", "text", "cache_control"})
+
+
 class _ChatMessageIn(_Strict):
     no_ops = MESSAGE_NO_OPS
 
@@ -198,11 +203,19 @@ class _ChatMessageIn(_Strict):
                     "has no 'text'" if "text" not in part else "has a 'text' that is not a string"
                 )
                 raise ValueError(f"text part {i} {said}")  # noqa: TRY004
+            if unknown := sorted(set(part) - _TEXT_PART_FIELDS):
+                # Refused as an unknown field of the body is: none is dropped unsaid.
+                raise ValueError(
+                    f"text part {i} has {', '.join(map(repr, unknown))}, which laneway does not "
+                    "know (a text part takes 'type', 'text' and an inert 'cache_control')"
+                )
         return value
 
     def flat(self) -> ChatMessage:
         if isinstance(self.content, list):
-            text = "".join(part["text"] for part in self.content)
+            # One line each, as vLLM and other servers join a message's text parts: joined
+            # with nothing, the words either side of a boundary would run together.
+            text = "\n".join(part["text"] for part in self.content)
         else:
             text = self.content or ""
         # `developer` is OpenAI's newer name for `system`; chat templates know `system`, and

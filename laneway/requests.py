@@ -34,6 +34,7 @@ class RequestShape:
     max_tokens: int
     prompt_tokens: int
     body: CompletionRequest | ChatRequest
+    max_tokens_default: bool = False  # the client set none: ``max_tokens`` is the cap
 
     def envelope(self, **fields: Any) -> RequestEnvelope:
         """The envelope of this request; ``fields`` add who, where and when."""
@@ -46,6 +47,7 @@ class RequestShape:
             suffix=self.suffix,
             messages=self.messages,
             max_tokens=self.max_tokens,
+            max_tokens_default=self.max_tokens_default,
             temperature=body.temperature,
             top_p=body.top_p,
             stop=body.stop,
@@ -91,6 +93,7 @@ def shape_request(
         cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
     if cls == "batch" and settings.chat_max_tokens > cap:  # a batch line may be as long
         cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
+    asked = max_tokens is not None
     max_tokens = max_tokens or cap
     if max_tokens > cap:
         raise BadRequest(
@@ -108,9 +111,10 @@ def shape_request(
         what = "messages" if messages is not None else "prompt"
         raise PromptTooLarge(
             settings.max_prompt_tokens,
-            f"However, your {what} came to about {prompt_tokens} tokens. "
+            f"However, your {what} came to about {prompt_tokens} tokens by laneway's estimate "
+            "(a model's own count is up to a quarter lower for code). "
             f"Please reduce the length of the {what}.",
             param=f"{where}{what}",
             setting="LANEWAY_MAX_PROMPT_TOKENS",
         )
-    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body)
+    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body, not asked)

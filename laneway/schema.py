@@ -79,6 +79,11 @@ class RequestEnvelope(_Wire):
     suffix: str | None = None
     messages: list[ChatMessage] | None = None
     max_tokens: int = Field(gt=0)
+    max_tokens_default: bool = Field(
+        False,
+        description="the client set no max_tokens: max_tokens is its class's cap (a server "
+        "laneway forwards a chat to is sent none, and the stream is cut at the cap)",
+    )
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = Field(default_factory=list)

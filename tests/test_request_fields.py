@@ -123,6 +123,10 @@ def test_an_unsupported_value_is_refused_naming_the_field(
         ),
         ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content"),
         ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages.0.content"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "hi", "weight": 2}]},
+            "messages.0.content",
+        ),
     ],
 )
 def test_a_message_laneway_cannot_render_is_refused(message: dict[str, Any], param: str) -> None:
@@ -284,6 +288,54 @@ async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstrea
         assert entry["finish"] == "stop"
 
 
+async def test_a_chat_that_sets_no_length_gets_what_the_context_leaves_up_to_the_cap(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """A chat with no ``max_tokens`` is sent none, and the server gives it what its context
+    leaves (vLLM's default). Sent laneway's cap as if the client had asked for it, a prompt
+    within the cap of the context was refused as over it: a 400 the client caused nowhere.
+    The stream is cut at the cap instead, and billed that."""
+    upstream = await upstreams(slots=2, token_ms=1, max_model_len=100)
+    ingress = await stack.start_ingress(chat_max_tokens=60)
+    await stack.start_worker(
+        "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
+    )
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    # 200 characters, 50 tokens to this server: 50 of its 100 left, fewer than the cap (60).
+    near = "near-" + "y" * 195
+    answer = await client.chat.completions.create(
+        model="laneway-chat", messages=[{"role": "user", "content": near}]
+    )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 50
+    entry = upstream.entry("near-")
+    assert entry is not None
+    assert "max_tokens" not in entry["sampling"]
+    assert (entry["outcome"], entry["tokens"]) == ("done", 50)
+    # A short one would get 98 from the server: the client gets the cap.
+    stream = await client.chat.completions.create(
+        model="laneway-chat",
+        messages=[{"role": "user", "content": "short"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) == 60  # this server's words are a token each
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 60
+    # A length the client set goes on as set (and the server refuses what does not fit).
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model="laneway-chat", messages=[{"role": "user", "content": near}], max_tokens=60
+        )
+    assert refused.value.code == "context_length_exceeded"
+
+
 def test_a_developer_message_reaches_the_engine_as_a_system_message() -> None:
     """OpenAI's ``developer`` role is its newer name for ``system``; chat templates know
     ``system`` and many drop a role they do not know, with the instructions in it."""
@@ -299,3 +351,17 @@ def test_a_developer_message_reaches_the_engine_as_a_system_message() -> None:
         ("system", "answer in French"),
         ("user", "hi"),
     ]
+
+
+def test_a_messages_text_parts_reach_the_engine_one_a_line() -> None:
+    """As vLLM joins them (and so the model sees the same prompt either way): joined with
+    nothing, ``</task>`` and ``<environment_details>`` ran together, and so would the words
+    either side of any boundary. A part's ``cache_control`` (a caching hint some clients send
+    to every server) is inert."""
+    parts = [
+        {"type": "text", "text": "<task>fix it</task>"},
+        {"type": "text", "text": "<environment_details>", "cache_control": {"type": "ephemeral"}},
+    ]
+    body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
+    [message] = validate_body(ChatRequest, body).flat_messages()
+    assert message.content == "<task>fix it</task>\n<environment_details>"

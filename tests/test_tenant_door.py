@@ -155,17 +155,19 @@ async def test_a_body_under_the_limit_too_big_to_queue_is_a_413_not_a_retry(
 async def test_many_short_chat_messages_count_their_framing_against_the_prompt_limit(
     stack: LiveStack,
 ) -> None:
-    # 12,000 one-letter messages: 12,000 tokens of text, but each is framed (role,
-    # separators) by the chat template, about 48,000 tokens in all: over the 32,768 limit.
+    # 14,000 one-letter messages: 3,500 tokens of text by the estimate, but each is framed
+    # (role, separators) by the chat template, 3 tokens more: 45,503 in all, over the 40,960
+    # limit, where the text alone is far under it.
     ingress = await stack.start_ingress()
     http = stack.http(ingress, await stack.api_key("team-a"))
-    messages = [{"role": "user", "content": "x"}] * 12_000
+    messages = [{"role": "user", "content": "x"}] * 14_000
     body = {"model": "laneway-chat", "messages": messages, "max_tokens": 1}
     response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text  # as OpenAI answers it
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
-    assert "maximum context length is 32768 tokens (LANEWAY_MAX_PROMPT_TOKENS)" in error["message"]
+    assert "maximum context length is 40960 tokens (LANEWAY_MAX_PROMPT_TOKENS)" in error["message"]
+    assert "about 45503 tokens by laneway's estimate" in error["message"]
 
 
 async def test_cancels_by_id_are_rate_limited_per_team(stack: LiveStack) -> None:

@@ -262,6 +262,7 @@ class RequestExecutor:
             route=env.route,
             prompt=env.text_prompt(),
             max_tokens=env.max_tokens,
+            max_tokens_default=env.max_tokens_default,
             messages=env.messages,
             suffix=env.suffix,
             temperature=env.temperature,

@@ -19,6 +19,9 @@ class EngineRequest:
     prompt: str
     max_tokens: int
     messages: list[ChatMessage] | None = None
+    # The client set no max_tokens (``max_tokens`` is its class's cap): an upstream server is
+    # sent none for a chat, and its stream is cut at the cap.
+    max_tokens_default: bool = False
     suffix: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0

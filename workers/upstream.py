@@ -148,7 +148,6 @@ class OpenAICompatibleEngine:
     def _body(self, request: EngineRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": self.model or request.route,
-            "max_tokens": request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "stream": True,
@@ -163,7 +162,14 @@ class OpenAICompatibleEngine:
             body["cache_salt"] = request.cache_salt
         if request.messages is not None:
             body["messages"] = [m.model_dump() for m in request.messages]
+            if not request.max_tokens_default:
+                # A chat that asked for no length is sent none: a server's own default is
+                # what its context leaves, while laneway's cap sent as the client's would be
+                # refused as over the context for any prompt within the cap of it. The
+                # stream is cut at the cap here instead (``StreamReading``).
+                body["max_tokens"] = request.max_tokens
             return "/chat/completions", body
+        body["max_tokens"] = request.max_tokens  # a completion's default is 16 on servers
         body["prompt"] = request.prompt
         if request.suffix:
             # An empty one (the cursor at the end of the file) asks for a plain continuation,
@@ -179,7 +185,12 @@ class OpenAICompatibleEngine:
         # framing included; the text's own estimate is for requests that carry none.
         estimate = request.prompt_estimate or estimate_tokens(request.prompt)
         call = self._open(request, estimate)
-        reading = StreamReading(estimate, request.max_tokens, self._per_chunk.value)
+        reading = StreamReading(
+            estimate,
+            request.max_tokens,
+            self._per_chunk.value,
+            max_tokens_sent="max_tokens" in body,
+        )
         try:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
@@ -200,8 +211,8 @@ class OpenAICompatibleEngine:
                 delta = reading.line(line)
                 if delta is not None:
                     yield delta
-                elif reading.done or reading.over:
-                    # Over max_tokens, not read to its end: its release closes it, and the
+                elif reading.done or reading.cut:
+                    # At max_tokens, not read to its end: its release closes it, and the
                     # upstream stops the request there too.
                     break
             self._usage_follows = self._usage_follows or reading.usage_after_finish
