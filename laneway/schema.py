@@ -82,7 +82,7 @@ class RequestEnvelope(_Wire):
     max_tokens_default: bool = Field(
         False,
         description="the client set no max_tokens: max_tokens is its class's cap (a server "
-        "laneway forwards a chat to is sent none, and the stream is cut at the cap)",
+        "whose context has less room after the prompt gives it that room instead)",
     )
     temperature: float = 1.0
     top_p: float = 1.0

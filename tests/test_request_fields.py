@@ -24,6 +24,7 @@ from laneway.openai_api import (
 from laneway.requests import shape_request
 from laneway.settings import CommonSettings
 from tests.stack import LiveStack
+from workers.upstream_refusals import context_room
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = json.loads((ROOT / "tests" / "data" / "openai_schemas.json").read_text())["request_fields"]
@@ -291,10 +292,11 @@ async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstrea
 async def test_a_chat_that_sets_no_length_gets_what_the_context_leaves_up_to_the_cap(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
-    """A chat with no ``max_tokens`` is sent none, and the server gives it what its context
-    leaves (vLLM's default). Sent laneway's cap as if the client had asked for it, a prompt
-    within the cap of the context was refused as over it: a 400 the client caused nowhere.
-    The stream is cut at the cap instead, and billed that."""
+    """A chat with no ``max_tokens`` is sent laneway's cap; a server whose context has less
+    room after the prompt refuses that, and the chat is sent again with the room its refusal
+    names, as the server itself gives a chat that sets none. Before, the client got a 400
+    ``context_length_exceeded`` for a prompt well within the context: on an 8k model, any
+    chat over about 4k tokens."""
     upstream = await upstreams(slots=2, token_ms=1, max_model_len=100)
     ingress = await stack.start_ingress(chat_max_tokens=60)
     await stack.start_worker(
@@ -311,29 +313,65 @@ async def test_a_chat_that_sets_no_length_gets_what_the_context_leaves_up_to_the
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage is not None
     assert answer.usage.completion_tokens == 50
-    entry = upstream.entry("near-")
-    assert entry is not None
-    assert "max_tokens" not in entry["sampling"]
-    assert (entry["outcome"], entry["tokens"]) == ("done", 50)
-    # A short one would get 98 from the server: the client gets the cap.
-    stream = await client.chat.completions.create(
-        model="laneway-chat",
-        messages=[{"role": "user", "content": "short"}],
-        stream=True,
-        stream_options={"include_usage": True},
+    sent = [(e["outcome"], e["sampling"]["max_tokens"]) for e in upstream.entries()]
+    assert sent == [("refused", 60), ("done", 50)]
+    # One with room gets the cap at once.
+    short = await client.chat.completions.create(
+        model="laneway-chat", messages=[{"role": "user", "content": "short"}]
     )
-    chunks = [chunk async for chunk in stream]
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(text.split()) == 60  # this server's words are a token each
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 60
-    # A length the client set goes on as set (and the server refuses what does not fit).
+    assert short.usage is not None
+    assert short.usage.completion_tokens == 60
+    # A length the client set goes on as set, and the server's refusal back to the client.
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model="laneway-chat", messages=[{"role": "user", "content": near}], max_tokens=60
         )
     assert refused.value.code == "context_length_exceeded"
+    assert len(upstream.entries()) == 4  # not sent again
+
+
+@pytest.mark.parametrize(
+    ("said", "room"),
+    [
+        (  # OpenAI's words, and vLLM serve's before 0.10 (and the test upstream's)
+            "This model's maximum context length is 8192 tokens. However, you requested 9099 "
+            "tokens (5003 in the messages, 4096 in the completion). Please reduce the length "
+            "of the messages or completion.",
+            3189,
+        ),
+        (  # vLLM serve since
+            "'max_tokens' or 'max_completion_tokens' is too large: 4096. This model's maximum "
+            "context length is 8192 tokens and your request has 5003 input tokens "
+            "(4096 > 8192 - 5003).",
+            3189,
+        ),
+        (  # SGLang, and newer vLLM
+            '{"object": "error", "message": "Requested token count exceeds the model\'s '
+            "maximum context length of 8192 tokens. You requested a total of 9099 tokens: "
+            "5003 tokens from the input messages and 4096 tokens for the completion. Please "
+            "reduce the number of tokens in the input messages or the completion to fit "
+            'within the limit.", "type": "BadRequestError", "param": null, "code": 400}',
+            3189,
+        ),
+        (  # TGI
+            "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 8192. "
+            "Given: 5003 `inputs` tokens and 4096 `max_new_tokens`",
+            3189,
+        ),
+        # The prompt alone fills the context: no room, a refusal as it is.
+        (
+            "This model's maximum context length is 8192 tokens. However, you requested 9192 "
+            "tokens (8192 in the messages, 1000 in the completion).",
+            None,
+        ),
+        # Only the context: no room to tell.
+        ("This model's maximum context length is 8192 tokens.", None),
+    ],
+)
+def test_the_room_a_servers_context_leaves_is_read_from_its_refusal(
+    said: str, room: int | None
+) -> None:
+    assert context_room(said) == room
 
 
 def test_a_developer_message_reaches_the_engine_as_a_system_message() -> None:

@@ -222,23 +222,3 @@ def test_a_stream_kept_within_max_tokens_is_never_billed_past_it() -> None:
     for _ in range(8):
         reading.chunk({"choices": [{"text": "ab", "finish_reason": None}]})
     assert reading.billed() == 16
-
-
-def test_a_stream_sent_no_max_tokens_is_cut_at_about_it_and_billed_it_at_most() -> None:
-    """A chat whose client set no length is sent none (the server's default is what its
-    context leaves): the stream is cut once its chunks hold max_tokens, by what a chunk holds
-    on this server, and billed max_tokens at most; the server did not ignore a limit."""
-    reading = StreamReading(5, 10, 4.0, max_tokens_sent=False)
-    delivered = [
-        reading.chunk({"choices": [{"text": "a b c d ", "finish_reason": None}]}) for _ in range(5)
-    ]
-    assert [d is not None for d in delivered] == [True, True, True, False, False]
-    assert (reading.cut, reading.over, reading.finish) == (True, False, "length")
-    assert reading.billed() == 10
-    assert reading.final("length").completion_tokens == 10
-    # Sent max_tokens 10 and sending more than 10 chunks: it ignores the field, and is billed
-    # what its client got.
-    ignoring = StreamReading(5, 10, 4.0)
-    for _ in range(11):
-        ignoring.chunk({"choices": [{"text": "a b c d ", "finish_reason": None}]})
-    assert (ignoring.cut, ignoring.over, ignoring.billed()) == (True, True, 40)

@@ -33,7 +33,13 @@ from workers.learned_slots import LearnedSlots
 from workers.types import EngineDelta, EngineRequest, EngineStats
 from workers.upstream_calls import UpstreamCall
 from workers.upstream_metrics import UpstreamMetrics
-from workers.upstream_refusals import REQUEST_REFUSED, error_reason, refusal
+from workers.upstream_refusals import (
+    REQUEST_REFUSED,
+    OverContext,
+    context_room,
+    error_reason,
+    refusal,
+)
 from workers.upstream_stream import FinishReasons, StreamReading, TokensPerChunk
 
 __all__ = ["OpenAICompatibleEngine"]
@@ -148,6 +154,7 @@ class OpenAICompatibleEngine:
     def _body(self, request: EngineRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "model": self.model or request.route,
+            "max_tokens": request.max_tokens,
             "temperature": request.temperature,
             "top_p": request.top_p,
             "stream": True,
@@ -162,14 +169,7 @@ class OpenAICompatibleEngine:
             body["cache_salt"] = request.cache_salt
         if request.messages is not None:
             body["messages"] = [m.model_dump() for m in request.messages]
-            if not request.max_tokens_default:
-                # A chat that asked for no length is sent none: a server's own default is
-                # what its context leaves, while laneway's cap sent as the client's would be
-                # refused as over the context for any prompt within the cap of it. The
-                # stream is cut at the cap here instead (``StreamReading``).
-                body["max_tokens"] = request.max_tokens
             return "/chat/completions", body
-        body["max_tokens"] = request.max_tokens  # a completion's default is 16 on servers
         body["prompt"] = request.prompt
         if request.suffix:
             # An empty one (the cursor at the end of the file) asks for a plain continuation,
@@ -185,16 +185,11 @@ class OpenAICompatibleEngine:
         # framing included; the text's own estimate is for requests that carry none.
         estimate = request.prompt_estimate or estimate_tokens(request.prompt)
         call = self._open(request, estimate)
-        reading = StreamReading(
-            estimate,
-            request.max_tokens,
-            self._per_chunk.value,
-            max_tokens_sent="max_tokens" in body,
-        )
+        reading = StreamReading(estimate, request.max_tokens, self._per_chunk.value)
         try:
             if call.aborted:
                 raise Aborted(f"request {request.id} aborted before it was sent")
-            response = await self._send(call, request.id, path, body)
+            response = await self._start(call, request, path, body, reading)
             if response.content_type != "text/event-stream":
                 raise EngineError(
                     f"upstream {self.base_url}{path} answered {response.content_type or 'a body'}"
@@ -211,8 +206,8 @@ class OpenAICompatibleEngine:
                 delta = reading.line(line)
                 if delta is not None:
                     yield delta
-                elif reading.done or reading.cut:
-                    # At max_tokens, not read to its end: its release closes it, and the
+                elif reading.done or reading.over:
+                    # Over max_tokens, not read to its end: its release closes it, and the
                     # upstream stops the request there too.
                     break
             self._usage_follows = self._usage_follows or reading.usage_after_finish
@@ -228,6 +223,28 @@ class OpenAICompatibleEngine:
             raise EngineError(f"upstream {self.base_url}{path}: {exc!r}") from exc
         finally:
             self._end(request.id, call)
+
+    async def _start(
+        self,
+        call: UpstreamCall,
+        request: EngineRequest,
+        path: str,
+        body: dict[str, Any],
+        reading: StreamReading,
+    ) -> aiohttp.ClientResponse:
+        """``_send``, and once more for a chat that set no length and was refused as over
+        the server's context with laneway's cap: sent the room the context leaves its
+        prompt, as the server itself gives a chat that sets none (its default), instead of
+        a refusal the client caused nowhere."""
+        try:
+            return await self._send(call, request.id, path, body)
+        except OverContext as refused:
+            if not request.max_tokens_default or refused.room >= body["max_tokens"]:
+                raise
+            body["max_tokens"] = reading.max_tokens = refused.room
+            if call.aborted:
+                raise call.dropped(request.id, 0.0) from None
+            return await self._send(call, request.id, path, body)
 
     def _open(self, request: EngineRequest, prompt_tokens: int) -> UpstreamCall:
         call = UpstreamCall()
@@ -319,13 +336,16 @@ class OpenAICompatibleEngine:
             )
         self._refused_since.pop(request_id, None)
         if response.status != 200:
-            detail = (await response.read())[:300].decode(errors="replace")
+            detail = (await response.read())[:2000].decode(errors="replace")
             if response.status in REQUEST_REFUSED:
                 # The upstream refused the request itself (a prompt over its context,
                 # parameters it does not take): the client's doing, not a route fault for
                 # the breaker; the upstream's reason goes back to the client, its address not.
-                raise refusal(error_reason(detail))
-            raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail}")
+                reason = error_reason(detail)
+                if (room := context_room(detail)) is not None:
+                    raise OverContext(f"the engine refused the request: {reason}", room)
+                raise refusal(reason)
+            raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail[:300]}")
         return response
 
     def _down(self, request_id: str) -> bool:

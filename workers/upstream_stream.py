@@ -100,11 +100,9 @@ class StreamReading:
         "chunks",
         "completion_tokens",
         "counted",
-        "cut",
         "done",
         "finish",
         "max_tokens",
-        "max_tokens_sent",
         "over",
         "per_chunk",
         "prompt_tokens",
@@ -113,21 +111,10 @@ class StreamReading:
         "usage_after_finish",
     )
 
-    def __init__(
-        self,
-        prompt_tokens: int,
-        max_tokens: int = 0,
-        per_chunk: float = 1.0,
-        *,
-        max_tokens_sent: bool = True,
-    ) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int = 0, per_chunk: float = 1.0) -> None:
         self.done = False  # [DONE] was read
         self.max_tokens = max_tokens  # 0: no limit of laneway's own
-        # The server was asked for at most max_tokens; else (a chat whose client set none) it
-        # runs to its own end, and the stream is cut here at about max_tokens.
-        self.max_tokens_sent = max_tokens_sent
-        self.cut = False  # ended here at max_tokens, not read to its end
-        self.over = False  # text came past the max_tokens it was sent: the upstream ignores it
+        self.over = False  # text came past max_tokens: the upstream ignores it
         self.usage_after_finish = False  # its usage came in a chunk after its finish_reason
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0  # the server's own count, one a text chunk after it
@@ -183,10 +170,11 @@ class StreamReading:
             delta = choice.get("delta")
             text += (delta.get("content") if delta else choice.get("text")) or ""
             finish = choice.get("finish_reason") or finish
-        if text and not usage and self._at_max_tokens():
-            # No more goes on to the client, and the request ends there, by its length.
-            self.cut = True
-            self.over = self.max_tokens_sent
+        if text and not usage and 0 < self.max_tokens <= self.completion_tokens:
+            # More text than max_tokens chunks: the upstream ignores max_tokens (a chunk holds
+            # one token at least, so one that honours it never gets here). No more goes on to
+            # the client, and the request ends there, by its length.
+            self.over = True
             self.finish = "length"
             return None
         self.finish = finish
@@ -205,17 +193,6 @@ class StreamReading:
             engine_ms=self.ms(),
         )
 
-    def _at_max_tokens(self) -> bool:
-        """More text now would go past max_tokens. Sent to the server: it already sent
-        max_tokens chunks, so it ignores the field (a chunk holds one token at least; one
-        that honours it never gets here). Not sent: the chunks so far hold about max_tokens,
-        by what a chunk holds on this server."""
-        if self.max_tokens <= 0:
-            return False
-        if self.max_tokens_sent:
-            return self.max_tokens <= self.completion_tokens
-        return self.max_tokens <= self.completion_tokens * self.per_chunk
-
     def billed(self) -> int:
         """Completion tokens so far: the server's own count once its usage came, else one a
         chunk times what a chunk holds on this server (a chunk may hold several tokens:
@@ -231,7 +208,7 @@ class StreamReading:
         """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
         saying it was done ([DONE], or a finish_reason), as a connection the upstream dropped
         or a body cut short does; the text so far is not a whole answer then."""
-        if not self.done and self.finish is None and not self.cut:
+        if not self.done and self.finish is None and not self.over:
             raise EngineError(
                 "the upstream's stream ended before its end (no finish_reason, no [DONE])"
             )
