@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 
@@ -13,7 +14,7 @@ from laneway.constants import RedisKeys
 from laneway.metrics import BREAKER_LEVEL, team_label
 from quota.model import Utilisation
 from streams.breaker import BreakerState
-from streams.metrics import QUOTA_FACTOR
+from streams.metrics import BREAKER_TEAM_LEVEL, QUOTA_FACTOR
 from streams.oncall import OnCallWebhook
 from streams.records import BreakerTransition, QuotaFactorUpdate
 from streams.types import SendRecord
@@ -36,6 +37,17 @@ class StoredLevel:
     def __init__(self, subject: BreakerSubject, state: BreakerState) -> None:
         self.subject = subject
         self.state = state
+
+
+def _team_level(route: str, team: str, level: int) -> None:
+    """A team's raised level as a series of its own (an alert's and a dashboard's: a team
+    shut out with 503s while its route is fine shows nowhere else); gone at level 0."""
+    label = team_label(team)
+    if level > 0:
+        BREAKER_TEAM_LEVEL.labels(route, label).set(level)
+    elif label == team:  # past the label bound, the shared series is other teams' too
+        with contextlib.suppress(KeyError):
+            BREAKER_TEAM_LEVEL.remove(route, label)
 
 
 def subject_name(subject: BreakerSubject) -> str:
@@ -93,6 +105,8 @@ class Announcer:
         route, team = subject
         if team is None:
             BREAKER_LEVEL.labels(route).set(state.level)
+        else:
+            _team_level(route, team, state.level)
         payload = {
             "level": state.level,
             "rate": round(state.rate, 6),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["CANARY_WEIGHT", "EVENTS", "QUOTA_FACTOR", "RESTAMPED"]
+__all__ = ["BREAKER_TEAM_LEVEL", "CANARY_WEIGHT", "EVENTS", "QUOTA_FACTOR", "RESTAMPED"]
 
 EVENTS = Counter(
     "laneway_streams_events_total", "Usage records read by the streams app", ["result"]
@@ -16,6 +16,13 @@ RESTAMPED = Counter(
     ["reason"],
 )
 QUOTA_FACTOR = Gauge("laneway_quota_factor", "Dynamic quota factor of a team", ["team"])
+# A series only while raised: teams at level 0 are the rule and would each be a series.
+BREAKER_TEAM_LEVEL = Gauge(
+    "laneway_breaker_team_level",
+    "Breaker level (1-3) of a team on a model route: 3 refuses the team there with 503; "
+    "no series at level 0",
+    ["route", "team"],
+)
 CANARY_WEIGHT = Gauge(
     "laneway_canary_weight", "Share (%) of a model's sticky keys sent to its canary", ["model"]
 )

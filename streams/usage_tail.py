@@ -39,6 +39,7 @@ _LABELS = {"prompt_tokens": "prompt", "completion_tokens": "output"}
 _CLEAR = "\x1b[H\x1b[2J"
 _MAX_DRAWN_ROWS = 200
 _KEY_FIELDS = ("hour", "team", "class", "model")
+_COST_DECIMALS_BELOW = 100.0  # costs under this show to the millionth, as the rollups keep them
 
 
 def _cell(record: dict[str, Any], name: str) -> str:
@@ -59,8 +60,14 @@ def _cell(record: dict[str, Any], name: str) -> str:
     else:
         value = record.get(name)
     if isinstance(value, float):
-        return f"{value:.4f}" if name == "cost" else f"{value:.1f}"
+        return _number(name, value)
     return "-" if value is None else str(value)
+
+
+def _number(name: str, value: float) -> str:
+    if name == "cost":  # a small team's hour is fractions of a cent
+        return f"{value:.6f}" if value < _COST_DECIMALS_BELOW else f"{value:.2f}"
+    return f"{value:.1f}"
 
 
 def _header(columns: tuple[tuple[str, int], ...]) -> str:
@@ -68,7 +75,16 @@ def _header(columns: tuple[tuple[str, int], ...]) -> str:
 
 
 def _row(columns: tuple[tuple[str, int], ...], values: list[str]) -> str:
-    return " ".join(v[:w].ljust(w) for (_, w), v in zip(columns, values, strict=True)).rstrip()
+    return " ".join(_fit(v, w).ljust(w) for (_, w), v in zip(columns, values, strict=True)).rstrip()
+
+
+def _fit(value: str, width: int) -> str:
+    """``value`` in ``width`` characters: a longer one keeps its start and its end around a
+    "…" (team-eu-west-1 and team-eu-west-2 cut at the end would read as one team)."""
+    if len(value) <= width:
+        return value
+    head = (width - 1) // 2
+    return value[:head] + "…" + value[len(value) - (width - 1 - head) :]
 
 
 async def tail_usage(

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from laneway.constants import RedisKeys
 from laneway.schema import UsageEvent
@@ -325,6 +326,10 @@ async def test_a_teams_failures_raise_its_own_level_and_the_route_needs_several_
         await processor.evaluate_breakers()
         levels = {(t["route"], t["team"]): t["level"] for t in sent}
         assert levels == {("laneway-code", "bad"): 3, ("laneway-code", "noisy"): 3}
+        # Seen on /metrics, where an alert pages for a team shut out on a route that is fine.
+        for team, level in (("bad", 3), ("noisy", 3), ("good", None)):
+            labels = {"route": "laneway-code", "team": team}
+            assert REGISTRY.get_sample_value("laneway_breaker_team_level", labels) == level
 
         fold("good", "error", 20)  # now a second team sees engine errors: the route's
         fold("bad", "error", 20)

@@ -66,7 +66,7 @@ async def test_tail_follows_hourly_rollups(stack: LiveStack) -> None:
     )
     row = out.getvalue().splitlines()[1].split()
     assert row[:5] == ["2026-01-01T10:00:00Z", "a", "chat", "m", "7"]
-    assert row[-3:] == ["12.5", "0.2500", "final"]
+    assert row[-3:] == ["12.5", "0.250000", "final"]
 
 
 async def test_tail_redraws_the_open_hour_in_place(stack: LiveStack) -> None:
@@ -144,3 +144,21 @@ def test_cli_registers_usage_tail() -> None:
     args = parser.parse_args(["usage", "tail", "--hourly", "--team", "x", "-o", "json"])
     assert (args.hourly, args.team, args.output, args.limit) == (True, "x", "json", None)
     assert callable(args.func)
+
+
+async def test_tail_tells_teams_apart_whose_names_differ_past_the_column(stack: LiveStack) -> None:
+    """A name longer than its column keeps its start and its end: two regions of one team
+    name, cut at the end, read as one team."""
+    producer = await stack.producer()
+    teams = ("payments-eu-west-1", "payments-eu-west-2")
+    await produce_usage(
+        producer, stack.topics.usage, [usage_event(team=t, ts=time.time()) for t in teams]
+    )
+    shown = set()
+    for team in teams:
+        out = io.StringIO()
+        await tail_usage(
+            CommonSettings(**stack.common), team=team, from_beginning=True, limit=1, out=out
+        )
+        shown.add(out.getvalue().splitlines()[1].split()[1])
+    assert shown == {"payme…west-1", "payme…west-2"}
