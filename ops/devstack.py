@@ -138,9 +138,14 @@ class ServerProcess(StartedInside):
         command line says so): one an earlier run left behind, if this one did not start it."""
         with contextlib.suppress(OSError, ValueError):
             pid = int(self._pid_path.read_text())
-            if self.cmdline_marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if self.runs_here(Path(f"/proc/{pid}/cmdline").read_bytes()):
                 return pid
         return None
+
+    def runs_here(self, cmdline: bytes) -> bool:
+        """Whether a process of ``cmdline`` is this server (not another stack's, or the
+        system's, that got the pid of a stale pid file)."""
+        return self.cmdline_marker in cmdline
 
     def _check_port_free(self, port: int, what: str) -> None:
         if not port_in_use(port):

@@ -137,6 +137,7 @@ class ServiceProcess:
         if self._alive_file is not None:
             self.env["LANEWAY_WATCHDOG_FILE"] = str(self._alive_file)
         self._echo = echo
+        self._log_failing = False
         self._lines: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._process: asyncio.subprocess.Process | None = None
         self._output: asyncio.Task[None] | None = None
@@ -197,11 +198,13 @@ class ServiceProcess:
             self._output = asyncio.create_task(self._copy_output(process.stdout, log_file))
 
     async def _copy_output(self, stream: asyncio.StreamReader, log_file: IO[bytes]) -> None:
+        # Read to the end whatever fails: a pipe nobody reads fills, the service blocks in
+        # its next print (its event loop with it, deaf to SIGTERM), and the wait for its
+        # exit, which waits for the pipe to close too, never ends: a stop hung for good.
         pending = b""
         try:
             while chunk := await stream.read(65536):
-                log_file.write(chunk)
-                log_file.flush()
+                self._log(log_file, chunk)
                 *lines, pending = (pending + chunk).split(b"\n")
                 if len(pending) > _LONGEST_LINE:
                     lines.append(pending)
@@ -211,13 +214,39 @@ class ServiceProcess:
             if pending:
                 self._emit(pending)
         finally:
-            log_file.close()
+            with contextlib.suppress(OSError):
+                log_file.close()
+
+    def _log(self, log_file: IO[bytes], chunk: bytes) -> None:
+        """``chunk`` into the log file; a full disk or a read-only one loses the chunk, said
+        once until a write succeeds again."""
+        try:
+            log_file.write(chunk)
+            log_file.flush()
+        except (OSError, ValueError) as exc:
+            if not self._log_failing:
+                self._log_failing = True
+                log.error(  # noqa: TRY400 - the error says it all, a traceback nothing more
+                    "%s: cannot write its log %s (%s): its output is lost there until a "
+                    "write succeeds (its last lines are kept for a crash report)",
+                    self.name,
+                    self.log_path,
+                    exc,
+                )
+            return
+        if self._log_failing:
+            self._log_failing = False
+            log.warning("%s: its log %s is written again", self.name, self.log_path)
 
     def _emit(self, line: bytes) -> None:
         text = line.decode(errors="replace").rstrip("\r")
         self._lines.append(text)
         if self._echo is not None:
-            self._echo(text)
+            try:
+                self._echo(text)
+            except (OSError, ValueError):
+                # The terminal hung up (EIO), a `| tee` died (EPIPE): nothing to echo to.
+                self._echo = None
 
     async def wait(self) -> int:
         process = self._process
@@ -259,10 +288,14 @@ class ServiceProcess:
         if process is not None and process.returncode is None:
             # Its whole process group: a child of its own (vLLM's engine core) outlives a
             # SIGKILL of its parent alone, and would hold the GPU the restart needs.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
+            try:
                 os.killpg(process.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            except (ProcessLookupError, PermissionError):
+                # Not its group's leader any more (it made a session of its own): itself.
+                # Not both: Popen.kill polls first and may reap it, and asyncio's own wait
+                # would then report an exit code of 255 for a killed process.
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
 
     def log_tail(self) -> str:
         return "\n".join(self._lines)
@@ -273,7 +306,11 @@ class ServiceProcess:
         with contextlib.suppress(OSError, ValueError):
             pid = int(self.pid_path.read_text())
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if [a.encode() for a in self.argv[1:]] == args[1 : len(self.argv)]:
+            if [a.encode() for a in self.argv[1:]] != args[1 : len(self.argv)]:
+                return None
+            # A pid used again since, by another stack's service of the same command line
+            # (a second stack, the test suite's), has another watchdog file: not ours to stop.
+            if self._alive_file is None or _runs_a_service(pid, self._alive_file):
                 return pid
         return None
 

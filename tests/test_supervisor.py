@@ -345,6 +345,52 @@ async def test_a_second_ctrl_c_kills_what_ignores_the_first(tmp_path: Path) -> N
     assert _gone(stubborn.pid)
 
 
+CHATTY = (
+    "import sys\nprint('ready', flush=True)\nwhile True: sys.stdout.write('x' * 1000 + '\\n')\n"
+)
+
+
+async def test_a_service_whose_terminal_hung_up_is_still_read_and_stops(tmp_path: Path) -> None:
+    """The terminal closed (EIO) or a `| tee` died (EPIPE) while a service printed: its
+    output is still read to the end. Unread, its pipe filled, the service blocked in its
+    next print (deaf to SIGTERM), and the wait for its exit, which waits for the pipe to
+    close too, never ended: a stop hung for good, a second Ctrl-C too."""
+    echoed: list[str] = []
+
+    def hung_up(line: str) -> None:
+        echoed.append(line)
+        raise OSError(5, "Input/output error")
+
+    chatty = ServiceProcess(
+        "chatty", [sys.executable, "-c", CHATTY], {"PATH": os.environ["PATH"]},
+        log_dir=tmp_path, echo=hung_up,
+    )  # fmt: skip
+    await chatty.start()
+    await eventually(lambda: chatty.log_path.stat().st_size > 1_000_000, 20, "a megabyte")
+    await asyncio.wait_for(chatty.stop(grace_s=5), 30)
+    assert _gone(chatty.pid)
+    assert echoed == ["ready"]  # tried once, then no more
+
+
+async def test_a_service_whose_log_cannot_be_written_is_still_read_and_stops(
+    tmp_path: Path,
+) -> None:
+    """A full disk under the data dir: its log takes nothing (ENOSPC, /dev/full here), the
+    rest of its output still goes on (to the terminal, and its last lines to a crash
+    report), and it stops as any service does."""
+    (tmp_path / "chatty.log").symlink_to("/dev/full")
+    echoed: list[str] = []
+    chatty = ServiceProcess(
+        "chatty", [sys.executable, "-c", CHATTY], {"PATH": os.environ["PATH"]},
+        log_dir=tmp_path, echo=echoed.append,
+    )  # fmt: skip
+    await chatty.start()
+    await eventually(lambda: len(echoed) > 2000, 20, "two megabytes echoed")
+    await asyncio.wait_for(chatty.stop(grace_s=5), 30)
+    assert _gone(chatty.pid)
+    assert chatty.log_tail().endswith("x" * 1000)
+
+
 async def test_a_killed_redis_comes_back_with_its_data(tmp_path: Path) -> None:
     server = RedisServer(port=free_port(), data_dir=tmp_path / "redis", persistent=True)
     supervisor = Supervisor([LocalServer(server)], FAST)
