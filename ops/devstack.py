@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -138,14 +139,17 @@ class ServerProcess(StartedInside):
         command line says so): one an earlier run left behind, if this one did not start it."""
         with contextlib.suppress(OSError, ValueError):
             pid = int(self._pid_path.read_text())
-            if self.runs_here(Path(f"/proc/{pid}/cmdline").read_bytes()):
+            if self.runs_here(pid):
                 return pid
         return None
 
-    def runs_here(self, cmdline: bytes) -> bool:
-        """Whether a process of ``cmdline`` is this server (not another stack's, or the
-        system's, that got the pid of a stale pid file)."""
-        return self.cmdline_marker in cmdline
+    def runs_here(self, pid: int) -> bool:
+        """Whether process ``pid`` is this server: its command line names the server and it
+        runs in this data dir (where ``_spawn`` starts it), not another stack's, or the
+        system's, that got the pid of a stale pid file since."""
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        return self.cmdline_marker in cmdline and cwd == self.data_dir.resolve()
 
     def _check_port_free(self, port: int, what: str) -> None:
         if not port_in_use(port):

@@ -95,11 +95,6 @@ class KafkaBroker(ServerProcess):
     port_setting = "LANEWAY_KAFKA_PORT"
     cmdline_marker = b"kafka.Kafka"
 
-    def runs_here(self, cmdline: bytes) -> bool:
-        # Its configuration file is in its data dir, named on its command line.
-        properties = str(self.data_dir / "server.properties").encode()
-        return self.cmdline_marker in cmdline and properties in cmdline
-
     def __init__(
         self,
         *,

@@ -55,10 +55,6 @@ class RedisServer(ServerProcess):
     port_setting = "LANEWAY_REDIS_PORT"
     cmdline_marker = b"redis-server"
 
-    def runs_here(self, cmdline: bytes) -> bool:
-        # Redis names itself by its address once it runs: "redis-server 127.0.0.1:<port>".
-        return self.cmdline_marker in cmdline and f"127.0.0.1:{self.port}".encode() in cmdline
-
     def __init__(
         self,
         *,

@@ -244,6 +244,8 @@ class ServiceProcess:
         if self._echo is not None:
             try:
                 self._echo(text)
+            except BlockingIOError:
+                pass  # a terminal that is full for now: this line is not shown there
             except (OSError, ValueError):
                 # The terminal hung up (EIO), a `| tee` died (EPIPE): nothing to echo to.
                 self._echo = None
@@ -291,9 +293,9 @@ class ServiceProcess:
             try:
                 os.killpg(process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                # Not its group's leader any more (it made a session of its own): itself.
-                # Not both: Popen.kill polls first and may reap it, and asyncio's own wait
-                # would then report an exit code of 255 for a killed process.
+                # No group to signal: the process alone, if it still runs. Not both:
+                # Popen.kill polls first and may reap it, and asyncio's own wait would
+                # then report an exit code of 255 for a killed process.
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
 

@@ -39,17 +39,6 @@ class StoredLevel:
         self.state = state
 
 
-def _team_level(route: str, team: str, level: int) -> None:
-    """A team's raised level as a series of its own (an alert's and a dashboard's: a team
-    shut out with 503s while its route is fine shows nowhere else); gone at level 0."""
-    label = team_label(team)
-    if level > 0:
-        BREAKER_TEAM_LEVEL.labels(route, label).set(level)
-    elif label == team:  # past the label bound, the shared series is other teams' too
-        with contextlib.suppress(KeyError):
-            BREAKER_TEAM_LEVEL.remove(route, label)
-
-
 def subject_name(subject: BreakerSubject) -> str:
     route, team = subject
     return f"breaker:{route}" if team is None else f"breaker:{route}:{team}"
@@ -72,6 +61,8 @@ class Announcer:
         self.send = send
         self.webhook = webhook
         self.cooldown_s = cooldown_s
+        # Raised levels of teams past the label bound, by route: their shared series' value.
+        self._unlabelled: dict[str, dict[str, int]] = {}
 
     async def breaker_changed(
         self, subject: BreakerSubject, old: BreakerState, new: BreakerState
@@ -106,7 +97,7 @@ class Announcer:
         if team is None:
             BREAKER_LEVEL.labels(route).set(state.level)
         else:
-            _team_level(route, team, state.level)
+            self._team_level(route, team, state.level)
         payload = {
             "level": state.level,
             "rate": round(state.rate, 6),
@@ -119,6 +110,24 @@ class Announcer:
         await self.redis.set(
             self.keys.breaker(route, team), orjson.dumps(payload), ex=BREAKER_STATE_TTL_S
         )
+
+    def _team_level(self, route: str, team: str, level: int) -> None:
+        """A team's raised level as a series of its own (an alert's and a dashboard's: a
+        team shut out with 503s while its route is fine shows nowhere else); gone at level
+        0. Teams past the label bound share the series ``other``: it shows the highest of
+        theirs."""
+        label = team_label(team)
+        if label != team:
+            levels = self._unlabelled.setdefault(route, {})
+            levels[team] = level
+            if level == 0:
+                del levels[team]
+            level = max(levels.values(), default=0)
+        if level > 0:
+            BREAKER_TEAM_LEVEL.labels(route, label).set(level)
+        else:
+            with contextlib.suppress(KeyError):
+                BREAKER_TEAM_LEVEL.remove(route, label)
 
     async def stored_levels(self) -> list[StoredLevel]:
         """Raised levels a previous run left in Redis: a restart must not reset them to 0."""

@@ -594,3 +594,36 @@ def test_a_final_record_never_ties_with_a_provisional_one_that_says_otherwise() 
     open_two = to_record(rollup, now=0.0, final=False)
     final_two = to_record(rollup, now=0.0, final=True)
     assert final_one.revision < open_two.revision < final_two.revision
+
+
+async def test_teams_past_the_label_bound_share_a_series_at_the_highest_of_their_levels(
+    services: Services, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound on team labels (500 a process), teams share the series ``other``: it
+    shows the highest of their levels, not whichever team's changed last, and goes once
+    none is raised."""
+    monkeypatch.setattr(
+        "streams.announce.team_label", lambda team: "other" if team.startswith("many-") else team
+    )
+    redis = aioredis.Redis.from_url(services.redis_url)
+
+    async def send(topic: str, key: bytes, value: bytes) -> None:
+        pass
+
+    announcer = Announcer(
+        redis, RedisKeys(prefix), "control", send, OnCallWebhook(""), cooldown_s=30
+    )
+    route = f"route-{prefix}"
+
+    def shown() -> float | None:
+        labels = {"route": route, "team": "other"}
+        return REGISTRY.get_sample_value("laneway_breaker_team_level", labels)
+
+    try:
+        seen = []
+        for team, level in (("many-a", 3), ("many-b", 1), ("many-a", 0), ("many-b", 0)):
+            await announcer.store_level((route, team), BreakerState(level=level))
+            seen.append(shown())
+        assert seen == [3, 3, 1, None]
+    finally:
+        await redis.aclose()

@@ -401,3 +401,36 @@ async def test_a_request_the_upstream_never_starts_holds_the_pool_one_probe_inte
     assert not stuck.done()
     await upstream.release("stuck")
     assert (await stuck).status_code == 200
+
+
+async def test_a_chat_left_while_its_resend_waits_upstream_never_starts_there(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    """A chat that set no length, refused at once for laneway's cap (its prompt near the
+    context), is sent again with the room the refusal names. Its client leaving while that
+    second request waits in the upstream's queue closes it there at once: the abort closed
+    the refused response, already read, and the second one waited on, started, and ran."""
+    upstream = await upstreams(slots=1, token_ms=5, max_model_len=100)
+    ingress = await stack.start_ingress(completion_deadline_ms=60_000, chat_max_tokens=60)
+    await _serving(stack, upstream, upstream_slots=2)
+    await _serving(stack, upstream, "chat", upstream_slots=2)
+    key = await stack.api_key(size=100)
+    holder = await _occupy(stack.http(ingress, key, timeout=120), upstream, "holder")
+    near = {"model": "laneway-chat", "messages": [{"role": "user", "content": "near-" + "y" * 195}]}
+    leaving = asyncio.create_task(stack.http(ingress, key).post("/v1/chat/completions", json=near))
+    await upstream.until(lambda _, waiting: waiting == 1, "the chat sent again, queued upstream")
+    leaving.cancel()  # its client closes the connection
+    await asyncio.gather(leaving, return_exceptions=True)
+
+    def resent() -> dict[str, Any] | None:
+        ended = [e for e in upstream.entries() if e["prompt"].startswith("near-")]
+        return next((e for e in ended if e["outcome"] != "refused"), None)
+
+    gone = await eventually(resent, 20, "the chat sent again, gone from the upstream's queue")
+    assert (gone["outcome"], gone["start"], gone["sampling"]["max_tokens"]) == (
+        "gone_queued",
+        None,
+        50,
+    )
+    await upstream.release("holder")
+    assert (await holder).status_code == 200

@@ -242,3 +242,44 @@ async def test_typing_what_vllm_suggests_is_served_from_its_running_generation(
     did = (await _generation_stopped(served)) - before
     assert did.added == 1
     assert did.generated_tokens == 400
+
+
+async def test_a_chat_that_sets_no_length_gets_the_room_vllm_serves_context_leaves(
+    stack: LiveStack, served: VllmServe
+) -> None:
+    """A chat with no ``max_tokens`` is sent laneway's cap; vLLM refuses a prompt within the
+    cap of its context in its own words, and the chat is sent again with the room those
+    words name, as vLLM gives a chat that sets no length. Before: a 400 for a prompt vLLM
+    takes from a client that sends it directly."""
+    room = 24
+    ingress = await stack.start_ingress(chat_deadline_ms=60_000)
+    await stack.start_worker("chat", engine="openai", upstream_url=served.url, upstream_model="up")
+    http = stack.http(ingress, await stack.api_key(size=100))
+    async with httpx.AsyncClient(base_url=served.url.removesuffix("/v1"), timeout=30) as vllm:
+
+        async def tokens(text: str) -> int:
+            body = {"model": "up", "messages": [{"role": "user", "content": text}]}
+            response = await vllm.post("/tokenize", json=body)
+            response.raise_for_status()
+            return int(response.json()["count"])
+
+        # A prompt that leaves `room` of the context by vLLM's own count (its template too).
+        text, context = "", LONG + 384
+        while (count := await tokens(text)) < context - room:
+            text += "def f(x):\n    return x\n" * max(1, (context - room - count) // 40)
+        while await tokens(text) > context - room:
+            text = text[:-1]
+        left = context - await tokens(text)
+        direct = await vllm.post(
+            "/v1/chat/completions",
+            json={"model": "up", "messages": [{"role": "user", "content": text}]},
+        )
+        assert direct.status_code == 200, direct.text  # vLLM takes it from a client itself
+    response = await http.post(
+        "/v1/chat/completions",
+        json={"model": "laneway-chat", "messages": [{"role": "user", "content": text}]},
+    )
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == left

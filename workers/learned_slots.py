@@ -109,6 +109,13 @@ class LearnedSlots:
         if self._probe_pending:
             self._probe_pending, self._probe_run = False, run
 
+    def resent(self, request_id: str) -> None:
+        """``request_id`` sent again before its first byte (after a refusal the server
+        answered at once): its wait for the first byte counts from now."""
+        run = self._inflight.get(request_id)
+        if run is not None and run.first_byte is None:
+            run.sent = self._clock()
+
     def first_byte(self, request_id: str) -> None:
         run = self._inflight.get(request_id)
         if run is None or run.first_byte is not None:

@@ -244,6 +244,10 @@ class OpenAICompatibleEngine:
             body["max_tokens"] = reading.max_tokens = refused.room
             if call.aborted:
                 raise call.dropped(request.id, 0.0) from None
+            # The refused response is read and done: an abort from here on must close the
+            # second POST (``UpstreamCall.close`` closes a response, else the headers' wait).
+            call.response = None
+            self.learned.resent(request.id)
             return await self._send(call, request.id, path, body)
 
     def _open(self, request: EngineRequest, prompt_tokens: int) -> UpstreamCall:

@@ -56,39 +56,56 @@ def context_room(detail: str) -> int | None:
     """The completion tokens a server's context leaves a prompt, from its refusal of the
     prompt with more (``detail``: its error body); None when it does not say both its
     context and the prompt's tokens in one of the servers' words below, or leaves none."""
-    for pattern in _OVER_CONTEXT:
+    for pattern, slack in _OVER_CONTEXT:
         if (found := pattern.search(detail)) is not None:
-            room = int(found.group("limit")) - int(found.group("prompt"))
+            room = int(found.group("limit")) - int(found.group("prompt")) - slack
             return room if room > 0 else None
     return None
 
 
 # Prompt and completion over the context, in the words of each server that says both numbers
-# (searched in its error body whole: its message is longer than the reason kept).
+# (searched in its error body whole: its message is longer than the reason kept), and the
+# tokens to leave unasked besides: SGLang refuses a prompt and completion that reach its
+# context (>=), where vLLM and TGI take one that fills it.
 _OVER_CONTEXT = tuple(
-    re.compile(pattern, re.IGNORECASE | re.DOTALL)
-    for pattern in (
+    (re.compile(pattern, re.IGNORECASE | re.DOTALL), slack)
+    for pattern, slack in (
         # OpenAI's, and vLLM serve's before 0.10
-        r"maximum context length is (?P<limit>\d+) tokens\. However, you requested \d+ tokens "
-        r"\((?P<prompt>\d+) in the messages, \d+ in the completion\)",
+        (
+            r"maximum context length is (?P<limit>\d+) tokens\. However, you requested \d+ "
+            r"tokens \((?P<prompt>\d+) in the messages, \d+ in the completion\)",
+            0,
+        ),
         # vLLM serve since: "'max_tokens' or 'max_completion_tokens' is too large: 4096. This
         # model's maximum context length is 8192 tokens and your request has 5003 input
         # tokens (4096 > 8192 - 5003)."
-        r"maximum context length is (?P<limit>\d+) tokens and your request has "
-        r"(?P<prompt>\d+) input tokens",
+        (
+            r"maximum context length is (?P<limit>\d+) tokens and your request has "
+            r"(?P<prompt>\d+) input tokens",
+            0,
+        ),
         # vLLM serve's renderer: "... However, you requested 4096 output tokens and your prompt
         # contains 5003 input tokens, for a total of 9099 tokens."
-        r"maximum context length is (?P<limit>\d+) tokens\. However, you requested \d+ output "
-        r"tokens and your prompt contains (?P<prompt>\d+) input tokens",
-        # SGLang, and newer vLLM: "Requested token count exceeds the model's maximum context
-        # length of 8192 tokens. You requested a total of 9099 tokens: 5003 tokens from the
-        # input messages and 4096 tokens for the completion."
-        r"maximum context length of (?P<limit>\d+) tokens\. You requested a total of \d+ "
-        r"tokens: (?P<prompt>\d+) tokens from the input messages",
+        (
+            r"maximum context length is (?P<limit>\d+) tokens\. However, you requested \d+ "
+            r"output tokens and your prompt contains (?P<prompt>\d+) input tokens",
+            0,
+        ),
+        # SGLang (and servers that took its words): "Requested token count exceeds the
+        # model's maximum context length of 8192 tokens. You requested a total of 9099
+        # tokens: 5003 tokens from the input messages and 4096 tokens for the completion."
+        (
+            r"maximum context length of (?P<limit>\d+) tokens\. You requested a total of \d+ "
+            r"tokens: (?P<prompt>\d+) tokens from the input messages",
+            1,
+        ),
         # TGI: "`inputs` tokens + `max_new_tokens` must be <= 8192. Given: 5003 `inputs`
         # tokens and 4096 `max_new_tokens`"
-        r"`inputs` tokens \+ `max_new_tokens` must be <= (?P<limit>\d+)\. Given: "
-        r"(?P<prompt>\d+) `inputs` tokens",
+        (
+            r"`inputs` tokens \+ `max_new_tokens` must be <= (?P<limit>\d+)\. Given: "
+            r"(?P<prompt>\d+) `inputs` tokens",
+            0,
+        ),
     )
 )
 
