@@ -38,6 +38,8 @@ __all__ = [
     "validate_body",
 ]
 
+MAX_STOP_STRINGS = 32
+
 # Fields laneway does not act on, accepted only at a value that asks for nothing laneway does
 # not do anyway (null always does); any other value is refused, so no client believes it got
 # the logprobs, tool calls or extra choices it asked for. Other unknown fields are refused too.
@@ -117,7 +119,10 @@ class _Body(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: list[str] = Field(default_factory=list, max_length=4)
+    # OpenAI takes 4; IDE plugins send a self-hosted server their FIM template's whole list
+    # (Continue: 9 and more for Qwen's), which vLLM takes. A bound all the same: each is
+    # looked for in every token's text.
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     stream_options: _StreamOptions | None = None
     # Honoured where the engine samples by seed (vLLM, and upstreams that pass it on; the sim

@@ -66,7 +66,7 @@ OPENAI_FIELDS = {
         {}, optional={"include_usage": st.booleans() | json_values, "extra": json_values}
     )
     | json_values,
-    "stop": st.lists(st.text(max_size=4), max_size=5) | texts,
+    "stop": st.lists(st.text(max_size=4), max_size=34) | texts,
     "n": st.integers(0, 3) | json_values,
     "echo": st.booleans() | json_values,
     "logprobs": st.booleans() | counts,
@@ -86,7 +86,7 @@ VALID_FIELDS = {
     "top_p": st.floats(0.01, 1),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "stop": st.lists(st.text(max_size=4), max_size=4),
+    "stop": st.lists(st.text(max_size=4), max_size=12),
     "user": st.text(max_size=20),
     "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
 }

@@ -403,3 +403,17 @@ def test_a_messages_text_parts_reach_the_engine_one_a_line() -> None:
     body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
     [message] = validate_body(ChatRequest, body).flat_messages()
     assert message.content == "<task>fix it</task>\n<environment_details>"
+
+
+def test_an_ide_plugins_whole_list_of_stop_strings_is_taken() -> None:
+    """Continue sends a self-hosted server every stop string of its fill-in-the-middle
+    template (9 for Qwen's, with its own on top), where OpenAI takes 4: refused, every
+    completion of such a plugin failed. A bound all the same, named in the error."""
+    qwen = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"]
+    qwen += ["<|repo_name|>", "<|file_sep|>", "<|im_start|>", "<|im_end|>", "\n\n"]
+    body = {**COMPLETION, "suffix": "\n    return x", "stop": qwen}
+    assert validate_body(CompletionRequest, body).stop == qwen
+    with pytest.raises(BadRequest) as refused:
+        validate_body(CompletionRequest, {**COMPLETION, "stop": [f"s{i}" for i in range(33)]})
+    assert refused.value.param == "stop"
+    assert "32" in refused.value.message
