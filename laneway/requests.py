@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laneway.constants import RequestClass
-from laneway.errors import BadRequest, ModelNotFound, PromptTooLarge
+from laneway.errors import ModelNotFound, PromptTooLarge
 from laneway.openai_api import ChatRequest, CompletionRequest
 from laneway.openai_format import clipped
 from laneway.schema import ApiKind, ChatMessage, RequestEnvelope
@@ -34,7 +34,7 @@ class RequestShape:
     max_tokens: int
     prompt_tokens: int
     body: CompletionRequest | ChatRequest
-    max_tokens_default: bool = False  # the client set none: ``max_tokens`` is the cap
+    max_tokens_default: bool = False  # the client set none, or more: ``max_tokens`` is the cap
 
     def envelope(self, **fields: Any) -> RequestEnvelope:
         """The envelope of this request; ``fields`` add who, where and when."""
@@ -77,29 +77,25 @@ def shape_request(
     """Validate ``body`` against the served models and the limits of ``cls``. ``where``:
     what an error's ``param`` is prefixed with (``body.`` for a batch line's body)."""
     check_served(body.model, settings.models, param=f"{where}model")
-    field = "max_tokens"
     if isinstance(body, CompletionRequest):
         kind: ApiKind = "completion"
         prompt, messages, suffix = body.prompt, None, body.suffix
         max_tokens = body.max_tokens
-        cap, setting = settings.completion_max_tokens, "LANEWAY_COMPLETION_MAX_TOKENS"
+        cap = settings.completion_max_tokens
     else:
         kind = "chat"
         messages, suffix = body.flat_messages(), None
         prompt = "".join(m.content for m in messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if body.max_completion_tokens:
-            field = "max_completion_tokens"  # the error names the field the client sent
-        cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
-    if cls == "batch" and settings.chat_max_tokens > cap:  # a batch line may be as long
-        cap, setting = settings.chat_max_tokens, "LANEWAY_CHAT_MAX_TOKENS"
-    asked = max_tokens is not None
-    max_tokens = max_tokens or cap
-    if max_tokens > cap:
-        raise BadRequest(
-            f"{field} {max_tokens} is over the {cls} limit {cap} ({setting})",
-            param=f"{where}{field}",
-        )
+        cap = settings.chat_max_tokens
+    if cls == "batch":  # a batch line may be as long as a chat
+        cap = max(cap, settings.chat_max_tokens)
+    # An upper bound, not a length: more than the class's cap gets the cap (finish_reason
+    # `length` says where it ended). IDE plugins send far more than a completion's cap
+    # (Continue: 4,096 unless configured), and a 400 failed every keystroke of theirs.
+    max_tokens_default = max_tokens is None or max_tokens > cap
+    if max_tokens is None or max_tokens_default:
+        max_tokens = cap
     prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
     if messages is not None:
         # A chat template frames every message (its role, separators): OpenAI's count is
@@ -117,4 +113,6 @@ def shape_request(
             param=f"{where}{what}",
             setting="LANEWAY_MAX_PROMPT_TOKENS",
         )
-    return RequestShape(kind, prompt, messages, suffix, max_tokens, prompt_tokens, body, not asked)
+    return RequestShape(
+        kind, prompt, messages, suffix, max_tokens, prompt_tokens, body, max_tokens_default
+    )

@@ -74,12 +74,6 @@ def _error(response: object) -> dict[str, object]:
             "temperature",
             "less than",
         ),
-        (
-            b'{"model": "laneway-code", "prompt": "x", "max_tokens": 4096}',
-            400,
-            "max_tokens",
-            "LANEWAY_COMPLETION_MAX_TOKENS",
-        ),
         (b'{"model": "gpt-nope", "prompt": "x"}', 404, "model", "not served"),
         # JSON laneway could not write out again: refused at the door, naming the field.
         (

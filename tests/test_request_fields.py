@@ -143,22 +143,54 @@ def test_a_message_laneway_cannot_render_is_refused(message: dict[str, Any], par
 
 
 @pytest.mark.parametrize(
-    ("body", "field"),
+    "body",
     [
-        ({**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),
-        ({**CHAT, "max_tokens": 10**6}, "max_tokens"),
-        ({**COMPLETION, "max_tokens": 10**6}, "max_tokens"),
+        {**CHAT, "max_completion_tokens": 10**6},
+        {**CHAT, "max_tokens": 10**6},
+        {**COMPLETION, "max_tokens": 4096},  # Continue's autocomplete, unless configured
     ],
 )
-def test_a_limit_error_names_the_field_the_client_sent(body: dict[str, Any], field: str) -> None:
+def test_a_length_over_the_classs_cap_gets_the_cap(body: dict[str, Any]) -> None:
+    """``max_tokens`` is an upper bound: more than the cap gets the cap (its finish_reason
+    ``length`` says where it ended), and may be cut further to fit an upstream's context
+    (``max_tokens_default``). A 400 failed every keystroke of an IDE plugin that sends
+    4,096 whatever the request."""
     model = ChatRequest if "messages" in body else CompletionRequest
+    settings = CommonSettings()
     request = validate_body(model, body)
-    with pytest.raises(BadRequest) as refused:
-        shape_request(CommonSettings(), request, "chat")
-    assert (refused.value.param, refused.value.message.split()[0]) == (field, field)
-    with pytest.raises(BadRequest) as in_a_line:  # a batch line's, under its body
-        shape_request(CommonSettings(), request, "batch", where="body.")
-    assert in_a_line.value.param == f"body.{field}"
+    cls = "chat" if "messages" in body else "completion"
+    shaped = shape_request(settings, request, cls)
+    cap = settings.chat_max_tokens if cls == "chat" else settings.completion_max_tokens
+    assert (shaped.max_tokens, shaped.max_tokens_default) == (cap, True)
+    in_a_line = shape_request(settings, request, "batch", where="body.")
+    assert in_a_line.max_tokens == max(cap, settings.chat_max_tokens)
+    asked = validate_body(model, {**body, "max_tokens": 8, "max_completion_tokens": None})
+    assert (shape_request(settings, asked, cls).max_tokens_default) is False
+
+
+async def test_over_http_continues_autocomplete_request_is_answered(stack: LiveStack) -> None:
+    """Continue's autocomplete as it sends it to a self-hosted server (core/llm/llms/
+    OpenAI.ts ``_legacystreamComplete``): max_tokens 4,096, temperature 0.01, streamed, its
+    FIM template's every stop string. Refused before (max_tokens over the completion cap,
+    more than 4 stop strings): every keystroke a 400."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    stops = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]
+    stops += ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
+    stream = await client.completions.create(
+        model="laneway-code",
+        prompt="<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>",
+        max_tokens=4096,
+        temperature=0.01,
+        stream=True,
+        stop=[*stops, "\n\n", "/src/", "#- coding: utf-8"],
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
 
 
 def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
