@@ -61,7 +61,16 @@ from typing import Any, TextIO
 import orjson
 from aiohttp import web
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "stop", "suffix")
+_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "suffix",
+)
 _WORDS = ("alpha ", "beta ", "gamma ", "delta ", "omega ", "sigma ", "kappa ", "theta ")
 
 

@@ -204,12 +204,15 @@ class QuotaExceeded(LanewayError):
 
     def headers(self) -> dict[str, str]:
         headers = {
-            "Retry-After": str(max(1, math.ceil(self.retry_after))),
             "x-ratelimit-limit-tokens": str(self.limit),
             "x-ratelimit-remaining-tokens": "0",
         }
         if self.never:
-            headers.update(_NOT_AGAIN)  # the SDKs retry a 429; this one no wait makes fit
+            # The SDKs retry a 429; no wait makes this one fit. And no Retry-After: clients
+            # that read only it (Continue's backoff) would wait its hour, five times over.
+            headers.update(_NOT_AGAIN)
+        else:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return headers
 
 

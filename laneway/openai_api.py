@@ -31,6 +31,7 @@ from laneway.schema import ChatMessage
 
 __all__ = [
     "BODY_NO_OPS",
+    "MESSAGE_INERT",
     "MESSAGE_NO_OPS",
     "ChatRequest",
     "CompletionRequest",
@@ -49,8 +50,6 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "echo": (False,),
     "logprobs": (False,),  # chat: a flag; completions: a count, where even 0 asks for some
     "top_logprobs": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -66,6 +65,11 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "moderation": (),
     "store": (False,),  # nothing is stored for retrieval
     "service_tier": ("auto", "default"),  # priority comes from the team's tier
+    # vLLM's own sampling fields, at the values that change nothing (some clients send them
+    # whatever the server): -1 and 0 are no top-k, as vLLM reads them.
+    "top_k": (-1, 0),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
 }
 # What an assistant message carries when a client sends laneway's own answer back as history;
 # a name or a tool call would change the prompt, and workers see role and content only.
@@ -78,6 +82,13 @@ MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "name": (),
     "tool_call_id": (),
 }
+# What clients put on every message that changes no prompt, taken whatever its value: caching
+# hints (Copilot's BYOK `copilot_cache_control`, `cache_control`), a reasoning model's thinking
+# sent back as history (Continue and Zed send `reasoning_content`; chat templates leave past
+# thinking out), a client's own message id (Twinny).
+MESSAGE_INERT = frozenset(
+    {"cache_control", "copilot_cache_control", "reasoning_content", "reasoning", "id"}
+)
 
 
 def _is_no_op(value: object, allowed: Sequence[object]) -> bool:
@@ -92,6 +103,7 @@ class _Strict(BaseModel):
     # a guess (pydantic's lax mode would stream, or ask for one token).
     model_config = ConfigDict(extra="forbid", strict=True)
     no_ops: ClassVar[Mapping[str, tuple[object, ...]]] = {}
+    inert: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +115,9 @@ class _Strict(BaseModel):
         return {
             key: value
             for key, value in data.items()
-            if value is not None and not (key in cls.no_ops and _is_no_op(value, cls.no_ops[key]))
+            if value is not None
+            and key not in cls.inert
+            and not (key in cls.no_ops and _is_no_op(value, cls.no_ops[key]))
         }
 
 
@@ -119,6 +133,10 @@ class _Body(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    # Honoured where the engine samples by them (vLLM, and upstreams that pass them on; the
+    # sim engine writes the same text whatever they say). Tabby's chat sends 0.5 always.
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # OpenAI takes 4; IDE plugins send a self-hosted server their FIM template's whole list
     # (Continue: 9 and more for Qwen's), which vLLM takes. A bound all the same: each is
     # looked for in every token's text.
@@ -193,6 +211,7 @@ _TEXT_PART_FIELDS = frozenset({"type", "text", "cache_control"})
 
 class _ChatMessageIn(_Strict):
     no_ops = MESSAGE_NO_OPS
+    inert = MESSAGE_INERT
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None

@@ -50,6 +50,8 @@ class RequestShape:
             max_tokens_default=self.max_tokens_default,
             temperature=body.temperature,
             top_p=body.top_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
             stop=body.stop,
             seed=body.seed,
             prompt_tokens=self.prompt_tokens,

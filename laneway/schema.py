@@ -86,6 +86,8 @@ class RequestEnvelope(_Wire):
     )
     temperature: float = 1.0
     top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(
         None, description="the client's sampling seed; None: the request's own"

@@ -71,12 +71,14 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     (COMPLETION, "echo", True),
     (COMPLETION, "logprobs", 0),  # a count for completions: even 0 asks for logprobs
     (COMPLETION, "logit_bias", {"50256": -100}),
-    (COMPLETION, "presence_penalty", 0.5),
+    (COMPLETION, "presence_penalty", 2.5),  # honoured from -2 to 2, as OpenAI and vLLM take it
     (COMPLETION, "top_k", 40),  # vLLM's, not OpenAI's
     (CHAT, "n", True),  # not 1, though Python says True == 1
     (CHAT, "logprobs", True),
     (CHAT, "top_logprobs", 3),
-    (CHAT, "frequency_penalty", -1),
+    (CHAT, "frequency_penalty", -3),
+    (CHAT, "min_p", 0.1),  # vLLM's own: only at the value that changes nothing
+    (CHAT, "repetition_penalty", 1.2),
     (CHAT, "tools", [TOOL]),
     (CHAT, "tool_choice", "auto"),
     (CHAT, "functions", [TOOL["function"]]),
@@ -215,6 +217,9 @@ def test_no_op_and_inert_values_are_accepted_and_change_nothing() -> None:
         "metadata": {"ticket": "42"},
         "prompt_cache_key": "repo-1",
         "parallel_tool_calls": False,
+        "top_k": -1,  # vLLM's own, at values that change nothing
+        "min_p": 0,
+        "repetition_penalty": 1.0,
         "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }
@@ -294,7 +299,13 @@ async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstrea
     key = await stack.api_key("team-a")
     client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
     stack._clients.append(client)
-    steer = {"temperature": 0.3, "top_p": 0.8, "seed": 7}
+    steer = {
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "seed": 7,
+        "presence_penalty": 0.5,  # Tabby's chat sends 0.5 whatever the request
+        "frequency_penalty": -0.25,
+    }
     completion = await client.completions.create(
         model="laneway-code", prompt="fields-a", suffix=" return x", max_tokens=12,
         stop=["gamma"], **steer,
@@ -449,3 +460,18 @@ def test_an_ide_plugins_whole_list_of_stop_strings_is_taken() -> None:
         validate_body(CompletionRequest, {**COMPLETION, "stop": [f"s{i}" for i in range(33)]})
     assert refused.value.param == "stop"
     assert "32" in refused.value.message
+
+
+def test_what_clients_put_on_every_message_that_changes_no_prompt_is_inert() -> None:
+    """Caching hints (Copilot BYOK's ``copilot_cache_control``, ``cache_control``), a
+    reasoning model's thinking sent back as history (Continue and Zed send
+    ``reasoning_content``, even empty), a client's own message id (Twinny): each was a 400
+    naming the field, for every chat of those clients."""
+    sent = [
+        {"role": "system", "content": "be brief", "id": "conv-1"},
+        {"role": "user", "content": "hi", "copilot_cache_control": {"type": "ephemeral"}},
+        {"role": "assistant", "content": "hello", "reasoning_content": "", "reasoning": "x"},
+        {"role": "user", "content": "and?", "cache_control": {"type": "ephemeral"}},
+    ]
+    flat = validate_body(ChatRequest, {**CHAT, "messages": sent}).flat_messages()
+    assert [(m.role, m.content) for m in flat] == [(m["role"], m["content"]) for m in sent]

@@ -267,6 +267,8 @@ class RequestExecutor:
             suffix=env.suffix,
             temperature=env.temperature,
             top_p=env.top_p,
+            presence_penalty=env.presence_penalty,
+            frequency_penalty=env.frequency_penalty,
             stop=env.stop,
             priority=_PRIORITY[env.cls] + (env.band == "lo"),
             deadline_ts=env.deadline_ts,

@@ -29,8 +29,8 @@ from laneway.tokens import estimate_tokens
 
 __all__ = ["Follower", "Generation", "ReuseRegistry"]
 
-# route, suffix hash, temperature, top_p, stop, the client's seed
-Settings = tuple[str, str, float, float, tuple[str, ...], int | None]
+# route, suffix hash, temperature, top_p, penalties, stop, the client's seed
+Settings = tuple[str, str, float, float, float, float, tuple[str, ...], int | None]
 
 
 def _digest(text: str) -> bytes:
@@ -39,7 +39,16 @@ def _digest(text: str) -> bytes:
 
 def _settings(env: RequestEnvelope) -> Settings:
     suffix = _digest(env.suffix or "").hex()
-    return (env.route, suffix, env.temperature, env.top_p, tuple(env.stop), env.seed)
+    return (
+        env.route,
+        suffix,
+        env.temperature,
+        env.top_p,
+        env.presence_penalty,
+        env.frequency_penalty,
+        tuple(env.stop),
+        env.seed,
+    )
 
 
 @dataclass(eq=False)

@@ -25,6 +25,8 @@ class EngineRequest:
     suffix: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     priority: int = 0  # lower runs first (vLLM's convention)
     # Epoch seconds by which it must have started (an upstream's first byte), or None.

@@ -163,6 +163,11 @@ class OpenAICompatibleEngine:
         }
         if request.stop:
             body["stop"] = request.stop
+        # Only when asked: a server without them (TGI's completions) takes a request without.
+        if request.presence_penalty:
+            body["presence_penalty"] = request.presence_penalty
+        if request.frequency_penalty:
+            body["frequency_penalty"] = request.frequency_penalty
         if self.priority:
             body["priority"] = request.priority
         if request.cache_salt is not None:

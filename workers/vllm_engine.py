@@ -258,6 +258,8 @@ class VllmEngine:
             max_tokens=min(request.max_tokens, cap) if cap else request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
             stop=list(request.stop) or None,
             seed=request.seed,
             output_kind=vllm.sampling_params.RequestOutputKind.DELTA,
