@@ -84,8 +84,8 @@ MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
 }
 # What clients put on every message that changes no prompt, taken whatever its value: caching
 # hints (Copilot's BYOK `copilot_cache_control`, `cache_control`), a reasoning model's thinking
-# sent back as history (Continue and Zed send `reasoning_content`; chat templates leave past
-# thinking out), a client's own message id (Twinny).
+# sent back as history (Continue and Zed send `reasoning_content`; workers send each message's
+# role and content only), a client's own message id (Twinny).
 MESSAGE_INERT = frozenset(
     {"cache_control", "copilot_cache_control", "reasoning_content", "reasoning", "id"}
 )

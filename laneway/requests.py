@@ -34,7 +34,7 @@ class RequestShape:
     max_tokens: int
     prompt_tokens: int
     body: CompletionRequest | ChatRequest
-    max_tokens_default: bool = False  # the client set none, or more: ``max_tokens`` is the cap
+    max_tokens_default: bool = False  # the client set none, or the cap or more: it is the cap
 
     def envelope(self, **fields: Any) -> RequestEnvelope:
         """The envelope of this request; ``fields`` add who, where and when."""
@@ -94,8 +94,10 @@ def shape_request(
         cap = max(cap, settings.chat_max_tokens)
     # An upper bound, not a length: more than the class's cap gets the cap (finish_reason
     # `length` says where it ended). IDE plugins send far more than a completion's cap
-    # (Continue: 4,096 unless configured), and a 400 failed every keystroke of theirs.
-    max_tokens_default = max_tokens is None or max_tokens > cap
+    # (Continue: 4,096 unless configured), and a 400 failed every keystroke of theirs. One
+    # that asks the cap or more leaves the length to laneway, which may cut it to fit a
+    # server's context (Continue's chat asks 4,096, the chat's cap).
+    max_tokens_default = max_tokens is None or max_tokens >= cap
     if max_tokens is None or max_tokens_default:
         max_tokens = cap
     prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")

@@ -81,8 +81,9 @@ class RequestEnvelope(_Wire):
     max_tokens: int = Field(gt=0)
     max_tokens_default: bool = Field(
         False,
-        description="the client set no max_tokens: max_tokens is its class's cap (a server "
-        "whose context has less room after the prompt gives it that room instead)",
+        description="the client set no max_tokens, or its class's cap or more: max_tokens is "
+        "the cap (a server whose context has less room after the prompt gives it that room "
+        "instead)",
     )
     temperature: float = 1.0
     top_p: float = 1.0

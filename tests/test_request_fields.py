@@ -168,6 +168,8 @@ def test_a_length_over_the_classs_cap_gets_the_cap(body: dict[str, Any]) -> None
     assert in_a_line.max_tokens == max(cap, settings.chat_max_tokens)
     asked = validate_body(model, {**body, "max_tokens": 8, "max_completion_tokens": None})
     assert (shape_request(settings, asked, cls).max_tokens_default) is False
+    at_cap = validate_body(model, {**body, "max_tokens": cap, "max_completion_tokens": None})
+    assert (shape_request(settings, at_cap, cls).max_tokens_default) is True
 
 
 async def test_over_http_continues_autocomplete_request_is_answered(stack: LiveStack) -> None:
@@ -364,13 +366,19 @@ async def test_a_chat_that_sets_no_length_gets_what_the_context_leaves_up_to_the
     )
     assert short.usage is not None
     assert short.usage.completion_tokens == 60
-    # A length the client set goes on as set, and the server's refusal back to the client.
+    # Asking the cap (Continue's chat asks 4,096) or more leaves the length to laneway too.
+    capped = await client.chat.completions.create(
+        model="laneway-chat", messages=[{"role": "user", "content": near}], max_tokens=60
+    )
+    assert capped.usage is not None
+    assert capped.usage.completion_tokens == 50
+    # A length under the cap the client set goes on as set, and the refusal back to it.
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
-            model="laneway-chat", messages=[{"role": "user", "content": near}], max_tokens=60
+            model="laneway-chat", messages=[{"role": "user", "content": near}], max_tokens=55
         )
     assert refused.value.code == "context_length_exceeded"
-    assert len(upstream.entries()) == 4  # not sent again
+    assert len(upstream.entries()) == 6  # that one not sent again
 
 
 @pytest.mark.parametrize(

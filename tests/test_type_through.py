@@ -451,6 +451,25 @@ async def test_a_request_with_its_own_seed_never_types_through(
     ]
 
 
+async def test_a_request_with_a_penalty_never_types_through(
+    stack: LiveStack, upstream: UpstreamProcess
+) -> None:
+    """Penalties weigh what a run wrote, the typed text included, and not a prompt: the
+    request's own run would write something else, even at temperature 0."""
+    ingress = await stack.start_ingress()
+    await _worker(stack, upstream)
+    http = stack.http(ingress, await stack.api_key())
+    for seq, prompt in enumerate(("def weighed():", "def weighed():" + WORDS[0]), start=1):
+        body = _keystroke(prompt, seq, stream=False)
+        body["json"] |= {"presence_penalty": 0.5, "temperature": 0}
+        assert (await http.post("/v1/completions", **body)).status_code == 200
+    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
+    assert [e["prompt"] for e in upstream.entries()] == [
+        "def weighed():",
+        "def weighed():" + WORDS[0],
+    ]
+
+
 async def test_a_team_that_turned_type_through_off_gets_a_request_each(
     stack: LiveStack, upstream: UpstreamProcess
 ) -> None:

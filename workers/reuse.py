@@ -33,6 +33,18 @@ __all__ = ["Follower", "Generation", "ReuseRegistry"]
 Settings = tuple[str, str, float, float, float, float, tuple[str, ...], int | None]
 
 
+def _own_run_repeats(env: RequestEnvelope) -> bool:
+    """Whether ``env``'s own run would write what following a generation that its prompt
+    typed into gives it. Not with a client's own seed at a temperature: it asks for the same
+    answer every time it sends the request, and the continuation of another prompt's sample
+    is not its seed's sample (sent again when nothing is left to follow, it would get another
+    answer). Nor with a penalty, even greedily: penalties weigh what a run wrote, the typed
+    text included, and not a prompt."""
+    if env.seed is not None and env.temperature > 0:
+        return False
+    return not (env.presence_penalty or env.frequency_penalty)
+
+
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
@@ -131,10 +143,7 @@ class Generation:
         typed = prompt[self.prompt_len :]
         if not self.text.startswith(typed):
             return None
-        if typed and env.seed is not None and env.temperature > 0:
-            # A client's own seed asks for the same answer every time it sends the request:
-            # the continuation of another prompt's sample is not its seed's sample, and
-            # sent again when nothing is left to follow, it would get another answer.
+        if typed and not _own_run_repeats(env):
             return None
         if self.finish_reason is None and (self.done or self.stopping):
             return None  # cut short (or about to be): its text is not a whole answer

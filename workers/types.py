@@ -19,8 +19,8 @@ class EngineRequest:
     prompt: str
     max_tokens: int
     messages: list[ChatMessage] | None = None
-    # The client set no max_tokens (``max_tokens`` is its class's cap): an upstream server
-    # that refuses the cap as over its context is sent the room it leaves instead.
+    # The client set no max_tokens, or the cap or more (``max_tokens`` is its class's cap): an
+    # upstream server that refuses the cap as over its context is sent the room it leaves.
     max_tokens_default: bool = False
     suffix: str | None = None
     temperature: float = 1.0
