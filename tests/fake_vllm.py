@@ -49,6 +49,8 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: list[str] | None = None
     seed: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE

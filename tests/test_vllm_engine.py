@@ -166,12 +166,21 @@ async def test_a_suffix_on_the_vllm_engine_is_a_400_naming_it_neither_counted_no
 
 async def test_band_is_priority_and_sampling_is_passed_on(fake_engine: VllmEngine) -> None:
     request = EngineRequest(
-        id="lo", route="m", prompt="x", max_tokens=2, temperature=0.2, top_p=0.9, stop=["\n"]
+        id="lo",
+        route="m",
+        prompt="x",
+        max_tokens=2,
+        temperature=0.2,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        stop=["\n"],
     )
     await _run(fake_engine, replace(request, priority=1))
     _, params, priority = _llm().requests[0]
     assert priority == 1
     assert (params.temperature, params.top_p, params.stop) == (0.2, 0.9, ["\n"])
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
 
 
 async def test_chat_uses_the_tokenizers_template(fake_engine: VllmEngine) -> None:
