@@ -112,7 +112,7 @@ def shape_request(
         raise PromptTooLarge(
             settings.max_prompt_tokens,
             f"However, your {what} came to about {prompt_tokens} tokens by laneway's estimate "
-            "(a model's own count is up to a quarter lower for code). "
+            "(punctuation counts two characters a token: a model's own count is lower for code). "
             f"Please reduce the length of the {what}.",
             param=f"{where}{what}",
             setting="LANEWAY_MAX_PROMPT_TOKENS",

@@ -155,14 +155,14 @@ class CommonSettings(BaseSettings):
         min_length=1,
         description="model names served (JSON list)",
     )
-    # Checked against laneway's estimate (``laneway.tokens``), which runs up to a quarter over
-    # a real tokenizer's count for code: 1.25 x 32k, so that a 32k-token context passes.
+    # Checked against laneway's estimate (``laneway.tokens``), which counts punctuation at two
+    # characters a token and so runs over a tokenizer's count for code: 32k and a quarter more.
     max_prompt_tokens: int = Field(
         40_960,
         gt=0,
-        description="largest accepted prompt, by laneway's estimate (up to a quarter over a "
-        "model's own count for code: the default takes a 32k-token context; a server behind "
-        "laneway still refuses what is over its own context)",
+        description="largest accepted prompt, by laneway's estimate (which runs over a model's "
+        "own count for code: the default is 32k and a quarter more; a server behind laneway "
+        "still refuses what is over its own context)",
     )
     completion_max_tokens: int = Field(128, gt=0, description="max_tokens cap of completions")
     chat_max_tokens: int = Field(4096, gt=0, description="max_tokens cap of chat")
