@@ -432,42 +432,29 @@ async def test_a_follower_whose_budget_ends_where_its_generation_stopped_says_st
     assert [e["prompt"] for e in upstream.entries()] == ["def stop():"]  # it followed
 
 
-async def test_a_request_with_its_own_seed_never_types_through(
-    stack: LiveStack, upstream: UpstreamProcess
+@pytest.mark.parametrize(
+    ("head", "fields"),
+    [
+        # A seed asks for the same answer whenever the request is sent; a continuation of the
+        # previous prompt's sample is not it (sent again with nothing to follow, it differs).
+        ("def seeded():", {"seed": 7, "temperature": 0.8}),
+        # Penalties weigh what a run wrote, the typed text included, and not a prompt: the
+        # request's own run would write something else, even at temperature 0.
+        ("def weighed():", {"presence_penalty": 0.5, "temperature": 0}),
+    ],
+)
+async def test_a_request_whose_own_run_would_differ_never_types_through(
+    stack: LiveStack, upstream: UpstreamProcess, head: str, fields: dict[str, Any]
 ) -> None:
-    """A seed asks for the same answer whenever the request is sent; a continuation of the
-    previous prompt's sample is not it (sent again with nothing to follow, it would differ)."""
     ingress = await stack.start_ingress()
     await _worker(stack, upstream)
     http = stack.http(ingress, await stack.api_key())
-    for seq, prompt in enumerate(("def seeded():", "def seeded():" + WORDS[0]), start=1):
+    for seq, prompt in enumerate((head, head + WORDS[0]), start=1):
         body = _keystroke(prompt, seq, stream=False)
-        body["json"] |= {"seed": 7, "temperature": 0.8}
+        body["json"] |= fields
         assert (await http.post("/v1/completions", **body)).status_code == 200
     await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
-    assert [e["prompt"] for e in upstream.entries()] == [
-        "def seeded():",
-        "def seeded():" + WORDS[0],
-    ]
-
-
-async def test_a_request_with_a_penalty_never_types_through(
-    stack: LiveStack, upstream: UpstreamProcess
-) -> None:
-    """Penalties weigh what a run wrote, the typed text included, and not a prompt: the
-    request's own run would write something else, even at temperature 0."""
-    ingress = await stack.start_ingress()
-    await _worker(stack, upstream)
-    http = stack.http(ingress, await stack.api_key())
-    for seq, prompt in enumerate(("def weighed():", "def weighed():" + WORDS[0]), start=1):
-        body = _keystroke(prompt, seq, stream=False)
-        body["json"] |= {"presence_penalty": 0.5, "temperature": 0}
-        assert (await http.post("/v1/completions", **body)).status_code == 200
-    await eventually(lambda: len(upstream.entries()) == 2, 10, "both requests in the log")
-    assert [e["prompt"] for e in upstream.entries()] == [
-        "def weighed():",
-        "def weighed():" + WORDS[0],
-    ]
+    assert [e["prompt"] for e in upstream.entries()] == [head, head + WORDS[0]]
 
 
 async def test_a_team_that_turned_type_through_off_gets_a_request_each(
