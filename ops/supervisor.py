@@ -138,9 +138,10 @@ class Supervisor:
         return self._stop.is_set()
 
     def request_stop(self) -> None:
-        """First call: stop everything in order. Second call: kill what still runs, now."""
+        """First call: stop everything in order. Second call, or a first while the stack
+        already stops by itself (a crash loop): kill what still runs, now."""
         self._stop_requests += 1
-        if self._stop_requests == 1:
+        if self._stop_requests == 1 and not self._stop.is_set():
             log.warning("stopping laneway (again to kill it at once)")
             self._stop.set()
         elif not self._kill:

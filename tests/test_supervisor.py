@@ -391,6 +391,27 @@ async def test_a_service_whose_log_cannot_be_written_is_still_read_and_stops(
     assert chatty.log_tail().endswith("x" * 1000)
 
 
+async def test_ctrl_c_while_a_crash_loop_stops_the_stack_kills_at_once(tmp_path: Path) -> None:
+    """The stack already stops in order (a crash loop), and a service ignores its SIGTERM:
+    the operator's Ctrl-C is a second stop, not a first that changes nothing."""
+    stubborn = _python(
+        "stubborn",
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored'))\n"
+        "print('ready')\n"
+        "while True: time.sleep(1)\n",
+        tmp_path,
+    )
+    crasher = _python("crasher", "raise SystemExit(3)", tmp_path)
+    supervisor = Supervisor([stubborn, crasher], FAST, grace_s=600)
+    run = asyncio.create_task(supervisor.run())
+    await eventually(lambda: "SIGTERM ignored" in stubborn.log_tail(), 20, "the stop in order")
+    supervisor.request_stop()
+    with pytest.raises(CrashLoop):
+        await asyncio.wait_for(run, 20)  # far less than the 600 s grace
+    assert _gone(stubborn.pid)
+
+
 async def test_a_killed_redis_comes_back_with_its_data(tmp_path: Path) -> None:
     server = RedisServer(port=free_port(), data_dir=tmp_path / "redis", persistent=True)
     supervisor = Supervisor([LocalServer(server)], FAST)
