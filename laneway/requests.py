@@ -98,8 +98,7 @@ def shape_request(
     # that asks the cap or more leaves the length to laneway, which may cut it to fit a
     # server's context (Continue's chat asks 4,096, the chat's cap).
     max_tokens_default = max_tokens is None or max_tokens >= cap
-    if max_tokens is None or max_tokens_default:
-        max_tokens = cap
+    max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     prompt_tokens = estimate_tokens(prompt) + estimate_tokens(suffix or "")
     if messages is not None:
         # A chat template frames every message (its role, separators): OpenAI's count is

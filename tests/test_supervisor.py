@@ -34,6 +34,12 @@ from tests.stack import ROOT, eventually, free_port
 
 FAST = RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, crash_limit=3, crash_window_s=60)
 SLEEPER = "import os, time\nprint('running', os.getpid())\ntime.sleep(600)"
+STUBBORN = (  # ignores SIGTERM: only a kill ends it
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored'))\n"
+    "print('ready')\n"
+    "while True: time.sleep(1)\n"
+)
 
 
 def _python(
@@ -326,14 +332,7 @@ async def test_a_start_that_fails_after_the_spawn_leaves_no_child_behind(tmp_pat
 
 
 async def test_a_second_ctrl_c_kills_what_ignores_the_first(tmp_path: Path) -> None:
-    stubborn = _python(
-        "stubborn",
-        "import signal, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored'))\n"
-        "print('ready')\n"
-        "while True: time.sleep(1)\n",
-        tmp_path,
-    )
+    stubborn = _python("stubborn", STUBBORN, tmp_path)
     supervisor = Supervisor([stubborn], FAST, grace_s=600)
     run = asyncio.create_task(supervisor.run())
     await eventually(lambda: "ready" in stubborn.log_tail(), 20, "ready")
@@ -394,14 +393,7 @@ async def test_a_service_whose_log_cannot_be_written_is_still_read_and_stops(
 async def test_ctrl_c_while_a_crash_loop_stops_the_stack_kills_at_once(tmp_path: Path) -> None:
     """The stack already stops in order (a crash loop), and a service ignores its SIGTERM:
     the operator's Ctrl-C is a second stop, not a first that changes nothing."""
-    stubborn = _python(
-        "stubborn",
-        "import signal, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: print('SIGTERM ignored'))\n"
-        "print('ready')\n"
-        "while True: time.sleep(1)\n",
-        tmp_path,
-    )
+    stubborn = _python("stubborn", STUBBORN, tmp_path)
     crasher = _python("crasher", "raise SystemExit(3)", tmp_path)
     supervisor = Supervisor([stubborn, crasher], FAST, grace_s=600)
     run = asyncio.create_task(supervisor.run())
