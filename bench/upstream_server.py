@@ -30,6 +30,12 @@ decoding, or vLLM's ``--stream-interval``, does); ``--silent-after-finish`` send
 neither ``[DONE]`` nor the stream's end until the client leaves; ``--usage-apart-ms N`` sends
 usage in a chunk of its own after the finish (as vLLM does), N ms later for a prompt that
 starts with "late".
+A chat with ``tools`` (and a ``tool_choice`` other than ``none``) calls them instead of writing
+text, as a model served with a tool parser does: the named tool, else the first (and the
+second too, unless ``parallel_tool_calls`` is false), its arguments ``{"text": "<the words>"}``
+streamed a word a chunk as vLLM streams them, ``finish_reason`` ``tool_calls``. The log then
+has ``tools`` (their names), ``tool_choice`` (as received), ``called`` (the names called) and
+``history`` (the messages that carry ``tool_calls`` or have the role ``tool``, as received).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``); a chat with
 no ``max_tokens`` then gets what the context leaves, as from vLLM (else 16 tokens).
@@ -218,6 +224,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "sampling": {name: body[name] for name in _SAMPLING if name in body},
         "finish": "length",
     }
+    called = _called(body) if chat else []
+    if chat and ("tools" in body or any(_tool_message(m) for m in body.get("messages") or ())):
+        entry["tools"] = [tool["function"]["name"] for tool in body.get("tools") or ()]
+        entry["tool_choice"] = body.get("tool_choice")
+        entry["called"] = called
+        entry["history"] = [m for m in body.get("messages") or () if _tool_message(m)]
     refused = _too_long(upstream, body, count)
     if refused is not None:
         upstream.record({**entry, "outcome": "refused", "end": time.time()})
@@ -237,6 +249,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         pings = asyncio.create_task(_ping(response, upstream.keepalive_ms))
     try:
         async with upstream.slot(entry):
+            if called:
+                return await _call_tools(request, upstream, rid, called, count, entry, stream)
             if stream:
                 return await _stream(request, upstream, rid, chat, count, entry, response, pings)
             text = "".join([word async for word in upstream.tokens(count, entry)])
@@ -307,6 +321,79 @@ async def _stream(
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _called(body: dict[str, Any]) -> list[str]:
+    """The tools a chat calls: none without tools or with ``tool_choice`` none."""
+    tools = [tool["function"]["name"] for tool in body.get("tools") or ()]
+    choice = body.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return []
+    if isinstance(choice, dict):
+        return [choice["function"]["name"]]
+    return tools[:1] if body.get("parallel_tool_calls") is False else tools[:2]
+
+
+def _tool_message(message: dict[str, Any]) -> bool:
+    return bool(message.get("tool_calls")) or message.get("role") == "tool"
+
+
+async def _call_tools(
+    request: web.Request,
+    upstream: Upstream,
+    rid: str,
+    called: list[str],
+    count: int,
+    entry: dict[str, Any],
+    stream: bool,
+) -> web.StreamResponse:
+    """Call ``called`` one after the other, the words split between their arguments."""
+    entry["finish"] = "tool_calls"
+    share = max(1, count // len(called))
+    words = upstream.tokens(count, entry)
+    calls: list[dict[str, Any]] = []
+    response = await _event_stream(request) if stream else None
+    for index, name in enumerate(called):
+        call = {"id": f"call_{rid}_{index}", "type": "function", "function": {"name": name}}
+        parts = ['{"text": "']
+        sent = 0  # parts streamed: each chunk one token, as a server streams its calls
+        async for word in words:
+            parts.append(word)
+            if response is not None and len(parts) > 2:
+                await response.write(_calls_chunk(rid, index, call, parts, sent))
+                sent = len(parts) - 1
+            if len(parts) > share and index < len(called) - 1:
+                break
+        parts.append('"}')
+        if response is not None:
+            await response.write(_calls_chunk(rid, index, call, parts, sent))
+        calls.append({**call, "function": {"name": name, "arguments": "".join(parts)}})
+    if response is None:
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        choice = {"index": 0, "finish_reason": "tool_calls", "message": message}
+        body = {"id": rid, "object": "chat.completion", "choices": [choice]}
+        return web.json_response({**body, "usage": reported_usage(entry)}, dumps=_dumps)
+    last = {
+        "id": rid,
+        "object": "chunk",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {}}],
+        "usage": reported_usage(entry),
+    }
+    await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _calls_chunk(rid: str, index: int, call: dict[str, Any], parts: list[str], sent: int) -> bytes:
+    """A chunk of ``call``'s arguments: ``parts`` after the ``sent`` first, but the last
+    (its token comes with the next chunk); the first chunk of a call has its id and name."""
+    pending = parts[sent:] if parts[-1] == '"}' else parts[sent:-1]
+    arguments = {"arguments": "".join(pending)}
+    first = {**call, "function": {**call["function"], **arguments}}
+    part = first if sent == 0 else {"function": arguments}
+    delta = {"tool_calls": [{"index": index, **part}]}
+    chunk = {"id": rid, "object": "chunk", "choices": [{"index": 0, "delta": delta}]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def _text_chunk(rid: str, chat: bool, text: str) -> bytes:

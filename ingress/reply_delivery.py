@@ -164,6 +164,8 @@ async def sse_events(
             if reply.done:
                 if reply.status == "ok":
                     _observe(env, 200, state.clock.now())
+                    if reply.tool_calls:
+                        yield stream_chunk(env, tool_calls=reply.tool_calls)
                     yield stream_chunk(env, finish_reason=reply.finish_reason)
                     if include_usage:
                         yield stream_chunk(env, usage=usage_body(reply))

@@ -37,6 +37,7 @@ def stream_chunk(
     finish_reason: str | None = None,
     role: bool = False,
     usage: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> bytes:
     choices: list[dict[str, Any]]
     if usage is not None:
@@ -49,6 +50,9 @@ def stream_chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            # Whole calls, each with its index, as a stream's delta carries them.
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     chunk: dict[str, Any] = {
         "id": env.id,

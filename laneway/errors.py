@@ -289,17 +289,19 @@ class EngineUnsupported(EngineRejected):
     def from_engine(cls, reason: str) -> EngineUnsupported | None:
         """The engine's refusal ``reason`` as this error when it says, in a known server's
         words, that it does not take a parameter; else None."""
-        for pattern in _UNSUPPORTED_REFUSALS:
+        for pattern, param in _UNSUPPORTED_REFUSALS:
             if (found := pattern.search(reason)) is not None:
-                return cls(reason, param=found.group("param"))
+                return cls(reason, param=param or found.group("param"))
         return None
 
 
 # What a server says when it does not take a parameter at all. Only these exact phrases: any
 # other refusal is the request's own fault (``EngineRejected``) and is counted as one.
-_UNSUPPORTED_REFUSALS = (
+_UNSUPPORTED_REFUSALS: tuple[tuple[re.Pattern[str], str | None], ...] = (
     # vLLM serve refuses every completion with a suffix (it has no fill-in-the-middle).
-    re.compile(r"\b(?P<param>suffix) is not currently supported"),
+    (re.compile(r"\b(?P<param>suffix) is not currently supported"), None),
+    # vLLM serve started without a tool parser refuses the tool choice agents send.
+    (re.compile(r'"auto" tool choice requires --enable-auto-tool-choice'), "tool_choice"),
 )
 
 

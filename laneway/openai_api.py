@@ -43,7 +43,7 @@ MAX_STOP_STRINGS = 32
 
 # Fields laneway does not act on, accepted only at a value that asks for nothing laneway does
 # not do anyway (null always does); any other value is refused, so no client believes it got
-# the logprobs, tool calls or extra choices it asked for. Other unknown fields are refused too.
+# the logprobs, function calls or extra choices it asked for. Other unknown fields are refused too.
 BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "n": (1,),
     "best_of": (1,),
@@ -51,7 +51,7 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "logprobs": (False,),  # chat: a flag; completions: a count, where even 0 asks for some
     "top_logprobs": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
+    "tools": ([],),  # a chat's are honoured (``ChatRequest``); a completion's: none
     "tool_choice": ("none",),
     "functions": (),
     "function_call": ("none",),
@@ -72,15 +72,13 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "repetition_penalty": (1,),
 }
 # What an assistant message carries when a client sends laneway's own answer back as history;
-# a name or a tool call would change the prompt, and workers see role and content only.
+# a name would change the prompt, and workers see role, content and tool calls only.
 MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "refusal": (),
     "annotations": ([],),
-    "tool_calls": ([],),
     "function_call": (),
     "audio": (),
     "name": (),
-    "tool_call_id": (),
 }
 # What clients put on every message that changes no prompt, taken whatever its value: caching
 # hints (Copilot's BYOK `copilot_cache_control`, `cache_control`), a reasoning model's thinking
@@ -124,6 +122,49 @@ class _Strict(BaseModel):
 class _StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool = True  # inert: laneway never pads its chunks
+
+
+# OpenAI's bound on a request's tools.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 256
+
+
+class _Function(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _Tool(_Strict):
+    # A function tool. OpenAI's `custom` tools (free text in and out) are its own: refused.
+    # `cache_control` is the caching hint some clients put on their last tool: inert.
+    inert = frozenset({"cache_control"})
+
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+
+
+class _NamedChoice(_Strict):
+    type: Literal["function"]
+    function: _Named
+
+
+class _CalledFunction(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    arguments: str
+
+
+class _ToolCall(_Strict):
+    """A tool call of an assistant message sent back as history."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: _CalledFunction
 
 
 class _Body(_Strict):
@@ -215,6 +256,17 @@ class _ChatMessageIn(_Strict):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    # The calls an assistant made, and in a tool message the id of the call it answers.
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _calls_where_they_belong(self) -> _ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message has tool_calls: only an assistant's has")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"a {self.role} message has tool_call_id: only a tool message has")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -245,12 +297,62 @@ class _ChatMessageIn(_Strict):
         # `developer` is OpenAI's newer name for `system`; chat templates know `system`, and
         # many leave out a role they do not know, instructions and all.
         role = "system" if self.role == "developer" else self.role
-        return ChatMessage(role=role, content=text)
+        calls = [c.model_dump(exclude_none=True) for c in self.tool_calls or ()] or None
+        return ChatMessage(
+            role=role, content=text, tool_calls=calls, tool_call_id=self.tool_call_id
+        )
 
 
 class ChatRequest(_Body):
+    # `tools: []` asks for none; `tool_choice: "none"` is honoured (with tools, it forbids
+    # calling them).
+    no_ops = {k: v for k, v in BODY_NO_OPS.items() if k != "tool_choice"}
+
     messages: list[_ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Passed on to an upstream server, which calls them (the sim and vllm engines call none:
+    # a 400 naming `tools`); its calls come back whole, at the end of a stream.
+    tools: list[_Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    # Checked here (one message whatever was sent, not one per shape it might have been).
+    tool_choice: Any = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: object, info: ValidationInfo) -> object:
+        if value is None or value == "none":
+            return value
+        choice: str | _NamedChoice
+        if value in ("auto", "required"):
+            choice = str(value)
+        else:
+            try:
+                choice = _NamedChoice.model_validate(value)
+            except ValidationError:
+                raise ValueError(
+                    'must be "none", "auto", "required" or {"type": "function", '
+                    '"function": {"name": <one of the tools>}}'
+                ) from None
+        tools: list[_Tool] | None = info.data.get("tools")
+        if not tools:
+            raise ValueError("only allowed when tools are given")
+        names = {tool.function.name for tool in tools}
+        if isinstance(choice, _NamedChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is none of the tools")
+        return choice
+
+    def tool_fields(self) -> dict[str, Any]:
+        """What the envelope carries of the tools: nothing without any."""
+        if self.tools is None:
+            return {}
+        fields: dict[str, Any] = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]}
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            fields["tool_choice"] = (
+                choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
+            )
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        return fields
 
     def flat_messages(self) -> list[ChatMessage]:
         return [m.flat() for m in self.messages]

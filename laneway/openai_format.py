@@ -62,10 +62,15 @@ def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
         }
         obj = "text_completion"
     else:
+        # OpenAI's description requires refusal (null unless the model refused).
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if reply.tool_calls:
+            # As OpenAI answers a call: its content null when the model wrote no text.
+            message["content"] = text or None
+            message["tool_calls"] = reply.tool_calls
         choice = {
             "index": 0,
-            # OpenAI's description requires refusal (null unless the model refused).
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": None,
             "finish_reason": reply.finish_reason,
         }

@@ -10,6 +10,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from laneway.constants import RequestClass
 from laneway.errors import ModelNotFound, PromptTooLarge
 from laneway.openai_api import ChatRequest, CompletionRequest
@@ -55,6 +57,7 @@ class RequestShape:
             stop=body.stop,
             seed=body.seed,
             prompt_tokens=self.prompt_tokens,
+            **(body.tool_fields() if isinstance(body, ChatRequest) else {}),
             **fields,
         )
 
@@ -106,6 +109,9 @@ def shape_request(
         # messages would pass as 30,000 tokens and be billed about that, however many the
         # engine reads.
         prompt_tokens += _MESSAGE_TOKENS * len(messages) + _REPLY_TOKENS
+        # The tools' descriptions and the calls in the history reach the model as text too
+        # (an agent's tools are often thousands of tokens).
+        prompt_tokens += _tool_tokens(body, messages)
     if prompt_tokens > settings.max_prompt_tokens:
         what = "messages" if messages is not None else "prompt"
         raise PromptTooLarge(
@@ -119,3 +125,12 @@ def shape_request(
     return RequestShape(
         kind, prompt, messages, suffix, max_tokens, prompt_tokens, body, max_tokens_default
     )
+
+
+def _tool_tokens(body: CompletionRequest | ChatRequest, messages: list[ChatMessage]) -> int:
+    """Estimated tokens of a chat's tools and of the tool calls in its history."""
+    calls = [m.tool_calls for m in messages if m.tool_calls]
+    tools = body.tool_fields() if isinstance(body, ChatRequest) else {}
+    if not (calls or tools):
+        return 0
+    return estimate_tokens(orjson.dumps([calls, tools]).decode())

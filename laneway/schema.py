@@ -62,6 +62,20 @@ LAST_USAGE_TS = 4_102_444_800.0  # 2100-01-01 UTC
 class ChatMessage(_Wire):
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="an assistant's calls: OpenAI's {id, type, function}"
+    )
+    tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+
+    def wire(self) -> dict[str, Any]:
+        """As OpenAI's message: a tool call's content is null when it has no text."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+            message["content"] = self.content or None
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class RequestEnvelope(_Wire):
@@ -115,6 +129,13 @@ class RequestEnvelope(_Wire):
         description="tokens the ingress's local limiter admitted it for while Redis did not "
         "answer (nothing was taken from the pool: its settlement charges what it used); 0: none",
     )
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="a chat's function tools, as OpenAI's; None: none"
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto, required or a named function; None: the engine's default"
+    )
+    parallel_tool_calls: bool | None = None
     supersede_grace_tokens: int = Field(
         0,
         ge=0,
@@ -202,6 +223,11 @@ class Reply(_Wire):
     error: str | None = None
     param: str | None = Field(
         None, description="the request field an engine's refusal names (the client's 400)"
+    )
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None,
+        description="a chat's calls of its tools, whole, on its final reply: OpenAI's "
+        "{id, type, function: {name, arguments}}",
     )
 
 

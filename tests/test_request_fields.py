@@ -79,8 +79,8 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     (CHAT, "frequency_penalty", -3),
     (CHAT, "min_p", 0.1),  # vLLM's own: only at the value that changes nothing
     (CHAT, "repetition_penalty", 1.2),
-    (CHAT, "tools", [TOOL]),
-    (CHAT, "tool_choice", "auto"),
+    (COMPLETION, "tools", [TOOL]),  # a chat's are honoured
+    (CHAT, "tool_choice", "auto"),  # with no tools to choose from
     (CHAT, "functions", [TOOL["function"]]),
     (CHAT, "function_call", "auto"),
     (CHAT, "response_format", {"type": "json_object"}),
@@ -118,8 +118,12 @@ def test_an_unsupported_value_is_refused_naming_the_field(
     ("message", "param"),
     [
         ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
-        ({"role": "tool", "content": "42", "tool_call_id": "call_1"}, "messages.0.tool_call_id"),
-        ({"role": "assistant", "content": None, "tool_calls": [TOOL]}, "messages.0.tool_calls"),
+        # A tool call is an assistant's, and the answer to one a tool message's.
+        ({"role": "user", "content": "42", "tool_call_id": "call_1"}, "messages.0"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": [TOOL]},
+            "messages.0.tool_calls.0.id",
+        ),
         (
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
             "messages.0.content",

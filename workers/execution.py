@@ -275,6 +275,9 @@ class RequestExecutor:
             client_seed=env.seed,
             prompt_estimate=env.prompt_tokens,
             cache_salt=None if self.cache_salts is None else self.cache_salts.of(env.team),
+            tools=env.tools,
+            tool_choice=env.tool_choice,
+            parallel_tool_calls=env.parallel_tool_calls,
         )
 
     async def follow(self, follower: Follower) -> UsageEvent | None:

@@ -8,7 +8,7 @@ registries let go of it, and it ends answered, dropped, preempted or withdrawn.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from laneway.errors import Dropped, EngineError, EngineRejected, EngineUnsupported
 from laneway.schema import Outcome, RequestEnvelope, UsageEvent
@@ -48,6 +48,7 @@ class RunTotals:
     # (type-through): the text stopped going to it, the engine ran on for them.
     withheld: bool = False
     passed_tokens: int = 0  # the completion tokens its client was sent
+    tool_calls: list[dict[str, Any]] | None = None  # a chat's, whole, from its last delta
 
 
 def fold_delta(
@@ -63,6 +64,7 @@ def fold_delta(
     got.prompt_tokens, got.cached_tokens = delta.prompt_tokens, delta.cached_tokens
     got.completion_tokens, got.engine_ms = delta.completion_tokens, delta.engine_ms
     got.finish_reason = delta.finish_reason or got.finish_reason
+    got.tool_calls = delta.tool_calls or got.tool_calls
     if not got.began:
         got.began = True
         _first_output(executor, env, generation)
@@ -255,6 +257,7 @@ async def final_outcome(
         cached_tokens=got.cached_tokens,
         completion_tokens=got.completion_tokens,
         finish_reason=got.finish_reason,
+        tool_calls=got.tool_calls if status == "ok" else None,
         error=error,
         param=param,
         stale_engine_ms=waste[0],

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
-from laneway.errors import Aborted, EngineError
+from laneway.errors import Aborted, EngineError, EngineUnsupported
 from laneway.tokens import CHARS_PER_TOKEN
 from workers.types import EngineDelta, EngineRequest, EngineStats
 
@@ -201,6 +201,15 @@ class SimEngine:
             await asyncio.sleep(0)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if request.tools and request.tool_choice != "none":
+            # A simulation writes words: it calls no tool. Unsupported, as for any engine
+            # without what a request asks: a 400, its team neither charged nor isolated.
+            raise EngineUnsupported(
+                "tools are not called by the simulated engine (it writes made-up text); put "
+                "an OpenAI-compatible server that calls them behind laneway "
+                "(LANEWAY_UPSTREAM_URL), or send tool_choice 'none'",
+                param="tools",
+            )
         self._waiting += 1
         try:
             await self._slots.acquire()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from laneway.schema import ChatMessage
 
@@ -39,6 +39,10 @@ class EngineRequest:
     # Requests share the engine's cached prefixes only with the same salt (``cache_salt``:
     # the team's, ``workers.cache_salt``); None: with every request.
     cache_salt: str | None = None
+    # A chat's function tools and its choice among them (OpenAI's shapes; None: none).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def seed(self) -> int:
@@ -63,6 +67,8 @@ class EngineDelta:
     # When the step that made it ended (time.monotonic()), for an engine that knows: it may
     # be earlier than when the worker reads the delta. None: take the time it was read.
     ended: float | None = None
+    # A chat's tool calls, whole, on its last delta: OpenAI's {id, type, function}.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

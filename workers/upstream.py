@@ -173,7 +173,13 @@ class OpenAICompatibleEngine:
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
         if request.messages is not None:
-            body["messages"] = [m.model_dump() for m in request.messages]
+            body["messages"] = [m.wire() for m in request.messages]
+            if request.tools:
+                body["tools"] = request.tools
+                if request.tool_choice is not None:
+                    body["tool_choice"] = request.tool_choice
+                if request.parallel_tool_calls is not None:
+                    body["parallel_tool_calls"] = request.parallel_tool_calls
             return "/chat/completions", body
         body["prompt"] = request.prompt
         if request.suffix:
@@ -219,7 +225,7 @@ class OpenAICompatibleEngine:
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
             chat = request.messages is not None
-            final = reading.final(self._finishes.openai(reading.finish, chat=chat))
+            final = reading.final(self._finishes.openai(reading.finish, chat=chat), request.id)
             self._per_chunk.learn(reading)
             yield final
         except (aiohttp.ClientError, TimeoutError) as exc:

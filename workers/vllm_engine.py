@@ -292,6 +292,15 @@ class VllmEngine:
                 "server that fills in the middle (LANEWAY_UPSTREAM_URL)",
                 param="suffix",
             )
+        if request.tools or any(m.tool_calls for m in request.messages or ()):
+            # Its tool calls would need the model's own tool parser (vLLM serve's
+            # --tool-call-parser) to come back as calls rather than text.
+            raise EngineUnsupported(
+                "tools are not supported by this model's engine (vllm in the worker: no tool "
+                "parser); have the operator serve this model from vLLM serve with "
+                "--enable-auto-tool-choice and --tool-call-parser (LANEWAY_UPSTREAM_URL)",
+                param="tools",
+            )
         running = _Running(started=time.monotonic())
         self._running[request.id] = running
         try:
