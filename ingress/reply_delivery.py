@@ -34,6 +34,7 @@ from laneway.errors import (
 )
 from laneway.metrics import team_label
 from laneway.schema import ApiKind, Reply, RequestEnvelope
+from laneway.tool_frames import CallReader
 
 __all__ = ["ClientGone", "collect_json", "finish_json", "next_reply", "reply_error", "sse_events"]
 
@@ -134,11 +135,16 @@ async def collect_json(
 ) -> Response:
     """The replies from ``first`` to the last, as one JSON response."""
     parts = [first.text]
+    ids = dict(first.call_ids or {})
     reply = first
     while not reply.done:
         reply = await next_reply(state, channel, disconnect)
         parts.append(reply.text)
+        for index, call_id in (reply.call_ids or {}).items():
+            ids.setdefault(index, call_id)  # the first id of a call is the one that stands
     clock.stage("worker")
+    if ids:
+        reply = reply.model_copy(update={"call_ids": ids})
     return finish_json(env, reply, "".join(parts), headers=headers, clock=clock)
 
 
@@ -155,17 +161,22 @@ async def sse_events(
     closed at the end, however it ends."""
     finished = False
     reply = first
+    # A chat with tools frames its calls in its text (``laneway.tool_frames``).
+    calls = CallReader(env.id) if env.tools else None
     try:
         role = env.kind == "chat"
         while True:
-            if reply.text or role:
-                yield stream_chunk(env, text=reply.text, role=role)
+            text, deltas = (
+                (reply.text, None) if calls is None else calls.read(reply.text, reply.call_ids)
+            )
+            if text or role:
+                yield stream_chunk(env, text=text, role=role)
                 role = False
+            if deltas:
+                yield stream_chunk(env, tool_calls=deltas)
             if reply.done:
                 if reply.status == "ok":
                     _observe(env, 200, state.clock.now())
-                    if reply.tool_calls:
-                        yield stream_chunk(env, tool_calls=reply.tool_calls)
                     yield stream_chunk(env, finish_reason=reply.finish_reason)
                     if include_usage:
                         yield stream_chunk(env, usage=usage_body(reply))

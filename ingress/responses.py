@@ -51,8 +51,7 @@ def stream_chunk(
         if text:
             delta["content"] = text
         if tool_calls:
-            # Whole calls, each with its index, as a stream's delta carries them.
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+            delta["tool_calls"] = tool_calls
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     chunk: dict[str, Any] = {
         "id": env.id,

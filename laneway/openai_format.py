@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from laneway.schema import Reply, RequestEnvelope
+from laneway.tool_frames import calls_of
 
 __all__ = [
     "MAX_ERROR_CHARS",
@@ -62,12 +63,15 @@ def final_body(env: RequestEnvelope, text: str, reply: Reply) -> dict[str, Any]:
         }
         obj = "text_completion"
     else:
+        calls = None
+        if env.tools:  # its text frames its calls
+            text, calls = calls_of(text, reply.call_ids, env.id)
         # OpenAI's description requires refusal (null unless the model refused).
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        if reply.tool_calls:
+        if calls:
             # As OpenAI answers a call: its content null when the model wrote no text.
             message["content"] = text or None
-            message["tool_calls"] = reply.tool_calls
+            message["tool_calls"] = calls
         choice = {
             "index": 0,
             "message": message,

@@ -224,10 +224,10 @@ class Reply(_Wire):
     param: str | None = Field(
         None, description="the request field an engine's refusal names (the client's 400)"
     )
-    tool_calls: list[dict[str, Any]] | None = Field(
+    call_ids: dict[str, str] | None = Field(
         None,
-        description="a chat's calls of its tools, whole, on its final reply: OpenAI's "
-        "{id, type, function: {name, arguments}}",
+        description="a chat with tools: the ids of the calls begun in its text so far, by "
+        "index (its text frames the calls: ``laneway.tool_frames``)",
     )
 
 

@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import openai
 import orjson
 import pytest
 
+from ingress.replies import ReplyChannel
 from laneway.errors import BadRequest, EngineError, EngineUnsupported
 from laneway.openai_api import ChatRequest, validate_body
 from laneway.openai_format import final_body
 from laneway.requests import RequestShape, shape_request
 from laneway.schema import Reply, RequestEnvelope
 from laneway.settings import CommonSettings
+from laneway.tool_frames import CallFrames, CallReader, calls_of
 from tests.stack import LiveStack
+from tests.test_batch_api import _lines, _until_done
 from tests.test_wire_conformance import problems, sse_events
+from workers.types import EngineDelta
 from workers.upstream_refusals import refusal
 from workers.upstream_stream import StreamReading
 
@@ -129,64 +135,129 @@ def envelope(shaped: RequestShape) -> RequestEnvelope:
     )
 
 
-def _stream(chunks: list[dict[str, Any]]) -> StreamReading:
+def _stream(chunks: list[dict[str, Any]]) -> tuple[StreamReading, list[EngineDelta]]:
     reading = StreamReading(prompt_tokens=5, max_tokens=100)
-    for chunk in chunks:
-        reading.line(b"data: " + orjson.dumps(chunk))
+    deltas = [reading.line(b"data: " + orjson.dumps(chunk)) for chunk in chunks]
     reading.line(b"data: [DONE]")
-    return reading
+    return reading, [d for d in deltas if d is not None]
 
 
 def _calls(*parts: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    return {
-        "choices": [{"index": 0, "delta": {"tool_calls": list(parts)}, "finish_reason": finish}]
-    }
+    delta = {"tool_calls": list(parts)}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
-def test_a_streams_tool_call_parts_are_folded_into_whole_calls_and_billed() -> None:
-    reading = _stream(
-        [
-            _calls(
-                {
-                    "index": 0,
-                    "id": "call_a",
-                    "type": "function",
-                    "function": {"name": "read_", "arguments": ""},
-                }
-            ),
-            _calls({"index": 0, "function": {"name": "file", "arguments": '{"path": '}}),
-            _calls(
-                {
-                    "index": 1,
-                    "type": "function",
-                    "function": {"name": "edit_file", "arguments": "{"},
-                }
-            ),
-            _calls(
-                {"index": 0, "function": {"arguments": '"a.py"}'}},
-                {"index": 1, "function": {"arguments": "}"}},
-            ),
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-        ]
-    )
-    final = reading.final("tool_calls", "chatcmpl-1")
-    assert final.tool_calls == [
-        {
-            "id": "call_a",
-            "type": "function",
-            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
-        },
-        # No id from the server: given one, which the client's answer will name.
-        {
-            "id": "call_chatcmpl-1_1",
-            "type": "function",
-            "function": {"name": "edit_file", "arguments": "{}"},
-        },
-    ]
+def _framed(deltas: list[EngineDelta], request_id: str = "chatcmpl-1") -> tuple[str, CallFrames]:
+    frames = CallFrames(request_id)
+    return "".join(frames.text(d.text, d.tool_parts) for d in deltas) + frames.end(), frames
+
+
+# Text, then two calls whose parts interleave: a name in two pieces, no id for the second.
+SERVER_STREAM = [
+    {"choices": [{"index": 0, "delta": {"content": "Reading \ue000 it"}}]},
+    _calls(
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "read_"}},
+    ),
+    _calls({"index": 0, "function": {"name": "file", "arguments": '{"path": '}}),
+    _calls({"index": 1, "type": "function", "function": {"name": "edit_file", "arguments": "{"}}),
+    _calls(
+        {"index": 0, "function": {"arguments": '"a.py"}'}},
+        {"index": 1, "function": {"arguments": "}"}},
+    ),
+    _calls({"index": 2, "id": "call_c", "function": {"name": "list_dir"}}),  # no argument
+    {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+]
+WHOLE_CALLS = [
+    {
+        "id": "call_a",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+    },
+    # No id from the server: given one, which the client's answer will name.
+    {
+        "id": "call_chatcmpl-1_1",
+        "type": "function",
+        "function": {"name": "edit_file", "arguments": "{}"},
+    },
+    {"id": "call_c", "type": "function", "function": {"name": "list_dir", "arguments": ""}},
+]
+
+
+def test_a_streams_tool_call_parts_come_back_whole_however_its_text_is_cut() -> None:
+    reading, deltas = _stream(SERVER_STREAM)
     # A server that reports no usage is billed a token a chunk of the calls, as of text.
-    assert final.completion_tokens == 4
+    assert reading.final("tool_calls").completion_tokens == 6
+    framed, frames = _framed(deltas)
+    assert calls_of(framed, frames.ids, "chatcmpl-1") == ("Reading \ue000 it", WHOLE_CALLS)
+    # Streamed, the ingress reads the text as its messages bring it, cut anywhere (inside a
+    # frame too): the same text and calls, each call's head (id, name) once and first.
+    for cut in range(len(framed) + 1):
+        reader = CallReader("chatcmpl-1")
+        pieces = [reader.read(framed[:cut], frames.ids), reader.read(framed[cut:])]
+        text = "".join(piece[0] for piece in pieces)
+        parts = [part for piece in pieces for part in piece[1]]
+        assert text == "Reading \ue000 it", cut
+        assert _whole(parts) == WHOLE_CALLS, cut
+        heads = [p["index"] for p in parts if "id" in p]
+        assert heads == [0, 1, 2], cut
     with pytest.raises(EngineError, match="not an OpenAI chunk"):
         _stream([_calls({"index": "0", "function": {"arguments": "{}"}})])
+
+
+def _whole(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stream deltas accumulated as OpenAI's SDKs do."""
+    calls: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        call = calls.setdefault(
+            part["index"],
+            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        call["id"] = call["id"] or part.get("id", "")
+        call["function"]["name"] += part["function"].get("name", "")
+        call["function"]["arguments"] += part["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_a_rerun_after_a_worker_crash_passes_each_call_once_with_its_first_id() -> None:
+    """A worker that restarted runs the request again: the server makes the same calls
+    (the same seed) under new ids (vLLM's are random), cut into other messages. The client
+    gets the rest of the arguments once, and keeps the ids it already has."""
+    _, deltas = _stream(SERVER_STREAM)
+    first, first_frames = _framed(deltas)
+    rerun_deltas = [
+        EngineDelta(
+            **{
+                **_fields(d),
+                "tool_parts": tuple(replace(p, id=p.id and p.id + "-2") for p in d.tool_parts),
+            }
+        )
+        for d in deltas
+    ]
+    rerun, rerun_frames = _framed(rerun_deltas)
+    assert rerun == first  # ids travel beside the text: its offsets hold across runs
+    channel = ReplyChannel("chatcmpl-1", "team-a")
+    cut = first.index("a.py")  # the first run got into call 0's arguments
+    channel.feed(Reply(id="chatcmpl-1", n=0, at=0, text=first[:cut], call_ids=first_frames.ids))
+    channel.feed(Reply(id="chatcmpl-1", n=0, at=0, text=rerun[:5], call_ids=rerun_frames.ids))
+    done = Reply(
+        id="chatcmpl-1",
+        n=1,
+        at=5,
+        text=rerun[5:],
+        done=True,
+        status="ok",
+        call_ids=rerun_frames.ids,
+    )
+    channel.feed(done)
+    reader = CallReader("chatcmpl-1")
+    parts: list[dict[str, Any]] = []
+    while (reply := channel.take()) is not None:
+        parts += reader.read(reply.text, reply.call_ids)[1]
+    assert _whole(parts) == WHOLE_CALLS
+
+
+def _fields(delta: EngineDelta) -> dict[str, Any]:
+    return {name: getattr(delta, name) for name in EngineDelta.__slots__}
 
 
 def test_a_server_with_no_tool_parser_is_unsupported_not_the_teams_fault() -> None:
@@ -199,24 +270,28 @@ def test_a_server_with_no_tool_parser_is_unsupported_not_the_teams_fault() -> No
 
 
 def test_an_answer_with_tool_calls_conforms_to_openais_schemas() -> None:
-    env = envelope(shape_request(CommonSettings(), validate_body(ChatRequest, CHAT), "chat"))
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "read_file", "arguments": "{}"},
-    }
+    body = {**CHAT, "tools": [READ]}
+    env = envelope(shape_request(CommonSettings(), validate_body(ChatRequest, body), "chat"))
+    _, deltas = _stream(SERVER_STREAM)
+    framed, frames = _framed(deltas)
     reply = Reply(
-        id=env.id, n=0, done=True, status="ok", finish_reason="tool_calls", tool_calls=[call]
+        id=env.id, n=0, done=True, status="ok", finish_reason="tool_calls", call_ids=frames.ids
     )
-    body = final_body(env, "", reply)
-    assert body["choices"][0]["message"]["content"] is None
-    assert problems(body, "CreateChatCompletionResponse") == []
+    answer = final_body(env, framed, reply)
+    assert answer["choices"][0]["message"]["content"] == "Reading \ue000 it"
+    assert answer["choices"][0]["message"]["tool_calls"] == WHOLE_CALLS
+    assert problems(answer, "CreateChatCompletionResponse") == []
+    # Calls and no text: the content is null, as OpenAI sends it.
+    calls_only, frames = _framed(deltas[1:])
+    answer = final_body(env, calls_only, reply.model_copy(update={"call_ids": frames.ids}))
+    assert answer["choices"][0]["message"]["content"] is None
+    assert problems(answer, "CreateChatCompletionResponse") == []
 
 
 async def test_an_agents_chat_calls_the_upstreams_tools_and_sends_their_answers_back(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
-    upstream = await upstreams(slots=2, token_ms=1)
+    upstream = await upstreams(slots=2, token_ms=100)
     ingress = await stack.start_ingress()
     await stack.start_worker(
         "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
@@ -250,7 +325,8 @@ async def test_an_agents_chat_calls_the_upstreams_tools_and_sends_their_answers_
     assert answer.usage is not None
     assert answer.usage.completion_tokens == 6
 
-    # Streamed: the calls come whole, each with its index, before the finish.
+    # Streamed: each call's arguments as the server makes them, its head (index, id, name)
+    # first; the client has a part of the call while the server still makes the rest.
     stream = await client.chat.completions.create(
         model="laneway-chat",
         messages=[{"role": "user", "content": "agent-stream: read it"}],
@@ -259,14 +335,19 @@ async def test_an_agents_chat_calls_the_upstreams_tools_and_sends_their_answers_
         max_tokens=4,
         stream=True,
     )
-    chunks = [chunk async for chunk in stream]
-    deltas = [
-        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
-    ]
-    assert len(deltas) == 1
-    assert [(d.index, d.function.name) for d in deltas[0]] == [(0, "edit_file")]
-    assert json.loads(deltas[0][0].function.arguments)["text"] == "alpha beta gamma delta "  # type: ignore[union-attr,arg-type]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    parts: list[Any] = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.tool_calls:
+            if not parts:
+                assert upstream.entry("agent-stream") is None  # not ended upstream
+            parts += chunk.choices[0].delta.tool_calls
+        last = chunk
+    assert len(parts) > 1
+    assert (parts[0].index, parts[0].id, parts[0].function.name) == (0, ANY, "edit_file")
+    assert all(p.index == 0 and p.id is None for p in parts[1:])
+    arguments = "".join(p.function.arguments for p in parts)
+    assert json.loads(arguments)["text"] == "alpha beta gamma delta "
+    assert last.choices[0].finish_reason == "tool_calls"
     streamed = upstream.entry("agent-stream")
     assert streamed is not None
     assert streamed["tool_choice"] == {
@@ -350,5 +431,46 @@ async def test_a_streamed_answer_with_calls_conforms_on_the_wire(
     chunks = sse_events(response.text)
     for chunk in chunks:
         assert problems(chunk, "CreateChatCompletionStreamResponse") == [], chunk
-    calls = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "read_file")]
+    parts = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert _whole(parts)[0]["function"]["name"] == "read_file"
+    assert [p["index"] for p in parts if "id" in p] == [0]  # a call's head once
+
+
+async def test_a_batch_lines_calls_come_back_in_its_result(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=1)
+    ingress = await stack.start_ingress()
+    await stack.start_worker(
+        "batch", engine="openai", upstream_url=upstream.url, upstream_model="up"
+    )
+    key = await stack.api_key("docs", size=100)
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    lines = [
+        {
+            "custom_id": f"doc-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {**CHAT, "tools": [READ], "max_tokens": 3, "tool_choice": choice},
+        }
+        for i, choice in enumerate(["required", "none"])
+    ]
+    data = b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    uploaded = await client.files.create(file=("agent.jsonl", data), purpose="batch")
+    created = await client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = await _until_done(client, created.id)
+    assert batch.status == "completed", batch
+    output = await _lines(client, batch.output_file_id)
+    bodies = {row["custom_id"]: row["response"]["body"] for row in output}
+    called = bodies["doc-0"]["choices"][0]
+    assert called["finish_reason"] == "tool_calls"
+    assert called["message"]["content"] is None
+    (call,) = called["message"]["tool_calls"]
+    assert call["function"]["name"] == "read_file"
+    assert json.loads(call["function"]["arguments"]) == {"text": "alpha beta gamma "}
+    text = bodies["doc-1"]["choices"][0]
+    assert (text["message"]["content"], text["finish_reason"]) == ("alpha beta gamma ", "length")
+    assert "tool_calls" not in text["message"]

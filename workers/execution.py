@@ -18,6 +18,7 @@ from laneway.errors import (
 )
 from laneway.schema import Outcome, RequestEnvelope, UsageEvent
 from laneway.settings import Price
+from laneway.tool_frames import CallFrames
 from workers import aborts
 from workers.cache_salt import CacheSalts
 from workers.followers import serve_follower
@@ -28,6 +29,7 @@ from workers.outcomes import (
     engine_request_ended,
     final_outcome,
     fold_delta,
+    framed,
     left_engine,
     pass_on_text,
     preempted_run,
@@ -155,11 +157,9 @@ class RequestExecutor:
         # Stale, it runs for its followers only: its client is told so, as if aborted.
         self.shield.started(env, stale=stale)
         self.live.add(env.id)
-        chunks = (
-            ChunkStream(self.outbox.replies, env.reply_to, env.id, self.stream_interval)
-            if env.stream and env.reply_to
-            else None
-        )
+        # A chat with tools frames its calls in its text (``laneway.tool_frames``).
+        frames = CallFrames(env.id) if env.tools else None
+        chunks = self._chunks(env, frames)
         # Reusable by later keystrokes of its session (type-through) and identical requests.
         generation = self.reuse.of_owner(env.id)
         if generation is None and env.reuse and env.messages is None:
@@ -178,7 +178,7 @@ class RequestExecutor:
                 pass_on_text(
                     self,
                     env,
-                    delta.text,
+                    delta.text if frames is None else framed(frames, delta),
                     got=got,
                     generation=generation,
                     chunks=chunks,
@@ -247,6 +247,16 @@ class RequestExecutor:
             waste=(stale_ms, news_ms),
             withdrawn=withdrawn,
             param=param,
+            call_ids=None if frames is None else frames.ids,
+        )
+
+    def _chunks(self, env: RequestEnvelope, frames: CallFrames | None) -> ChunkStream | None:
+        """Where a streamed request's text goes as it comes (None: not streamed)."""
+        if not (env.stream and env.reply_to):
+            return None
+        ids = None if frames is None else frames.ids
+        return ChunkStream(
+            self.outbox.replies, env.reply_to, env.id, self.stream_interval, call_ids=ids
         )
 
     def _starts_for_followers(self, env: RequestEnvelope, stale: Dropped) -> bool:

@@ -8,13 +8,14 @@ registries let go of it, and it ends answered, dropped, preempted or withdrawn.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from laneway.errors import Dropped, EngineError, EngineRejected, EngineUnsupported
 from laneway.schema import Outcome, RequestEnvelope, UsageEvent
 from workers import metrics
 
 if TYPE_CHECKING:
+    from laneway.tool_frames import CallFrames
     from workers.execution import RequestExecutor
     from workers.replies import ChunkStream
     from workers.reuse import Generation
@@ -27,6 +28,7 @@ __all__ = [
     "engine_request_ended",
     "final_outcome",
     "fold_delta",
+    "framed",
     "left_engine",
     "pass_on_text",
     "preempted_run",
@@ -48,7 +50,6 @@ class RunTotals:
     # (type-through): the text stopped going to it, the engine ran on for them.
     withheld: bool = False
     passed_tokens: int = 0  # the completion tokens its client was sent
-    tool_calls: list[dict[str, Any]] | None = None  # a chat's, whole, from its last delta
 
 
 def fold_delta(
@@ -64,11 +65,10 @@ def fold_delta(
     got.prompt_tokens, got.cached_tokens = delta.prompt_tokens, delta.cached_tokens
     got.completion_tokens, got.engine_ms = delta.completion_tokens, delta.engine_ms
     got.finish_reason = delta.finish_reason or got.finish_reason
-    got.tool_calls = delta.tool_calls or got.tool_calls
     if not got.began:
         got.began = True
         _first_output(executor, env, generation)
-    if delta.text and got.ttft_ms is None:
+    if (delta.text or delta.tool_parts) and got.ttft_ms is None:
         got.ttft_ms = (executor.clock() - env.accepted_ts) * 1000
     executor.shield.progress(env.id, got.completion_tokens, got.engine_ms, delta.ended)
 
@@ -84,6 +84,13 @@ def _first_output(
         metrics.LATE_STARTS.labels(executor.pool).inc()
     if executor.on_first_output is not None:
         executor.on_first_output()
+
+
+def framed(frames: CallFrames, delta: EngineDelta) -> str:
+    """A chat with tools: the delta's text and tool parts, framed (``laneway.tool_frames``);
+    the last delta closes the calls that had no argument."""
+    text = frames.text(delta.text, delta.tool_parts)
+    return text + frames.end() if delta.finish_reason is not None else text
 
 
 def pass_on_text(
@@ -221,6 +228,7 @@ async def final_outcome(
     stale: Dropped | None,
     waste: tuple[float, float],
     withdrawn: bool,
+    call_ids: dict[str, str] | None = None,
 ) -> UsageEvent | None:
     """The outcome of a run that left the engine: its final reply and usage event, or
     None when it is not this worker's to report."""
@@ -257,7 +265,7 @@ async def final_outcome(
         cached_tokens=got.cached_tokens,
         completion_tokens=got.completion_tokens,
         finish_reason=got.finish_reason,
-        tool_calls=got.tool_calls if status == "ok" else None,
+        call_ids=call_ids,
         error=error,
         param=param,
         stale_engine_ms=waste[0],

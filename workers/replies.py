@@ -143,12 +143,19 @@ class ChunkStream:
     """
 
     def __init__(
-        self, writer: ReplyWriter, stream: str, request_id: str, interval: int = 1
+        self,
+        writer: ReplyWriter,
+        stream: str,
+        request_id: str,
+        interval: int = 1,
+        *,
+        call_ids: dict[str, str] | None = None,
     ) -> None:
         self._writer = writer
         self._stream = stream
         self._id = request_id
         self._interval = interval
+        self._call_ids = call_ids  # a chat with tools: its calls' ids, as they begin
         self._pending: list[str] = []
         self._tokens = 0  # tokens generated so far
         self._released: int | None = None  # tokens at the last message taken; None: none yet
@@ -180,7 +187,8 @@ class ChunkStream:
             text = "".join(self._pending)
             self._pending.clear()
             self._released = self._tokens
-            reply = Reply(id=self._id, n=self.count, at=self.sent, text=text)
+            ids = dict(self._call_ids) if self._call_ids else None
+            reply = Reply(id=self._id, n=self.count, at=self.sent, text=text, call_ids=ids)
             try:
                 await self._writer.reply(self._stream, reply)
             except KafkaError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiokafka.errors import KafkaError
 
@@ -108,7 +108,7 @@ class Reports:
         cached_tokens: int = 0,
         completion_tokens: int = 0,
         finish_reason: str | None = None,
-        tool_calls: list[dict[str, Any]] | None = None,
+        call_ids: dict[str, str] | None = None,
         error: str | None = None,
         param: str | None = None,
         stale_engine_ms: float = 0.0,
@@ -159,7 +159,7 @@ class Reports:
             route=env.route,
             error=error,
             param=param,
-            tool_calls=tool_calls,
+            call_ids=call_ids or None,
         )
         delivery = await self.outbox.finish(env, final, usage)
         if delivery is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from laneway.schema import ChatMessage
+from laneway.tool_frames import ToolPart
 
 __all__ = ["Engine", "EngineDelta", "EngineRequest", "EngineStats"]
 
@@ -67,8 +68,8 @@ class EngineDelta:
     # When the step that made it ended (time.monotonic()), for an engine that knows: it may
     # be earlier than when the worker reads the delta. None: take the time it was read.
     ended: float | None = None
-    # A chat's tool calls, whole, on its last delta: OpenAI's {id, type, function}.
-    tool_calls: list[dict[str, Any]] | None = None
+    # The parts of a chat's tool calls that came with this delta, as the server sent them.
+    tool_parts: tuple[ToolPart, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,7 +225,7 @@ class OpenAICompatibleEngine:
             if call.aborted:
                 raise call.dropped(request.id, reading.ms())
             chat = request.messages is not None
-            final = reading.final(self._finishes.openai(reading.finish, chat=chat), request.id)
+            final = reading.final(self._finishes.openai(reading.finish, chat=chat))
             self._per_chunk.learn(reading)
             yield final
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -14,6 +14,7 @@ import orjson
 
 from laneway.errors import EngineError
 from laneway.schema import MAX_USAGE_TOKENS
+from laneway.tool_frames import ToolPart
 from workers.types import EngineDelta
 from workers.upstream_refusals import stream_error
 
@@ -108,7 +109,6 @@ class StreamReading:
         "prompt_tokens",
         "started",
         "text_sent",
-        "tool_calls",
         "usage_after_finish",
     )
 
@@ -128,7 +128,6 @@ class StreamReading:
         self.finish: object = None  # the server's own value, until FinishReasons reads it
         self.started: float | None = None  # perf_counter at the first byte
         self.text_sent = False  # some text came (and went on to the client)
-        self.tool_calls: dict[int, dict[str, Any]] = {}  # a chat's calls so far, by index
 
     def ms(self) -> float:
         return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
@@ -168,15 +167,14 @@ class StreamReading:
             self.counted = True
         text = ""
         finish = self.finish
-        called = False
+        parts: list[ToolPart] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta")
             text += (delta.get("content") if delta else choice.get("text")) or ""
             finish = choice.get("finish_reason") or finish
             if delta and (calls := delta.get("tool_calls")):
-                called = True
-                self._fold_calls(calls)
-        output = bool(text) or called  # a tool call's part is a token or more too
+                parts += self._tool_parts(calls)
+        output = bool(text or parts)  # a tool call's part is a token or more too
         if output and not usage and 0 < self.max_tokens <= self.completion_tokens:
             # More text than max_tokens chunks: the upstream ignores max_tokens (a chunk holds
             # one token at least, so one that honours it never gets here). No more goes on to
@@ -198,38 +196,27 @@ class StreamReading:
             cached_tokens=self.cached,
             completion_tokens=self.billed(),
             engine_ms=self.ms(),
+            tool_parts=tuple(parts),
         )
 
-    def _fold_calls(self, calls: list[dict[str, Any]]) -> None:
-        """A delta's parts of tool calls, folded in by their index as OpenAI's SDKs do: the
-        first id and type stand, a name and arguments come in pieces."""
+    def _tool_parts(self, calls: list[dict[str, Any]]) -> list[ToolPart]:
+        """A delta's parts of tool calls (OpenAI's: ``index``; ``id`` and
+        ``function.name`` in a call's first; ``function.arguments`` in pieces)."""
+        parts = []
         for position, part in enumerate(calls):
             index = part.get("index", position)
-            if type(index) is not int:
-                raise TypeError(f"a tool call's index {index!r} is no integer")
-            call = self.tool_calls.get(index)
-            if call is None:
-                if len(self.tool_calls) >= _MOST_TOOL_CALLS:
-                    raise EngineError(f"the upstream made more than {_MOST_TOOL_CALLS} tool calls")
-                call = self.tool_calls[index] = {
-                    "id": "",
-                    "type": "function",
-                    "function": {"name": "", "arguments": ""},
-                }
-            call["id"] = call["id"] or str(part.get("id") or "")
+            if type(index) is not int or not 0 <= index < _MOST_TOOL_CALLS:
+                raise TypeError(f"a tool call's index {index!r} is none of 0..{_MOST_TOOL_CALLS}")
             function = part.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
-            call["function"]["arguments"] += function.get("arguments") or ""
-
-    def calls(self, request_id: str) -> list[dict[str, Any]] | None:
-        """The tool calls made, in their order; a call the server sent no id is given one
-        (a client answers a call by its id)."""
-        if not self.tool_calls:
-            return None
-        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        for n, call in enumerate(calls):
-            call["id"] = call["id"] or f"call_{request_id}_{n}"
-        return calls
+            parts.append(
+                ToolPart(
+                    index,
+                    id=_text(part.get("id")),
+                    name=_text(function.get("name")),
+                    arguments=_text(function.get("arguments")),
+                )
+            )
+        return parts
 
     def billed(self) -> int:
         """Completion tokens so far: the server's own count once its usage came, else one a
@@ -242,7 +229,7 @@ class StreamReading:
         tokens = max(self.completion_tokens, int(self.completion_tokens * self.per_chunk))
         return tokens if self.over or not self.max_tokens else min(tokens, self.max_tokens)
 
-    def final(self, finish_reason: str, request_id: str = "") -> EngineDelta:
+    def final(self, finish_reason: str) -> EngineDelta:
         """The end, with OpenAI's ``finish_reason``: raises when the stream stopped before
         saying it was done ([DONE], or a finish_reason), as a connection the upstream dropped
         or a body cut short does; the text so far is not a whole answer then."""
@@ -257,7 +244,6 @@ class StreamReading:
             completion_tokens=self.billed(),
             engine_ms=self.ms(),
             finish_reason=finish_reason,
-            tool_calls=self.calls(request_id),
         )
 
 
@@ -285,9 +271,19 @@ class TokensPerChunk:
             self.value = 1.0  # a token a chunk: billed exactly, as the chunks count
 
 
-# More calls than any model makes in one answer: a server that sends an index with every
-# part would otherwise grow a request's calls without bound.
-_MOST_TOOL_CALLS = 128
+# More calls than any model makes in one answer.
+_MOST_TOOL_CALLS = 1024
+
+
+def _text(value: object) -> str:
+    """A string field of a tool call's part ('' when absent or null)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(f"a tool call's field is {value!r}, not a string")
+    return value
+
+
 _CHUNKS_TO_LEARN = 4  # fewer text chunks say little of a server's chunking
 _LEARN_WEIGHT = 0.2
 _MOST_PER_CHUNK = 64.0
