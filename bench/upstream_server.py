@@ -33,7 +33,8 @@ starts with "late".
 A chat with ``tools`` (and a ``tool_choice`` other than ``none``) calls them instead of writing
 text, as a model served with a tool parser does: the named tool, else the first (and the
 second too, unless ``parallel_tool_calls`` is false), its arguments ``{"text": "<the words>"}``
-streamed a word a chunk as vLLM streams them, ``finish_reason`` ``tool_calls``. The log then
+streamed a word a chunk as vLLM streams them, ``finish_reason`` ``tool_calls`` (``stop`` for a
+named one, as vLLM and OpenAI answer it). The log then
 has ``tools`` (their names), ``tool_choice`` (as received), ``called`` (the names called) and
 ``history`` (the messages that carry ``tool_calls`` or have the role ``tool``, as received).
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
@@ -347,8 +348,11 @@ async def _call_tools(
     entry: dict[str, Any],
     stream: bool,
 ) -> web.StreamResponse:
-    """Call ``called`` one after the other, the words split between their arguments."""
-    entry["finish"] = "tool_calls"
+    """Call ``called`` one after the other, the words split between their arguments. As
+    vLLM and OpenAI answer: ``finish_reason`` ``tool_calls``, but ``stop`` for a call that
+    ``tool_choice`` named."""
+    named = isinstance(orjson.loads(await request.read()).get("tool_choice"), dict)
+    entry["finish"] = "stop" if named else "tool_calls"
     share = max(1, count // len(called))
     words = upstream.tokens(count, entry)
     calls: list[dict[str, Any]] = []
@@ -370,13 +374,13 @@ async def _call_tools(
         calls.append({**call, "function": {"name": name, "arguments": "".join(parts)}})
     if response is None:
         message = {"role": "assistant", "content": None, "tool_calls": calls}
-        choice = {"index": 0, "finish_reason": "tool_calls", "message": message}
+        choice = {"index": 0, "finish_reason": entry["finish"], "message": message}
         body = {"id": rid, "object": "chat.completion", "choices": [choice]}
         return web.json_response({**body, "usage": reported_usage(entry)}, dumps=_dumps)
     last = {
         "id": rid,
         "object": "chunk",
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {}}],
+        "choices": [{"index": 0, "finish_reason": entry["finish"], "delta": {}}],
         "usage": reported_usage(entry),
     }
     await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")

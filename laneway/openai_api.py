@@ -85,7 +85,16 @@ MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
 # sent back as history (Continue and Zed send `reasoning_content`; workers send each message's
 # role and content only), a client's own message id (Twinny).
 MESSAGE_INERT = frozenset(
-    {"cache_control", "copilot_cache_control", "reasoning_content", "reasoning", "id"}
+    {
+        "cache_control",
+        "copilot_cache_control",
+        "reasoning_content",
+        "reasoning",
+        "id",
+        # Copilot BYOK's ids of a thinking model's chain of thought, sent back as history.
+        "cot_id",
+        "cot_summary",
+    }
 )
 
 

@@ -129,8 +129,11 @@ def shape_request(
 
 def _tool_tokens(body: CompletionRequest | ChatRequest, messages: list[ChatMessage]) -> int:
     """Estimated tokens of a chat's tools and of the tool calls in its history."""
-    calls = [m.tool_calls for m in messages if m.tool_calls]
+    # A call's arguments are JSON text already: counted as they are, not escaped again.
+    calls = "".join(
+        call["function"]["name"] + call["function"]["arguments"]
+        for message in messages
+        for call in message.tool_calls or ()
+    )
     tools = body.tool_fields() if isinstance(body, ChatRequest) else {}
-    if not (calls or tools):
-        return 0
-    return estimate_tokens(orjson.dumps([calls, tools]).decode())
+    return estimate_tokens(calls) + (estimate_tokens(orjson.dumps(tools).decode()) if tools else 0)

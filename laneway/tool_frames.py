@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from laneway.errors import EngineError
+
 __all__ = ["CallFrames", "CallReader", "ToolPart", "calls_of"]
 
 MARK = "\ue000"
@@ -80,7 +82,9 @@ class CallFrames:
                 # A server that sends a name in pieces has them all before the arguments;
                 # a call's head waits for its first argument (or the end) to have it whole.
                 call.id = call.id or part.id
-                if not call.begun:
+                # A server that repeats the whole name in every part (some do) is not
+                # taken for one that sends it in pieces.
+                if not call.begun and part.name != call.name:
                     call.name += part.name
             if part.arguments:
                 out.append(self._args(part.index, call))
@@ -98,6 +102,9 @@ class CallFrames:
         self._args_of = index
         if call.begun:
             return f"{MARK}a{index}:"
+        if not call.name:
+            # A call the client could neither run nor send back (a name is required).
+            raise EngineError(f"the upstream made tool call {index} with no function name")
         call.begun = True
         self.ids[str(index)] = call.id or f"call_{self.request_id}_{index}"
         return f"{MARK}h{index}:{_escape(call.name)}{MARK}."

@@ -19,19 +19,20 @@ import orjson
 import pytest
 
 from ingress.replies import ReplyChannel
-from laneway.errors import BadRequest, EngineError, EngineUnsupported
+from laneway.errors import BadRequest, EngineError, EngineRejected, EngineUnsupported
 from laneway.openai_api import ChatRequest, validate_body
 from laneway.openai_format import final_body
 from laneway.requests import RequestShape, shape_request
 from laneway.schema import Reply, RequestEnvelope
 from laneway.settings import CommonSettings
+from laneway.tokens import estimate_tokens
 from laneway.tool_frames import CallFrames, CallReader, calls_of
 from tests.stack import LiveStack
 from tests.test_batch_api import _lines, _until_done
 from tests.test_wire_conformance import problems, sse_events
 from workers.types import EngineDelta
 from workers.upstream_refusals import refusal
-from workers.upstream_stream import StreamReading
+from workers.upstream_stream import StreamReading, TokensPerChunk
 
 CHAT = {"model": "laneway-chat", "messages": [{"role": "user", "content": "fix the bug"}]}
 READ = {
@@ -347,7 +348,7 @@ async def test_an_agents_chat_calls_the_upstreams_tools_and_sends_their_answers_
     assert all(p.index == 0 and p.id is None for p in parts[1:])
     arguments = "".join(p.function.arguments for p in parts)
     assert json.loads(arguments)["text"] == "alpha beta gamma delta "
-    assert last.choices[0].finish_reason == "tool_calls"
+    assert last.choices[0].finish_reason == "stop"  # a named call: as vLLM and OpenAI say
     streamed = upstream.entry("agent-stream")
     assert streamed is not None
     assert streamed["tool_choice"] == {
@@ -474,3 +475,84 @@ async def test_a_batch_lines_calls_come_back_in_its_result(
     text = bodies["doc-1"]["choices"][0]
     assert (text["message"]["content"], text["finish_reason"]) == ("alpha beta gamma ", "length")
     assert "tool_calls" not in text["message"]
+
+
+def test_calls_as_other_servers_stream_them_come_back_whole() -> None:
+    """TGI before 3.1 sends a call as an object; older Ollama sends each call whole in a
+    chunk of its own, with no index; some servers repeat the name in every part."""
+    tgi = {"id": "t", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+    ollama = [
+        _calls({"id": "o1", "function": {"name": "read_file", "arguments": '{"a": 1}'}}),
+        _calls({"id": "o2", "function": {"name": "edit_file", "arguments": "{}"}}),
+    ]
+    repeated = [
+        _calls({"index": 0, "id": "r", "function": {"name": "read_file"}}),
+        _calls({"index": 0, "function": {"name": "read_file", "arguments": "{"}}),
+        _calls({"index": 0, "function": {"name": "read_file", "arguments": "}"}}),
+    ]
+    for chunks, names in [
+        ([{"choices": [{"index": 0, "delta": {"tool_calls": tgi}}]}], ["read_file"]),
+        (ollama, ["read_file", "edit_file"]),
+        (repeated, ["read_file"]),
+    ]:
+        _, deltas = _stream(chunks)
+        framed, frames = _framed(deltas)
+        _, calls = calls_of(framed, frames.ids, "chatcmpl-1")
+        assert [c["function"]["name"] for c in calls or ()] == names, chunks
+    # Ollama's two calls keep their own arguments and ids.
+    _, deltas = _stream(ollama)
+    framed, frames = _framed(deltas)
+    _, calls = calls_of(framed, frames.ids, "chatcmpl-1")
+    assert [(c["id"], c["function"]["arguments"]) for c in calls or ()] == [
+        ("o1", '{"a": 1}'),
+        ("o2", "{}"),
+    ]
+    # A call with no name is one no client could run, nor send back as history.
+    _, deltas = _stream([_calls({"index": 0, "id": "n", "function": {"arguments": "{}"}})])
+    with pytest.raises(EngineError, match="no function name"):
+        _framed(deltas)
+
+
+def test_a_streams_calls_teach_no_count_a_chunk_and_an_error_after_them_is_the_engines() -> None:
+    """A tool parser sends no chunk for the tokens that frame a call (vLLM's hermes:
+    ``<tool_call>``): 25 tokens over 5 chunks taught 4.8 tokens a chunk, and a text stream
+    its client left after 100 chunks was billed 480. And an error after a call's parts is a
+    failure midway, not a refusal of the team's request."""
+    learned = TokensPerChunk()
+    for _ in range(5):
+        reading, _ = _stream(
+            [_calls({"index": 0, "id": "c", "function": {"name": "f", "arguments": "{}"}})] * 5
+            + [{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 25}}]
+        )
+        learned.learn(reading)
+    assert learned.value == 1.0
+    reading = StreamReading(prompt_tokens=5)
+    reading.line(b"data: " + orjson.dumps(_calls({"index": 0, "function": {"name": "f"}})))
+    error = {"error": {"message": "bad request", "code": 400, "type": "BadRequestError"}}
+    with pytest.raises(EngineError) as failed:
+        reading.line(b"data: " + orjson.dumps(error))
+    assert not isinstance(failed.value, EngineRejected)
+
+
+def test_an_arguments_json_is_estimated_as_it_is_not_escaped_again() -> None:
+    settings = CommonSettings()
+    code = 'def f():\n    return "x"\n' * 200
+    arguments = json.dumps({"path": "a.py", "content": code})
+    call = {"id": "c", "type": "function", "function": {"name": "write", "arguments": arguments}}
+    history = [
+        {"role": "user", "content": "write it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    shaped = shape_request(
+        settings, validate_body(ChatRequest, {**CHAT, "messages": history}), "chat"
+    )
+    plain = shape_request(
+        settings, validate_body(ChatRequest, {**CHAT, "messages": history[:1]}), "chat"
+    )
+    assert shaped.prompt_tokens - plain.prompt_tokens <= estimate_tokens("write" + arguments) + 3
+
+
+def test_llama_cpp_without_jinja_is_unsupported_not_a_fault_of_the_route() -> None:
+    unsupported = EngineUnsupported.from_engine("tools param requires --jinja flag")
+    assert unsupported is not None
+    assert unsupported.param == "tools"

@@ -215,6 +215,23 @@ def test_a_server_that_sends_a_token_a_chunk_is_billed_a_token_a_chunk() -> None
     assert 27 <= _reading_of(["a"] * 7, usage=None, per_chunk=four.value).billed() <= 28
 
 
+def test_streams_cut_at_their_length_teach_the_whole_count_a_chunk() -> None:
+    """An answer cut at max_tokens has no end-of-sequence token: its usage over its chunks
+    is what a chunk holds (vLLM's --stream-interval 3: 3). Learned less one token, as an
+    answer that ended itself, it was 2.9 after one stream and stayed below 3 with every
+    such stream: a client that left after 10 chunks was billed 29 of the 30 it got."""
+    learned = TokensPerChunk()
+    for _ in range(10):
+        reading = StreamReading(5, 0, 1.0)
+        for _ in range(10):
+            reading.chunk({"choices": [{"text": "a b c", "finish_reason": None}]})
+        reading.chunk({"choices": [{"text": "", "finish_reason": "length"}]})
+        reading.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 30}})
+        learned.learn(reading)
+    assert learned.value == 3.0
+    assert _reading_of(["a b c"] * 10, usage=None, per_chunk=learned.value).billed() == 30
+
+
 def test_a_stream_kept_within_max_tokens_is_never_billed_past_it() -> None:
     """Learned at 2.5 tokens a chunk, a stream of 8 chunks of 2 within max_tokens 16, its
     client gone before the usage: billed 16 at most, not 8 × 2.5."""

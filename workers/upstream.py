@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from laneway.errors import Aborted, EngineError, EngineFull
+from laneway.errors import Aborted, EngineError, EngineFull, EngineUnsupported
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
 from workers.learned_slots import LearnedSlots
@@ -360,6 +360,13 @@ class OpenAICompatibleEngine:
                 if (room := context_room(detail)) is not None:
                     raise OverContext(f"the engine refused the request: {reason}", room)
                 raise refusal(reason)
+            if (unsupported := EngineUnsupported.from_engine(detail)) is not None:
+                # A server without what the request asks, at any status (llama.cpp started
+                # without --jinja answers tools with a 500): not a fault of the route's.
+                raise EngineUnsupported(
+                    f"the engine refused the request: {error_reason(detail)}",
+                    param=unsupported.param,
+                )
             raise EngineError(f"upstream {self.base_url}{path}: {response.status} {detail[:300]}")
         return response
 

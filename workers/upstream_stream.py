@@ -97,7 +97,9 @@ class StreamReading:
     """Totals of one streamed response, folded in chunk by chunk."""
 
     __slots__ = (
+        "_call_ids",
         "cached",
+        "called",
         "chunks",
         "completion_tokens",
         "counted",
@@ -128,6 +130,8 @@ class StreamReading:
         self.finish: object = None  # the server's own value, until FinishReasons reads it
         self.started: float | None = None  # perf_counter at the first byte
         self.text_sent = False  # some text came (and went on to the client)
+        self.called = False  # some part of a tool call came
+        self._call_ids: dict[int, str] = {}  # each tool call's id, by index
 
     def ms(self) -> float:
         return 0.0 if self.started is None else (time.perf_counter() - self.started) * 1000
@@ -173,7 +177,8 @@ class StreamReading:
             text += (delta.get("content") if delta else choice.get("text")) or ""
             finish = choice.get("finish_reason") or finish
             if delta and (calls := delta.get("tool_calls")):
-                parts += self._tool_parts(calls)
+                # TGI before 3.1 sends one call as an object, not a list of one.
+                parts += self._tool_parts([calls] if isinstance(calls, dict) else calls)
         output = bool(text or parts)  # a tool call's part is a token or more too
         if output and not usage and 0 < self.max_tokens <= self.completion_tokens:
             # More text than max_tokens chunks: the upstream ignores max_tokens (a chunk holds
@@ -187,7 +192,8 @@ class StreamReading:
             self.chunks += 1
             if not usage:
                 self.completion_tokens += 1
-        self.text_sent = self.text_sent or bool(text)
+        self.text_sent = self.text_sent or output
+        self.called = self.called or bool(parts)
         if not (output or usage):
             return None
         return EngineDelta(
@@ -204,14 +210,24 @@ class StreamReading:
         ``function.name`` in a call's first; ``function.arguments`` in pieces)."""
         parts = []
         for position, part in enumerate(calls):
-            index = part.get("index", position)
+            call_id = _text(part.get("id"))
+            index = part.get("index")
+            if index is None:
+                # Servers that send no index (older Ollama) send each call whole in a chunk
+                # of its own: one with an id of its own is the next call.
+                index = position
+                known = self._call_ids.get(index)
+                if call_id and known is not None and known != call_id:
+                    index = max(self._call_ids) + 1
             if type(index) is not int or not 0 <= index < _MOST_TOOL_CALLS:
                 raise TypeError(f"a tool call's index {index!r} is none of 0..{_MOST_TOOL_CALLS}")
+            if call_id:
+                self._call_ids.setdefault(index, call_id)
             function = part.get("function") or {}
             parts.append(
                 ToolPart(
                     index,
-                    id=_text(part.get("id")),
+                    id=call_id,
                     name=_text(function.get("name")),
                     arguments=_text(function.get("arguments")),
                 )
@@ -261,9 +277,13 @@ class TokensPerChunk:
         self.learned = 0  # streams learned from
 
     def learn(self, reading: StreamReading) -> None:
-        if not reading.counted or reading.chunks < _CHUNKS_TO_LEARN:
+        # Not from a stream with tool calls: a server's tool parser sends no chunk for the
+        # tokens that frame a call, and text streams would be billed for them.
+        if not reading.counted or reading.chunks < _CHUNKS_TO_LEARN or reading.called:
             return
-        seen = min(_MOST_PER_CHUNK, max(1.0, (reading.completion_tokens - 1) / reading.chunks))
+        # An answer cut at its length has no end-of-sequence token (one with no text).
+        last = 0 if reading.finish == "length" else 1
+        seen = min(_MOST_PER_CHUNK, max(1.0, (reading.completion_tokens - last) / reading.chunks))
         self.learned += 1
         # The mean of the first few, then a moving average that follows a server changed.
         self.value += max(_LEARN_WEIGHT, 1 / self.learned) * (seen - self.value)

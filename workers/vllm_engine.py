@@ -299,7 +299,7 @@ class VllmEngine:
                 "tools are not supported by this model's engine (vllm in the worker: no tool "
                 "parser); have the operator serve this model from vLLM serve with "
                 "--enable-auto-tool-choice and --tool-call-parser (LANEWAY_UPSTREAM_URL)",
-                param="tools",
+                param="tools" if request.tools else "messages",
             )
         running = _Running(started=time.monotonic())
         self._running[request.id] = running
