@@ -20,6 +20,7 @@ from functools import partial
 from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
+from laneway.constants import INGRESS_GONE_S, INGRESS_ROLL_CALL_S
 from laneway.errors import QuotaExceeded
 from laneway.metrics import team_label
 from laneway.redis_circuit import RedisUnavailable, circuit_of
@@ -54,10 +55,8 @@ QUOTA_LEASED = Gauge(
 _UNHEARD_WAIT_S = 1.0
 # Giving idle leases back is background work: it may wait this long for Redis.
 _GIVE_BACK_TIMEOUT_S = 1.0
-# Each replica says it runs this often; one that has not for REPLICA_GONE_S (3 roll calls
-# missed) is not counted.
-ROLL_CALL_S = 2.0
-REPLICA_GONE_S = 7.0
+ROLL_CALL_S = INGRESS_ROLL_CALL_S
+REPLICA_GONE_S = INGRESS_GONE_S
 
 
 @dataclass(slots=True)

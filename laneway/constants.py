@@ -38,6 +38,10 @@ BANDS: Final[tuple[Band, ...]] = ("hi", "lo")
 # A worker is live while its heartbeat is younger than this: three missed beats at the
 # default two-second interval, so one slow beat never flips /readyz.
 HEARTBEAT_TTL_S: Final = 6.0
+# Each ingress replica says it runs this often (``RedisKeys.ingresses``); one that has not
+# for INGRESS_GONE_S (3 roll calls missed) is not counted among the replicas.
+INGRESS_ROLL_CALL_S: Final = 2.0
+INGRESS_GONE_S: Final = 7.0
 # A pool's scaling decision outlives its last heartbeat by this much: the local autoscaler
 # keeps what it runs while no decision is fresh, and a dead pool's decision is not obeyed.
 SCALING_DECISION_TTL_S: Final = 3 * HEARTBEAT_TTL_S
@@ -241,6 +245,11 @@ class RedisKeys:
 
     def reply_stream(self, instance: str) -> str:
         return f"{self.prefix}:reply:{instance}"
+
+    def reply_instance(self, stream: str | None) -> str | None:
+        """The ingress replica whose reply stream ``stream`` is (None: not one)."""
+        head = self.reply_stream("")
+        return stream[len(head) :] if stream and stream.startswith(head) else None
 
     def workers(self, pool: str) -> str:
         """Sorted set of worker ids scored by the time of their last heartbeat."""

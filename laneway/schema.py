@@ -170,7 +170,8 @@ class CancelRecord(_Wire):
     v: Literal[1] = 1
     id: str = Field(min_length=1)
     team: str = Field(min_length=1)
-    reason: Literal["disconnect", "api"] = "api"
+    # ``ingress_gone``: a worker's own, never sent (``workers.ingress_watch``).
+    reason: Literal["disconnect", "api", "ingress_gone"] = "api"
     ts: float = Field(default_factory=time.time)
 
 

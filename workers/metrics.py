@@ -20,6 +20,7 @@ __all__ = [
     "MALFORMED",
     "MEMORY_PRESSURE",
     "MEMORY_SHED",
+    "ORPHANS",
     "OUTCOMES",
     "REUSED",
     "REUSE_SAVED_MS",
@@ -72,6 +73,11 @@ ENGINE_CAPACITY = Gauge(
 LATE_STARTS = Counter(
     "laneway_late_starts_total",
     "Requests whose engine work began after they had turned stale (work the shield missed)",
+    ["pool"],
+)
+ORPHANS = Counter(
+    "laneway_orphaned_requests_total",
+    "Requests stopped because their ingress replica was gone (their clients with it)",
     ["pool"],
 )
 ABORT_SECONDS = Histogram(

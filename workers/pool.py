@@ -29,8 +29,10 @@ from laneway.clock import RedisClock
 from laneway.logs import described
 from laneway.redis_circuit import circuit_of
 from laneway.retry import Backoff
+from laneway.schema import CancelRecord
 from laneway.tasks import cancel_all, kept
 from quota import QuotaEnforcer, QuotaPolicy
+from workers import metrics
 from workers.batch_lane import BatchLane
 from workers.cache_salt import CacheSalts
 from workers.cancel_feed import CancelFeed
@@ -38,6 +40,7 @@ from workers.dispatch import Dispatcher, DispatchQueue, Work
 from workers.execution import RequestExecutor
 from workers.fleet import fleet_share
 from workers.heartbeat import Heartbeat
+from workers.ingress_watch import IngressWatch
 from workers.intake import Intake, make_pool_consumer
 from workers.lanes import InteractiveLane, Lane, Rebalance, commit_loop
 from workers.memory import MemoryGuard, announcer
@@ -94,6 +97,18 @@ class PoolWorker:
                 self.redis, self.keys, QuotaPolicy.from_settings(settings), clock=self.clock.now
             )
             if settings.quota_enabled
+            else None
+        )
+        # Interactive requests whose ingress replica is gone are stopped (a batch line's
+        # result goes to a topic, whoever submitted it).
+        self.ingresses = (
+            IngressWatch(
+                self.redis,
+                self.keys,
+                gone_after_s=settings.ingress_gone_s,
+                interval_s=settings.heartbeat_interval_s,
+            )
+            if settings.ingress_gone_s and settings.pool != "batch"
             else None
         )
         self.lane: Lane = BatchLane(self) if settings.pool == "batch" else InteractiveLane(self)
@@ -350,12 +365,34 @@ class PoolWorker:
             self.fleet.local(self.dispatcher.running, len(self.queue), self.engine.capacity())
         self.lane.after_dispatch()
 
+    async def _stop_orphans(self) -> None:
+        """Stop the requests of ingress replicas that are gone (``workers.ingress_watch``):
+        as if their clients left, which they did."""
+        watch = self.ingresses
+        if watch is None:
+            return
+        await watch.look()
+        for work in [*self.queue, *self.runs.running.values(), *self.runs.following.values()]:
+            env = work.env
+            replica = self.keys.reply_instance(env.reply_to)
+            if replica is None or not watch.gone(replica) or self.shield.stale_reason(env.id):
+                continue
+            log.warning(
+                "request %s stopped: its ingress replica %s is gone (its client with it)",
+                env.id,
+                replica,
+                extra={"request_id": env.id, "team": env.team},
+            )
+            metrics.ORPHANS.labels(self.pool).inc()
+            await self.runs.cancel(CancelRecord(id=env.id, team=env.team, reason="ingress_gone"))
+
     def _wake(self) -> None:
         """Memory pressure began or ended: held work may start, or hi work be fetched."""
         self.room.set()
         self.dispatcher.wake()
 
     async def _after_beat(self) -> None:
+        await self._stop_orphans()
         await self.memory.follow_simulated_hold(self.redis, self.keys.sim_kv_hold())
         set_gauges(self)
         await self.lane.after_beat()

@@ -13,7 +13,7 @@ from pydantic import (
     model_validator,
 )
 
-from laneway.constants import HEARTBEAT_TTL_S, RequestClass
+from laneway.constants import HEARTBEAT_TTL_S, INGRESS_ROLL_CALL_S, RequestClass
 from laneway.settings import CommonSettings
 
 __all__ = ["EngineName", "WorkerSettings"]
@@ -114,6 +114,14 @@ class WorkerSettings(CommonSettings):
         "taken for dead between beats)",
     )
     session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
+    ingress_gone_s: float = Field(
+        15.0,
+        ge=0,
+        description="an ingress replica not heard of this long (its roll call in Redis, every "
+        f"{INGRESS_ROLL_CALL_S:g} s) is taken for gone: its requests are stopped as if their "
+        "clients left, not run on to their end for no one and billed (0: never; else at "
+        f"least {3 * INGRESS_ROLL_CALL_S:g} s)",
+    )
 
     upstream_url: str = Field(
         "",
@@ -264,6 +272,17 @@ class WorkerSettings(CommonSettings):
         low = info.data.get("scale_min_replicas")
         if low is not None and value < low:
             raise ValueError(f"must be at least LANEWAY_SCALE_MIN_REPLICAS ({low})")
+        return value
+
+    @field_validator("ingress_gone_s")
+    @classmethod
+    def _gone_after_roll_calls(cls, value: float) -> float:
+        if 0 < value < 3 * INGRESS_ROLL_CALL_S:
+            raise ValueError(
+                f"must be 0 (never) or at least {3 * INGRESS_ROLL_CALL_S:g} s: a live replica "
+                f"says it runs every {INGRESS_ROLL_CALL_S:g} s, and one late roll call must "
+                "not stop its clients' requests"
+            )
         return value
 
     @field_validator("memory_resume_at")
