@@ -19,7 +19,7 @@ import math
 import os
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -125,10 +125,15 @@ class VllmServe(ServerProcess):
 
 @contextmanager
 def vllm_serve(
-    port: int, *, max_num_seqs: int, max_model_len: int = 2048, model_name: str = "up"
+    port: int,
+    *,
+    max_num_seqs: int,
+    max_model_len: int = 2048,
+    model_name: str = "up",
+    options: Sequence[str] = (),
 ) -> Iterator[VllmServe]:
     """``vllm serve`` of the tiny model on ``port`` (about a minute to start on two cores),
-    logging to a throwaway file, until the block ends."""
+    logging to a throwaway file, until the block ends; ``options``: more of its flags."""
     python = vllm_python()
     workdir = Path(tempfile.mkdtemp(prefix="laneway-vllm-serve-"))
     model = workdir / "tiny-llama"
@@ -157,6 +162,7 @@ def vllm_serve(
         f"--max-num-batched-tokens={max_model_len}",
         "--enable-log-requests",
         "--disable-uvicorn-access-log",
+        *options,
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with log.open("wb") as out:

@@ -60,6 +60,10 @@ TEAM_TOPIC_SEGMENT_BYTES: Final = 64 << 20
 # being superseded by the old count. An older keystroke racing a newer one (two connections,
 # two replicas) is accepted within milliseconds of it, not seconds.
 SESSION_RESTART_S: Final = 2.0
+# ... unless it is one of the session's last few keystrokes, sent again within this while:
+# a client's retry of a keystroke that was superseded (the Vercel AI SDK retries a 409 after
+# a fixed 2 s, past SESSION_RESTART_S) is superseded again, not run as the session's newest.
+SESSION_RESEND_S: Final = 60.0
 # Key records change rarely (create/revoke). A replica re-reads a key it knows this often, so
 # a revoked key is refused within 5 s even when the revocation topic does not reach it (the
 # topic brings it in milliseconds, and is what refuses it while Redis is away).

@@ -302,6 +302,8 @@ _UNSUPPORTED_REFUSALS: tuple[tuple[re.Pattern[str], str | None], ...] = (
     (re.compile(r"\b(?P<param>suffix) is not currently supported"), None),
     # vLLM serve started without a tool parser refuses the tool choice agents send.
     (re.compile(r'"auto" tool choice requires --enable-auto-tool-choice'), "tool_choice"),
+    # ... and, since 0.3x, `required` and a named function too.
+    (re.compile(r"tool_choice=.{1,300} requires --tool-call-parser to be set"), "tool_choice"),
     # llama.cpp's server without its Jinja templates (--no-jinja, or builds before 2025-11).
     (re.compile(r"tools param requires --jinja flag"), "tools"),
 )

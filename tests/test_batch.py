@@ -257,8 +257,17 @@ async def test_batch_lane_yields_to_interactive_backlog(stack: LiveStack) -> Non
     await stack.start_worker("completion", sim_batch_slots=1, sim_decode_ms_per_step=30.0)
     batch = await stack.start_worker("batch", sim_decode_ms_per_step=5.0)
     http = stack.http(ingress, await stack.api_key("ide", size=100))
-    body = {"model": "laneway-code", "prompt": "def f():", "max_tokens": 16}
-    burst = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
+    # Prompts of their own: twelve identical ones share one generation (coalesced), and
+    # whether they did hung on how fast they came (no backlog, no yield, on an idle machine).
+    burst = [
+        asyncio.create_task(
+            http.post(
+                "/v1/completions",
+                json={"model": "laneway-code", "prompt": f"def f{i}():", "max_tokens": 16},
+            )
+        )
+        for i in range(12)
+    ]
     lane = batch.lane
     assert isinstance(lane, BatchLane)
     await eventually(lambda: lane.yielding, 30, "batch to yield to the interactive backlog")

@@ -669,3 +669,25 @@ async def test_a_session_whose_count_starts_again_is_served_after_a_pause(
     await asyncio.sleep(SESSION_RESTART_S + 0.2)
     assert [await keystroke(seq) for seq in (0, 1, 2)] == [200, 200, 200]
     assert await keystroke(1) == 409  # the new count supersedes as the old one did
+
+
+async def test_a_superseded_keystroke_sent_again_after_a_pause_is_superseded_again(
+    stack: LiveStack,
+) -> None:
+    """The Vercel AI SDK retries a 409 after a fixed 2 s, just past SESSION_RESTART_S: the
+    superseded keystroke came back as if the count had started again, and ran to its end
+    for an answer no one shows, billed. One of the session's last keystrokes sent again is
+    a resend: superseded again. A count that starts again from far below still starts."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("team-r", size=100))
+    body = {"model": "laneway-code", "prompt": "def retry(", "max_tokens": 4}
+
+    async def keystroke(seq: int) -> int:
+        answer = await http.post("/v1/completions", json=body, headers=_keystroke("app.py", seq))
+        return answer.status_code
+
+    assert [await keystroke(seq) for seq in (40, 41, 42)] == [200, 200, 200]
+    await asyncio.sleep(SESSION_RESTART_S + 0.2)
+    assert await keystroke(41) == 409  # the retry of seq 41, superseded by 42
+    assert await keystroke(0) == 200  # the editor restarted: its count from 0

@@ -261,10 +261,18 @@ def _fields(delta: EngineDelta) -> dict[str, Any]:
     return {name: getattr(delta, name) for name in EngineDelta.__slots__}
 
 
-def test_a_server_with_no_tool_parser_is_unsupported_not_the_teams_fault() -> None:
-    """vLLM serve started without --enable-auto-tool-choice refuses an agent's every chat:
-    a 400 naming ``tool_choice``, neither charged nor counted by the team's breaker."""
-    said = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+@pytest.mark.parametrize(
+    "said",
+    [
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+        'tool_choice="required" requires --tool-call-parser to be set',
+        'tool_choice=function "read_file" requires --tool-call-parser to be set',
+    ],
+)
+def test_a_server_with_no_tool_parser_is_unsupported_not_the_teams_fault(said: str) -> None:
+    """vLLM serve (0.32) started without a tool parser refuses an agent's every chat, in
+    its words for each tool_choice: a 400 naming ``tool_choice``, neither charged nor
+    counted by the team's breaker."""
     refused = refusal(said)
     assert isinstance(refused, EngineUnsupported)
     assert refused.param == "tool_choice"

@@ -10,10 +10,12 @@ it aborted and how many tokens it made are read from its request log and its ``/
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -283,3 +285,228 @@ async def test_a_chat_that_sets_no_length_gets_the_room_vllm_serves_context_leav
     answer = response.json()
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == left
+
+
+# An agent's function tools (as Cline or Continue send them), for the tool-call tests.
+READ = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file of the workspace",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string", "enum": ["a.py", "b.py"]}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    },
+}
+EDIT = {
+    "type": "function",
+    "function": {
+        "name": "edit_file",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+ASKED = [{"role": "user", "content": "fix the bug in a.py"}]
+
+
+async def _agent(stack: LiveStack, served: VllmServe) -> openai.AsyncOpenAI:
+    """The official SDK as an agent's client, through laneway's chat pool to vLLM serve."""
+    ingress = await stack.start_ingress(chat_deadline_ms=60_000)
+    await stack.start_worker("chat", engine="openai", upstream_url=served.url, upstream_model="up")
+    client = openai.AsyncOpenAI(
+        base_url=ingress.base_url + "/v1",
+        api_key=await stack.api_key(size=100),
+        max_retries=0,
+        timeout=120,
+    )
+    stack.track(client)
+    return client
+
+
+async def _direct(served: VllmServe, body: dict[str, Any]) -> httpx.Response:
+    """What vLLM serve itself answers ``body`` (model ``up``), not through laneway."""
+    async with httpx.AsyncClient(timeout=120) as vllm:
+        return await vllm.post(f"{served.url}/chat/completions", json={**body, "model": "up"})
+
+
+async def _ask(client: openai.AsyncOpenAI, body: dict[str, Any], *, stream: bool) -> None:
+    """``body`` asked of laneway, a stream read to its end."""
+    if not stream:
+        await client.chat.completions.create(model="laneway-chat", stream=False, **body)
+        return
+    async for _ in await client.chat.completions.create(model="laneway-chat", stream=True, **body):
+        pass
+
+
+def _fold(calls: dict[int, tuple[str, str]], index: int, name: str, arguments: str) -> None:
+    """A stream's part of a call folded into ``calls`` by its index, as the SDK folds them."""
+    had = calls.get(index, ("", ""))
+    calls[index] = (had[0] + name, had[1] + arguments)
+
+
+async def _vllm_calls(served: VllmServe, body: dict[str, Any]) -> tuple[list[Any], str | None]:
+    """vLLM serve's own streamed answer to ``body``: its calls (name, arguments) and its
+    finish_reason; fails with its status and body when it refuses."""
+    calls: dict[int, tuple[str, str]] = {}
+    finish = None
+    direct = {**body, "model": "up", "stream": True}
+    async with (
+        httpx.AsyncClient(timeout=120) as vllm,
+        vllm.stream("POST", f"{served.url}/chat/completions", json=direct) as response,
+    ):
+        await response.aread()
+        assert response.status_code == 200, (response.status_code, response.text)
+        for line in response.text.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in orjson.loads(line[6:]).get("choices") or ():
+                for part in choice["delta"].get("tool_calls") or ():
+                    function = part.get("function") or {}
+                    name, arguments = function.get("name") or "", function.get("arguments") or ""
+                    _fold(calls, part["index"], name, arguments)
+                finish = choice.get("finish_reason") or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.fixture(scope="module")
+def served_with_tools() -> Iterator[VllmServe]:
+    """vLLM serve with a tool parser. The tiny model's end-of-text token lies outside its
+    vocabulary, which vLLM's default structured-output backend (xgrammar) refuses with a
+    500; guidance takes it."""
+    options = (
+        "--enable-auto-tool-choice",
+        "--tool-call-parser=pythonic",
+        "--structured-outputs-config.backend=guidance",
+    )
+    with vllm_serve(free_port(), max_num_seqs=MAX_NUM_SEQS, options=options) as server:
+        yield server
+
+
+CHOICES = pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "read_file"}}],
+    ids=["required", "named"],
+)
+STREAMS = pytest.mark.parametrize("stream", [False, True], ids=["not-streamed", "streamed"])
+
+
+@STREAMS
+@CHOICES
+async def test_required_and_named_tool_choices_come_back_as_the_calls_vllm_serve_made(
+    stack: LiveStack, served_with_tools: VllmServe, choice: Any, stream: bool
+) -> None:
+    """vLLM serve with a tool parser makes ``required`` and a named function's calls by
+    structured output: the agent gets the calls vLLM made, of its tools, byte for byte, with
+    arguments that parse, and vLLM's finish_reason. A seed makes vLLM's own answer and the
+    one through laneway the same generation."""
+    served = served_with_tools
+    body: dict[str, Any] = {
+        "messages": ASKED,
+        "tools": [READ, EDIT],
+        "tool_choice": choice,
+        "max_tokens": 200,
+        "seed": 11,
+    }
+    # vLLM's own answer first: the claim holds only if vLLM serves it at all.
+    made, said = await _vllm_calls(served, body)
+    client = await _agent(stack, served)
+    named: list[tuple[str, str]]
+    if not stream:
+        answer = await client.chat.completions.create(model="laneway-chat", stream=False, **body)
+        calls = answer.choices[0].message.tool_calls or []
+        finish = answer.choices[0].finish_reason
+        named = [(c.function.name, c.function.arguments) for c in calls]
+    else:
+        folded: dict[int, tuple[str, str]] = {}
+        finish = None
+        async for chunk in await client.chat.completions.create(
+            model="laneway-chat", stream=True, **body
+        ):
+            for each in chunk.choices:
+                for part in each.delta.tool_calls or ():
+                    function = part.function
+                    name = (function.name if function else None) or ""
+                    arguments = (function.arguments if function else None) or ""
+                    _fold(folded, part.index, name, arguments)
+                finish = each.finish_reason or finish
+        named = [folded[i] for i in sorted(folded)]
+    assert named == made
+    assert named, "vLLM made no call"
+    for name, arguments in named:
+        assert name in {"read_file", "edit_file"}
+        if isinstance(choice, dict):
+            assert name == "read_file"
+        assert isinstance(json.loads(arguments), dict)
+    assert finish == said
+
+
+@STREAMS
+@pytest.mark.parametrize(
+    "choice",
+    ["auto", "required", {"type": "function", "function": {"name": "read_file"}}],
+    ids=["auto", "required", "named"],
+)
+async def test_tool_choices_on_vllm_serve_without_a_parser_are_unsupported(
+    stack: LiveStack, served: VllmServe, choice: Any, stream: bool
+) -> None:
+    """vLLM serve started without a tool parser refuses every tool choice but ``none``
+    (``auto`` is the default with tools): the agent gets that 400 naming ``tool_choice``,
+    and the usage event says ``unsupported`` (neither charged nor counted by a breaker: a
+    team is not shut out for what the server lacks)."""
+    body: dict[str, Any] = {
+        "messages": ASKED,
+        "tools": [READ, EDIT],
+        "tool_choice": choice,
+        "max_tokens": 8,
+    }
+    direct = await _direct(served, body)
+    assert direct.status_code == 400, direct.text
+    client = await _agent(stack, served)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await _ask(client, body, stream=stream)
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "tool_choice", error
+    assert "--tool-call-parser" in error["message"]
+    request_id = refused.value.response.headers["x-laneway-request-id"]
+    usage = await stack.usage_of(request_id)
+    assert usage[request_id]["status"] == "unsupported"
+
+
+@pytest.mark.parametrize("tools", [True, False], ids=["tools-none-chosen", "no-tools"])
+async def test_an_agents_history_of_calls_and_tool_answers_is_taken_by_vllm_serve(
+    stack: LiveStack, served: VllmServe, tools: bool
+) -> None:
+    """The turn after a call: the assistant's tool_calls (content null) and each tool's
+    answer by its tool_call_id reach vLLM serve, which takes them."""
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+    }
+    history = [
+        *ASKED,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "def f(): return 1"},
+    ]
+    body: dict[str, Any] = {"messages": history, "max_tokens": 4}
+    if tools:
+        body |= {"tools": [READ], "tool_choice": "none"}
+    client = await _agent(stack, served)
+    answer = await client.chat.completions.create(model="laneway-chat", **body)
+    assert answer.choices[0].finish_reason == "length"
+    # vLLM read the history whole: its prompt is the one it makes of these messages itself.
+    async with httpx.AsyncClient(timeout=30) as vllm:
+        tokenized = await vllm.post(
+            served.url.removesuffix("/v1") + "/tokenize",
+            json={"model": "up", "messages": history},
+        )
+    assert tokenized.status_code == 200, tokenized.text
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == tokenized.json()["count"]
+    assert answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
+    usage = await stack.usage_of(answer.id)
+    assert usage[answer.id]["status"] == "ok"

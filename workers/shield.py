@@ -16,12 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from laneway.constants import SESSION_RESTART_S
+from laneway.constants import SESSION_RESEND_S, SESSION_RESTART_S
 from laneway.errors import Cancelled, Dropped, Expired, Superseded
 from laneway.schema import CancelRecord, RequestEnvelope
 
 __all__ = ["CancelShield", "RunningRequest"]
 
+# A session's last seqs kept: a client resends the one just superseded, seldom older ones.
+_RECENT_SEQS = 8
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -119,7 +121,11 @@ class CancelShield:
         # Latest seq by (team, session), with the time the ingress accepted it (Redis's
         # clock): a session is a team's own name, so one team's counter never supersedes
         # another team's keystrokes of a session of the same name.
-        self._latest_seq: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
+        # With it, the session's last few seqs (``_RECENT_SEQS``): one of them sent again is
+        # a resend, not a count started again.
+        self._latest_seq: OrderedDict[tuple[str, str], tuple[int, float, tuple[int, ...]]] = (
+            OrderedDict()
+        )
         self._running: dict[str, RunningRequest] = {}
         self._finished: OrderedDict[str, float] = OrderedDict()
 
@@ -135,13 +141,17 @@ class CancelShield:
         session = (env.team, env.session)
         previous = self._latest_seq.get(session)
         if previous is not None and previous[0] >= env.seq:
-            if previous[0] > env.seq and env.accepted_ts - previous[1] >= SESSION_RESTART_S:
+            latest, accepted, recent = previous
+            since = env.accepted_ts - accepted
+            resent = env.seq in recent and since < SESSION_RESEND_S
+            if latest > env.seq and since >= SESSION_RESTART_S and not resent:
                 # The count started again: this keystroke is the session's newest. What ran
                 # under the old count is left alone (its clients leaving cancels it).
-                self._latest_seq[session] = (env.seq, env.accepted_ts)
+                self._latest_seq[session] = (env.seq, env.accepted_ts, (env.seq,))
                 self._latest_seq.move_to_end(session)
             return []
-        self._latest_seq[session] = (env.seq, env.accepted_ts)
+        recent = () if previous is None else previous[2][-(_RECENT_SEQS - 1) :]
+        self._latest_seq[session] = (env.seq, env.accepted_ts, (*recent, env.seq))
         self._latest_seq.move_to_end(session)
         self._trim(self._latest_seq)
         to_abort = []
