@@ -55,6 +55,7 @@ class Admission:
         headers: Headers,
         *,
         reply_to: str,
+        ingress: str | None = None,
     ) -> RequestEnvelope:
         s = self.settings
         cls: RequestClass = "completion" if isinstance(body, CompletionRequest) else "chat"
@@ -76,6 +77,7 @@ class Admission:
             seq=asked.seq,
             affinity=affinity_key(team, asked.session, head),
             reply_to=reply_to,
+            ingress=ingress,
             accepted_ts=now,
             deadline_ts=now + deadline_ms / 1000,
             supersede_grace_tokens=caller.team.supersede_grace_tokens,

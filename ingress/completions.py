@@ -79,7 +79,9 @@ async def _serve(request: Request, model: type[B], cls: str) -> Response:
     if raw is None:
         return Response(status_code=499)
     body = parse_body(model, raw)
-    env = state.admission.envelope(caller, body, request.headers, reply_to=state.reply_stream)
+    env = state.admission.envelope(
+        caller, body, request.headers, reply_to=state.reply_stream, ingress=state.incarnation
+    )
     clock = ServerTiming(state.clock)
     env, breaker_level, admitted = await _admit(state, caller, env, body.model)
     clock.stage("admit")

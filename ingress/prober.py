@@ -122,6 +122,7 @@ class Prober:
             max_tokens=1,
             affinity=f"probe:{secrets.token_hex(4)}",
             reply_to=state.reply_stream,
+            ingress=state.incarnation,
             accepted_ts=now,
             deadline_ts=now + self.settings.probe_timeout_s,
         )

@@ -57,6 +57,8 @@ _UNHEARD_WAIT_S = 1.0
 _GIVE_BACK_TIMEOUT_S = 1.0
 ROLL_CALL_S = INGRESS_ROLL_CALL_S
 REPLICA_GONE_S = INGRESS_GONE_S
+_ROLL_CALL_TIMEOUT_S = 1.0
+_ROLL_KEPT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -109,17 +111,24 @@ class QuotaGate:
         else:
             log.warning("Redis answers again: quota admission is exact again")
 
-    async def roll_call(self, instance: str, now: float) -> None:
+    async def roll_call(self, member: str, now: float) -> None:
         """Say that this replica runs (at ``now``, Redis's clock) and learn how many do: while
-        Redis is silent, each admits its share of a team's pool. Raises Redis's errors (the
-        last count stays)."""
+        Redis is silent, each admits its share of a team's pool. Workers read it too: a
+        replica that stopped saying so is gone, and so are its clients (``workers.
+        ingress_watch``). Raises Redis's errors (the last count stays).
+
+        Not through the circuit: an open one (this replica's own round trips slow, Redis
+        well) would silence it, and its clients' requests would be stopped as orphans. Only
+        entries far older than any clock's error are removed: one replica's clock seconds
+        off must not remove another that runs."""
         key = self.enforcer.keys.ingresses()
         pipe = self.enforcer.redis.pipeline(transaction=True)
-        pipe.zadd(key, {instance: now})
-        pipe.zremrangebyscore(key, "-inf", now - REPLICA_GONE_S)
-        pipe.zcard(key)
-        pipe.expire(key, 60)  # no replica left: nothing left behind
-        *_, count, _ = await self.circuit.background(pipe.execute, timeout_s=_GIVE_BACK_TIMEOUT_S)
+        pipe.zadd(key, {member: now})
+        pipe.zremrangebyscore(key, "-inf", now - _ROLL_KEPT_S)
+        pipe.zcount(key, now - REPLICA_GONE_S, "+inf")
+        pipe.expire(key, int(_ROLL_KEPT_S))  # no replica left: nothing left behind
+        async with asyncio.timeout(_ROLL_CALL_TIMEOUT_S):
+            *_, count, _ = await pipe.execute()
         self.local.replicas = max(1, int(count))
         QUOTA_REPLICAS.set(self.local.replicas)
 

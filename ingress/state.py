@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from functools import partial
 from typing import Any
@@ -55,6 +56,10 @@ class IngressState:
         self.topics = settings.topics
         self.keys = settings.keys
         self.reply_stream = self.keys.reply_stream(settings.instance_id)
+        # This process of the replica: a replica restarted under the same id (compose's,
+        # a pod's) is another, whose clients are not the dead one's. Its requests carry it,
+        # and it is what the roll call names (``workers.ingress_watch``).
+        self.incarnation = f"{settings.instance_id}#{secrets.token_hex(4)}"
         self.redis: aioredis.Redis = make_redis(settings)
         # Shared by every component below (they find it by the client): one learns that
         # Redis hangs, and none of the others waits on it.
@@ -111,6 +116,7 @@ class IngressState:
         self._closing = False
         self._lease_returns: asyncio.Task[None]
         self._clock_sync: asyncio.Task[None]
+        self._roll: asyncio.Task[None]
         self.started_at = time.time()
 
     async def start(self) -> None:
@@ -125,7 +131,7 @@ class IngressState:
         self.cancels.start()
         with contextlib.suppress(RedisError, OSError):  # down: the sync task tries again
             await self.clock.sync(self.redis, samples=3)
-            await self.quota.roll_call(self.settings.instance_id, self.clock.now())
+            await self.quota.roll_call(self.incarnation, self.clock.now())
         await self.revoked.start()
         await self.replies.start()
         await self._reply_fallback.start()
@@ -145,7 +151,8 @@ class IngressState:
             ),
         )
         self._lease_returns = asyncio.create_task(self.quota.run_returns())
-        self._clock_sync = asyncio.create_task(self._sync_clock(), name="clock-sync")
+        self._clock_sync = kept("clock sync", self._sync_clock)
+        self._roll = kept("roll call", self._roll_calls)
         await self.batches.start()
         await self.prober.start()
 
@@ -155,13 +162,14 @@ class IngressState:
         await self.cancels.stop()  # while Kafka and Redis are still there
         await self.shadows.stop()
         self._closing = True
-        for task in (self._clock_sync, self._team_changes, self._lease_returns, self._tail):
+        tasks = (self._roll, self._clock_sync, self._team_changes, self._lease_returns, self._tail)
+        for task in tasks:
             await stop_task(task)
         await self.revoked.stop()
         await self._reply_fallback.stop()
         await self.replies.stop()
         await self.quota.return_idle(idle_s=0)  # unused leases back to their pools
-        await self.quota.leave_roll(self.settings.instance_id)
+        await self.quota.leave_roll(self.incarnation)
         try:
             await self.producer.stop()
         finally:
@@ -170,18 +178,25 @@ class IngressState:
         await self.redis.aclose()
 
     async def _sync_clock(self) -> None:
-        """Keep the replica's view of Redis's clock, which deadlines are stamped on, and of
-        how many replicas run (``QuotaGate.roll_call``, more often: a replica just started is
-        counted by the others, and counts them, within seconds)."""
+        """Keep the replica's view of Redis's clock, which deadlines are stamped on."""
         synced = 0.0
         while True:
             try:
                 if time.monotonic() - synced >= _CLOCK_SYNC_S:
                     await self.clock.sync(self.redis)
                     synced = time.monotonic()
-                await self.quota.roll_call(self.settings.instance_id, self.clock.now())
             except (RedisError, OSError) as exc:
-                log.debug("clock or replicas not synced with Redis (the last stay): %s", exc)
+                log.debug("clock not synced with Redis (the last stays): %s", exc)
+            await asyncio.sleep(ROLL_CALL_S)
+
+    async def _roll_calls(self) -> None:
+        """Say that this replica runs, every ``ROLL_CALL_S`` (``QuotaGate.roll_call``); a
+        loop of its own, so a slow clock sync does not space them out."""
+        while True:
+            try:
+                await self.quota.roll_call(self.incarnation, self.clock.now())
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("roll call not made (the last count of replicas stays): %s", exc)
             await asyncio.sleep(ROLL_CALL_S)
 
     async def send_cancel(self, request_id: str, team: str) -> None:

@@ -112,6 +112,11 @@ class RequestEnvelope(_Wire):
     seq: int | None = None
     affinity: str = Field(min_length=1)
     reply_to: str | None = Field(None, description="Redis reply stream; None: results topic")
+    ingress: str | None = Field(
+        None,
+        description="the ingress process that holds its client's connection (its roll call "
+        "name); None: the replica of reply_to",
+    )
     accepted_ts: float = Field(description="epoch seconds the ingress accepted it")
     deadline_ts: float | None = Field(None, description="epoch seconds; drop if not started")
     prompt_tokens: int = Field(0, ge=0, description="the ingress estimate")

@@ -51,14 +51,17 @@ class Heartbeat:
         self.scaling = scaling
         self.describe = describe  # the beat's record, at Redis's time
         self.after = after  # the worker's own periodic work, after each beat
+        self.wrote = False  # the last beat's write succeeded (Redis takes writes)
 
     async def loop(self) -> None:
         circuit = circuit_of(self.redis)
         while True:
             now = self.clock.now()  # Redis's clock, as the ingress reads the beats on it
             info = await self.describe(now)
+            self.wrote = False
             try:
                 await circuit.background(partial(self._write, info, now), timeout_s=BEAT_TIMEOUT_S)
+                self.wrote = True
                 await self.clock.sync(self.redis)
             except Exception as exc:  # noqa: BLE001 - a missed beat must never stop the worker
                 if not circuit.open:  # an open circuit said so once already

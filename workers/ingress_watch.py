@@ -6,12 +6,16 @@ with it, yet its requests ran on to their end on the engine and were billed in f
 ``ok``, and the SDK's retry at another replica ran and was billed once more.
 
 Each replica says that it runs every ``INGRESS_ROLL_CALL_S`` (a sorted set in Redis scored by
-when: ``ingress.quota_gate``). A worker reads it at every heartbeat and takes a replica for
-gone once its score has stood still, or it has been missing, for ``gone_after_s`` of reads
-that all succeeded and came at most ``_GAP_BEATS`` beats apart: a Redis that did not answer
-says nothing of the replicas, and one restarted without the set has it filled again by the
-live replicas within a roll call. The gone replica's requests then end as those of a client
-that left (``cancelled``, billed what the engine made of them).
+when, named by the process: ``ingress.quota_gate``), and each request names the process that
+holds its client (``RequestEnvelope.ingress``; a replica restarted under the same id is
+another process). A worker reads the set at every heartbeat and takes a process for gone
+once its score has stood still, or it has been missing, for ``gone_after_s`` of reads that
+all succeeded, came at most ``_GAP_BEATS`` beats apart and followed a beat whose own write
+Redis took: a Redis that did not answer, or took no writes (full, its disk failing), says
+nothing of the replicas, and one restarted without the set has it filled again by the live
+replicas within a roll call. A score is only compared with itself, never with a clock. The
+gone process's requests then end as those of a client that left (``cancelled``, billed what
+the engine made of them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ __all__ = ["IngressWatch"]
 # the count again: what happened between them is not known.
 _GAP_BEATS = 3.0
 _READ_TIMEOUT_S = 1.0
+# A replica unheard of this long is forgotten: longer than any request runs.
+_FORGET_S = 3600.0
 # Replicas asked about that never showed up, kept at most (oldest out).
 _MAX_ABSENT = 1000
 
@@ -57,8 +63,14 @@ class IngressWatch:
         self._changed: dict[str, tuple[float, float]] = {}  # replica → (score, when it moved)
         self._absent: dict[str, float] = {}  # replica never seen → when first asked about
 
-    async def look(self) -> None:
-        """Read the replicas' roll call; one that fails breaks the unbroken reads."""
+    async def look(self, *, writes: bool) -> None:
+        """Read the replicas' roll call; one that fails breaks the unbroken reads, and so
+        does a beat whose own write failed (``writes`` False): a Redis that refuses writes
+        (full, its disk failing, paused) refuses the replicas' roll calls too, while it
+        still answers reads."""
+        if not writes:
+            self._since = None
+            return
         try:
             read = partial(self.redis.zrange, self.keys.ingresses(), 0, -1, withscores=True)
             entries = await circuit_of(self.redis).background(read, timeout_s=_READ_TIMEOUT_S)
@@ -79,7 +91,7 @@ class IngressWatch:
             self._absent.pop(replica, None)
         # A replica gone from the set for long is forgotten (its requests are long over).
         for replica, (_, moved) in list(self._changed.items()):
-            if replica not in seen and now - moved > 10 * self.gone_after_s:
+            if replica not in seen and now - moved > _FORGET_S:
                 del self._changed[replica]
 
     def gone(self, replica: str) -> bool:

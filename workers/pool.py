@@ -369,12 +369,13 @@ class PoolWorker:
         """Stop the requests of ingress replicas that are gone (``workers.ingress_watch``):
         as if their clients left, which they did."""
         watch = self.ingresses
-        if watch is None:
+        if watch is None or not self.shield.enabled:
             return
-        await watch.look()
+        await watch.look(writes=self.heartbeat.wrote)
         for work in [*self.queue, *self.runs.running.values(), *self.runs.following.values()]:
             env = work.env
-            replica = self.keys.reply_instance(env.reply_to)
+            # An ingress before process names: its replica's id.
+            replica = env.ingress or self.keys.reply_instance(env.reply_to)
             if replica is None or not watch.gone(replica) or self.shield.stale_reason(env.id):
                 continue
             log.warning(
@@ -384,7 +385,10 @@ class PoolWorker:
                 extra={"request_id": env.id, "team": env.team},
             )
             metrics.ORPHANS.labels(self.pool).inc()
-            await self.runs.cancel(CancelRecord(id=env.id, team=env.team, reason="ingress_gone"))
+            gone = CancelRecord(
+                id=env.id, team=env.team, reason="ingress_gone", ts=self.clock.now()
+            )
+            await self.runs.cancel(gone)
 
     def _wake(self) -> None:
         """Memory pressure began or ended: held work may start, or hi work be fetched."""
