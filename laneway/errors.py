@@ -159,6 +159,9 @@ class NotFound(BadRequest):
 # The official OpenAI SDKs send a 409 again (twice, by default: a lock timeout at
 # OpenAI), unless the answer says not to.
 _NOT_AGAIN = {"x-should-retry": "false"}
+# A quota's wait longer than this is not worth a retry (the OpenAI SDKs' own bound on a
+# Retry-After they sleep: past it they back off their own way, or, openai-node 6, sleep on).
+LONG_WAIT_S = 60
 
 
 class Conflict(BadRequest):
@@ -194,25 +197,41 @@ class QuotaExceeded(LanewayError):
     kind = "quota"
 
     def __init__(
-        self, message: str, *, team: str, limit: int, retry_after: float, never: bool = False
+        self,
+        message: str,
+        *,
+        team: str,
+        limit: int,
+        retry_after: float,
+        never: bool = False,
+        remaining: float = 0.0,
     ) -> None:
         super().__init__(message)
         self.team = team
         self.limit = limit
         self.retry_after = retry_after
         self.never = never  # more than the whole budget: no wait makes it fit
+        self.remaining = remaining  # tokens left in the pool (fewer than the request's)
 
     def headers(self) -> dict[str, str]:
         headers = {
             "x-ratelimit-limit-tokens": str(self.limit),
-            "x-ratelimit-remaining-tokens": "0",
+            "x-ratelimit-remaining-tokens": str(max(0, int(self.remaining))),
         }
+        wait = max(1, math.ceil(self.retry_after))
         if self.never:
             # The SDKs retry a 429; no wait makes this one fit. And no Retry-After: clients
             # that read only it (Continue's backoff) would wait its hour, five times over.
             headers.update(_NOT_AGAIN)
+        elif wait > LONG_WAIT_S:
+            # Minutes: no client wants its request answered then, and openai-node (6.x)
+            # sleeps a Retry-After whatever its length, past its own timeout. Told not to
+            # retry, with the wait in the reset header (and the message).
+            headers.update(_NOT_AGAIN)
+            headers["x-ratelimit-reset-tokens"] = f"{wait}s"
         else:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+            headers["Retry-After"] = str(wait)
+            headers["x-ratelimit-reset-tokens"] = f"{wait}s"
         return headers
 
 

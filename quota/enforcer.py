@@ -29,6 +29,7 @@ lines, each reserving, settling and releasing its own.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,10 +190,12 @@ class QuotaEnforcer:
             )
         return QuotaExceeded(
             f"team {team.name!r} is over its {pool} budget: {tokens} tokens asked, "
-            f"{max(0.0, remaining):.0f} of {capacity:.0f} tokens/hour left",
+            f"{max(0.0, remaining):.0f} of {capacity:.0f} tokens/hour left; it fits again in "
+            f"about {max(1, math.ceil(retry))} s",
             team=team.name,
             limit=int(capacity),
             retry_after=retry,
+            remaining=remaining,
         )
 
     async def settle(

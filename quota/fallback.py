@@ -77,6 +77,7 @@ class LocalLimiter:
                 team=team,
                 limit=int(capacity),
                 retry_after=retry,
+                remaining=bucket.tokens,
             )
         bucket.tokens -= tokens
         return bucket.tokens

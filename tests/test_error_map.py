@@ -61,10 +61,20 @@ def test_an_error_maps_to_what_it_carries(
 
 
 def test_quota_errors_say_when_to_retry_and_what_the_limit_is() -> None:
-    tokens = error_response(QuotaExceeded("pool empty", team="a", limit=5000, retry_after=0.2))
+    tokens = error_response(
+        QuotaExceeded("pool empty", team="a", limit=5000, retry_after=0.2, remaining=7.5)
+    )
     assert tokens.status_code == 429
     assert tokens.headers["Retry-After"] == "1"  # never 0: a client would spin
+    assert tokens.headers["x-ratelimit-reset-tokens"] == "1s"
     assert tokens.headers["x-ratelimit-limit-tokens"] == "5000"
+    assert tokens.headers["x-ratelimit-remaining-tokens"] == "7"  # not 0: 7 left, too few
+    assert "x-should-retry" not in tokens.headers
+    # A wait of minutes is no retry's: openai-node 6 slept the whole Retry-After.
+    hour = error_response(QuotaExceeded("pool empty", team="a", limit=5000, retry_after=779.2))
+    assert hour.headers["x-should-retry"] == "false"
+    assert "Retry-After" not in hour.headers
+    assert hour.headers["x-ratelimit-reset-tokens"] == "780s"
     calls = error_response(RateLimited("cancels", team="a", limit=50, retry_after=2.5))
     assert calls.headers["Retry-After"] == "3"
     assert "x-ratelimit-limit-tokens" not in calls.headers  # its limit is calls, not tokens
