@@ -26,6 +26,14 @@ __all__ = ["error_response", "install_error_handlers"]
 log = logging.getLogger(__name__)
 
 
+# What laneway serves of OpenAI's API, said by a 404 of another of its paths.
+_SERVED = (
+    "/v1/chat/completions, /v1/completions, /v1/models, /v1/files and /v1/batches "
+    "(the Responses API's clients: use their chat completions, as the Vercel AI SDK's "
+    "provider.chat(model))"
+)
+
+
 def error_response(exc: LanewayError) -> Response:
     """The one map from laneway errors to status, headers and body: what the error carries."""
     ERRORS.labels(exc.kind).inc()
@@ -52,10 +60,15 @@ def install_error_handlers(app: FastAPI) -> None:
         field = ".".join(str(p) for p in err["loc"] if p != "body")
         return error_response(BadRequest(f"{field}: {err['msg']}", param=field))
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = "not_found" if exc.status_code == 404 else None
-        body = error_body(str(exc.detail), type_="invalid_request_error", code=code)
+        message = str(exc.detail)
+        if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+            # An OpenAI API laneway does not serve (the Vercel AI SDK's default provider
+            # calls /v1/responses): say what it serves, not a bare "Not Found".
+            message = f"{request.url.path} is not served by laneway; it serves {_SERVED}"
+        body = error_body(message, type_="invalid_request_error", code=code)
         # Starlette's own headers stay: a 405's ``Allow`` names the methods the path takes.
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 

@@ -411,6 +411,12 @@ async def test_every_error_body_conforms(stack: LiveStack) -> None:
     assert "sk-something" not in said, said
     wire.check_error("unknown model", await post({**COMPLETION, "model": "gpt-nope"}), 404)
     wire.check_error("unknown path", await http.get("/v1/nothing-here"), 404)
+    # An OpenAI API laneway does not serve (the Vercel AI SDK's default provider calls the
+    # Responses API): told what it serves, not a bare "Not Found".
+    responses = await http.post("/v1/responses", json={"model": "laneway-chat", "input": "hi"})
+    said = wire.check_error("the Responses API", responses, 404)["message"]
+    assert "/v1/responses is not served" in said, said
+    assert "/v1/chat/completions" in said, said
     wire.check_error("wrong method", await http.get("/v1/completions"), 405)
     # As OpenAI answers a prompt over the context: 400 context_length_exceeded, the limit named.
     too_long = await post({**COMPLETION, "prompt": "x" * 8000})
