@@ -37,6 +37,8 @@ streamed a word a chunk as vLLM streams them, ``finish_reason`` ``tool_calls`` (
 named one, as vLLM and OpenAI answer it). The log then
 has ``tools`` (their names), ``tool_choice`` (as received), ``called`` (the names called) and
 ``history`` (the messages that carry ``tool_calls`` or have the role ``tool``, as received).
+``response_format`` and ``names`` (the messages' ``name``, in order) are logged as received
+when a request has them; neither changes the text.
 ``--max-model-len N`` refuses a request whose prompt (four characters a token) and
 ``max_tokens`` exceed N tokens with vLLM's 400 and message (outcome ``refused``); a chat with
 no ``max_tokens`` then gets what the context leaves, as from vLLM (else 16 tokens).
@@ -226,6 +228,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         "finish": "length",
     }
     called = _called(body) if chat else []
+    if "response_format" in body:
+        entry["response_format"] = body["response_format"]
+    if chat and (names := [m["name"] for m in body.get("messages") or () if "name" in m]):
+        entry["names"] = names
     if chat and ("tools" in body or any(_tool_message(m) for m in body.get("messages") or ())):
         entry["tools"] = [tool["function"]["name"] for tool in body.get("tools") or ()]
         entry["tool_choice"] = body.get("tool_choice")

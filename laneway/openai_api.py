@@ -71,14 +71,12 @@ BODY_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "min_p": (0,),
     "repetition_penalty": (1,),
 }
-# What an assistant message carries when a client sends laneway's own answer back as history;
-# a name would change the prompt, and workers see role, content and tool calls only.
+# What an assistant message carries when a client sends laneway's own answer back as history.
 MESSAGE_NO_OPS: Mapping[str, tuple[object, ...]] = {
     "refusal": (),
     "annotations": ([],),
     "function_call": (),
     "audio": (),
-    "name": (),
 }
 # What clients put on every message that changes no prompt, taken whatever its value: caching
 # hints (Copilot's BYOK `copilot_cache_control`, `cache_control`), a reasoning model's thinking
@@ -169,11 +167,33 @@ class _CalledFunction(_Strict):
 
 
 class _ToolCall(_Strict):
-    """A tool call of an assistant message sent back as history."""
+    """A tool call of an assistant message sent back as history. Its ``index`` (openai-
+    python's stream helper keeps a streamed call's in the message it gives back) is inert."""
+
+    inert = frozenset({"index"})
 
     id: str = Field(min_length=1)
     type: Literal["function"]
     function: _CalledFunction
+
+
+class _JsonSchema(_Strict):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
+    description: str | None = None
+    # "schema" would shadow pydantic's own attribute: read and written by its JSON name.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class _ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> _ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only with it")
+        return self
 
 
 class _Body(_Strict):
@@ -268,6 +288,9 @@ class _ChatMessageIn(_Strict):
     # The calls an assistant made, and in a tool message the id of the call it answers.
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
+    # The participant's name (AutoGen names every message, LangGraph its agents): passed on
+    # with the message; a chat template that knows names uses it.
+    name: str | None = Field(None, max_length=MAX_TOOL_NAME_CHARS)
 
     @model_validator(mode="after")
     def _calls_where_they_belong(self) -> _ChatMessageIn:
@@ -308,14 +331,18 @@ class _ChatMessageIn(_Strict):
         role = "system" if self.role == "developer" else self.role
         calls = [c.model_dump(exclude_none=True) for c in self.tool_calls or ()] or None
         return ChatMessage(
-            role=role, content=text, tool_calls=calls, tool_call_id=self.tool_call_id
+            role=role,
+            content=text,
+            tool_calls=calls,
+            tool_call_id=self.tool_call_id,
+            name=self.name,
         )
 
 
 class ChatRequest(_Body):
     # `tools: []` asks for none; `tool_choice: "none"` is honoured (with tools, it forbids
-    # calling them).
-    no_ops = {k: v for k, v in BODY_NO_OPS.items() if k != "tool_choice"}
+    # calling them); `response_format` is honoured (text: as if absent).
+    no_ops = {k: v for k, v in BODY_NO_OPS.items() if k not in ("tool_choice", "response_format")}
 
     messages: list[_ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -324,6 +351,9 @@ class ChatRequest(_Body):
     tools: list[_Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     # Checked here (one message whatever was sent, not one per shape it might have been).
     tool_choice: Any = None
+    # JSON out (an agent's structured output): passed on to an upstream server, which
+    # constrains its text to it; the sim and vllm engines refuse it (a 400 naming it).
+    response_format: _ResponseFormat | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -350,10 +380,15 @@ class ChatRequest(_Body):
         return choice
 
     def tool_fields(self) -> dict[str, Any]:
-        """What the envelope carries of the tools: nothing without any."""
+        """What the envelope carries of the tools and the response format: nothing without."""
+        fields: dict[str, Any] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            fields["response_format"] = self.response_format.model_dump(
+                exclude_none=True, by_alias=True
+            )
         if self.tools is None:
-            return {}
-        fields: dict[str, Any] = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]}
+            return fields
+        fields["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         if self.tool_choice is not None:
             choice = self.tool_choice
             fields["tool_choice"] = (

@@ -25,6 +25,9 @@ __all__ = ["RequestShape", "check_served", "shape_request"]
 # What a chat template adds to the prompt (OpenAI's rule of thumb for its own models).
 _MESSAGE_TOKENS = 3  # per message: its role and separators
 _REPLY_TOKENS = 3  # once: the start of the assistant's reply
+# Sampling fields with a default of laneway's that an upstream server is not sent unless the
+# client set them (it has defaults of its own: vLLM its model's generation config).
+_SAMPLING_DEFAULTS = ("temperature", "top_p")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class RequestShape:
             stop=body.stop,
             seed=body.seed,
             prompt_tokens=self.prompt_tokens,
+            unset=[name for name in _SAMPLING_DEFAULTS if name not in body.model_fields_set],
             **(body.tool_fields() if isinstance(body, ChatRequest) else {}),
             **fields,
         )

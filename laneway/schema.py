@@ -66,6 +66,7 @@ class ChatMessage(_Wire):
         None, description="an assistant's calls: OpenAI's {id, type, function}"
     )
     tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+    name: str | None = Field(None, description="the participant's name, as the client sent it")
 
     def wire(self) -> dict[str, Any]:
         """As OpenAI's message: a tool call's content is null when it has no text."""
@@ -75,6 +76,8 @@ class ChatMessage(_Wire):
             message["content"] = self.content or None
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 
@@ -141,6 +144,15 @@ class RequestEnvelope(_Wire):
         None, description="none, auto, required or a named function; None: the engine's default"
     )
     parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="a chat's JSON output (OpenAI's json_object or json_schema); None: text"
+    )
+    unset: list[str] = Field(
+        default_factory=list,
+        description="sampling fields the client did not set (temperature, top_p): their values "
+        "here are laneway's defaults, and an upstream server is sent none (it uses its own, "
+        "as vLLM its model's)",
+    )
     supersede_grace_tokens: int = Field(
         0,
         ge=0,

@@ -83,7 +83,7 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     (CHAT, "tool_choice", "auto"),  # with no tools to choose from
     (CHAT, "functions", [TOOL["function"]]),
     (CHAT, "function_call", "auto"),
-    (CHAT, "response_format", {"type": "json_object"}),
+    (COMPLETION, "response_format", {"type": "json_object"}),  # a chat's is honoured
     (CHAT, "modalities", ["text", "audio"]),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "prediction", {"type": "content", "content": "x"}),
@@ -117,7 +117,7 @@ def test_an_unsupported_value_is_refused_naming_the_field(
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "user", "content": "hi", "name": "bob"}, "messages.0.name"),
+        ({"role": "user", "content": "hi", "name": 5}, "messages.0.name"),
         # A tool call is an assistant's, and the answer to one a tool message's.
         ({"role": "user", "content": "42", "tool_call_id": "call_1"}, "messages.0"),
         (

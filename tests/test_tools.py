@@ -407,6 +407,14 @@ async def test_the_simulation_refuses_tools_it_cannot_call_and_is_not_charged(
         )
     assert refused.value.body["param"] == "tools"  # type: ignore[index]
     assert "LANEWAY_UPSTREAM_URL" in refused.value.message
+    # Nor does it write JSON.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(
+            model="laneway-chat",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"},
+        )
+    assert refused.value.body["param"] == "response_format"  # type: ignore[index]
     # Told not to call them, it answers text.
     answer = await client.chat.completions.create(
         model="laneway-chat",
@@ -416,8 +424,8 @@ async def test_the_simulation_refuses_tools_it_cannot_call_and_is_not_charged(
         max_tokens=4,
     )
     assert answer.choices[0].message.content
-    events = await stack.read_topic(stack.topics.usage, count=2, within_s=20)
-    assert sorted(e["status"] for e in events) == ["ok", "unsupported"]
+    events = await stack.read_topic(stack.topics.usage, count=3, within_s=20)
+    assert sorted(e["status"] for e in events) == ["ok", "unsupported", "unsupported"]
 
 
 async def test_a_streamed_answer_with_calls_conforms_on_the_wire(
@@ -564,3 +572,106 @@ def test_llama_cpp_without_jinja_is_unsupported_not_a_fault_of_the_route() -> No
     unsupported = EngineUnsupported.from_engine("tools param requires --jinja flag")
     assert unsupported is not None
     assert unsupported.param == "tools"
+
+
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "Answer",
+        "schema": {"type": "object", "properties": {"text": {"type": "string"}}},
+        "strict": True,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object", "json_schema": SCHEMA["json_schema"]}},
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "name": ["bob"]}]}, "messages.0.name"),
+    ],
+)
+def test_a_response_format_or_name_the_engine_could_not_take_is_refused(
+    fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequest) as refused:
+        validate_body(ChatRequest, {**CHAT, **fields})
+    assert refused.value.param == param
+
+
+def test_what_agent_frameworks_send_travels_as_they_sent_it() -> None:
+    """AutoGen names every message and LangGraph its agents; openai-python's stream helper
+    keeps each call's ``index`` in the message it gives back; structured output asks for a
+    JSON schema. Each was a 400. And sampling fields the client did not set are marked, so
+    an upstream server uses its own defaults (vLLM: its model's), not laneway's 1.0."""
+    settings = CommonSettings()
+    call = {
+        "id": "call_7",
+        "index": 0,
+        "type": "function",
+        "function": {"name": "read_file", "arguments": "{}"},
+    }
+    body = {
+        **CHAT,
+        "messages": [
+            {"role": "user", "name": "user", "content": "fix it"},
+            {"role": "assistant", "name": "researcher", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_7", "content": "ok"},
+        ],
+        "response_format": SCHEMA,
+        "temperature": 0.2,
+    }
+    env = envelope(shape_request(settings, validate_body(ChatRequest, body), "chat"))
+    assert env.messages is not None
+    wired = [m.wire() for m in env.messages]
+    assert [m.get("name") for m in wired] == ["user", "researcher", None]
+    assert wired[1]["tool_calls"] == [{k: v for k, v in call.items() if k != "index"}]
+    assert env.response_format == SCHEMA  # `schema` by its own name
+    assert env.unset == ["top_p"]
+    plain = envelope(shape_request(settings, validate_body(ChatRequest, CHAT), "chat"))
+    assert plain.unset == ["temperature", "top_p"]
+    assert plain.response_format is None
+    text = {**CHAT, "response_format": {"type": "text"}}  # as if absent
+    assert (
+        envelope(shape_request(settings, validate_body(ChatRequest, text), "chat")).response_format
+        is None
+    )
+
+
+async def test_an_autogen_style_chat_with_structured_output_reaches_the_upstream_as_sent(
+    stack: LiveStack, upstreams: Callable[..., Any]
+) -> None:
+    upstream = await upstreams(slots=2, token_ms=1)
+    ingress = await stack.start_ingress()
+    await stack.start_worker(
+        "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
+    )
+    key = await stack.api_key("team-a")
+    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
+    stack._clients.append(client)
+    answer = await client.chat.completions.create(
+        model="laneway-chat",
+        messages=[
+            {"role": "system", "content": "You are a helpful AI assistant."},
+            {"role": "user", "name": "user", "content": "autogen: look it up"},
+        ],
+        response_format=SCHEMA,  # type: ignore[arg-type]
+        max_tokens=3,
+    )
+    assert answer.choices[0].message.content == "alpha beta gamma "
+    entry = upstream.entry("autogen")
+    assert entry is not None
+    assert entry["names"] == ["user"]
+    assert entry["response_format"] == SCHEMA
+    # Neither temperature nor top_p: the server's own defaults, as straight to it.
+    assert "temperature" not in entry["sampling"]
+    assert "top_p" not in entry["sampling"]

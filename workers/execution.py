@@ -288,6 +288,8 @@ class RequestExecutor:
             tools=env.tools,
             tool_choice=env.tool_choice,
             parallel_tool_calls=env.parallel_tool_calls,
+            response_format=env.response_format,
+            unset=frozenset(env.unset),
         )
 
     async def follow(self, follower: Follower) -> UsageEvent | None:

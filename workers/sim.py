@@ -201,6 +201,12 @@ class SimEngine:
             await asyncio.sleep(0)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if request.response_format is not None:
+            raise EngineUnsupported(
+                "response_format is not kept by the simulated engine (it writes made-up words, "
+                "no JSON); put an OpenAI-compatible server behind laneway (LANEWAY_UPSTREAM_URL)",
+                param="response_format",
+            )
         if request.tools and request.tool_choice != "none":
             # A simulation writes words: it calls no tool. Unsupported, as for any engine
             # without what a request asks: a 400, its team neither charged nor isolated.

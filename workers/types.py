@@ -44,6 +44,9 @@ class EngineRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None  # a chat's JSON output; None: text
+    # Sampling fields the client did not set (their values are laneway's defaults).
+    unset: frozenset[str] = frozenset()
 
     @property
     def seed(self) -> int:

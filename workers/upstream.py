@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from laneway.errors import Aborted, EngineError, EngineFull, EngineUnsupported
+from laneway.schema import ChatMessage
 from laneway.tokens import estimate_tokens
 from workers.integrity import model_digest
 from workers.learned_slots import LearnedSlots
@@ -155,12 +156,16 @@ class OpenAICompatibleEngine:
         body: dict[str, Any] = {
             "model": self.model or request.route,
             "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
             "stream": True,
             "stream_options": {"include_usage": True},
             "seed": request.seed,
         }
+        # As the client set them: one that set none leaves them to the server's defaults
+        # (vLLM's are its model's generation config), as it would straight to the server.
+        if "temperature" not in request.unset:
+            body["temperature"] = request.temperature
+        if "top_p" not in request.unset:
+            body["top_p"] = request.top_p
         if request.stop:
             body["stop"] = request.stop
         # Only when asked: a server without them (TGI's completions) takes a request without.
@@ -173,14 +178,7 @@ class OpenAICompatibleEngine:
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
         if request.messages is not None:
-            body["messages"] = [m.wire() for m in request.messages]
-            if request.tools:
-                body["tools"] = request.tools
-                if request.tool_choice is not None:
-                    body["tool_choice"] = request.tool_choice
-                if request.parallel_tool_calls is not None:
-                    body["parallel_tool_calls"] = request.parallel_tool_calls
-            return "/chat/completions", body
+            return "/chat/completions", {**body, **_chat_fields(request, request.messages)}
         body["prompt"] = request.prompt
         if request.suffix:
             # An empty one (the cursor at the end of the file) asks for a plain continuation,
@@ -396,6 +394,20 @@ class OpenAICompatibleEngine:
     def _room(self) -> None:
         if self._on_room is not None:
             self._on_room()
+
+
+def _chat_fields(request: EngineRequest, messages: list[ChatMessage]) -> dict[str, Any]:
+    """A chat's own fields, as the client sent them: its messages, response format, tools."""
+    fields: dict[str, Any] = {"messages": [m.wire() for m in messages]}
+    if request.response_format is not None:
+        fields["response_format"] = request.response_format
+    if request.tools:
+        fields["tools"] = request.tools
+        if request.tool_choice is not None:
+            fields["tool_choice"] = request.tool_choice
+        if request.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = request.parallel_tool_calls
+    return fields
 
 
 async def _next_line(response: aiohttp.ClientResponse, *, finished: bool) -> bytes:

@@ -272,7 +272,7 @@ class VllmEngine:
             params = _vllm("vllm.renderers.params").ChatParams(
                 chat_template_kwargs={"add_generation_prompt": True}
             )
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = [m.wire() for m in request.messages]
             _, (engine_input,) = await renderer.render_chat_async([messages], params)
             return engine_input
         (engine_input,) = await renderer.render_cmpl_async([{"prompt": request.prompt}])
@@ -291,6 +291,12 @@ class VllmEngine:
                 "send the prompt without it, or have the operator serve this model from a "
                 "server that fills in the middle (LANEWAY_UPSTREAM_URL)",
                 param="suffix",
+            )
+        if request.response_format is not None:
+            raise EngineUnsupported(
+                "response_format is not supported by this model's engine (vllm in the worker); "
+                "have the operator serve this model from vLLM serve (LANEWAY_UPSTREAM_URL)",
+                param="response_format",
             )
         if request.tools or any(m.tool_calls for m in request.messages or ()):
             # Its tool calls would need the model's own tool parser (vLLM serve's
