@@ -20,6 +20,7 @@ from ingress.responses import JSONResponse, error_body
 from laneway.errors import BadRequest, LanewayError, ServiceUnavailable
 from laneway.logs import described
 from laneway.metrics import ERRORS
+from laneway.openai_format import clipped
 
 __all__ = ["error_response", "install_error_handlers"]
 
@@ -28,8 +29,11 @@ log = logging.getLogger(__name__)
 
 # What laneway serves of OpenAI's API, said by a 404 of another of its paths.
 _SERVED = (
-    "/v1/chat/completions, /v1/completions, /v1/models, /v1/files and /v1/batches "
-    "(the Responses API's clients: use their chat completions, as the Vercel AI SDK's "
+    "/v1/chat/completions, /v1/completions, /v1/models, /v1/files, /v1/batches and "
+    "DELETE /v1/requests/{id}"
+)
+_RESPONSES = (
+    " (a client of the Responses API: use its chat completions, as the Vercel AI SDK's "
     "provider.chat(model))"
 )
 
@@ -64,10 +68,13 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, HTTPException)
         code = "not_found" if exc.status_code == 404 else None
         message = str(exc.detail)
-        if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+        path = request.url.path
+        if exc.status_code == 404 and path.startswith("/v1/"):
             # An OpenAI API laneway does not serve (the Vercel AI SDK's default provider
             # calls /v1/responses): say what it serves, not a bare "Not Found".
-            message = f"{request.url.path} is not served by laneway; it serves {_SERVED}"
+            message = f"{clipped(path, 100)} is not served here; it serves {_SERVED}"
+            if path.startswith("/v1/responses"):
+                message += _RESPONSES
         body = error_body(message, type_="invalid_request_error", code=code)
         # Starlette's own headers stay: a 405's ``Allow`` names the methods the path takes.
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

@@ -159,8 +159,8 @@ class NotFound(BadRequest):
 # The official OpenAI SDKs send a 409 again (twice, by default: a lock timeout at
 # OpenAI), unless the answer says not to.
 _NOT_AGAIN = {"x-should-retry": "false"}
-# A quota's wait longer than this is not worth a retry (the OpenAI SDKs' own bound on a
-# Retry-After they sleep: past it they back off their own way, or, openai-node 6, sleep on).
+# A quota's wait longer than this is not worth a retry: no keystroke or chat is wanted a
+# minute later (openai-node 6 sleeps any Retry-After; openai-python up to 120 s).
 LONG_WAIT_S = 60
 
 

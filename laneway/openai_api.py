@@ -92,6 +92,8 @@ MESSAGE_INERT = frozenset(
         # Copilot BYOK's ids of a thinking model's chain of thought, sent back as history.
         "cot_id",
         "cot_summary",
+        # openai-python's parse() output sent back as history: its parsed object.
+        "parsed",
     }
 )
 
@@ -162,6 +164,8 @@ class _NamedChoice(_Strict):
 
 
 class _CalledFunction(_Strict):
+    inert = frozenset({"parsed_arguments"})  # openai-python's parse() of a tool's arguments
+
     name: str = Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)
     arguments: str
 

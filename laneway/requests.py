@@ -140,4 +140,6 @@ def _tool_tokens(body: CompletionRequest | ChatRequest, messages: list[ChatMessa
         for call in message.tool_calls or ()
     )
     tools = body.tool_fields() if isinstance(body, ChatRequest) else {}
+    # A response format constrains the decoding, not the prompt (vLLM's, SGLang's).
+    tools.pop("response_format", None)
     return estimate_tokens(calls) + (estimate_tokens(orjson.dumps(tools).decode()) if tools else 0)

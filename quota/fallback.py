@@ -18,6 +18,7 @@ Exact admission returns with Redis, when its circuit closes.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -72,8 +73,8 @@ class LocalLimiter:
         if bucket.tokens < tokens:
             retry = (tokens - bucket.tokens) / rate if rate > 0 else 3600.0
             raise QuotaExceeded(
-                f"team {team!r} is over its interactive budget "
-                "(local limit while Redis does not answer in time)",
+                f"team {team!r} is over its interactive budget (local limit while Redis does "
+                f"not answer in time); it fits again in about {max(1, math.ceil(retry))} s",
                 team=team,
                 limit=int(capacity),
                 retry_after=retry,

@@ -156,3 +156,13 @@ def test_a_follower_is_never_given_more_than_its_own_max_tokens() -> None:
     registry.finished(owner.id)
     assert registry.match(_keystroke("q = one ", seq=4, max_tokens=2)) is None
     assert registry.match(_keystroke("q = one ", seq=5, max_tokens=3)) is not None
+
+
+def test_a_temperature_left_to_the_server_is_not_laneways_default_set() -> None:
+    """A request that sets no temperature is sent none (the upstream samples at its own
+    default); one that sets 1.0 is sent 1.0. They are not the same request: neither is
+    served from the other's generation."""
+    registry = ReuseRegistry()
+    registry.begin(_keystroke("r", session=None, unset=["top_p"]))  # temperature 1.0, set
+    assert registry.match(_keystroke("r", session=None, unset=["temperature", "top_p"])) is None
+    assert registry.match(_keystroke("r", session=None, unset=["top_p"])) is not None

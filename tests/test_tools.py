@@ -618,13 +618,19 @@ def test_what_agent_frameworks_send_travels_as_they_sent_it() -> None:
         "id": "call_7",
         "index": 0,
         "type": "function",
-        "function": {"name": "read_file", "arguments": "{}"},
+        "function": {"name": "read_file", "arguments": "{}", "parsed_arguments": {}},
     }
     body = {
         **CHAT,
         "messages": [
             {"role": "user", "name": "user", "content": "fix it"},
-            {"role": "assistant", "name": "researcher", "content": None, "tool_calls": [call]},
+            {
+                "role": "assistant",
+                "name": "researcher",
+                "content": None,
+                "tool_calls": [call],
+                "parsed": {"text": "x"},  # openai-python's parse(), sent back
+            },
             {"role": "tool", "tool_call_id": "call_7", "content": "ok"},
         ],
         "response_format": SCHEMA,
@@ -634,12 +640,22 @@ def test_what_agent_frameworks_send_travels_as_they_sent_it() -> None:
     assert env.messages is not None
     wired = [m.wire() for m in env.messages]
     assert [m.get("name") for m in wired] == ["user", "researcher", None]
-    assert wired[1]["tool_calls"] == [{k: v for k, v in call.items() if k != "index"}]
+    assert wired[1]["tool_calls"] == [
+        {"id": "call_7", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+    ]
+    assert "parsed" not in wired[1]
     assert env.response_format == SCHEMA  # `schema` by its own name
     assert env.unset == ["top_p"]
     plain = envelope(shape_request(settings, validate_body(ChatRequest, CHAT), "chat"))
     assert plain.unset == ["temperature", "top_p"]
     assert plain.response_format is None
+    # A response format constrains the decoding, not the prompt: not in the estimate.
+    formatted = {**CHAT, "response_format": SCHEMA}
+    shaped = shape_request(settings, validate_body(ChatRequest, formatted), "chat")
+    assert (
+        shaped.prompt_tokens
+        == shape_request(settings, validate_body(ChatRequest, CHAT), "chat").prompt_tokens
+    )
     text = {**CHAT, "response_format": {"type": "text"}}  # as if absent
     assert (
         envelope(shape_request(settings, validate_body(ChatRequest, text), "chat")).response_format

@@ -415,7 +415,8 @@ async def test_every_error_body_conforms(stack: LiveStack) -> None:
     # Responses API): told what it serves, not a bare "Not Found".
     responses = await http.post("/v1/responses", json={"model": "laneway-chat", "input": "hi"})
     said = wire.check_error("the Responses API", responses, 404)["message"]
-    assert "/v1/responses is not served" in said, said
+    assert "/v1/responses is not served here" in said, said
+    assert "provider.chat(model)" in said, said
     assert "/v1/chat/completions" in said, said
     wire.check_error("wrong method", await http.get("/v1/completions"), 405)
     # As OpenAI answers a prompt over the context: 400 context_length_exceeded, the limit named.

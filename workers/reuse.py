@@ -29,8 +29,8 @@ from laneway.tokens import estimate_tokens
 
 __all__ = ["Follower", "Generation", "ReuseRegistry"]
 
-# route, suffix hash, temperature, top_p, penalties, stop, the client's seed
-Settings = tuple[str, str, float, float, float, float, tuple[str, ...], int | None]
+# route, suffix hash, temperature, top_p, penalties, stop, the client's seed, what it left unset
+Settings = tuple[str, str, float, float, float, float, tuple[str, ...], int | None, tuple[str, ...]]
 
 
 def _own_run_repeats(env: RequestEnvelope) -> bool:
@@ -60,6 +60,8 @@ def _settings(env: RequestEnvelope) -> Settings:
         env.frequency_penalty,
         tuple(env.stop),
         env.seed,
+        # Unset, a server samples at its own default: not the same as laneway's value set.
+        tuple(sorted(env.unset)),
     )
 
 
