@@ -115,12 +115,14 @@ class WorkerSettings(CommonSettings):
     )
     session_timeout_ms: int = Field(10_000, ge=6000, description="Kafka consumer session")
     ingress_gone_s: float = Field(
-        30.0,
+        60.0,
         ge=0,
-        description="an ingress replica not heard of this long (its roll call in Redis, every "
+        description="an ingress process not heard of this long (its roll call in Redis, every "
         f"{INGRESS_ROLL_CALL_S:g} s) is taken for gone: its requests are stopped as if their "
-        "clients left, not run on to their end for no one and billed (0: never; else at "
-        f"least {5 * INGRESS_ROLL_CALL_S:g} s)",
+        "clients left, not run on to their end for no one and billed. One cut off from Redis "
+        "(the workers not) this long is taken for gone too: keep it above "
+        "LANEWAY_HANG_TIMEOUT_S and what such an outage may last (0: never; else at least "
+        f"{10 * INGRESS_ROLL_CALL_S:g} s)",
     )
 
     upstream_url: str = Field(
@@ -277,9 +279,9 @@ class WorkerSettings(CommonSettings):
     @field_validator("ingress_gone_s")
     @classmethod
     def _gone_after_roll_calls(cls, value: float) -> float:
-        if 0 < value < 5 * INGRESS_ROLL_CALL_S:
+        if 0 < value < 10 * INGRESS_ROLL_CALL_S:
             raise ValueError(
-                f"must be 0 (never) or at least {5 * INGRESS_ROLL_CALL_S:g} s: a live replica "
+                f"must be 0 (never) or at least {10 * INGRESS_ROLL_CALL_S:g} s: a live replica "
                 f"says it runs every {INGRESS_ROLL_CALL_S:g} s, and late roll calls (a busy "
                 "replica, a slow Redis) must not stop its clients' requests"
             )
