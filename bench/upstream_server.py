@@ -257,7 +257,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         async with upstream.slot(entry):
             if called:
-                return await _call_tools(request, upstream, rid, called, count, entry, stream)
+                named = isinstance(body.get("tool_choice"), dict)
+                return await _call_tools(
+                    request, upstream, rid, called, count, entry, stream, named
+                )
             if stream:
                 return await _stream(request, upstream, rid, chat, count, entry, response, pings)
             text = "".join([word async for word in upstream.tokens(count, entry)])
@@ -353,11 +356,11 @@ async def _call_tools(
     count: int,
     entry: dict[str, Any],
     stream: bool,
+    named: bool,
 ) -> web.StreamResponse:
     """Call ``called`` one after the other, the words split between their arguments. As
     vLLM and OpenAI answer: ``finish_reason`` ``tool_calls``, but ``stop`` for a call that
-    ``tool_choice`` named."""
-    named = isinstance(orjson.loads(await request.read()).get("tool_choice"), dict)
+    ``tool_choice`` ``named``."""
     entry["finish"] = "stop" if named else "tool_calls"
     share = max(1, count // len(called))
     words = upstream.tokens(count, entry)

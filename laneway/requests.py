@@ -7,7 +7,7 @@ job fails exactly where the same body would fail over HTTP.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -40,6 +40,8 @@ class RequestShape:
     prompt_tokens: int
     body: CompletionRequest | ChatRequest
     max_tokens_default: bool = False  # the client set none, or the cap or more: it is the cap
+    # A chat's tools, tool choice and response format, as the envelope carries them.
+    tool_fields: dict[str, Any] = field(default_factory=dict)
 
     def envelope(self, **fields: Any) -> RequestEnvelope:
         """The envelope of this request; ``fields`` add who, where and when."""
@@ -61,7 +63,7 @@ class RequestShape:
             seed=body.seed,
             prompt_tokens=self.prompt_tokens,
             unset=[name for name in _SAMPLING_DEFAULTS if name not in body.model_fields_set],
-            **(body.tool_fields() if isinstance(body, ChatRequest) else {}),
+            **self.tool_fields,
             **fields,
         )
 
@@ -89,11 +91,13 @@ def shape_request(
     if isinstance(body, CompletionRequest):
         kind: ApiKind = "completion"
         prompt, messages, suffix = body.prompt, None, body.suffix
+        tool_fields = {}
         max_tokens = body.max_tokens
         cap = settings.completion_max_tokens
     else:
         kind = "chat"
         messages, suffix = body.flat_messages(), None
+        tool_fields = body.tool_fields()
         prompt = "".join(m.content for m in messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         cap = settings.chat_max_tokens
@@ -115,7 +119,7 @@ def shape_request(
         prompt_tokens += _MESSAGE_TOKENS * len(messages) + _REPLY_TOKENS
         # The tools' descriptions and the calls in the history reach the model as text too
         # (an agent's tools are often thousands of tokens).
-        prompt_tokens += _tool_tokens(body, messages)
+        prompt_tokens += _tool_tokens(tool_fields, messages)
     if prompt_tokens > settings.max_prompt_tokens:
         what = "messages" if messages is not None else "prompt"
         raise PromptTooLarge(
@@ -127,11 +131,19 @@ def shape_request(
             setting="LANEWAY_MAX_PROMPT_TOKENS",
         )
     return RequestShape(
-        kind, prompt, messages, suffix, max_tokens, prompt_tokens, body, max_tokens_default
+        kind,
+        prompt,
+        messages,
+        suffix,
+        max_tokens,
+        prompt_tokens,
+        body,
+        max_tokens_default,
+        tool_fields,
     )
 
 
-def _tool_tokens(body: CompletionRequest | ChatRequest, messages: list[ChatMessage]) -> int:
+def _tool_tokens(tool_fields: dict[str, Any], messages: list[ChatMessage]) -> int:
     """Estimated tokens of a chat's tools and of the tool calls in its history."""
     # A call's arguments are JSON text already: counted as they are, not escaped again.
     calls = "".join(
@@ -139,7 +151,6 @@ def _tool_tokens(body: CompletionRequest | ChatRequest, messages: list[ChatMessa
         for message in messages
         for call in message.tool_calls or ()
     )
-    tools = body.tool_fields() if isinstance(body, ChatRequest) else {}
     # A response format constrains the decoding, not the prompt (vLLM's, SGLang's).
-    tools.pop("response_format", None)
+    tools = {k: v for k, v in tool_fields.items() if k != "response_format"}
     return estimate_tokens(calls) + (estimate_tokens(orjson.dumps(tools).decode()) if tools else 0)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import redis.asyncio as aioredis
 import uvicorn
@@ -363,6 +364,13 @@ class LiveStack:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         kwargs.setdefault("timeout", 30)
         client = httpx.AsyncClient(base_url=ingress.base_url, headers=headers, **kwargs)
+        self._clients.append(client)
+        return client
+
+    def sdk(self, ingress: Ingress, key: str) -> openai.AsyncOpenAI:
+        """The official SDK on ``ingress`` with ``key`` (no retries: a test sees each
+        answer), closed when the stack stops."""
+        client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
         self._clients.append(client)
         return client
 

@@ -47,9 +47,7 @@ def _line(i: int, **body: Any) -> bytes:
 
 
 def _client(stack: LiveStack, ingress: Ingress, key: str) -> AsyncOpenAI:
-    client = AsyncOpenAI(base_url=f"{ingress.base_url}/v1", api_key=key, max_retries=0)
-    stack.track(client)
-    return client
+    return stack.sdk(ingress, key)
 
 
 async def _until_done(client: AsyncOpenAI, batch_id: str, within_s: float = 120) -> Batch:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -648,6 +648,21 @@ async def test_a_request_whose_store_timed_out_is_tombstoned_and_never_runs(
     assert (await stack.usage_of(rid))[rid]["status"] == "cancelled"
 
 
+async def _typist(stack: LiveStack, prompt: str) -> Callable[[int], Awaitable[int]]:
+    """A stack with a completion worker, and one keystroke of session app.py at a seq: its
+    answer's status."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker("completion")
+    http = stack.http(ingress, await stack.api_key("team-r", size=100))
+    body = {"model": "laneway-code", "prompt": prompt, "max_tokens": 4}
+
+    async def keystroke(seq: int) -> int:
+        answer = await http.post("/v1/completions", json=body, headers=_keystroke("app.py", seq))
+        return answer.status_code
+
+    return keystroke
+
+
 async def test_a_session_whose_count_starts_again_is_served_after_a_pause(
     stack: LiveStack,
 ) -> None:
@@ -655,14 +670,7 @@ async def test_a_session_whose_count_starts_again_is_served_after_a_pause(
     lower seq right behind a newer one is an old keystroke racing it, and is dropped; one
     that comes SESSION_RESTART_S after the session's newest starts the count again, instead
     of being superseded until the count passes the old one."""
-    ingress = await stack.start_ingress()
-    await stack.start_worker("completion")
-    http = stack.http(ingress, await stack.api_key("team-r", size=100))
-    body = {"model": "laneway-code", "prompt": "def restart(", "max_tokens": 4}
-
-    async def keystroke(seq: int) -> int:
-        answer = await http.post("/v1/completions", json=body, headers=_keystroke("app.py", seq))
-        return answer.status_code
+    keystroke = await _typist(stack, "def restart(")
 
     assert await keystroke(500) == 200
     assert await keystroke(3) == 409  # within a moment of seq 500: the older keystroke
@@ -678,14 +686,7 @@ async def test_a_superseded_keystroke_sent_again_after_a_pause_is_superseded_aga
     superseded keystroke came back as if the count had started again, and ran to its end
     for an answer no one shows, billed. One of the session's last keystrokes sent again is
     a resend: superseded again. A count that starts again from far below still starts."""
-    ingress = await stack.start_ingress()
-    await stack.start_worker("completion")
-    http = stack.http(ingress, await stack.api_key("team-r", size=100))
-    body = {"model": "laneway-code", "prompt": "def retry(", "max_tokens": 4}
-
-    async def keystroke(seq: int) -> int:
-        answer = await http.post("/v1/completions", json=body, headers=_keystroke("app.py", seq))
-        return answer.status_code
+    keystroke = await _typist(stack, "def retry(")
 
     assert [await keystroke(seq) for seq in (40, 41, 42)] == [200, 200, 200]
     await asyncio.sleep(SESSION_RESTART_S + 0.2)

@@ -27,10 +27,7 @@ USAGE_FIELDS = {
 
 async def _openai_client(stack: LiveStack, ingress: Ingress) -> openai.AsyncOpenAI:
     """An unmodified OpenAI client on ``ingress`` with a key of team-a, closed with the stack."""
-    key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
-    return client
+    return stack.sdk(ingress, await stack.api_key("team-a"))
 
 
 @pytest.fixture

@@ -184,8 +184,7 @@ async def test_over_http_continues_autocomplete_request_is_answered(stack: LiveS
     ingress = await stack.start_ingress()
     await stack.start_worker("completion")
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     stops = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"]
     stops += ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
     stream = await client.completions.create(
@@ -245,8 +244,7 @@ async def test_over_http_refusals_name_the_field_and_an_answer_can_be_sent_back(
     ingress = await stack.start_ingress()
     await stack.start_worker("chat")
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     messages: list[Any] = [{"role": "user", "content": "explain this diff"}]
     for option, value in (("n", 2), ("tools", [TOOL]), ("top_logprobs", 1)):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -271,8 +269,7 @@ async def test_over_http_a_stop_sequence_ends_the_text(stack: LiveStack) -> None
     ingress = await stack.start_ingress()
     await stack.start_worker("completion")
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     prompt = "def parse(self, data):\n    "
     whole = await client.completions.create(model="laneway-code", prompt=prompt, max_tokens=64)
     text = whole.choices[0].text
@@ -303,8 +300,7 @@ async def test_over_http_the_fields_that_steer_the_text_reach_a_separate_upstrea
             pool, engine="openai", upstream_url=upstream.url, upstream_model="up"
         )
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     steer = {
         "temperature": 0.3,
         "top_p": 0.8,
@@ -352,8 +348,7 @@ async def test_a_chat_that_sets_no_length_gets_what_the_context_leaves_up_to_the
         "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
     )
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     # 200 characters, 50 tokens to this server: 50 of its 100 left, fewer than the cap (60).
     near = "near-" + "y" * 195
     answer = await client.chat.completions.create(

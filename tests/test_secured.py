@@ -249,8 +249,7 @@ async def test_service_principals_serve_the_whole_path(
     await stack.start_worker("completion", **principals.settings("completion", "worker"))
     await stack.start_worker("batch", **principals.settings("batch", "worker"))
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     result = await client.completions.create(
         model="laneway-code", prompt="def add(a, b):", max_tokens=8
     )

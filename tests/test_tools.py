@@ -13,7 +13,6 @@ from dataclasses import replace
 from typing import Any
 from unittest.mock import ANY
 
-import httpx
 import openai
 import orjson
 import pytest
@@ -27,7 +26,7 @@ from laneway.schema import Reply, RequestEnvelope
 from laneway.settings import CommonSettings
 from laneway.tokens import estimate_tokens
 from laneway.tool_frames import CallFrames, CallReader, calls_of
-from tests.stack import LiveStack
+from tests.stack import Ingress, LiveStack
 from tests.test_batch_api import _lines, _until_done
 from tests.test_wire_conformance import problems, sse_events
 from workers.types import EngineDelta
@@ -128,6 +127,16 @@ def test_a_chats_tools_and_history_of_calls_travel_in_its_envelope_and_estimate(
     )
     assert envelope(none).tools is None
     assert envelope(none).tool_choice is None
+
+
+async def _through(
+    stack: LiveStack, upstream: Any, pool: str = "chat", team: str = "team-a", **fields: Any
+) -> tuple[Ingress, str]:
+    """laneway in front of ``upstream`` (a pool's worker on the openai engine): its ingress
+    and a key of ``team``."""
+    ingress = await stack.start_ingress()
+    await stack.start_worker(pool, engine="openai", upstream_url=upstream.url, upstream_model="up")
+    return ingress, await stack.api_key(team, **fields)
 
 
 def envelope(shaped: RequestShape) -> RequestEnvelope:
@@ -301,13 +310,8 @@ async def test_an_agents_chat_calls_the_upstreams_tools_and_sends_their_answers_
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=2, token_ms=100)
-    ingress = await stack.start_ingress()
-    await stack.start_worker(
-        "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
-    )
-    key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    ingress, key = await _through(stack, upstream)
+    client = stack.sdk(ingress, key)
     asked = [{"role": "user", "content": "agent-json: fix the bug"}]
 
     answer = await client.chat.completions.create(
@@ -397,8 +401,7 @@ async def test_the_simulation_refuses_tools_it_cannot_call_and_is_not_charged(
     ingress = await stack.start_ingress()
     await stack.start_worker("chat")
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    client = stack.sdk(ingress, key)
     with pytest.raises(openai.BadRequestError) as refused:
         await client.chat.completions.create(
             model="laneway-chat",
@@ -432,18 +435,9 @@ async def test_a_streamed_answer_with_calls_conforms_on_the_wire(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=2, token_ms=1)
-    ingress = await stack.start_ingress()
-    await stack.start_worker(
-        "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
-    )
-    key = await stack.api_key("team-a")
+    ingress, key = await _through(stack, upstream)
     body = {**CHAT, "tools": [READ], "max_tokens": 3, "stream": True}
-    async with httpx.AsyncClient() as http:
-        response = await http.post(
-            ingress.base_url + "/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-        )
+    response = await stack.http(ingress, key).post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     chunks = sse_events(response.text)
     for chunk in chunks:
@@ -457,13 +451,8 @@ async def test_a_batch_lines_calls_come_back_in_its_result(
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=2, token_ms=1)
-    ingress = await stack.start_ingress()
-    await stack.start_worker(
-        "batch", engine="openai", upstream_url=upstream.url, upstream_model="up"
-    )
-    key = await stack.api_key("docs", size=100)
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    ingress, key = await _through(stack, upstream, pool="batch", team="docs", size=100)
+    client = stack.sdk(ingress, key)
     lines = [
         {
             "custom_id": f"doc-{i}",
@@ -667,13 +656,8 @@ async def test_an_autogen_style_chat_with_structured_output_reaches_the_upstream
     stack: LiveStack, upstreams: Callable[..., Any]
 ) -> None:
     upstream = await upstreams(slots=2, token_ms=1)
-    ingress = await stack.start_ingress()
-    await stack.start_worker(
-        "chat", engine="openai", upstream_url=upstream.url, upstream_model="up"
-    )
-    key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)
+    ingress, key = await _through(stack, upstream)
+    client = stack.sdk(ingress, key)
     answer = await client.chat.completions.create(
         model="laneway-chat",
         messages=[

@@ -461,8 +461,7 @@ async def _serve(
     ingress = await stack.start_ingress()
     worker = await stack.start_worker(pool, engine=engine, **overrides)
     key = await stack.api_key("team-a")
-    client = openai.AsyncOpenAI(base_url=ingress.base_url + "/v1", api_key=key, max_retries=0)
-    stack._clients.append(client)  # closed with the stack
+    client = stack.sdk(ingress, key)
     info_key = worker.keys.worker_info(worker.settings.worker_id)
     return _Served(engine, client, stack.http(ingress, key), info_key)
 

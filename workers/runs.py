@@ -134,8 +134,7 @@ class Runs:
         waiting = self.queue.get(cancel.id) if self.shield.enabled else None
         if waiting is not None and waiting.env.team == cancel.team:
             self.queue.remove(cancel.id)
-            why = " (ingress_gone)" if cancel.reason == "ingress_gone" else ""
-            self.drop(waiting, Cancelled(f"cancelled{why} before it started"))
+            self.drop(waiting, Cancelled(f"cancelled ({cancel.reason}) before it started"))
             return
         rid = self.shield.cancel(cancel)
         if rid is not None:
